@@ -1,0 +1,326 @@
+"""Engine: the rollout engine a trainer embeds.
+
+`add_request` / `step` / `abort` are the streaming API; `generate` is built on them. Requests
+are validated completely before anything is queued, so a bad one raises ValueError and leaves
+the engine serving the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+import time
+from collections import Counter
+from collections.abc import Sequence as Seq
+
+import torch
+
+from .attention import make_backend
+from .config import EngineConfig
+from .kv_pool import KVPool, kv_bytes_per_token, size_pool
+from .model_runner import ModelRunner
+from .models.loader import build_model, checkpoint_tensors, load_into
+from .outputs import RolloutOutput, Sample
+from .radix_cache import RadixCache
+from .request import Sequence, SeqStatus
+from .sampler import SamplingBatch, sample, sample_seed
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .slot_table import SlotTable
+from .stats import EngineStats
+from .stop import StopChecker
+
+Prompt = str | Seq[int]
+
+
+@dataclasses.dataclass
+class _Group:
+    """One prompt's request: its n sequences and what the output needs."""
+
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+
+    @property
+    def done(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class Engine:
+    def __init__(self, model, config: EngineConfig | None = None, tokenizer=None,
+                 **overrides) -> None:
+        config = config or EngineConfig()
+        if overrides:
+            config = dataclasses.replace(config, **overrides)
+        self.config = config
+        hf_config, weights, device, dtype, tokenizer = _resolve_model(model, config, tokenizer)
+        self.hf_config, self.tokenizer, self.device = hf_config, tokenizer, device
+        self.model = build_model(hf_config, config.max_model_len, dtype, device)
+        load_into(self.model, weights)
+        self.vocab_size = hf_config.vocab_size
+        layers = hf_config.num_hidden_layers
+        per_token = kv_bytes_per_token(layers, self.model.num_kv_heads, self.model.head_dim, dtype)
+        num_slots = size_pool(config.kv_cache_tokens, config.kv_memory_fraction,
+                              config.max_model_len, config.max_num_seqs, per_token, device)
+        self.pool = KVPool(layers, num_slots, self.model.num_kv_heads, self.model.head_dim,
+                           dtype, device)
+        self.cache = RadixCache(self.pool.free, device, enabled=config.enable_prefix_caching)
+        self.table = SlotTable(config.max_num_seqs, config.max_model_len, device)
+        self.scheduler = Scheduler(config, self.pool, self.cache, self.table)
+        self.backend = make_backend(config.attention_backend, self.pool)
+        self.runner = ModelRunner(self.model, self.backend, self.table, device)
+        self.stop = StopChecker(config.max_model_len, tokenizer)
+        self.eos_ids = _eos_ids(model, hf_config, tokenizer)
+        self._groups: dict[str, _Group] = {}
+        self._ids = itertools.count()
+        self._seed_rng = random.Random(config.seed)
+        self._stats = EngineStats()
+
+    # --- requests ---------------------------------------------------------------------------
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        group = self._make_group(prompt, params or SamplingParams(), request_id)
+        self._enqueue(group)
+        return group.request_id
+
+    def _make_group(self, prompt: Prompt, params: SamplingParams,
+                    request_id: str | None) -> _Group:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.check_vocab(self.vocab_size)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer; pass tokenizer= to Engine")
+        text, ids = self._prompt_ids(prompt)
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self._groups:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        base = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else self.eos_ids)
+        seqs = [Sequence(seq_id=next(self._ids), group=request_id, sample_index=j,
+                         prompt_ids=ids, params=params, seed=sample_seed(base, j),
+                         stop_ids=stop_ids) for j in range(params.n)]
+        return _Group(request_id, text, ids, params, seqs)
+
+    def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        text = None
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: a string prompt needs a tokenizer; pass tokenizer= "
+                                 "to Engine or give token ids")
+            text, prompt = prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"prompt must be a string or a list of token ids, "
+                             f"got {type(prompt).__name__}")
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt: empty prompt; it needs at least 1 token")
+        limit = self.config.max_model_len - 1
+        if len(ids) > limit:
+            raise ValueError(f"prompt: {len(ids)} tokens, but max_model_len="
+                             f"{self.config.max_model_len} allows at most {limit} so that one "
+                             f"token can be generated")
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt: token id {t!r} is outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+        return text, ids
+
+    def _enqueue(self, group: _Group) -> None:
+        self._groups[group.request_id] = group
+        for seq in group.seqs:
+            self.scheduler.add(seq)
+        self._stats.prompt_tokens += len(group.prompt_ids) * len(group.seqs)
+
+    def abort(self, request_id: str) -> None:
+        group = self._groups.pop(str(request_id), None)
+        if group is None:
+            raise ValueError(f"request_id: {request_id!r} is not running")
+        for seq in group.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._groups)
+
+    # --- stepping ---------------------------------------------------------------------------
+    def step(self) -> list[RolloutOutput]:
+        """Run one scheduler step; returns the requests that finished in it."""
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        inputs = self.runner.prepare(batch)
+        logits = self.runner.run(inputs)
+        items = [it for it in batch.items if it.sample]
+        tokens, logprobs = sample(logits, self._sampling_batch(items))
+        bad = ~torch.isfinite(logprobs)
+        if bool(bad.any()):
+            self.scheduler.undo(batch)
+            self._abort_bad([items[i].seq for i in bad.nonzero().flatten().tolist()])
+        self.scheduler.commit(batch, tokens.tolist(), logprobs.tolist(), self.stop)
+        self._stats.record_step(batch, len(items), time.perf_counter() - t0)
+        return self._collect_finished()
+
+    def _sampling_batch(self, items) -> SamplingBatch:
+        seqs = [it.seq for it in items]
+        return SamplingBatch.build(
+            temperature=[s.params.temperature for s in seqs],
+            top_k=[s.params.top_k for s in seqs], top_p=[s.params.top_p for s in seqs],
+            min_p=[s.params.min_p for s in seqs], seed=[s.seed for s in seqs],
+            position=[s.num_tokens for s in seqs], device=self.device)
+
+    def _abort_bad(self, seqs: list[Sequence]) -> None:
+        groups = sorted({s.group for s in seqs})
+        for request_id in groups:
+            self.abort(request_id)
+        raise ValueError(f"logits: the model produced non-finite values (nan/inf) for "
+                         f"request(s) {groups}; they were aborted, the others go on")
+
+    def _collect_finished(self) -> list[RolloutOutput]:
+        done = [g for g in self._groups.values() if g.done]
+        for g in done:
+            del self._groups[g.request_id]
+        return [self._output(g) for g in done]
+
+    def _output(self, group: _Group) -> RolloutOutput:
+        samples = []
+        for seq in group.seqs:
+            ids = seq.output_ids
+            samples.append(Sample(
+                index=seq.sample_index, token_ids=ids,
+                logprobs=list(seq.logprobs) if group.params.logprobs else None,
+                finish_reason=seq.finish_reason, text=self._text(seq)))
+        return RolloutOutput(group.request_id, group.prompt_ids, samples, group.prompt)
+
+    def _text(self, seq: Sequence) -> str | None:
+        if self.tokenizer is None:
+            return None
+        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        if seq.stop_text_at is not None:
+            full = self.tokenizer.decode(seq.output_ids, skip_special_tokens=False)
+            text = full[:seq.stop_text_at]
+        return text
+
+    # --- generate ---------------------------------------------------------------------------
+    def generate(self, prompts: Seq[Prompt], params: SamplingParams | Seq[SamplingParams] = None,
+                 use_tqdm: bool = False) -> list[RolloutOutput]:
+        """n samples per prompt; one RolloutOutput per prompt, in order."""
+        if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
+            raise ValueError("prompts must be a list of strings or of token-id lists")
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"params: {len(params)} SamplingParams for {len(prompts)} prompts")
+        groups = [self._make_group(p, sp, None) for p, sp in zip(prompts, params)]
+        for g in groups:
+            self._enqueue(g)
+        wanted = {g.request_id: i for i, g in enumerate(groups)}
+        results: list[RolloutOutput | None] = [None] * len(groups)
+        bar = _progress(len(groups), use_tqdm)
+        pending = len(groups)
+        try:
+            while pending:
+                for out in self.step():
+                    if out.request_id in wanted:
+                        results[wanted[out.request_id]] = out
+                        pending -= 1
+                        bar.update(1)
+        except BaseException:
+            # Nobody will collect this call's outputs: stop spending compute on them.
+            for g in groups:
+                if g.request_id in self._groups:
+                    self.abort(g.request_id)
+            raise
+        finally:
+            bar.close()
+        return results
+
+    # --- inspection -------------------------------------------------------------------------
+    @property
+    def stats(self) -> EngineStats:
+        s = self._stats
+        s.prompt_tokens_computed = self.scheduler.prompt_tokens_computed
+        s.cache_hit_tokens = self.scheduler.cache_hit_tokens
+        s.preemptions = self.scheduler.num_preemptions
+        s.forward_seconds = self.runner.forward_seconds
+        return s
+
+    def check_invariants(self) -> None:
+        """Every slot is in exactly one place (free list, tree, one sequence's private tail);
+        lock counts equal the running sequences that pin each node."""
+        running = self.scheduler.running
+        parts = [self.pool.free_slots(), self.cache.all_slots()]
+        parts += [self.scheduler.private_slots(s) for s in running]
+        every = torch.cat(parts).cpu().sort().values
+        assert torch.equal(every, torch.arange(self.pool.num_slots)), \
+            f"slot accounting broken: {every.numel()} slots accounted of {self.pool.num_slots}"
+        self.cache.check()
+        pins: Counter = Counter()
+        for seq in running:
+            assert seq.status is SeqStatus.RUNNING and 0 < seq.num_computed < seq.num_tokens
+            assert seq.cached_len <= seq.num_computed
+            assert torch.equal(self.table.read(seq.row, 0, seq.cached_len),
+                               self.cache.peek(seq.token_ids[:seq.cached_len]))
+            node = seq.node
+            while node is not self.cache.root:
+                pins[id(node)] += 1
+                node = node.parent
+        for node in self.cache._nodes():
+            assert node.lock_ref == pins[id(node)], "radix lock count differs from its pins"
+        rows = [s.row for s in running]
+        assert len(set(rows)) == len(rows), "two sequences share a slot-table row"
+
+
+def _resolve_model(model, config: EngineConfig, tokenizer):
+    """(hf_config, named weights, device, dtype, tokenizer) for an in-memory model or a path."""
+    if isinstance(model, str):
+        from transformers import AutoConfig, AutoTokenizer
+
+        hf_config = AutoConfig.from_pretrained(model)
+        device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        default = getattr(hf_config, "dtype", None) if device.type == "cuda" else None
+        dtype = config.dtype or (default if isinstance(default, torch.dtype) else torch.float32)
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(model)
+        return hf_config, checkpoint_tensors(model), device, dtype, tokenizer
+    if not hasattr(model, "config") or not hasattr(model, "named_parameters"):
+        raise ValueError("model must be a transformers PreTrainedModel or a local path")
+    param = next(model.parameters())
+    device = torch.device(config.device) if config.device else param.device
+    return model.config, model.named_parameters(), device, config.dtype or param.dtype, tokenizer
+
+
+def _eos_ids(model, hf_config, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    sources = [getattr(hf_config, "eos_token_id", None),
+               getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+               getattr(tokenizer, "eos_token_id", None)]
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return frozenset(ids)
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, use_tqdm: bool):
+    if not use_tqdm:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="rollout", unit="prompt")

@@ -1,0 +1,209 @@
+"""Token-level radix tree over KV pool slots.
+
+A node holds its edge's tokens (`key`) and the slots of their K/V (`value`), children keyed by
+first token, a lock count and a last-access tick. `lock(node)` pins a node and all its
+ancestors: a locked node is never evicted. Eviction frees unlocked leaves, least recently used
+first, back to the pool.
+
+Invariant: `evictable_size` + `protected_size` equals the number of slots in the tree;
+`evictable_size` counts the slots of nodes whose lock count is 0.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+class RadixNode:
+    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access")
+
+    def __init__(self, key: list[int], value: torch.Tensor, parent: RadixNode | None) -> None:
+        self.key = key
+        self.value = value
+        self.children: dict[int, RadixNode] = {}
+        self.parent = parent
+        self.lock_ref = 0
+        self.last_access = 0
+
+    def __lt__(self, other: RadixNode) -> bool:  # heap order for eviction
+        return self.last_access < other.last_access
+
+
+def common_prefix_len(key: Sequence[int], tokens: Sequence[int], start: int) -> int:
+    n = min(len(key), len(tokens) - start)
+    if list(key[:n]) == list(tokens[start:start + n]):
+        return n
+    i = 0
+    while key[i] == tokens[start + i]:
+        i += 1
+    return i
+
+
+class RadixCache:
+    def __init__(self, free_slots: Callable[[torch.Tensor], None], device: torch.device,
+                 enabled: bool = True) -> None:
+        self._free_slots = free_slots
+        self.device = device
+        self.enabled = enabled
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every node without freeing slots (the pool itself is being dropped)."""
+        self.root = RadixNode([], self._empty(), None)
+        self.root.lock_ref = 1  # the root is never evicted
+        self.evictable_size = 0
+        self.protected_size = 0
+        self._tick = 0
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.int64, device=self.device)
+
+    def _touch(self) -> int:
+        self._tick += 1
+        return self._tick
+
+    @property
+    def total_size(self) -> int:
+        return self.evictable_size + self.protected_size
+
+    # --- lookup -----------------------------------------------------------------------------
+    def match_prefix(self, tokens: Sequence[int]) -> tuple[torch.Tensor, RadixNode]:
+        """Slots of the longest cached prefix of `tokens` and the node that ends it.
+
+        A match that ends inside an edge splits the edge, so the returned node covers exactly
+        the matched prefix and can be locked on its own.
+        """
+        node, pos, pieces = self.root, 0, []
+        if not self.enabled:
+            return self._empty(), node
+        now = self._touch()
+        node.last_access = now
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            n = common_prefix_len(child.key, tokens, pos)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = now
+            pieces.append(child.value)
+            node, pos = child, pos + n
+        slots = torch.cat(pieces) if pieces else self._empty()
+        return slots, node
+
+    def peek(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Slots of the longest cached prefix, without splitting edges or touching LRU."""
+        node, pos, pieces = self.root, 0, []
+        while self.enabled and pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            n = common_prefix_len(child.key, tokens, pos)
+            pieces.append(child.value[:n])
+            pos += n
+            if n < len(child.key):
+                break
+            node = child
+        return torch.cat(pieces) if pieces else self._empty()
+
+    def prefix_len(self, tokens: Sequence[int]) -> int:
+        return self.peek(tokens).numel()
+
+    def _split(self, node: RadixNode, n: int) -> RadixNode:
+        """Cut `node`'s edge after n tokens; returns the new upper half."""
+        upper = RadixNode(node.key[:n], node.value[:n], node.parent)
+        upper.lock_ref, upper.last_access = node.lock_ref, node.last_access
+        upper.children = {node.key[n]: node}
+        node.parent.children[node.key[0]] = upper
+        node.key, node.value, node.parent = node.key[n:], node.value[n:], upper
+        return upper
+
+    # --- insertion --------------------------------------------------------------------------
+    def insert(self, tokens: Sequence[int], slots: torch.Tensor) -> int:
+        """Cache `tokens` with their `slots`; returns how many leading tokens were already
+        cached. The caller still owns `slots[:returned]` and must free those it allocated."""
+        if not self.enabled:
+            return 0
+        assert len(tokens) == slots.numel()
+        node, pos, now = self.root, 0, self._touch()
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                leaf = RadixNode(list(tokens[pos:]), slots[pos:].clone(), node)
+                leaf.last_access = now
+                node.children[tokens[pos]] = leaf
+                self.evictable_size += len(leaf.key)
+                return pos
+            n = common_prefix_len(child.key, tokens, pos)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = now
+            node, pos = child, pos + n
+        return pos
+
+    # --- locks ------------------------------------------------------------------------------
+    def lock(self, node: RadixNode) -> None:
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.evictable_size -= len(node.key)
+                self.protected_size += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: RadixNode) -> None:
+        while node is not self.root:
+            assert node.lock_ref > 0, "unlock of an unlocked radix node"
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.evictable_size += len(node.key)
+                self.protected_size -= len(node.key)
+            node = node.parent
+
+    # --- eviction ---------------------------------------------------------------------------
+    def evict(self, num_slots: int) -> int:
+        """Free at least `num_slots` slots from unlocked leaves, LRU first (fewer if the
+        unlocked part of the tree is smaller). Returns the number freed."""
+        leaves = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
+        heapq.heapify(leaves)
+        freed = 0
+        while freed < num_slots and leaves:
+            leaf = heapq.heappop(leaves)
+            self._free_slots(leaf.value)
+            freed += len(leaf.key)
+            self.evictable_size -= len(leaf.key)
+            parent = leaf.parent
+            del parent.children[leaf.key[0]]
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(leaves, parent)
+        return freed
+
+    # --- inspection -------------------------------------------------------------------------
+    def _nodes(self):
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def all_slots(self) -> torch.Tensor:
+        pieces = [n.value for n in self._nodes()]
+        return torch.cat(pieces) if pieces else self._empty()
+
+    def check(self) -> None:
+        """Assert the size bookkeeping and that lock counts never exceed the parent's."""
+        evictable = protected = 0
+        for node in self._nodes():
+            assert len(node.key) == node.value.numel() > 0
+            assert node.parent.children[node.key[0]] is node
+            assert node.lock_ref >= 0
+            if node.parent is not self.root:
+                assert node.parent.lock_ref >= node.lock_ref
+            if node.lock_ref == 0:
+                evictable += len(node.key)
+            else:
+                protected += len(node.key)
+        assert (evictable, protected) == (self.evictable_size, self.protected_size), \
+            ((evictable, protected), (self.evictable_size, self.protected_size))

@@ -1,0 +1,256 @@
+"""Every step: admit waiting sequences, chunk prefills, grow decodes, preempt, retire.
+
+Decodes go first, then prefill chunks of running sequences, then admissions, all within
+`max_num_batched_tokens`. Admission matches a sequence's tokens (all but the last, whose logits
+give the next sample) in the radix tree, locks the matched node and allocates slots for the
+unmatched part only. A sequence whose prompt shares most of its unmatched part with a prompt
+another running sequence is still prefilling waits one round: that prefill is about to be
+cached, and re-admission then computes only what is new (n samples, repeated prompts, shared
+system prefixes all prefill their common tokens once).
+
+When growth finds no slot even after evicting unlocked leaves, the newest running sequence is
+preempted: its computed tokens go into the tree, it unlocks, and it rejoins the front of the
+queue, where re-admission hits the cache.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .config import EngineConfig
+from .kv_pool import KVPool
+from .radix_cache import RadixCache, common_prefix_len
+from .request import Sequence, SeqStatus
+from .slot_table import SlotTable
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # position of the first token computed this step
+    num_new: int  # tokens computed this step
+    sample: bool  # the last new position's logits are sampled
+
+
+@dataclass
+class Batch:
+    items: list[ScheduledSeq]
+    out_slots: torch.Tensor  # slots of the new tokens, item after item
+
+    @property
+    def num_tokens(self) -> int:
+        return self.out_slots.numel()
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, pool: KVPool, cache: RadixCache,
+                 table: SlotTable) -> None:
+        self.config, self.pool, self.cache, self.table = config, pool, cache, table
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.cache_hit_tokens = 0  # tokens matched in the tree at admission
+        self.prompt_tokens_computed = 0  # prompt positions actually run through the model
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- scheduling -------------------------------------------------------------------------
+    def schedule(self) -> Batch | None:
+        budget = self.config.max_num_batched_tokens
+        items: list[ScheduledSeq] = []
+        pieces: list[torch.Tensor] = []
+        preempted = False
+        scheduled: set[int] = set()
+        order = [s for s in self.running if not s.is_prefilling]
+        order += [s for s in self.running if s.is_prefilling]
+        for seq in order:
+            if budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            slots = self._alloc(n)
+            while slots is None:
+                victim = self._newest_unscheduled(scheduled)
+                self.preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+                slots = self._alloc(n)
+            if slots is None:
+                continue
+            scheduled.add(seq.seq_id)
+            self._schedule(seq, slots, items, pieces)
+            budget -= n
+        if not preempted:
+            budget = self._admit(budget, items, pieces)
+        if not items:
+            return None
+        return Batch(items, torch.cat(pieces))
+
+    def _schedule(self, seq: Sequence, slots: torch.Tensor, items: list[ScheduledSeq],
+                  pieces: list[torch.Tensor]) -> None:
+        n = slots.numel()
+        self.table.write(seq.row, seq.num_computed, slots)
+        items.append(ScheduledSeq(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))
+        pieces.append(slots)
+
+    def _newest_unscheduled(self, scheduled: set[int]) -> Sequence:
+        for seq in reversed(self.running):
+            if seq.seq_id not in scheduled:
+                return seq
+        raise RuntimeError("KV pool exhausted by sequences already scheduled this step")
+
+    def _alloc(self, n: int) -> torch.Tensor | None:
+        short = n - self.pool.num_free
+        if short > 0:
+            self.cache.evict(short)
+        if n > self.pool.num_free:
+            return None
+        return self.pool.alloc(n)
+
+    # --- admission --------------------------------------------------------------------------
+    def _admission_order(self) -> list[Sequence]:
+        waiting = list(self.waiting)
+        if (self.config.schedule_policy == "lpm" and self.cache.enabled
+                and len(waiting) <= self.config.lpm_max_waiting):
+            waiting.sort(key=lambda s: -self.cache.prefix_len(s.token_ids[:-1]))
+        return waiting
+
+    def _admit(self, budget: int, items: list[ScheduledSeq], pieces: list[torch.Tensor]) -> int:
+        admitted: set[int] = set()
+        # Prompts being prefilled now, by group; their prefixes are cached once computed.
+        in_flight = {s.group: s for s in self.running if s.num_computed < s.num_prompt}
+        decode_reserve = len(self.running)
+        for seq in self._admission_order():
+            if (budget == 0 or len(self.running) >= self.config.max_num_seqs
+                    or self.table.num_free_rows == 0):
+                break
+            if self.cache.enabled and seq.group in in_flight:
+                continue
+            slots, node = self.cache.match_prefix(seq.token_ids[:-1])
+            matched = slots.numel()
+            if self.cache.enabled and self._waits_for(seq, matched, in_flight):
+                continue
+            n = min(seq.num_tokens - matched, budget)
+            self.cache.lock(node)
+            # Leave every running sequence room for its next decode token, or admission
+            # would only buy an immediate preemption.
+            if self.pool.num_free + self.cache.evictable_size < n + decode_reserve:
+                self.cache.unlock(node)
+                break
+            new = self._alloc(n)
+            seq.row = self.table.alloc_row()
+            self.table.write(seq.row, 0, slots)
+            seq.node, seq.cached_len, seq.num_computed = node, matched, matched
+            self.cache_hit_tokens += matched
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            admitted.add(seq.seq_id)
+            self._schedule(seq, new, items, pieces)
+            budget -= n
+            decode_reserve += 1
+            if seq.num_computed < seq.num_prompt:
+                in_flight.setdefault(seq.group, seq)
+        if admitted:
+            self.waiting = deque(s for s in self.waiting if s.seq_id not in admitted)
+        return budget
+
+    @staticmethod
+    def _waits_for(seq: Sequence, matched: int, in_flight: dict[str, Sequence]) -> bool:
+        """True when a prompt being prefilled covers at least half of what `seq` would compute."""
+        todo = seq.num_tokens - 1 - matched
+        if todo <= 0:
+            return False
+        tokens = seq.token_ids
+        for other in in_flight.values():
+            if other.prompt_ids[0] != tokens[0]:
+                continue
+            shared = common_prefix_len(other.prompt_ids, tokens[:-1], 0)
+            if 2 * (shared - matched) >= todo:
+                return True
+        return False
+
+    # --- after the forward ---------------------------------------------------------------------
+    def commit(self, batch: Batch, tokens: list[int], logprobs: list[float],
+               stop: Callable[[Sequence], str | None]) -> list[Sequence]:
+        """Advance every scheduled sequence, append its sampled token, retire the finished."""
+        finished = []
+        sampled = iter(zip(tokens, logprobs))
+        for it in batch.items:
+            seq = it.seq
+            seq.num_computed += it.num_new
+            self.prompt_tokens_computed += max(0, min(it.start + it.num_new, seq.num_prompt)
+                                               - it.start)
+            if not it.sample:
+                continue
+            token, logprob = next(sampled)
+            seq.token_ids.append(token)
+            if seq.params.logprobs:
+                seq.logprobs.append(logprob)
+            if it.start < seq.num_prompt and self.cache.enabled:
+                self.cache_computed(seq)  # the prompt is complete: siblings can share it now
+            reason = stop(seq)
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def undo(self, batch: Batch) -> None:
+        """Return a step's new slots: nothing was committed, so the next step redoes it."""
+        self.pool.free(batch.out_slots)
+
+    # --- retiring ---------------------------------------------------------------------------
+    def cache_computed(self, seq: Sequence) -> None:
+        """Hand the sequence's computed tokens to the tree and lock the node that ends them;
+        private slots that duplicate tokens already cached are freed and replaced."""
+        end = seq.num_computed
+        if end == seq.cached_len:
+            return
+        tokens = seq.token_ids[:end]
+        slots = self.table.read(seq.row, 0, end)
+        already = self.cache.insert(tokens, slots)
+        self.pool.free(slots[seq.cached_len:already].clone())
+        cached, node = self.cache.match_prefix(tokens)
+        self.table.write(seq.row, 0, cached)
+        self.cache.lock(node)
+        self.cache.unlock(seq.node)
+        seq.node, seq.cached_len = node, end
+
+    def _release(self, seq: Sequence) -> None:
+        """Give up everything the running sequence holds: its KV to the tree (or the pool when
+        caching is off), its lock, its table row."""
+        if self.cache.enabled:
+            self.cache_computed(seq)
+            self.cache.unlock(seq.node)
+        else:
+            self.pool.free(self.table.read(seq.row, 0, seq.num_computed).clone())
+        self.table.free_row(seq.row)
+        self.running.remove(seq)
+        seq.node, seq.row, seq.cached_len, seq.num_computed = None, -1, 0, 0
+
+    def preempt(self, seq: Sequence) -> None:
+        self._release(seq)
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is SeqStatus.RUNNING:
+            self._release(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+
+    # --- inspection -------------------------------------------------------------------------
+    def private_slots(self, seq: Sequence) -> torch.Tensor:
+        return self.table.read(seq.row, seq.cached_len, seq.num_computed)

@@ -1,0 +1,31 @@
+"""The slot table: row r lists the pool slots of one running sequence's tokens, in order.
+
+Keeping it as one device tensor lets the model runner gather every request's `kv_indices` with a
+single indexing op instead of concatenating per-request lists each step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SlotTable:
+    def __init__(self, max_num_seqs: int, max_model_len: int, device: torch.device) -> None:
+        self.table = torch.zeros((max_num_seqs, max_model_len), dtype=torch.int64, device=device)
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+
+    def alloc_row(self) -> int:
+        return self._free_rows.pop()
+
+    def free_row(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    @property
+    def num_free_rows(self) -> int:
+        return len(self._free_rows)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        self.table[row, start:start + slots.numel()] = slots
+
+    def read(self, row: int, start: int, end: int) -> torch.Tensor:
+        return self.table[row, start:end]

@@ -1,0 +1,38 @@
+"""Counters the engine keeps for users and benchmarks."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class EngineStats:
+    prompt_tokens: int = 0  # prompt tokens of every sample (n per prompt)
+    prompt_tokens_computed: int = 0  # prompt positions actually run through the model
+    cache_hit_tokens: int = 0  # tokens matched in the radix tree at admission
+    generated_tokens: int = 0
+    steps: int = 0
+    decode_steps: int = 0  # steps that advanced at least one sample by a decode token
+    preemptions: int = 0
+    step_seconds: float = 0.0
+    forward_seconds: float = 0.0  # inside the model forward (incl. logits)
+
+    def record_step(self, batch, num_sampled: int, seconds: float) -> None:
+        self.steps += 1
+        self.generated_tokens += num_sampled
+        self.step_seconds += seconds
+        if any(it.num_new == 1 and it.start >= it.seq.num_prompt for it in batch.items):
+            self.decode_steps += 1
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.step_seconds if self.step_seconds else 0.0
+
+    @property
+    def overhead_share(self) -> float:
+        """Share of step time spent outside the model forward (scheduling, metadata, sampling)."""
+        return 1 - self.forward_seconds / self.step_seconds if self.step_seconds else 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"tokens_per_second": self.tokens_per_second,
+                               "overhead_share": self.overhead_share}

@@ -1,0 +1,34 @@
+"""Stop conditions checked after every appended token."""
+
+from __future__ import annotations
+
+from .request import Sequence
+
+
+class StopChecker:
+    def __init__(self, max_model_len: int, tokenizer=None) -> None:
+        self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
+
+    def __call__(self, seq: Sequence) -> str | None:
+        """The finish reason after the newest token, or None to go on."""
+        token = seq.token_ids[-1]
+        if token in seq.stop_ids:
+            return "stop"
+        if seq.params.stop and self._stop_string(seq):
+            return "stop"
+        if seq.num_output >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _stop_string(self, seq: Sequence) -> bool:
+        # A stop string ends in the newest token; a window of the last few tokens is enough to
+        # see it, since every token decodes to at least one character (or a byte of one).
+        longest = max(len(s) for s in seq.params.stop)
+        window = seq.output_ids[-(longest + 4):]
+        tail = self.tokenizer.decode(window, skip_special_tokens=False)
+        if not any(s in tail for s in seq.params.stop):
+            return False
+        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=False)
+        seq.stop_text_at = min(i for i in (text.find(s) for s in seq.params.stop) if i >= 0)
+        return True
