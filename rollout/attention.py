@@ -86,10 +86,12 @@ class TorchAttention(AttentionBackend):
         ql, kl = q_lens[rows], kv_lens[rows]
         mq, mk = int(ql.max()), int(kl.max())
         qi, kj = torch.arange(mq), torch.arange(mk)
+        # Padding points at the row's own last query / context token: a masked position
+        # still multiplies its value by 0, and 0 * NaN from a stranger's slot would leak.
         q_valid = qi[None, :] < ql[:, None]
-        q_index = torch.where(q_valid, q_start[rows][:, None] + qi[None, :], 0)
+        q_index = q_start[rows][:, None] + torch.minimum(qi[None, :], ql[:, None] - 1)
         kv_valid = kj[None, :] < kl[:, None]
-        kv_pos = torch.where(kv_valid, kv_start[rows][:, None] + kj[None, :], 0)
+        kv_pos = kv_start[rows][:, None] + torch.minimum(kj[None, :], kl[:, None] - 1)
         causal = kj[None, None, :] <= qi[None, :, None] + (kl - ql)[:, None, None]
         mask = kv_valid[:, None, :] & causal
         mask[:, :, 0] |= ~q_valid  # padded query rows attend somewhere, so no NaN
@@ -101,17 +103,23 @@ class TorchAttention(AttentionBackend):
 
     def forward(self, q, k, v, layer, meta, scale):
         k_pool, v_pool = self.pool.k(layer), self.pool.v(layer)
-        k_pool[meta.out_slots] = k
-        v_pool[meta.out_slots] = v
+        k_pool.index_copy_(0, meta.out_slots, k)
+        v_pool.index_copy_(0, meta.out_slots, v)
         out = torch.empty_like(q)
         for seg in meta.plan:
-            qs = q[seg.q_index].transpose(1, 2)
-            ks = k_pool[seg.kv_slots].transpose(1, 2)
-            vs = v_pool[seg.kv_slots].transpose(1, 2)
+            qs = _gather(q, seg.q_index)
+            ks, vs = _gather(k_pool, seg.kv_slots), _gather(v_pool, seg.kv_slots)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seg.mask, scale=scale,
                                                enable_gqa=qs.shape[1] != ks.shape[1])
             out[seg.q_flat] = o.transpose(1, 2)[seg.q_valid]
         return out
+
+
+def _gather(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """rows [N, H, D] at index [b, m] -> [b, H, m, D] (index_select is ~2x faster on CPU than
+    advanced indexing)."""
+    b, m = index.shape
+    return rows.index_select(0, index.flatten()).view(b, m, *rows.shape[1:]).transpose(1, 2)
 
 
 def make_backend(name: str, pool: KVPool) -> AttentionBackend:

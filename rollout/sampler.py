@@ -22,12 +22,13 @@ _UNIFORM_SCALE = 1.0 / (1 << 24)
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
-    """A bijective 32-bit integer mixer (lowbias32) on int32 tensors."""
+    """A bijective 32-bit integer mixer (lowbias32) on int32 tensors (`x` is not modified)."""
     x = x ^ ((x >> 16) & 0xFFFF)
-    x = x * _M1
-    x = x ^ ((x >> 15) & 0x1FFFF)
-    x = x * _M2
-    return x ^ ((x >> 16) & 0xFFFF)
+    # In place from here: this runs over batch x vocab elements every sampling step.
+    x.mul_(_M1)
+    x.bitwise_xor_((x >> 15).bitwise_and_(0x1FFFF))
+    x.mul_(_M2)
+    return x.bitwise_xor_((x >> 16).bitwise_and_(0xFFFF))
 
 
 def mix32_int(x: int) -> int:
@@ -63,7 +64,7 @@ def row_keys(seed: torch.Tensor, position: torch.Tensor, stream: int = 0) -> tor
 
 def bits_to_uniform(h: torch.Tensor) -> torch.Tensor:
     """Top 24 bits of a hash -> float32 uniform in (0, 1), exactly representable."""
-    return (((h >> 8) & 0xFFFFFF).to(torch.float32) + 0.5) * _UNIFORM_SCALE
+    return (h >> 8).bitwise_and_(0xFFFFFF).to(torch.float32).add_(0.5).mul_(_UNIFORM_SCALE)
 
 
 def uniform_noise(seed: torch.Tensor, position: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -75,7 +76,7 @@ def uniform_noise(seed: torch.Tensor, position: torch.Tensor, vocab_size: int) -
 
 def gumbel_noise(seed: torch.Tensor, position: torch.Tensor, vocab_size: int) -> torch.Tensor:
     u = uniform_noise(seed, position, vocab_size)
-    return -torch.log(-torch.log(u))
+    return u.log_().neg_().log_().neg_()
 
 
 @dataclass

@@ -1,0 +1,106 @@
+"""GRPO-shaped rollout: the engine against transformers `generate` on the same model and prompts.
+
+Default (CPU): a ~25M-parameter Qwen2-style model with random weights, 16 prompts of 192 tokens
+sharing a 128-token system prefix, n = 8, 128 new tokens, temperature 1.
+Prints tokens/s of both, their ratio, prompt tokens each computed, and the engine's time outside
+the model forward as a share of its step time. Nothing is asserted.
+
+    python bench/engine_vs_hf.py [--device cuda --model-shape 0.5b --dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from workloads import QWEN2_05B, QWEN2_25M, grpo_prompts, random_qwen2  # noqa: E402
+
+from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_hf(model, prompts, n, max_new, device):
+    ids = torch.tensor(prompts, device=device)
+    sync(device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                             temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=n,
+                             max_new_tokens=max_new, min_new_tokens=max_new)
+    sync(device)
+    seconds = time.perf_counter() - t0
+    generated = (out.shape[1] - ids.shape[1]) * out.shape[0]
+    return generated, seconds, ids.numel() * n  # HF expands prompts n times before prefill
+
+
+def run_engine(model, prompts, n, max_new, args):
+    config = EngineConfig(kv_cache_tokens=args.kv_tokens, max_model_len=1024,
+                          max_num_seqs=max(256, len(prompts) * n),
+                          max_num_batched_tokens=args.batched_tokens)
+    engine = Engine(model, config)
+    params = SamplingParams(n=n, temperature=1.0, max_tokens=max_new, ignore_eos=True, seed=0)
+    engine.generate(prompts[:2], SamplingParams(n=2, max_tokens=4, seed=1))  # warm-up
+    base = engine.stats.as_dict()
+    sync(args.device)
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    sync(args.device)
+    seconds = time.perf_counter() - t0
+    s = engine.stats.as_dict()
+    delta = {k: s[k] - base[k] for k in ("generated_tokens", "prompt_tokens_computed",
+                                         "step_seconds", "forward_seconds", "steps")}
+    generated = sum(len(smp.token_ids) for o in outs for smp in o.samples)
+    return generated, seconds, delta
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--model-shape", choices=["25m", "0.5b"], default="25m")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=192)
+    ap.add_argument("--prefix-len", type=int, default=128)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--kv-tokens", type=int, default=65536)
+    ap.add_argument("--batched-tokens", type=int, default=8192)
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+
+    shape = QWEN2_25M if args.model_shape == "25m" else QWEN2_05B
+    model = random_qwen2(shape, getattr(torch, args.dtype), args.device)
+    params_m = sum(p.numel() for p in model.parameters()) / 1e6
+    prompts = grpo_prompts(args.prompts, args.prompt_len, args.prefix_len, shape["vocab_size"])
+    print(f"model: Qwen2-style {params_m:.1f}M params, {args.dtype} on {args.device}, "
+          f"{torch.get_num_threads()} threads")
+    print(f"workload: {args.prompts} prompts x {args.prompt_len} tokens "
+          f"({args.prefix_len} shared), n={args.n}, {args.max_new} new tokens, temperature 1")
+
+    gen, secs, d = run_engine(model, prompts, args.n, args.max_new, args)
+    engine_tps = gen / secs
+    overhead = 1 - d["forward_seconds"] / d["step_seconds"]
+    print(f"engine:       {engine_tps:9.1f} tok/s  ({gen} tokens in {secs:.2f} s, "
+          f"{d['steps']} steps), prompt tokens computed {d['prompt_tokens_computed']}, "
+          f"time outside the model forward {overhead:.1%}")
+    if args.skip_hf:
+        return
+    gen_hf, secs_hf, prompt_hf = run_hf(model, prompts, args.n, args.max_new, args.device)
+    hf_tps = gen_hf / secs_hf
+    print(f"transformers: {hf_tps:9.1f} tok/s  ({gen_hf} tokens in {secs_hf:.2f} s), "
+          f"prompt tokens computed {prompt_hf}")
+    print(f"ratio engine / transformers: {engine_tps / hf_tps:.2f}x   (goal >= 2x; "
+          f"overhead goal <= 10%)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Bad input raises ValueError naming the field, changes nothing, and the engine keeps serving."""
+
+import math
+
+import pytest
+import torch
+from helpers import samples
+from models import tiny_model
+
+from rollout import Engine, EngineConfig, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("qwen2")
+
+
+def make_engine(model, **kw):
+    return Engine(model, EngineConfig(kv_cache_tokens=1024, max_model_len=64, **kw))
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"n": 0}, "n"), ({"n": 1.5}, "n"), ({"temperature": -0.1}, "temperature"),
+    ({"temperature": math.nan}, "temperature"), ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"), ({"min_p": -0.1}, "min_p"), ({"min_p": 2}, "min_p"),
+    ({"max_tokens": 0}, "max_tokens"), ({"top_k": 2.5}, "top_k"), ({"seed": "x"}, "seed"),
+    ({"stop": [""]}, "stop"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
+])
+def test_bad_sampling_params(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("prompt, field", [
+    ([], "prompt"), ([1, 2, 500], "vocabulary"), ([1, -3], "vocabulary"),
+    (list(range(64)), "max_model_len"), ("hello", "tokenizer"), ([1, 2.0], "prompt"),
+    (None, "prompt"),
+])
+def test_bad_prompts_raise_and_running_requests_survive(model, prompt, field):
+    engine = make_engine(model)
+    good = [[1, 2, 3], [4, 5, 6, 7]]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    expected = samples(make_engine(model).generate(good, params))
+    ids = [engine.add_request(p, params) for p in good]
+    engine.step()
+    engine.step()
+    with pytest.raises(ValueError, match=field):
+        engine.add_request(prompt, params)
+    with pytest.raises(ValueError, match=field):
+        engine.generate([[9, 9, 9], prompt], params)  # the good prompt must not be queued
+    assert set(engine._groups) == set(ids)
+    engine.check_invariants()
+    done = {}
+    while engine.has_unfinished:
+        done.update({o.request_id: o for o in engine.step()})
+    assert samples([done[i] for i in ids]) == expected
+
+
+def test_other_bad_requests(model):
+    engine = make_engine(model)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        engine.add_request([1, 2], SamplingParams(stop_token_ids=[128]))
+    with pytest.raises(ValueError, match="stop"):
+        engine.add_request([1, 2], SamplingParams(stop=["x"]))  # no tokenizer
+    with pytest.raises(ValueError, match="params"):
+        engine.generate([[1], [2]], [SamplingParams()])
+    engine.add_request([1, 2], request_id="a")
+    with pytest.raises(ValueError, match="request_id"):
+        engine.add_request([3, 4], request_id="a")
+    with pytest.raises(ValueError, match="request_id"):
+        engine.abort("nope")
+    assert list(engine._groups) == ["a"]
+
+
+def test_bad_config():
+    for kwargs, field in [({"max_model_len": 0}, "max_model_len"),
+                          ({"schedule_policy": "x"}, "schedule_policy"),
+                          ({"attention_backend": "x"}, "attention_backend"),
+                          ({"kv_memory_fraction": 0}, "kv_memory_fraction"),
+                          ({"dtype": "float33"}, "dtype")]:
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(**kwargs)
+
+
+def test_pool_too_small_for_one_request_refuses_to_start(model):
+    with pytest.raises(ValueError, match=r"holds 100 tokens.*max_model_len=256"):
+        Engine(model, EngineConfig(kv_cache_tokens=100, max_model_len=256))
+
+
+def test_non_finite_logits_abort_only_the_affected_request():
+    model = tiny_model("llama")
+    engine = Engine(model, EngineConfig(kv_cache_tokens=1024, max_model_len=64))
+    params = SamplingParams(temperature=0, max_tokens=6)
+    good = [[1, 2, 3], [4, 5, 6]]
+    expected = samples(engine.generate(good, params))
+    with torch.no_grad():
+        engine.model.model.embed_tokens.weight[77] = float("nan")  # poisons prompts with 77
+    ids = [engine.add_request(p, params) for p in good]
+    bad = engine.add_request([7, 77, 8], params)
+    with pytest.raises(ValueError, match="logits"):
+        while True:
+            engine.step()
+    assert bad not in engine._groups
+    engine.check_invariants()
+    done = {}
+    while engine.has_unfinished:
+        done.update({o.request_id: o for o in engine.step()})
+        engine.check_invariants()
+    assert samples([done[i] for i in ids]) == expected
