@@ -28,7 +28,9 @@ from .sampler import SamplingBatch, sample, sample_seed
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .slot_table import SlotTable
+from .sleep import WeightParking, tensor_bytes
 from .stats import EngineStats
+from .weights import as_named_tensors, buckets
 from .stop import StopChecker
 
 Prompt = str | Seq[int]
@@ -78,6 +80,9 @@ class Engine:
         self._ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
         self._stats = EngineStats()
+        self._parking = WeightParking(self.model, device)
+        self.sleep_level = 0
+        self._weights_missing = False
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
@@ -88,6 +93,7 @@ class Engine:
 
     def _make_group(self, prompt: Prompt, params: SamplingParams,
                     request_id: str | None) -> _Group:
+        self._check_ready()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.check_vocab(self.vocab_size)
@@ -144,6 +150,10 @@ class Engine:
         for seq in group.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
+
+    def abort_all(self) -> None:
+        for request_id in list(self._groups):
+            self.abort(request_id)
 
     @property
     def has_unfinished(self) -> bool:
@@ -241,6 +251,90 @@ class Engine:
         finally:
             bar.close()
         return results
+
+    # --- colocation -------------------------------------------------------------------------
+    @property
+    def is_sleeping(self) -> bool:
+        return self.sleep_level > 0
+
+    @property
+    def needs_weights(self) -> bool:
+        """True after sleep(level=2) until update_weights has refilled every weight."""
+        return self._weights_missing
+
+    def _check_ready(self) -> None:
+        if self.is_sleeping:
+            raise RuntimeError("the engine is asleep: call wake_up() first")
+        if self._weights_missing:
+            raise RuntimeError("the engine has no weights since sleep(level=2): call "
+                               "update_weights(...) before generating")
+
+    def _check_idle(self, what: str) -> None:
+        if self._groups:
+            raise RuntimeError(f"{what}: {len(self._groups)} requests are still running; "
+                               f"let them finish or abort() them first")
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV pool (the prefix cache empties) and park the weights: on host memory
+        (level 1) or nowhere (level 2, update_weights must run after wake_up)."""
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level!r}")
+        self._check_idle("sleep")
+        if self.is_sleeping:
+            if level > self.sleep_level:  # deepen: drop what level 1 parked on the host
+                self.wake_up()
+            else:
+                return
+        self.cache.reset()
+        self.pool.release()
+        self.table.release()
+        self.model.rope.release()
+        self._parking.park(level)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        self.sleep_level = level
+        self._weights_missing = self._weights_missing or level == 2
+
+    def wake_up(self) -> None:
+        if not self.is_sleeping:
+            return
+        self._parking.restore()
+        self.model.rope.build(self.device)
+        self.pool.allocate()
+        self.table.allocate()
+        self.sleep_level = 0
+
+    def update_weights(self, source, bucket_bytes: int = 256 << 20) -> dict:
+        """Copy new weights in place: `source` is the trainer's model (DDP/compile/PEFT wrapped
+        or not) or (HF name, tensor) pairs. Clears the prefix cache, whose KV came from the
+        old weights. Returns {'bytes', 'seconds'}."""
+        if self.is_sleeping:
+            raise RuntimeError("update_weights: the engine is asleep: call wake_up() first")
+        self._check_idle("update_weights")
+        t0 = time.perf_counter()
+        dtype = self.model.model.embed_tokens.weight.dtype
+        written: set[str] = set()
+        moved = 0
+        for bucket in buckets(as_named_tensors(source), self.device, dtype, bucket_bytes):
+            written |= self.model.load_weights(bucket)
+            moved += sum(t.numel() * t.element_size() for _, t in bucket)
+        if self._weights_missing:
+            missing = self.model.expected_weight_names() - written
+            if missing:
+                raise ValueError(f"update_weights: after sleep(level=2) every weight is needed; "
+                                 f"{len(missing)} missing, e.g. {sorted(missing)[:3]}")
+            self._weights_missing = False
+        self.cache.evict(self.cache.total_size)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return {"bytes": moved, "seconds": time.perf_counter() - t0}
+
+    def memory_held(self) -> int:
+        """Bytes of tensors the engine holds on its device (weights, KV pool, slot table)."""
+        tensors = [*self.model.parameters(), *self.model.buffers(), self.pool.buffer,
+                   self.pool.free_slots() if self.pool.is_allocated else None, self.table.table]
+        return tensor_bytes(t for t in tensors if t is not None and t.device == self.device)
 
     # --- inspection -------------------------------------------------------------------------
     @property

@@ -11,8 +11,15 @@ import torch
 
 class SlotTable:
     def __init__(self, max_num_seqs: int, max_model_len: int, device: torch.device) -> None:
-        self.table = torch.zeros((max_num_seqs, max_model_len), dtype=torch.int64, device=device)
-        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self.shape, self.device = (max_num_seqs, max_model_len), device
+        self.allocate()
+
+    def allocate(self) -> None:
+        self.table = torch.zeros(self.shape, dtype=torch.int64, device=self.device)
+        self._free_rows = list(range(self.shape[0] - 1, -1, -1))
+
+    def release(self) -> None:
+        self.table = None
 
     def alloc_row(self) -> int:
         return self._free_rows.pop()

@@ -29,12 +29,22 @@ def _inv_freq(config, head_dim: int, max_model_len: int) -> tuple[torch.Tensor, 
 class RotaryEmbedding(nn.Module):
     def __init__(self, config, head_dim: int, max_model_len: int) -> None:
         super().__init__()
-        inv_freq, scaling = _inv_freq(config, head_dim, max_model_len)
-        positions = torch.arange(max_model_len, dtype=torch.int64).float()
-        freqs = positions[:, None] * inv_freq[None, :]
+        self.inv_freq, self.scaling = _inv_freq(config, head_dim, max_model_len)
+        self.max_model_len = max_model_len
+        self.register_buffer("cos_table", None, persistent=False)
+        self.register_buffer("sin_table", None, persistent=False)
+        self.build(torch.get_default_device())
+
+    def build(self, device: torch.device) -> None:
+        """(Re)compute the fp32 cos/sin tables; sleep drops them, since they are cheap."""
+        positions = torch.arange(self.max_model_len, dtype=torch.int64, device=device).float()
+        freqs = positions[:, None] * self.inv_freq.to(device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_table", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin_table", emb.sin() * scaling, persistent=False)
+        self.cos_table = emb.cos() * self.scaling
+        self.sin_table = emb.sin() * self.scaling
+
+    def release(self) -> None:
+        self.cos_table = self.sin_table = None
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos, sin [T, 1, D] for the step's positions, computed once per step."""

@@ -1,0 +1,106 @@
+"""Where update_weights gets its tensors: a trainer's model (wrapped or not) or named tensors.
+
+Names come out in Hugging Face form (`model.layers.0.self_attn.q_proj.weight`): wrapper
+prefixes (DDP's `module.`, torch.compile's `_orig_mod.`, PEFT's `base_model.model.` and
+`.base_layer.`) are stripped, and PEFT LoRA adapters are merged into the base weights for the
+duration of the read, then unmerged, so the trainer's model is left as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+_WRAPPER_ATTRS = ("module", "_orig_mod")  # DDP / DeepSpeed engine / FSDP, torch.compile
+_NAME_PREFIXES = ("module.", "_orig_mod.", "base_model.model.")
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """Peel DDP/DeepSpeed/compile wrappers (what accelerate's unwrap_model does for these)."""
+    while any(isinstance(getattr(model, a, None), nn.Module) for a in _WRAPPER_ATTRS):
+        model = next(getattr(model, a) for a in _WRAPPER_ATTRS
+                     if isinstance(getattr(model, a, None), nn.Module))
+    return model
+
+
+def hf_name(name: str) -> str:
+    changed = True
+    while changed:
+        changed = False
+        for prefix in _NAME_PREFIXES:
+            if name.startswith(prefix):
+                name, changed = name[len(prefix):], True
+    # PEFT keeps a trained copy of `modules_to_save` beside the frozen original.
+    return name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+
+
+def is_peft(model: nn.Module) -> bool:
+    return hasattr(model, "merge_adapter") and hasattr(model, "unmerge_adapter")
+
+
+@contextlib.contextmanager
+def merged_adapters(model: nn.Module):
+    """LoRA deltas folded into the base weights while the weights are read."""
+    if not is_peft(model):
+        yield
+        return
+    model.merge_adapter()
+    try:
+        yield
+    finally:
+        model.unmerge_adapter()
+
+
+def model_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named parameters of a (possibly wrapped, possibly PEFT) causal LM, adapters merged.
+
+    Must be consumed inside the generator (it holds the merge open while it yields)."""
+    model = unwrap(model)
+    with merged_adapters(model), torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name or ".original_module." in name:
+                continue
+            yield hf_name(name), param.detach()
+
+
+def as_named_tensors(source) -> Iterable[tuple[str, torch.Tensor]]:
+    if isinstance(source, nn.Module):
+        return model_tensors(source)
+    if isinstance(source, dict):
+        return source.items()
+    return source
+
+
+def buckets(named: Iterable[tuple[str, torch.Tensor]], device: torch.device,
+            dtype: torch.dtype, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group tensors that live off `device` into flat buckets moved with one copy each, so a
+    whole model crosses host<->device in a few large transfers instead of one per parameter.
+    Tensors already on `device` pass through untouched (the in-place copy does the rest)."""
+    pending: list[tuple[str, torch.Tensor]] = []
+    size = 0
+
+    def flush():
+        flat = torch.cat([t.reshape(-1).to(dtype) for _, t in pending])
+        if device.type == "cuda":
+            flat = flat.pin_memory()
+        flat = flat.to(device, non_blocking=True)
+        out, offset = [], 0
+        for name, t in pending:
+            out.append((name, flat[offset:offset + t.numel()].view(t.shape)))
+            offset += t.numel()
+        return out
+
+    for name, tensor in named:
+        if tensor.device == device:
+            yield [(name, tensor)]
+            continue
+        pending.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        if size >= bucket_bytes:
+            yield flush()
+            pending, size = [], 0
+    if pending:
+        yield flush()

@@ -1,0 +1,67 @@
+"""One call per training step for custom trainers:
+
+    with ColocatedRollout(engine, model) as rollout:
+        outs = rollout.generate(prompts, params)
+    loss.backward(); optimizer.step()       # the engine is asleep: its memory is free
+
+Entering wakes the engine and syncs the weights when the trainer changed them since the last
+sync; leaving (also on error) aborts whatever is still running and puts the engine to sleep.
+"""
+
+from __future__ import annotations
+
+import time
+
+from torch import nn
+
+from rollout import Engine
+from rollout.weights import unwrap
+
+
+def weights_version(model: nn.Module) -> tuple[int, ...]:
+    """Changes whenever any parameter is modified in place (optimizer steps, copy_), via
+    autograd's per-tensor version counters: cheaper than hashing the weights."""
+    return tuple(p._version for p in unwrap(model).parameters())
+
+
+class ColocatedRollout:
+    def __init__(self, engine: Engine, model: nn.Module, sleep_level: int = 1,
+                 gather=None) -> None:
+        """`gather`: optional context-manager factory that materialises sharded parameters
+        (DeepSpeed ZeRO-3 / FSDP), e.g. trl's unwrap_model_for_generation bound to the
+        accelerator; weights are read inside it."""
+        if sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level!r}")
+        self.engine, self.model, self.sleep_level, self.gather = engine, model, sleep_level, gather
+        self._synced_version: tuple[int, ...] | None = weights_version(model)  # built from it
+        self.timings: dict[str, float] = {}
+
+    def __enter__(self) -> ColocatedRollout:
+        t0 = time.perf_counter()
+        self.engine.wake_up()
+        t1 = time.perf_counter()
+        self.sync_weights()
+        self.timings.update(wake=t1 - t0, sync=time.perf_counter() - t1)
+        return self
+
+    def sync_weights(self, force: bool = False) -> bool:
+        """Copy the trainer's weights in if they changed (or the engine lost them)."""
+        version = weights_version(self.model)
+        if not force and version == self._synced_version and not self.engine.needs_weights:
+            return False
+        if self.gather is None:
+            self.engine.update_weights(self.model)
+        else:
+            with self.gather(self.model) as full:
+                self.engine.update_weights(full)
+        self._synced_version = version
+        return True
+
+    def generate(self, prompts, params=None, **kwargs):
+        return self.engine.generate(prompts, params, **kwargs)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        t0 = time.perf_counter()
+        self.engine.abort_all()
+        self.engine.sleep(self.sleep_level)
+        self.timings["sleep"] = time.perf_counter() - t0
