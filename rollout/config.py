@@ -45,6 +45,11 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
+        if self.speculative is not None:
+            from .spec.config import SpeculativeConfig
+
+            if not isinstance(self.speculative, SpeculativeConfig):
+                raise ValueError("speculative must be a rollout.spec.SpeculativeConfig or None")
         if isinstance(self.dtype, str):
             self.dtype = resolve_dtype(self.dtype)
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import random
 import time
-from collections import Counter
 from collections.abc import Sequence as Seq
 
 import torch
@@ -23,11 +23,13 @@ from .model_runner import ModelRunner
 from .models.loader import build_model, checkpoint_tensors, load_into
 from .outputs import RolloutOutput, Sample
 from .radix_cache import RadixCache
-from .request import Sequence, SeqStatus
+from .request import Sequence
 from .sampler import SamplingBatch, sample, sample_seed
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .slot_table import SlotTable
+from .spec.speculator import Speculator
+from .spec.verify import verify
 from .sleep import WeightParking, tensor_bytes
 from .stats import EngineStats
 from .weights import as_named_tensors, buckets
@@ -80,9 +82,24 @@ class Engine:
         self._ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
         self._stats = EngineStats()
+        self.speculator = self._make_speculator(config.speculative)
+        self._sample = _triton_sample if device.type == "cuda" else sample
         self._parking = WeightParking(self.model, device)
         self.sleep_level = 0
         self._weights_missing = False
+
+    def _make_speculator(self, spec) -> Speculator | None:
+        if spec is None:
+            return None
+        drafter = None
+        if spec.method == "draft":
+            from .sampler import DRAFT_STREAM, TOKEN_STREAM
+            from .spec.draft_model import DraftModelDrafter
+
+            stream = TOKEN_STREAM if spec.acceptance == "coupled" else DRAFT_STREAM
+            drafter = DraftModelDrafter(spec.draft_model, self, stream)
+        return Speculator(spec, self.scheduler, self.config.max_model_len,
+                          lambda seq: self._groups[seq.group].seqs, drafter)
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
@@ -166,25 +183,39 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        speculating = self.speculator is not None and self.speculator.propose(batch) > 0
         inputs = self.runner.prepare(batch)
         logits = self.runner.run(inputs)
         items = [it for it in batch.items if it.sample]
-        tokens, logprobs = sample(logits, self._sampling_batch(items))
-        bad = ~torch.isfinite(logprobs)
-        if bool(bad.any()):
+        rows = self._sampling_batch(items)
+        if speculating:
+            verdicts = verify(logits, rows, [it.draft for it in items],
+                              [it.draft_probs for it in items], self.config.speculative.acceptance)
+            emitted = [v.tokens for v in verdicts]
+            logprobs = [v.logprobs for v in verdicts]
+        else:
+            tokens, lps = self._sample(logits, rows)
+            emitted = [[t] for t in tokens.tolist()]
+            logprobs = [[lp] for lp in lps.tolist()]
+        bad = [it.seq for it, lps in zip(items, logprobs) if not all(map(math.isfinite, lps))]
+        if bad:
             self.scheduler.undo(batch)
-            self._abort_bad([items[i].seq for i in bad.nonzero().flatten().tolist()])
-        self.scheduler.commit(batch, tokens.tolist(), logprobs.tolist(), self.stop)
-        self._stats.record_step(batch, len(items), time.perf_counter() - t0)
+            self._abort_bad(bad)
+        self.scheduler.commit(batch, emitted, logprobs, self.stop)
+        if speculating:
+            self.speculator.after_commit(batch)
+            self._stats.record_verdicts(v for v, it in zip(verdicts, items) if it.draft)
+        self._stats.record_step(batch, sum(map(len, emitted)), time.perf_counter() - t0)
         return self._collect_finished()
 
     def _sampling_batch(self, items) -> SamplingBatch:
-        seqs = [it.seq for it in items]
+        """One row per sampled position: a verifying item has len(draft) + 1 of them."""
+        rows = [(it.seq, j) for it in items for j in range(len(it.draft) + 1)]
         return SamplingBatch.build(
-            temperature=[s.params.temperature for s in seqs],
-            top_k=[s.params.top_k for s in seqs], top_p=[s.params.top_p for s in seqs],
-            min_p=[s.params.min_p for s in seqs], seed=[s.seed for s in seqs],
-            position=[s.num_tokens for s in seqs], device=self.device)
+            temperature=[s.params.temperature for s, _ in rows],
+            top_k=[s.params.top_k for s, _ in rows], top_p=[s.params.top_p for s, _ in rows],
+            min_p=[s.params.min_p for s, _ in rows], seed=[s.seed for s, _ in rows],
+            position=[s.num_tokens + j for s, j in rows], device=self.device)
 
     def _abort_bad(self, seqs: list[Sequence]) -> None:
         groups = sorted({s.group for s in seqs})
@@ -290,6 +321,8 @@ class Engine:
         self.table.release()
         self.model.rope.release()
         self._parking.park(level)
+        if hasattr(self.speculator, "drafter") and hasattr(self.speculator.drafter, "sleep"):
+            self.speculator.drafter.sleep()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -303,6 +336,8 @@ class Engine:
         self.model.rope.build(self.device)
         self.pool.allocate()
         self.table.allocate()
+        if hasattr(self.speculator, "drafter") and hasattr(self.speculator.drafter, "wake_up"):
+            self.speculator.drafter.wake_up()
         self.sleep_level = 0
 
     def update_weights(self, source, bucket_bytes: int = 256 << 20) -> dict:
@@ -348,28 +383,12 @@ class Engine:
 
     def check_invariants(self) -> None:
         """Every slot is in exactly one place (free list, tree, one sequence's private tail);
-        lock counts equal the running sequences that pin each node."""
-        running = self.scheduler.running
-        parts = [self.pool.free_slots(), self.cache.all_slots()]
-        parts += [self.scheduler.private_slots(s) for s in running]
-        every = torch.cat(parts).cpu().sort().values
-        assert torch.equal(every, torch.arange(self.pool.num_slots)), \
-            f"slot accounting broken: {every.numel()} slots accounted of {self.pool.num_slots}"
-        self.cache.check()
-        pins: Counter = Counter()
-        for seq in running:
-            assert seq.status is SeqStatus.RUNNING and 0 < seq.num_computed < seq.num_tokens
-            assert seq.cached_len <= seq.num_computed
-            assert torch.equal(self.table.read(seq.row, 0, seq.cached_len),
-                               self.cache.peek(seq.token_ids[:seq.cached_len]))
-            node = seq.node
-            while node is not self.cache.root:
-                pins[id(node)] += 1
-                node = node.parent
-        for node in self.cache._nodes():
-            assert node.lock_ref == pins[id(node)], "radix lock count differs from its pins"
-        rows = [s.row for s in running]
-        assert len(set(rows)) == len(rows), "two sequences share a slot-table row"
+        lock counts equal the running sequences that pin each node. The draft model's pool,
+        when speculating with one, is checked the same way."""
+        self.scheduler.check_invariants()
+        drafter = getattr(self.speculator, "drafter", None)
+        if hasattr(drafter, "scheduler"):
+            drafter.scheduler.check_invariants()
 
 
 def _resolve_model(model, config: EngineConfig, tokenizer):
@@ -402,6 +421,14 @@ def _eos_ids(model, hf_config, tokenizer) -> frozenset[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(v for v in value if isinstance(v, int))
     return frozenset(ids)
+
+
+def _triton_sample(logits: torch.Tensor, rows: SamplingBatch):
+    """The fused Triton sampler; same noise and filters as rollout.sampler.sample."""
+    from kernels import sample as kernel_sample
+
+    return kernel_sample(logits, rows.temperature, rows.top_k, rows.top_p, rows.min_p,
+                         rows.seed, rows.position)
 
 
 class _NoBar:

@@ -42,7 +42,7 @@ class ModelRunner:
         items = batch.items
         q_lens = [it.num_new for it in items]
         kv_lens = [it.start + it.num_new for it in items]
-        input_ids = [t for it in items for t in it.seq.token_ids[it.start:it.start + it.num_new]]
+        input_ids = [t for it in items for t in it.input_ids()]
         q_lens_t = torch.tensor(q_lens)
         kv_lens_t = torch.tensor(kv_lens)
         qo_indptr = torch.zeros(len(items) + 1, dtype=torch.int64)
@@ -57,7 +57,11 @@ class ModelRunner:
         kv_row = torch.repeat_interleave(rows, kv_lens_t)
         kv_col = torch.arange(int(kv_indptr[-1])) - torch.repeat_interleave(kv_indptr[:-1],
                                                                             kv_lens_t)
-        sampled = torch.tensor([it.sample for it in items], dtype=torch.bool)
+        # Sampled rows: each sampling item's last position, or all k+1 when verifying drafts.
+        logits_index = []
+        for it, end in zip(items, qo_indptr[1:].tolist()):
+            if it.sample:
+                logits_index += range(end - len(it.draft) - 1, end)
         dev = self.device
         meta = AttentionMetadata(
             qo_indptr=qo_indptr.to(dev, torch.int32), kv_indptr=kv_indptr.to(dev, torch.int32),
@@ -66,7 +70,7 @@ class ModelRunner:
         meta.plan = self.backend.plan(meta)
         return StepInputs(input_ids=torch.tensor(input_ids, device=dev),
                           positions=positions.to(dev), meta=meta,
-                          logits_index=(qo_indptr[1:][sampled] - 1).to(dev))
+                          logits_index=torch.tensor(logits_index, device=dev))
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:

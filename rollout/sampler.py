@@ -67,16 +67,30 @@ def bits_to_uniform(h: torch.Tensor) -> torch.Tensor:
     return (h >> 8).bitwise_and_(0xFFFFFF).to(torch.float32).add_(0.5).mul_(_UNIFORM_SCALE)
 
 
-def uniform_noise(seed: torch.Tensor, position: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[B, V] uniforms, element (b, t) a function of (seed[b], position[b], t) only."""
-    keys = row_keys(seed, position)
+# Independent noise streams drawn at the same position.
+TOKEN_STREAM = 0  # the token sampled from the target (also the bonus token when verifying)
+ACCEPT_STREAM = 1  # the coin that accepts a draft token
+RESIDUAL_STREAM = 2  # the token resampled from max(0, p - q) after a rejection
+DRAFT_STREAM = 3  # the draft model's own proposals
+
+
+def uniform_noise(seed: torch.Tensor, position: torch.Tensor, vocab_size: int,
+                  stream: int = TOKEN_STREAM) -> torch.Tensor:
+    """[B, V] uniforms, element (b, t) a function of (seed[b], position[b], t, stream) only."""
+    keys = row_keys(seed, position, stream)
     tokens = torch.arange(vocab_size, dtype=torch.int32, device=seed.device)
     return bits_to_uniform(mix32(keys[:, None] ^ tokens[None, :]))
 
 
-def gumbel_noise(seed: torch.Tensor, position: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    u = uniform_noise(seed, position, vocab_size)
+def gumbel_noise(seed: torch.Tensor, position: torch.Tensor, vocab_size: int,
+                 stream: int = TOKEN_STREAM) -> torch.Tensor:
+    u = uniform_noise(seed, position, vocab_size, stream)
     return u.log_().neg_().log_().neg_()
+
+
+def uniform_scalar(seed: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Tensor:
+    """[B] uniforms, one per (seed, position, stream)."""
+    return bits_to_uniform(mix32(row_keys(seed, position, stream)))
 
 
 @dataclass
@@ -129,25 +143,32 @@ def filter_logprobs(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return logp.masked_fill(drop, float("-inf"))
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def target_logprobs(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logp, candidates): logp = log_softmax(logits / T) with T = 1 on greedy rows (what the
+    caller reports), candidates = logp with top-k/p/min-p exclusions at -inf (what is sampled)."""
+    logits = logits.float()
+    temperature = torch.where(batch.temperature == 0, 1.0, batch.temperature)
+    logp = (logits / temperature[:, None]).log_softmax(dim=-1)
+    if batch.needs_filter:
+        return logp, filter_logprobs(logp, batch.top_k, batch.top_p, batch.min_p)
+    return logp, logp
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch,
+           stream: int = TOKEN_STREAM) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (tokens int64 [B], logprobs float32 [B]).
 
     The logprob is log_softmax(logits / T) at the chosen token, before any top-k/p/min-p
     filtering (T = 1 for greedy rows): the quantity a GRPO/PPO trainer recomputes.
     """
-    logits = logits.float()
     if batch.all_greedy:
+        logits = logits.float()
         tokens = logits.argmax(dim=-1)
         logp = logits.log_softmax(dim=-1)
         return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
-    greedy = batch.temperature == 0
-    temperature = torch.where(greedy, 1.0, batch.temperature)
-    logp = (logits / temperature[:, None]).log_softmax(dim=-1)
-    candidates = logp
-    if batch.needs_filter:
-        candidates = filter_logprobs(logp, batch.top_k, batch.top_p, batch.min_p)
-    noise = gumbel_noise(batch.seed, batch.position, logits.shape[-1])
+    logp, candidates = target_logprobs(logits, batch)
+    noise = gumbel_noise(batch.seed, batch.position, logits.shape[-1], stream)
     tokens = (candidates + noise).argmax(dim=-1)
     if batch.any_greedy:
-        tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+        tokens = torch.where(batch.temperature == 0, logits.argmax(dim=-1), tokens)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

@@ -15,9 +15,9 @@ queue, where re-admission hits the cache.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,18 +32,29 @@ from .slot_table import SlotTable
 class ScheduledSeq:
     seq: Sequence
     start: int  # position of the first token computed this step
-    num_new: int  # tokens computed this step
+    num_new: int  # tokens computed this step (drafts included)
     sample: bool  # the last new position's logits are sampled
+    slots: torch.Tensor  # where the new tokens' K/V go
+    draft: list[int] = field(default_factory=list)  # proposals to verify after the last token
+    draft_probs: torch.Tensor | None = None  # q of each proposal; None: deterministic
+
+    def input_ids(self) -> list[int]:
+        own = self.num_new - len(self.draft)
+        return self.seq.token_ids[self.start:self.start + own] + self.draft
 
 
 @dataclass
 class Batch:
     items: list[ScheduledSeq]
-    out_slots: torch.Tensor  # slots of the new tokens, item after item
+
+    @property
+    def out_slots(self) -> torch.Tensor:
+        """Slots of the new tokens, item after item."""
+        return torch.cat([it.slots for it in self.items])
 
     @property
     def num_tokens(self) -> int:
-        return self.out_slots.numel()
+        return sum(it.num_new for it in self.items)
 
 
 class Scheduler:
@@ -67,7 +78,6 @@ class Scheduler:
     def schedule(self) -> Batch | None:
         budget = self.config.max_num_batched_tokens
         items: list[ScheduledSeq] = []
-        pieces: list[torch.Tensor] = []
         preempted = False
         scheduled: set[int] = set()
         order = [s for s in self.running if not s.is_prefilling]
@@ -89,20 +99,32 @@ class Scheduler:
             if slots is None:
                 continue
             scheduled.add(seq.seq_id)
-            self._schedule(seq, slots, items, pieces)
+            self._schedule(seq, slots, items)
             budget -= n
         if not preempted:
-            budget = self._admit(budget, items, pieces)
+            budget = self._admit(budget, items)
         if not items:
             return None
-        return Batch(items, torch.cat(pieces))
+        return Batch(items)
 
-    def _schedule(self, seq: Sequence, slots: torch.Tensor, items: list[ScheduledSeq],
-                  pieces: list[torch.Tensor]) -> None:
+    def _schedule(self, seq: Sequence, slots: torch.Tensor, items: list[ScheduledSeq]) -> None:
         n = slots.numel()
         self.table.write(seq.row, seq.num_computed, slots)
-        items.append(ScheduledSeq(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))
-        pieces.append(slots)
+        items.append(ScheduledSeq(seq, seq.num_computed, n,
+                                  seq.num_computed + n == seq.num_tokens, slots))
+
+    def add_drafts(self, item: ScheduledSeq, draft: list[int],
+                   draft_probs: torch.Tensor | None) -> bool:
+        """Extend a decode item with proposals to verify; False (item unchanged) when the
+        pool has no room for them even after eviction: drafts never preempt anyone."""
+        slots = self._alloc(len(draft))
+        if slots is None:
+            return False
+        self.table.write(item.seq.row, item.start + item.num_new, slots)
+        item.slots = torch.cat([item.slots, slots])
+        item.num_new += len(draft)
+        item.draft, item.draft_probs = draft, draft_probs
+        return True
 
     def _newest_unscheduled(self, scheduled: set[int]) -> Sequence:
         for seq in reversed(self.running):
@@ -126,7 +148,7 @@ class Scheduler:
             waiting.sort(key=lambda s: -self.cache.prefix_len(s.token_ids[:-1]))
         return waiting
 
-    def _admit(self, budget: int, items: list[ScheduledSeq], pieces: list[torch.Tensor]) -> int:
+    def _admit(self, budget: int, items: list[ScheduledSeq]) -> int:
         admitted: set[int] = set()
         # Prompts being prefilled now, by group; their prefixes are cached once computed.
         in_flight = {s.group: s for s in self.running if s.num_computed < s.num_prompt}
@@ -149,14 +171,9 @@ class Scheduler:
                 self.cache.unlock(node)
                 break
             new = self._alloc(n)
-            seq.row = self.table.alloc_row()
-            self.table.write(seq.row, 0, slots)
-            seq.node, seq.cached_len, seq.num_computed = node, matched, matched
-            self.cache_hit_tokens += matched
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
+            self.attach(seq, slots, node)
             admitted.add(seq.seq_id)
-            self._schedule(seq, new, items, pieces)
+            self._schedule(seq, new, items)
             budget -= n
             decode_reserve += 1
             if seq.num_computed < seq.num_prompt:
@@ -164,6 +181,17 @@ class Scheduler:
         if admitted:
             self.waiting = deque(s for s in self.waiting if s.seq_id not in admitted)
         return budget
+
+    def attach(self, seq: Sequence, slots: torch.Tensor, node) -> None:
+        """Make `seq` running on top of its matched prefix (`slots`, ending at the locked
+        `node`): it gets a table row and computes from there."""
+        matched = slots.numel()
+        seq.row = self.table.alloc_row()
+        self.table.write(seq.row, 0, slots)
+        seq.node, seq.cached_len, seq.num_computed = node, matched, matched
+        self.cache_hit_tokens += matched
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
 
     @staticmethod
     def _waits_for(seq: Sequence, matched: int, in_flight: dict[str, Sequence]) -> bool:
@@ -181,29 +209,49 @@ class Scheduler:
         return False
 
     # --- after the forward ---------------------------------------------------------------------
-    def commit(self, batch: Batch, tokens: list[int], logprobs: list[float],
+    def commit(self, batch: Batch, emitted: list[list[int]], logprobs: list[list[float]],
                stop: Callable[[Sequence], str | None]) -> list[Sequence]:
-        """Advance every scheduled sequence, append its sampled token, retire the finished."""
+        """Advance every scheduled sequence by what it kept, append its emitted tokens (one, or
+        accepted drafts plus one when verifying), return rejected slots, retire the finished."""
         finished = []
-        sampled = iter(zip(tokens, logprobs))
+        sampled = iter(zip(emitted, logprobs))
         for it in batch.items:
             seq = it.seq
-            seq.num_computed += it.num_new
             self.prompt_tokens_computed += max(0, min(it.start + it.num_new, seq.num_prompt)
                                                - it.start)
             if not it.sample:
+                seq.num_computed += it.num_new
                 continue
-            token, logprob = next(sampled)
-            seq.token_ids.append(token)
-            if seq.params.logprobs:
-                seq.logprobs.append(logprob)
+            tokens, lps = next(sampled)
+            kept = it.num_new - len(it.draft) + len(tokens) - 1  # rejected drafts drop out
+            seq.num_computed += kept
+            self.pool.free(it.slots[kept:])
+            reason = None
+            for token, logprob in zip(tokens, lps):
+                seq.token_ids.append(token)
+                if seq.params.logprobs:
+                    seq.logprobs.append(logprob)
+                reason = stop(seq)
+                if reason is not None:
+                    break
+            self._trim_to_tokens(seq)
             if it.start < seq.num_prompt and self.cache.enabled:
                 self.cache_computed(seq)  # the prompt is complete: siblings can share it now
-            reason = stop(seq)
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)
         return finished
+
+    def _trim_to_tokens(self, seq: Sequence) -> None:
+        """A stop inside accepted drafts leaves K/V past the last kept token: free it."""
+        self.truncate(seq, seq.num_tokens - 1)
+
+    def truncate(self, seq: Sequence, num_computed: int) -> None:
+        """Drop the K/V of positions >= num_computed (never below what the tree holds)."""
+        num_computed = max(num_computed, seq.cached_len)
+        if num_computed < seq.num_computed:
+            self.pool.free(self.table.read(seq.row, num_computed, seq.num_computed).clone())
+            seq.num_computed = num_computed
 
     def undo(self, batch: Batch) -> None:
         """Return a step's new slots: nothing was committed, so the next step redoes it."""
@@ -226,7 +274,7 @@ class Scheduler:
         self.cache.unlock(seq.node)
         seq.node, seq.cached_len = node, end
 
-    def _release(self, seq: Sequence) -> None:
+    def release(self, seq: Sequence) -> None:
         """Give up everything the running sequence holds: its KV to the tree (or the pool when
         caching is off), its lock, its table row."""
         if self.cache.enabled:
@@ -239,14 +287,14 @@ class Scheduler:
         seq.node, seq.row, seq.cached_len, seq.num_computed = None, -1, 0, 0
 
     def preempt(self, seq: Sequence) -> None:
-        self._release(seq)
+        self.release(seq)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is SeqStatus.RUNNING:
-            self._release(seq)
+            self.release(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
@@ -254,3 +302,28 @@ class Scheduler:
     # --- inspection -------------------------------------------------------------------------
     def private_slots(self, seq: Sequence) -> torch.Tensor:
         return self.table.read(seq.row, seq.cached_len, seq.num_computed)
+
+    def check_invariants(self) -> None:
+        """Assert: every slot is in exactly one of the free list, the tree, one running
+        sequence's private tail; each node's lock count equals the sequences pinning it;
+        each sequence's cached prefix is what the tree holds for its tokens."""
+        parts = [self.pool.free_slots(), self.cache.all_slots()]
+        parts += [self.private_slots(s) for s in self.running]
+        every = torch.cat(parts).cpu().sort().values
+        assert torch.equal(every, torch.arange(self.pool.num_slots)), \
+            f"slot accounting broken: {every.numel()} slots accounted of {self.pool.num_slots}"
+        self.cache.check()
+        pins: Counter = Counter()
+        for seq in self.running:
+            assert seq.status is SeqStatus.RUNNING and 0 <= seq.num_computed < seq.num_tokens
+            assert seq.cached_len <= seq.num_computed
+            assert torch.equal(self.table.read(seq.row, 0, seq.cached_len),
+                               self.cache.peek(seq.token_ids[:seq.cached_len]))
+            node = seq.node
+            while node is not self.cache.root:
+                pins[id(node)] += 1
+                node = node.parent
+        for node in self.cache._nodes():
+            assert node.lock_ref == pins[id(node)], "radix lock count differs from its pins"
+        rows = [s.row for s in self.running]
+        assert len(set(rows)) == len(rows), "two sequences share a slot-table row"

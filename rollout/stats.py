@@ -16,10 +16,14 @@ class EngineStats:
     preemptions: int = 0
     step_seconds: float = 0.0
     forward_seconds: float = 0.0  # inside the model forward (incl. logits)
+    spec_proposed: int = 0  # draft tokens proposed
+    spec_accepted: int = 0  # draft tokens accepted
+    spec_verifications: int = 0  # sample-steps that verified drafts
+    spec_emitted: int = 0  # tokens those verifications emitted (accepted + 1 each)
 
-    def record_step(self, batch, num_sampled: int, seconds: float) -> None:
+    def record_step(self, batch, num_emitted: int, seconds: float) -> None:
         self.steps += 1
-        self.generated_tokens += num_sampled
+        self.generated_tokens += num_emitted
         self.step_seconds += seconds
         if any(it.num_new == 1 and it.start >= it.seq.num_prompt for it in batch.items):
             self.decode_steps += 1
@@ -28,6 +32,22 @@ class EngineStats:
     def tokens_per_second(self) -> float:
         return self.generated_tokens / self.step_seconds if self.step_seconds else 0.0
 
+    def record_verdicts(self, verdicts) -> None:
+        for v in verdicts:
+            self.spec_proposed += v.proposed
+            self.spec_accepted += v.accepted
+            self.spec_verifications += 1
+            self.spec_emitted += len(v.tokens)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0
+
+    @property
+    def tokens_per_verification(self) -> float:
+        """Tokens a sample gains per target forward while speculating (1 without drafts)."""
+        return self.spec_emitted / self.spec_verifications if self.spec_verifications else 0.0
+
     @property
     def overhead_share(self) -> float:
         """Share of step time spent outside the model forward (scheduling, metadata, sampling)."""
@@ -35,4 +55,6 @@ class EngineStats:
 
     def as_dict(self) -> dict:
         return asdict(self) | {"tokens_per_second": self.tokens_per_second,
-                               "overhead_share": self.overhead_share}
+                               "overhead_share": self.overhead_share,
+                               "acceptance_rate": self.acceptance_rate,
+                               "tokens_per_verification": self.tokens_per_verification}

@@ -2,8 +2,11 @@
 
 Names come out in Hugging Face form (`model.layers.0.self_attn.q_proj.weight`): wrapper
 prefixes (DDP's `module.`, torch.compile's `_orig_mod.`, PEFT's `base_model.model.` and
-`.base_layer.`) are stripped, and PEFT LoRA adapters are merged into the base weights for the
-duration of the read, then unmerged, so the trainer's model is left as it was.
+`.base_layer.`) are stripped, and PEFT LoRA adapters are folded into the base weights. Plain
+LoRA is added out of place (base + delta, one layer at a time), so the trainer's frozen base
+weights are never written: an in-place merge + unmerge is not exact in floating point and would
+drift them a little on every sync. Other adapter kinds (DoRA, LoRA bias) fall back to PEFT's
+merge_adapter / unmerge_adapter for the duration of the read.
 """
 
 from __future__ import annotations
@@ -54,16 +57,44 @@ def merged_adapters(model: nn.Module):
         model.unmerge_adapter()
 
 
+def lora_layers(model: nn.Module) -> dict[str, nn.Module] | None:
+    """Base-weight parameter name -> its LoRA layer, for adding deltas out of place; None when
+    some active adapter is not a plain `weight + delta` (a variant such as DoRA, or a bias)."""
+    layers = {}
+    for name, module in model.named_modules():
+        if not (hasattr(module, "lora_A") and hasattr(module, "get_delta_weight")):
+            continue
+        for a in _unmerged_adapters(module):
+            if a in getattr(module, "lora_variant", {}) or getattr(module, "lora_bias", {}).get(a):
+                return None
+        layers[f"{name}.base_layer.weight"] = module
+    return layers
+
+
+def _unmerged_adapters(module: nn.Module) -> list[str]:
+    if getattr(module, "disable_adapters", False):
+        return []
+    merged = set(getattr(module, "merged_adapters", []))  # already inside the base weight
+    return [a for a in module.active_adapters if a in module.lora_A and a not in merged]
+
+
 def model_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named parameters of a (possibly wrapped, possibly PEFT) causal LM, adapters merged.
 
-    Must be consumed inside the generator (it holds the merge open while it yields)."""
+    Must be consumed inside the generator (it may hold a merge open while it yields)."""
     model = unwrap(model)
-    with merged_adapters(model), torch.no_grad():
+    layers = lora_layers(model) if is_peft(model) else {}
+    merge = merged_adapters(model) if layers is None else contextlib.nullcontext()
+    with merge, torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_" in name or ".original_module." in name:
                 continue
-            yield hf_name(name), param.detach()
+            tensor = param.detach()
+            if layers and name in layers:
+                module = layers[name]
+                for adapter in _unmerged_adapters(module):
+                    tensor = tensor + module.get_delta_weight(adapter).to(tensor.dtype)
+            yield hf_name(name), tensor
 
 
 def as_named_tensors(source) -> Iterable[tuple[str, torch.Tensor]]:

@@ -1,0 +1,168 @@
+"""Draft-model drafting: a small model of the same tokenizer, with its own KV pool, radix cache
+and slot table, proposes k tokens per sample by sampling k times.
+
+The draft keeps a shadow `Sequence` per target sample. Each round it first computes whatever
+the target emitted since its last round (the accepted drafts and the correction or bonus token,
+in the same forward that yields its first proposal, so it never falls behind after a fully
+accepted round), then decodes k - 1 more tokens. After verification `rollback` frees the K/V of
+proposals the target rejected.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention import make_backend
+from ..kv_pool import KVPool
+from ..model_runner import ModelRunner
+from ..models.loader import build_model, load_into
+from ..radix_cache import RadixCache, common_prefix_len
+from ..request import Sequence, SeqStatus
+from ..sampler import TOKEN_STREAM, SamplingBatch, gumbel_noise, target_logprobs
+from ..scheduler import Batch, Scheduler
+from ..sleep import WeightParking
+from ..slot_table import SlotTable
+
+
+class DraftModelDrafter:
+    def __init__(self, draft_model, engine, stream: int = TOKEN_STREAM) -> None:
+        """`stream`: the noise the draft samples with; the target's own (TOKEN_STREAM) for
+        coupled acceptance, an independent one (DRAFT_STREAM) for rejection sampling."""
+        from ..engine import _resolve_model  # the engine module imports this one
+
+        cfg = engine.config
+        hf_config, weights, _, _, _ = _resolve_model(draft_model, cfg, engine.tokenizer)
+        if hf_config.vocab_size != engine.vocab_size:
+            raise ValueError(f"speculative.draft_model: vocab_size {hf_config.vocab_size} differs "
+                             f"from the target's {engine.vocab_size}; it must share the tokenizer")
+        dtype, device = engine.pool.dtype, engine.device
+        self.model = build_model(hf_config, cfg.max_model_len, dtype, device)
+        load_into(self.model, weights)
+        self.pool = KVPool(hf_config.num_hidden_layers, engine.pool.num_slots,
+                           self.model.num_kv_heads, self.model.head_dim, dtype, device)
+        self.cache = RadixCache(self.pool.free, device, enabled=cfg.enable_prefix_caching)
+        self.table = SlotTable(cfg.max_num_seqs, cfg.max_model_len, device)
+        self.scheduler = Scheduler(cfg, self.pool, self.cache, self.table)
+        self.runner = ModelRunner(self.model, make_backend(cfg.attention_backend, self.pool),
+                                  self.table, device)
+        self.device, self.stream = device, stream
+        self.parking = WeightParking(self.model, device)
+        self.shadows: dict[int, tuple[Sequence, Sequence]] = {}  # seq_id -> (target, shadow)
+
+    # --- shadow bookkeeping -----------------------------------------------------------------
+    def _forget_retired(self) -> None:
+        for seq_id, (target, shadow) in list(self.shadows.items()):
+            if target.status is not SeqStatus.RUNNING:
+                self.scheduler.release(shadow)
+                del self.shadows[seq_id]
+
+    def _shadow(self, target: Sequence) -> Sequence:
+        entry = self.shadows.get(target.seq_id)
+        if entry is not None:
+            return entry[1]
+        shadow = Sequence(seq_id=target.seq_id, group=target.group,
+                          sample_index=target.sample_index, prompt_ids=target.prompt_ids,
+                          params=target.params, seed=target.seed, stop_ids=frozenset(),
+                          token_ids=list(target.token_ids))
+        slots, node = self.cache.match_prefix(shadow.token_ids[:-1])
+        self.cache.lock(node)
+        self.scheduler.attach(shadow, slots, node)
+        self.shadows[target.seq_id] = (target, shadow)
+        return shadow
+
+    def rollback(self, targets: list[Sequence]) -> None:
+        """Free draft K/V past what the target kept (rejected proposals)."""
+        for target in targets:
+            entry = self.shadows.get(target.seq_id)
+            if entry is None:
+                continue
+            shadow = entry[1]
+            valid = min(common_prefix_len(shadow.token_ids[:shadow.num_computed],
+                                          target.token_ids, 0), target.num_tokens - 1)
+            self.scheduler.truncate(shadow, valid)
+            del shadow.token_ids[shadow.num_computed + 1:]
+
+    # --- colocation -------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Free the draft's KV pool; its weights go to host memory (the trainer never updates
+        them, so they are parked rather than dropped, whatever the engine's level)."""
+        self.shadows.clear()
+        self.scheduler.running.clear()
+        self.cache.reset()
+        self.pool.release()
+        self.table.release()
+        self.model.rope.release()
+        self.parking.park(1)
+
+    def wake_up(self) -> None:
+        self.parking.restore()
+        self.model.rope.build(self.device)
+        self.pool.allocate()
+        self.table.allocate()
+
+    # --- proposing --------------------------------------------------------------------------
+    def propose_batch(self, wanted: list[tuple[Sequence, int]], siblings):
+        """[(draft tokens, q [k, V])] per (target sequence, k)."""
+        self._forget_retired()
+        results: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
+        new_groups: set[str] = set()
+        active: list[tuple[Sequence, Sequence, int]] = []
+        for target, k in wanted:
+            if target.seq_id not in self.shadows:
+                # Siblings wait a round so the first one's prompt is cached in the draft tree.
+                if target.group in new_groups:
+                    continue
+                new_groups.add(target.group)
+            shadow = self._shadow(target)
+            self.rollback([target])
+            shadow.token_ids = list(target.token_ids)
+            active.append((target, shadow, k))
+            results[target.seq_id] = ([], [])
+        for step in range(max((k for _, _, k in active), default=0)):
+            active = [(t, s, k) for t, s, k in active if k > step]
+            active = self._draft_round(active, results)
+        out = []
+        for target, _ in wanted:
+            tokens, probs = results.get(target.seq_id, ([], []))
+            out.append((tokens, torch.stack(probs) if probs else None))
+        return out
+
+    def _draft_round(self, active, results):
+        """One draft forward: each shadow computes its uncomputed tokens and samples one."""
+        items, kept = [], []
+        for target, shadow, k in active:
+            n = shadow.num_tokens - shadow.num_computed
+            slots = self.scheduler._alloc(n)
+            if slots is None:  # draft pool full: this sample goes without more drafts
+                continue
+            self.scheduler._schedule(shadow, slots, items)
+            kept.append((target, shadow, k))
+        if not items:
+            return []
+        batch = Batch(items)
+        logits = self.runner.run(self.runner.prepare(batch))
+        shadows = [s for _, s, _ in kept]
+        rows = SamplingBatch.build(
+            temperature=[s.params.temperature for s in shadows],
+            top_k=[s.params.top_k for s in shadows], top_p=[s.params.top_p for s in shadows],
+            min_p=[s.params.min_p for s in shadows], seed=[s.seed for s in shadows],
+            position=[s.num_tokens for s in shadows], device=self.device)
+        tokens, q = self._sample(logits, rows)
+        for it, (target, shadow, _), token, q_row in zip(items, kept, tokens.tolist(), q):
+            shadow.num_computed += it.num_new
+            if it.start < shadow.num_prompt and self.cache.enabled:
+                self.scheduler.cache_computed(shadow)
+            shadow.token_ids.append(token)
+            drafted, probs = results[target.seq_id]
+            drafted.append(token)
+            probs.append(q_row)
+        return kept
+
+    def _sample(self, logits: torch.Tensor, rows: SamplingBatch):
+        """Draft tokens and their q (the filtered draft distribution they were drawn from)."""
+        _, candidates = target_logprobs(logits, rows)
+        q = candidates.softmax(dim=-1)
+        noise = gumbel_noise(rows.seed, rows.position, logits.shape[-1], self.stream)
+        tokens = (candidates + noise).argmax(dim=-1)
+        tokens = torch.where(rows.temperature == 0, logits.argmax(dim=-1), tokens)
+        return tokens, q

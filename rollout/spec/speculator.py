@@ -1,0 +1,44 @@
+"""Speculation within an engine step: propose before the forward, verify after it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..request import Sequence
+from ..scheduler import Batch, Scheduler
+from .config import SpeculativeConfig
+from .ngram import NgramDrafter
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, scheduler: Scheduler, max_model_len: int,
+                 siblings: Callable[[Sequence], list[Sequence]], drafter=None) -> None:
+        self.config, self.scheduler = config, scheduler
+        self.max_model_len, self.siblings = max_model_len, siblings
+        self.drafter = drafter or NgramDrafter(config.ngram_min, config.ngram_max)
+
+    def _budget(self, seq: Sequence) -> int:
+        """Drafts never run past max_tokens or max_model_len (one token is the target's)."""
+        return min(self.config.num_speculative_tokens,
+                   seq.params.max_tokens - seq.num_output - 1,
+                   self.max_model_len - seq.num_tokens - 1)
+
+    def propose(self, batch: Batch) -> int:
+        """Attach drafts to the batch's decode items; returns how many items got some."""
+        decodes = [it for it in batch.items if it.sample and it.num_new == 1]
+        if not decodes or len(decodes) > self.config.max_batch_size:
+            return 0
+        wanted = [(it, self._budget(it.seq)) for it in decodes]
+        wanted = [(it, k) for it, k in wanted if k > 0]
+        proposals = self.drafter.propose_batch([(it.seq, k) for it, k in wanted], self.siblings)
+        extended = 0
+        for (it, _), (draft, probs) in zip(wanted, proposals):
+            if draft and self.scheduler.add_drafts(it, draft, probs):
+                extended += 1
+        return extended
+
+    def after_commit(self, batch: Batch) -> None:
+        """Let the drafter drop K/V it computed for rejected proposals."""
+        rollback = getattr(self.drafter, "rollback", None)
+        if rollback is not None:
+            rollback([it.seq for it in batch.items if it.draft])

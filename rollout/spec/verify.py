@@ -1,0 +1,100 @@
+"""Verification: the target's k+1 logits rows decide which draft tokens survive.
+
+Two acceptance rules, both leaving the output distributed exactly as plain sampling would:
+
+- "coupled" (default): accept draft d while it equals the token the target itself samples at
+  that position (argmax when greedy; the counter-noise Gumbel-max sample otherwise), and emit
+  the target's sample at the first mismatch (or as the bonus after k matches). Every emitted
+  token is the target's own sample, so speculation changes no output, only speed. For a
+  deterministic proposal (n-gram, q one-hot) this accepts with probability p(d) = min(1, p/q)
+  and, on rejection, emits a draw from p restricted to tokens != d, i.e. max(0, p - q)
+  renormalised: the standard rule, realised through the shared noise. A draft model sampling
+  with the same noise agrees with the target whenever their noisy argmaxes coincide.
+- "rejection": the textbook rule for stochastic drafts: accept d with probability
+  min(1, p(d)/q(d)) using an independent coin, on rejection sample max(0, p - q) renormalised.
+  Its acceptance is optimal for a given q; outputs then depend on the drafts (still exact in
+  distribution, reproducible for a fixed configuration).
+
+p and q are the filtered (top-k/p/min-p) distributions. Coins and resampling noise come from
+the counter-based streams keyed by (sample seed, position).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..sampler import (ACCEPT_STREAM, RESIDUAL_STREAM, SamplingBatch, gumbel_noise, sample,
+                       target_logprobs, uniform_scalar)
+
+RULES = ("coupled", "rejection")
+
+
+@dataclass
+class Verdict:
+    tokens: list[int]  # accepted drafts, then the correction or bonus token
+    logprobs: list[float]  # the target's log_softmax(logits / T) at each emitted token
+    proposed: int = 0
+
+    @property
+    def accepted(self) -> int:
+        return len(self.tokens) - 1
+
+
+def draft_distributions(drafts: list[list[int]], draft_probs: list[torch.Tensor | None],
+                        vocab: int, device) -> torch.Tensor:
+    """q [R, V] per verify row (zeros on each request's last row, which has no draft)."""
+    q_rows = []
+    for draft, probs in zip(drafts, draft_probs):
+        if probs is None:  # deterministic proposal: q is one-hot at the draft token
+            q = torch.zeros(len(draft) + 1, vocab, device=device)
+            q[torch.arange(len(draft)), torch.tensor(draft, dtype=torch.long)] = 1.0
+        else:
+            q = torch.cat([probs.to(device), torch.zeros(1, vocab, device=device)])
+        q_rows.append(q)
+    return torch.cat(q_rows)
+
+
+def verify(logits: torch.Tensor, batch: SamplingBatch, drafts: list[list[int]],
+           draft_probs: list[torch.Tensor | None], rule: str = "coupled") -> list[Verdict]:
+    """`logits` [R, V]: for each request its len(draft)+1 rows; `batch` holds one row per
+    logits row (position = the position of the token that row predicts)."""
+    vocab = logits.shape[-1]
+    logp, candidates = target_logprobs(logits, batch)
+    target, _ = sample(logits, batch)  # the target's own sample (argmax on greedy rows)
+    d = torch.tensor([t for draft in drafts for t in draft + [-1]], device=logits.device)
+    if rule == "coupled" or batch.all_greedy:
+        accept = d == target
+        residual_token = target
+    else:
+        q = draft_distributions(drafts, draft_probs, vocab, logits.device)
+        safe_d = d.clamp(min=0)[:, None]
+        p = candidates.softmax(dim=-1)
+        ratio = p.gather(-1, safe_d).squeeze(-1) / q.gather(-1, safe_d).squeeze(-1).clamp(min=1e-30)
+        coin = uniform_scalar(batch.seed, batch.position, ACCEPT_STREAM)
+        greedy = batch.temperature == 0
+        accept = torch.where(greedy, d == target, coin < ratio)
+        residual = (p - q).clamp(min=0).log()
+        noise = gumbel_noise(batch.seed, batch.position, vocab, RESIDUAL_STREAM)
+        residual_token = torch.where(greedy, target, (residual + noise).argmax(dim=-1))
+    accept, target_l = accept.tolist(), target.tolist()
+    residual_l = residual_token.tolist()
+    verdicts, row = [], 0
+    picked_rows, picked_tokens = [], []
+    for draft in drafts:
+        a = 0
+        while a < len(draft) and accept[row + a]:
+            a += 1
+        last = target_l[row + a] if a == len(draft) else residual_l[row + a]
+        tokens = draft[:a] + [last]
+        picked_rows += range(row, row + a + 1)
+        picked_tokens += tokens
+        verdicts.append(Verdict(tokens, [], len(draft)))
+        row += len(draft) + 1
+    lps = logp[torch.tensor(picked_rows), torch.tensor(picked_tokens)].tolist()
+    at = 0
+    for v in verdicts:
+        v.logprobs = lps[at:at + len(v.tokens)]
+        at += len(v.tokens)
+    return verdicts

@@ -1,0 +1,41 @@
+"""Shared setup of the Triton kernel tests (tests/test_kernels_*.py).
+
+Importing `kernels` first turns on TRITON_INTERPRET=1 when there is no GPU, before any
+triton.jit decorator runs. On a GPU the same tests run compiled and add bf16; bf16 is left out
+on the CPU because the interpreter's bf16 tl.dot is wrong.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import kernels  # noqa: E402,F401  (sets the interpreter up before triton compiles anything)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ON_GPU = DEVICE == "cuda"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+ATOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def indptr(lengths: list[int]) -> torch.Tensor:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32, device=DEVICE)
+
+
+def scattered_slots(num_slots: int, count: int, gen: torch.Generator) -> torch.Tensor:
+    """`count` distinct pool slots in random order, never slot 0 (see `poison_unused_slots`)."""
+    return (torch.randperm(num_slots - 1, generator=gen)[:count] + 1).to(torch.int32).to(DEVICE)
+
+
+def poison_unused_slots(k_pool: torch.Tensor, v_pool: torch.Tensor, used: torch.Tensor) -> None:
+    """Slots outside every context hold NaN, as an uninitialised pool may; slot 0 among them,
+    which the attention kernel reads (and masks) past the end of a context."""
+    unused = torch.ones(k_pool.shape[0], dtype=torch.bool, device=k_pool.device)
+    unused[used.long()] = False
+    k_pool[unused] = float("nan")
+    v_pool[unused] = float("nan")
