@@ -18,6 +18,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from workloads import QWEN2_05B, QWEN2_25M, grpo_prompts, random_qwen2  # noqa: E402
 
 from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
@@ -48,7 +49,9 @@ def run_engine(model, prompts, n, max_new, args):
                           max_num_batched_tokens=args.batched_tokens)
     engine = Engine(model, config)
     params = SamplingParams(n=n, temperature=1.0, max_tokens=max_new, ignore_eos=True, seed=0)
-    engine.generate(prompts[:2], SamplingParams(n=2, max_tokens=4, seed=1))  # warm-up
+    # Warm-up (kernel compilation on GPU) on other prompts, so nothing of the run is cached.
+    warm = grpo_prompts(2, len(prompts[0]), 0, model.config.vocab_size, seed=99)
+    engine.generate(warm, SamplingParams(n=2, max_tokens=4, seed=1))
     base = engine.stats.as_dict()
     sync(args.device)
     t0 = time.perf_counter()

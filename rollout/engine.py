@@ -32,7 +32,7 @@ from .spec.speculator import Speculator
 from .spec.verify import verify
 from .sleep import WeightParking, tensor_bytes
 from .stats import EngineStats
-from .weights import as_named_tensors, buckets
+from .weights import as_named_tensors, buckets, is_peft, model_tensors, unwrap
 from .stop import StopChecker
 
 Prompt = str | Seq[int]
@@ -403,11 +403,16 @@ def _resolve_model(model, config: EngineConfig, tokenizer):
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(model)
         return hf_config, checkpoint_tensors(model), device, dtype, tokenizer
-    if not hasattr(model, "config") or not hasattr(model, "named_parameters"):
-        raise ValueError("model must be a transformers PreTrainedModel or a local path")
-    param = next(model.parameters())
-    device = torch.device(config.device) if config.device else param.device
-    return model.config, model.named_parameters(), device, config.dtype or param.dtype, tokenizer
+    inner = unwrap(model) if isinstance(model, torch.nn.Module) else model
+    if not hasattr(inner, "config") or not hasattr(inner, "named_parameters"):
+        raise ValueError("model must be a transformers PreTrainedModel (possibly DDP/PEFT "
+                         "wrapped) or a local path")
+    param = next(inner.parameters())
+    device = torch.device(config.device or param.device)
+    if device.type == "cpu":
+        device = torch.device("cpu")  # distributed CPU runs hand out "cpu:0", which != "cpu"
+    hf_config = inner.get_base_model().config if is_peft(inner) else inner.config
+    return hf_config, model_tensors(model), device, config.dtype or param.dtype, tokenizer
 
 
 def _eos_ids(model, hf_config, tokenizer) -> frozenset[int]:

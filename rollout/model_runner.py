@@ -70,7 +70,8 @@ class ModelRunner:
         meta.plan = self.backend.plan(meta)
         return StepInputs(input_ids=torch.tensor(input_ids, device=dev),
                           positions=positions.to(dev), meta=meta,
-                          logits_index=torch.tensor(logits_index, device=dev))
+                          logits_index=torch.tensor(logits_index, dtype=torch.long,
+                                                    device=dev))
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:

@@ -15,9 +15,9 @@ def assert_matches_reference(model, prompts, outs, margin=1e-4, atol=1e-4):
     for prompt, out in zip(prompts, outs):
         for sample in out.samples:
             tokens = sample.token_ids
-            full = torch.tensor([prompt + tokens])
+            full = torch.tensor([prompt + tokens], device=model.device)
             with torch.no_grad():
-                logits = model(full).logits[0, len(prompt) - 1:-1].float()
+                logits = model(full).logits[0, len(prompt) - 1:-1].float().cpu()
             top2 = logits.topk(2, dim=-1)
             chosen = logits.gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
             close = (top2.values[:, 0] - chosen) < margin

@@ -13,34 +13,61 @@ from __future__ import annotations
 import time
 
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from rollout import Engine
 from rollout.weights import unwrap
 
+_optimizer_steps = 0  # every optimizer step in this process, counted by a global hook
+_hook = None
+
+
+def _count_step(optimizer, args, kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+def _watch_optimizers() -> None:
+    global _hook
+    if _hook is None:
+        _hook = register_optimizer_step_post_hook(_count_step)
+
 
 def weights_version(model: nn.Module) -> tuple[int, ...]:
-    """Changes whenever any parameter is modified in place (optimizer steps, copy_), via
-    autograd's per-tensor version counters: cheaper than hashing the weights."""
-    return tuple(p._version for p in unwrap(model).parameters())
+    """Changes whenever a parameter may have been modified in place. Autograd's per-tensor
+    version counters catch copy_, load_state_dict and foreach optimizers, but fused optimizer
+    kernels (torch's fused AdamW, the HF Trainer's default) write without bumping them, so any
+    optimizer step in the process counts too (at worst one needless sync when some other
+    model's optimizer stepped). Cheaper than hashing the weights."""
+    _watch_optimizers()
+    return (_optimizer_steps, *(p._version for p in unwrap(model).parameters()))
 
 
 class ColocatedRollout:
     def __init__(self, engine: Engine, model: nn.Module, sleep_level: int = 1,
-                 gather=None) -> None:
+                 gather=None, synced: bool = True) -> None:
         """`gather`: optional context-manager factory that materialises sharded parameters
         (DeepSpeed ZeRO-3 / FSDP), e.g. trl's unwrap_model_for_generation bound to the
-        accelerator; weights are read inside it."""
+        accelerator; weights are read inside it. `synced=False` when the engine may not hold
+        the model's current weights (built earlier, or before DDP broadcast rank 0's weights,
+        which need not bump version counters): the first entry then syncs unconditionally."""
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level!r}")
         self.engine, self.model, self.sleep_level, self.gather = engine, model, sleep_level, gather
-        self._synced_version: tuple[int, ...] | None = weights_version(model)  # built from it
+        self._synced_version: tuple[int, ...] | None = weights_version(model) if synced else None
         self.timings: dict[str, float] = {}
+        self.synced = False  # whether the last entry copied weights in
 
     def __enter__(self) -> ColocatedRollout:
         t0 = time.perf_counter()
         self.engine.wake_up()
         t1 = time.perf_counter()
-        self.sync_weights()
+        try:
+            self.synced = self.sync_weights()
+        except BaseException:
+            # __exit__ does not run when __enter__ raises: give the memory back here.
+            self.engine.sleep(self.sleep_level)
+            raise
         self.timings.update(wake=t1 - t0, sync=time.perf_counter() - t1)
         return self
 
@@ -54,7 +81,9 @@ class ColocatedRollout:
         else:
             with self.gather(self.model) as full:
                 self.engine.update_weights(full)
-        self._synced_version = version
+        # Read again: reading can itself bump counters (PEFT's merge/unmerge fallback for DoRA
+        # writes the base weights in place), and that must not count as a change next time.
+        self._synced_version = weights_version(self.model)
         return True
 
     def generate(self, prompts, params=None, **kwargs):

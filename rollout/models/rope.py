@@ -18,7 +18,10 @@ def _inv_freq(config, head_dim: int, max_model_len: int) -> tuple[torch.Tensor, 
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        # On the CPU explicitly: built under the engine's device context, it would otherwise
+        # stay on the GPU through sleep.
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
+        inv = 1.0 / (theta ** (exponents / head_dim))
         return inv, 1.0
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"rope_parameters.rope_type={rope_type!r} is not supported")

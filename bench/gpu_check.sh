@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU session's checks, prepared to run in one device call (see README "GPU checks").
+#   bash bench/gpu_check.sh correctness   # kernel tests (bf16 too) + engine-on-CUDA tests
+#   bash bench/gpu_check.sh bench         # kernel, engine-vs-transformers benchmarks
+#   bash bench/gpu_check.sh more          # colocation and speculative-decoding benchmarks
+#   bash bench/gpu_check.sh all
+# Every section has its own timeout, so one failure does not eat the session. Logs go to $OUT.
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=offline
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # nothing is pip-installed on that machine
+PY=${PY:-python3}
+O=${OUT:-/tmp/gpu_check}
+mkdir -p "$O"
+what=${1:-all}
+exec > >(tee -a "$O/gpu_check.log") 2>&1
+
+section() {  # section NAME SECONDS CMD...
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s)
+  echo "=== $name (limit ${limit}s)"
+  timeout "$limit" "$@"
+  echo "=== $name: rc=$? in $(( $(date +%s) - t0 ))s"
+}
+
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+$PY -c "import torch, triton, transformers as t; print('torch', torch.__version__, 'triton', \
+triton.__version__, 'transformers', t.__version__)"
+
+if [ "$what" = correctness ] || [ "$what" = all ]; then
+  # Kernel tests compile ~130 variants: they run in parallel processes beside the engine tests.
+  ( OUT=/tmp/kernels_logs PY=$PY timeout 300 bash bench/gpu_check_kernels.sh tests \
+      > /tmp/kernel_tests.out 2>&1; cat /tmp/kernels_logs/kernels_check/*.log > "$O/kernel_tests.log" ) &
+  kernel_tests=$!  # wait on it by pid: a bare `wait` would also wait for the tee above
+  section engine_tests 280 $PY -m pytest -q -p no:cacheprovider -x tests/test_gpu.py -rA
+  section engine_cpu_suite 200 $PY -m pytest -q -p no:cacheprovider tests/test_parity.py \
+      tests/test_spec.py tests/test_prefix_sharing.py
+  wait "$kernel_tests"
+  echo "=== kernel tests"; cat /tmp/kernel_tests.out
+fi
+
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  section engine_vs_hf_0.5b 150 $PY bench/engine_vs_hf.py --device cuda --model-shape 0.5b \
+      --dtype bfloat16 --kv-tokens 400000
+  section engine_vs_hf_0.5b_large 150 $PY bench/engine_vs_hf.py --device cuda --model-shape 0.5b \
+      --dtype bfloat16 --kv-tokens 400000 --prompts 64 --max-new 256
+  section kernels_bench 200 $PY bench/kernels.py
+fi
+
+if [ "$what" = more ] || [ "$what" = all ]; then
+  [ -f bench/colocation.py ] && section colocation 120 $PY bench/colocation.py --device cuda
+  [ -f bench/spec.py ] && section spec 150 $PY bench/spec.py --device cuda
+fi
