@@ -6,7 +6,7 @@ same way as the torch version: right shifts are masked to make them logical, mul
 wrap modulo 2**32 (Triton's integer multiply wraps; the constants are the torch ones, the second
 one written as its signed int32 value).
 
-The uniform built from the top 24 bits is exact. The Gumbel transform -log(-log(u)) uses
+The uniform built from the top 23 bits is exact. The Gumbel transform -log(-log(u)) uses
 libdevice's logf on the GPU, the same routine torch's CUDA `log` calls, so it matches torch on
 CUDA bit for bit; under the CPU interpreter `tl.log` is numpy's log, which can differ from torch's
 CPU log by one ulp.
@@ -45,8 +45,8 @@ def token_bits(key, tok):
 
 @triton.jit
 def bits_to_uniform(h):
-    """Top 24 bits -> float32 in (0, 1); every step is exact."""
-    return (((h >> 8) & 0xFFFFFF).to(tl.float32) + 0.5) * 5.9604644775390625e-08  # 2**-24
+    """Top 23 bits -> float32 in (0, 1); every step is exact (see rollout.sampler)."""
+    return (((h >> 9) & 0x7FFFFF).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2**-23
 
 
 @triton.jit

@@ -203,8 +203,9 @@ class Engine:
             self._abort_bad(bad)
         self.scheduler.commit(batch, emitted, logprobs, self.stop)
         if speculating:
-            self.speculator.after_commit(batch)
-            self._stats.record_verdicts(v for v, it in zip(verdicts, items) if it.draft)
+            drafted = [v for v, it in zip(verdicts, items) if it.draft]
+            self.speculator.after_commit(batch, drafted)
+            self._stats.record_verdicts(drafted)
         self._stats.record_step(batch, sum(map(len, emitted)), time.perf_counter() - t0)
         return self._collect_finished()
 

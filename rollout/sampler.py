@@ -18,7 +18,7 @@ import torch
 
 _M1 = 0x7FEB352D
 _M2 = 0x846CA68B - (1 << 32)  # 0x846CA68B as a signed int32
-_UNIFORM_SCALE = 1.0 / (1 << 24)
+_UNIFORM_SCALE = 1.0 / (1 << 23)
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
@@ -63,8 +63,9 @@ def row_keys(seed: torch.Tensor, position: torch.Tensor, stream: int = 0) -> tor
 
 
 def bits_to_uniform(h: torch.Tensor) -> torch.Tensor:
-    """Top 24 bits of a hash -> float32 uniform in (0, 1), exactly representable."""
-    return (h >> 8).bitwise_and_(0xFFFFFF).to(torch.float32).add_(0.5).mul_(_UNIFORM_SCALE)
+    """Top 23 bits of a hash -> float32 uniform in (0, 1). With 23 bits, m + 0.5 stays exact
+    (24 significant bits), so u < 1 strictly and the Gumbel noise is always finite."""
+    return (h >> 9).bitwise_and_(0x7FFFFF).to(torch.float32).add_(0.5).mul_(_UNIFORM_SCALE)
 
 
 # Independent noise streams drawn at the same position.
@@ -136,7 +137,8 @@ def filter_logprobs(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     drop_sorted = ranks[None, :] >= k[:, None]
     probs = sorted_logp.masked_fill(drop_sorted, float("-inf")).softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    drop_sorted |= mass_before >= top_p[:, None]
+    # top_p == 1 means off: in fp32 the mass before the tail can round to exactly 1.0.
+    drop_sorted |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
     drop_sorted[:, 0] = False  # the most likely token always survives
     drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
     drop |= logp < (sorted_logp[:, :1] + torch.log(min_p)[:, None])

@@ -150,8 +150,9 @@ class Scheduler:
 
     def _admit(self, budget: int, items: list[ScheduledSeq]) -> int:
         admitted: set[int] = set()
-        # Prompts being prefilled now, by group; their prefixes are cached once computed.
-        in_flight = {s.group: s for s in self.running if s.num_computed < s.num_prompt}
+        # Prompts being prefilled now, by group; their prefixes are cached once computed. A
+        # sample that only computes its last prompt token (the rest matched) shares nothing.
+        in_flight = {s.group: s for s in self.running if s.num_computed < s.num_prompt - 1}
         decode_reserve = len(self.running)
         for seq in self._admission_order():
             if (budget == 0 or len(self.running) >= self.config.max_num_seqs
@@ -176,7 +177,7 @@ class Scheduler:
             self._schedule(seq, new, items)
             budget -= n
             decode_reserve += 1
-            if seq.num_computed < seq.num_prompt:
+            if seq.num_computed < seq.num_prompt - 1:
                 in_flight.setdefault(seq.group, seq)
         if admitted:
             self.waiting = deque(s for s in self.waiting if s.seq_id not in admitted)

@@ -24,9 +24,15 @@ def find_continuation(source: list[int], pattern: list[int], k: int) -> list[int
         if at < 0:
             return []
         if at % 4 == 0:
-            start = at // 4 + len(pattern)
-            return source[start:start + k]
+            break
         end = at + len(needle) - 1
+    # Copy forward; past the end of `source` keep copying from the proposal itself, so a loop
+    # of period p still yields k tokens although only p - 1 follow its newest occurrence.
+    start = at // 4 + len(pattern)
+    proposal: list[int] = []
+    for i in range(start, start + k):
+        proposal.append(source[i] if i < len(source) else proposal[i - len(source)])
+    return proposal
 
 
 class NgramDrafter:

@@ -16,6 +16,10 @@ class Speculator:
         self.config, self.scheduler = config, scheduler
         self.max_model_len, self.siblings = max_model_len, siblings
         self.drafter = drafter or NgramDrafter(config.ngram_min, config.ngram_max)
+        # seq_id -> (consecutive fully rejected rounds, steps left before proposing again):
+        # a sample whose drafts keep failing stops paying for verification, with exponential
+        # back-off so it is probed again now and then.
+        self._misses: dict[int, list[int]] = {}
 
     def _budget(self, seq: Sequence) -> int:
         """Drafts never run past max_tokens or max_model_len (one token is the target's)."""
@@ -28,7 +32,7 @@ class Speculator:
         decodes = [it for it in batch.items if it.sample and it.num_new == 1]
         if not decodes or len(decodes) > self.config.max_batch_size:
             return 0
-        wanted = [(it, self._budget(it.seq)) for it in decodes]
+        wanted = [(it, self._budget(it.seq)) for it in decodes if self._ready(it.seq)]
         wanted = [(it, k) for it, k in wanted if k > 0]
         proposals = self.drafter.propose_batch([(it.seq, k) for it, k in wanted], self.siblings)
         extended = 0
@@ -37,8 +41,26 @@ class Speculator:
                 extended += 1
         return extended
 
-    def after_commit(self, batch: Batch) -> None:
-        """Let the drafter drop K/V it computed for rejected proposals."""
+    def _ready(self, seq: Sequence) -> bool:
+        state = self._misses.get(seq.seq_id)
+        if state is None or state[1] == 0:
+            return True
+        state[1] -= 1
+        return False
+
+    def after_commit(self, batch: Batch, verdicts) -> None:
+        """Update the back-off, and let the drafter drop K/V of rejected proposals."""
+        verified = [it for it in batch.items if it.draft]
+        for it, verdict in zip(verified, verdicts):
+            state = self._misses.setdefault(it.seq.seq_id, [0, 0])
+            if verdict.accepted:
+                state[0] = 0
+            else:
+                state[0] += 1
+                state[1] = min(2 ** state[0], 32)
+        for it in batch.items:
+            if it.seq.is_finished:
+                self._misses.pop(it.seq.seq_id, None)
         rollback = getattr(self.drafter, "rollback", None)
         if rollback is not None:
-            rollback([it.seq for it in batch.items if it.draft])
+            rollback([it.seq for it in verified])

@@ -1,0 +1,386 @@
+"""The sampler: counter-based noise, the exact sampled distribution under each filter, the
+logprobs it reports, and per-sample reproducibility through the whole engine.
+
+Distribution tests draw one token from each of many rows that share logits and differ in
+(seed, position); the seeds are fixed, so a test either always passes or always fails.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from models import tiny_model
+from scipy import stats
+
+from rollout import Engine, EngineConfig, SamplingParams
+from rollout.sampler import (
+    SamplingBatch,
+    bits_to_uniform,
+    filter_logprobs,
+    gumbel_noise,
+    mix32,
+    mix32_int,
+    row_keys,
+    sample,
+    sample_seed,
+    to_int32,
+    uniform_noise,
+)
+
+P_MIN = 1e-3
+
+
+def lowbias32(x: int) -> int:
+    """Chris Wellons' lowbias32, written out independently of the module under test."""
+    x &= 0xFFFFFFFF
+    x = ((x ^ (x >> 16)) * 0x7FEB352D) & 0xFFFFFFFF
+    x = ((x ^ (x >> 15)) * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def random_int32(n: int, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    edges = [0, 1, -1, 2**31 - 1, -2**31, 0x7FEB352D, -2073254261]
+    return edges + rng.integers(-2**31, 2**31, n).tolist()
+
+
+def batch(rows: int, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0,
+          seeds=None, positions=None) -> SamplingBatch:
+    rng = np.random.default_rng(seed)
+    if seeds is None:
+        seeds = rng.integers(-2**31, 2**31, rows).tolist()
+    if positions is None:
+        positions = rng.integers(0, 1 << 20, rows).tolist()
+
+    def per_row(v):
+        return list(v) if isinstance(v, (list, tuple)) else [v] * rows
+
+    return SamplingBatch.build(per_row(temperature), per_row(top_k), per_row(top_p),
+                               per_row(min_p), seeds, positions, "cpu")
+
+
+# --- noise --------------------------------------------------------------------------------
+def test_mix32_equals_mix32_int_on_every_bit_pattern_kind():
+    values = random_int32(5000, seed=1)
+    got = mix32(torch.tensor(values, dtype=torch.int32)).tolist()
+    for v, g in zip(values, got):
+        assert g & 0xFFFFFFFF == mix32_int(v) == lowbias32(v), v
+        assert -2**31 <= g < 2**31
+
+
+def test_row_keys_and_token_bits_follow_the_documented_hash():
+    """Pinned: changing the hash silently changes every seeded rollout (and the Triton sampler
+    must reproduce it bit for bit)."""
+    seeds, positions = random_int32(200, seed=2), random_int32(200, seed=3)
+    positions = [p & 0x7FFFFFFF for p in positions]
+    keys = row_keys(torch.tensor(seeds, dtype=torch.int32),
+                    torch.tensor(positions, dtype=torch.int32)).tolist()
+    for s, p, k in zip(seeds, positions, keys):
+        assert k & 0xFFFFFFFF == lowbias32((s & 0xFFFFFFFF) ^ lowbias32(p))
+    u = uniform_noise(torch.tensor(seeds[:20], dtype=torch.int32),
+                      torch.tensor(positions[:20], dtype=torch.int32), 7)
+    for row, k in enumerate(keys[:20]):
+        for t in range(7):
+            bits = to_int32(lowbias32((k & 0xFFFFFFFF) ^ t))
+            assert u[row, t].item() == bits_to_uniform(torch.tensor([bits])).item()
+
+
+def test_uniform_noise_is_in_the_open_unit_interval_and_uniform():
+    b = batch(4000, seed=4)
+    u = uniform_noise(b.seed, b.position, 64)
+    assert bool(((u > 0) & (u < 1)).all())
+    assert stats.kstest(u.flatten().double().numpy(), "uniform").pvalue > P_MIN
+    # Neighbouring tokens of a row and neighbouring rows must not be correlated.
+    assert abs(np.corrcoef(u[:, :-1].flatten(), u[:, 1:].flatten())[0, 1]) < 0.01
+    assert abs(np.corrcoef(u[:-1].flatten(), u[1:].flatten())[0, 1]) < 0.01
+
+
+def test_bits_to_uniform_stays_below_one_for_every_24_bit_pattern():
+    """Every hash must give a finite Gumbel: u == 1 makes the noise +inf, and that token wins
+    whatever its logit (even a filtered one: -inf + inf is nan, and argmax takes nan)."""
+    top24 = torch.arange(1 << 24, dtype=torch.int64).to(torch.int32) << 8
+    u = bits_to_uniform(top24 | 0xAB)
+    assert float(u.min()) > 0
+    bad = (u >= 1).nonzero().flatten()
+    assert bad.numel() == 0, \
+        f"bits_to_uniform gives {u.max().item()} for top-24-bit pattern(s) {bad[:4].tolist()}"
+    gumbel = -torch.log(-torch.log(u))
+    assert bool(torch.isfinite(gumbel).all())
+
+
+def test_saturated_noise_does_not_override_filters_or_logits():
+    """(seed, position) = (-2123720700, 0) hashes token 1 to the top 24-bit pattern. Top-k=1
+    must still give the argmax, and a token e^-50 less likely than another must not win."""
+    seed, position = -2123720700, 0
+    g = gumbel_noise(torch.tensor([seed], dtype=torch.int32),
+                     torch.tensor([position], dtype=torch.int32), 3)
+    assert bool(torch.isfinite(g).all()), f"Gumbel noise {g.tolist()} is not finite"
+    logits = torch.tensor([[5.0, 0.0, 1.0]])
+    tokens, _ = sample(logits, batch(1, top_k=1, seeds=[seed], positions=[position]))
+    assert tokens.tolist() == [0], "top_k=1 did not return the argmax"
+    tokens, _ = sample(torch.tensor([[50.0, 0.0, 1.0]]),
+                       batch(1, seeds=[seed], positions=[position]))
+    assert tokens.tolist() == [0]
+
+
+def test_noise_row_depends_only_on_its_seed_and_position():
+    b = batch(64, seed=5)
+    full = uniform_noise(b.seed, b.position, 40)
+    for i in (0, 17, 63):
+        alone = uniform_noise(b.seed[i:i + 1], b.position[i:i + 1], 40)
+        assert torch.equal(alone[0], full[i])
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(uniform_noise(b.seed[perm], b.position[perm], 40), full[perm])
+    # A bigger vocabulary only appends columns.
+    assert torch.equal(uniform_noise(b.seed, b.position, 100)[:, :40], full)
+
+
+def test_noise_differs_across_seeds_and_positions():
+    seed = torch.full((100,), 7, dtype=torch.int32)
+    pos = torch.arange(100, dtype=torch.int32)
+    by_position = uniform_noise(seed, pos, 32)
+    by_seed = uniform_noise(torch.arange(100, dtype=torch.int32), torch.zeros_like(pos), 32)
+    for u in (by_position, by_seed):
+        # Distinct rows share no more than a chance number of equal values (24-bit grid).
+        same = (u[:, None, :] == u[None, :, :]).sum(-1)
+        same.fill_diagonal_(0)
+        assert int(same.max()) <= 1
+    assert not torch.equal(uniform_noise(seed[:1], pos[:1], 32),
+                           uniform_noise(seed[:1] ^ (1 << 31), pos[:1], 32))
+
+
+def test_sample_seeds_are_distinct_per_sample_and_use_all_64_bits():
+    seeds = [sample_seed(123, j) for j in range(2000)]
+    assert len(set(seeds)) == len(seeds)
+    assert all(-2**31 <= s < 2**31 for s in seeds)
+    assert sample_seed(5, 0) != sample_seed(5 + (1 << 32), 0)
+    assert sample_seed(5, 0) == sample_seed(5, 0)
+
+
+# --- the sampled distribution -------------------------------------------------------------
+def reference_distribution(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
+                           min_p: float) -> np.ndarray:
+    """Top-k, then top-p over the renormalised top-k survivors (keep a token while the mass
+    before it in descending order is < top_p; the top token always stays), then min-p relative
+    to the most likely token; the survivors renormalised. float64 throughout."""
+    z = logits.astype(np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    k = len(p) if top_k <= 0 else min(top_k, len(p))
+    survivors = order[:k]
+    q = p[survivors] / p[survivors].sum()
+    before = np.cumsum(q) - q
+    kept = survivors[(before < top_p) | (np.arange(k) == 0)]
+    kept = kept[p[kept] >= min_p * p.max()]
+    out = np.zeros_like(p)
+    out[kept] = p[kept]
+    return out / out.sum()
+
+
+def boundary_margin(logits, temperature, top_k, top_p, min_p) -> float:
+    """How far the top-p and min-p decisions are from a tie; the test needs them clear."""
+    z = logits.astype(np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    margins = [abs(p / p.max() - min_p).min()] if min_p > 0 else [1.0]
+    if top_p < 1:
+        s = np.sort(p)[::-1][:top_k if top_k > 0 else len(p)]
+        s /= s.sum()
+        margins.append(abs(np.cumsum(s) - s - top_p).min())
+    return float(min(margins))
+
+
+def chi_square(counts: np.ndarray, expected_probs: np.ndarray) -> float:
+    """p-value, with categories of expected count < 5 merged into one."""
+    expected = expected_probs * counts.sum()
+    small = expected < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    if len(exp) < 2:
+        return 1.0
+    return float(stats.chisquare(obs, exp).pvalue)
+
+
+OFF = {"top_k": 0, "top_p": 1.0, "min_p": 0.0}
+LOGITS = np.array([2.1, 1.7, 1.5, 0.9, 0.6, 0.2, -0.1, -0.5, -0.9, -1.4, -2.0, -3.1])
+ROWS = 20000
+CASES = {
+    "T0.7": {"temperature": 0.7},
+    "T1.5": {"temperature": 1.5},
+    "top_k": {"temperature": 1.0, "top_k": 4},
+    "top_p": {"temperature": 1.0, "top_p": 0.8},
+    "min_p": {"temperature": 1.0, "min_p": 0.13},
+    # Top-p over the renormalised top-5 keeps 3 tokens; over the full distribution it
+    # would keep 4.
+    "k_then_p": {"temperature": 1.0, "top_k": 5, "top_p": 0.75},
+    "all": {"temperature": 0.8, "top_k": 9, "top_p": 0.9, "min_p": 0.06},
+    "tight_p_hot": {"temperature": 2.0, "top_k": 10, "top_p": 0.35, "min_p": 0.0},
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_sample_matches_the_exact_filtered_distribution(name):
+    params = OFF | CASES[name]
+    want = reference_distribution(LOGITS, **params)
+    assert boundary_margin(LOGITS, params["temperature"], params["top_k"], params["top_p"],
+                           params["min_p"]) > 1e-3
+    if name not in ("T0.7", "T1.5"):
+        assert 1 < (want > 0).sum() < len(LOGITS), "the filter should cut, but not everything"
+    logits = torch.tensor(LOGITS, dtype=torch.float32).expand(ROWS, -1)
+    tokens, _ = sample(logits, batch(ROWS, seed=list(CASES).index(name), **params))
+    counts = np.bincount(tokens.numpy(), minlength=len(LOGITS))
+    outside = counts[want == 0].sum()
+    assert outside == 0, f"{outside} samples of filtered-out tokens {np.flatnonzero(want == 0)}"
+    p = chi_square(counts[want > 0], want[want > 0])
+    assert p > P_MIN, (name, counts.tolist(), (want * ROWS).round(1).tolist(), p)
+
+
+def test_each_row_uses_its_own_parameters():
+    """Three parameter sets interleaved in one batch; each row set has its own distribution."""
+    sets = [CASES["top_k"], CASES["T1.5"], CASES["all"]]
+    rows = 3 * 8000
+    cols = {key: [(OFF | sets[i % 3])[key] for i in range(rows)]
+            for key in ("temperature", "top_k", "top_p", "min_p")}
+    logits = torch.tensor(LOGITS, dtype=torch.float32).expand(rows, -1)
+    tokens, _ = sample(logits, batch(rows, seed=11, **cols))
+    for j, params in enumerate(sets):
+        want = reference_distribution(LOGITS, **(OFF | params))
+        counts = np.bincount(tokens[j::3].numpy(), minlength=len(LOGITS))
+        assert counts[want == 0].sum() == 0
+        assert chi_square(counts[want > 0], want[want > 0]) > P_MIN, (params, counts.tolist())
+
+
+def test_a_row_without_filters_is_unchanged_when_another_row_filters():
+    """top_p = 1 means off. Applying the cumsum test anyway drops tail tokens whose rounded
+    mass-before reaches 1.0, so such a row would sample differently depending on whether a
+    filtering request shares its batch."""
+    logits = torch.tensor([[0.0] + [-17.5] * 15, [0.0] + [-17.5] * 15])
+    logp = logits.log_softmax(-1)
+    out = filter_logprobs(logp, torch.tensor([0, 3], dtype=torch.int32),
+                          torch.tensor([1.0, 1.0]), torch.tensor([0.0, 0.0]))
+    assert torch.equal(out[0], logp[0]), \
+        f"filters off, yet tokens {torch.isinf(out[0]).nonzero().flatten().tolist()} were masked"
+
+
+# --- tokens and logprobs ------------------------------------------------------------------
+def test_all_greedy_rows_give_argmax_and_its_log_softmax():
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(0)) * 3
+    tokens, logprobs = sample(logits, batch(64, temperature=0.0))
+    assert torch.equal(tokens, logits.argmax(-1))
+    want = logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+    torch.testing.assert_close(logprobs, want, atol=1e-6, rtol=0)
+
+
+def test_mixed_batch_logprobs_are_unfiltered_log_softmax_at_the_token():
+    rows = 200
+    logits = torch.randn(rows, 50, generator=torch.Generator().manual_seed(1)) * 3
+    temperature = [0.0 if i % 4 == 0 else (0.6, 1.3, 2.0)[i % 3] for i in range(rows)]
+    top_k = [0 if i % 2 else 3 for i in range(rows)]
+    top_p = [0.7 if i % 5 == 1 else 1.0 for i in range(rows)]
+    tokens, logprobs = sample(logits, batch(rows, temperature=temperature, top_k=top_k,
+                                            top_p=top_p, seed=2))
+    t = torch.tensor([1.0 if x == 0 else x for x in temperature])
+    greedy = torch.tensor([x == 0 for x in temperature])
+    assert torch.equal(tokens[greedy], logits[greedy].argmax(-1))
+    want = (logits / t[:, None]).log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+    torch.testing.assert_close(logprobs, want, atol=1e-5, rtol=0)
+    # Top-3 rows only ever sample their top 3.
+    ranks = (logits > logits.gather(-1, tokens[:, None])).sum(-1)
+    k3 = torch.tensor([k == 3 for k in top_k])
+    assert int(ranks[k3].max()) < 3
+
+
+# --- through the engine -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("qwen2")
+
+
+SEEDED_PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
+SEEDED = SamplingParams(n=4, temperature=1.0, seed=123, max_tokens=12)
+
+
+def other_requests(seed: int, count: int):
+    rng = np.random.default_rng(seed)
+    prompts, params = [], []
+    for _ in range(count):
+        prompts.append(rng.integers(0, 128, int(rng.integers(2, 40))).tolist())
+        params.append(SamplingParams(
+            n=int(rng.integers(1, 4)), temperature=float(rng.uniform(0.5, 1.5)),
+            top_k=int(rng.choice([0, 5, 40])), top_p=float(rng.choice([1.0, 0.9])),
+            max_tokens=int(rng.integers(4, 24))))
+    # Same prompt, another seed: shares the seeded request's cached prefix.
+    prompts.append(list(SEEDED_PROMPT))
+    params.append(SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=9))
+    return prompts, params
+
+
+def seeded_samples(engine, before=(), after=()):
+    prompts = [p for p, _ in before] + [SEEDED_PROMPT] + [p for p, _ in after]
+    params = [q for _, q in before] + [SEEDED] + [q for _, q in after]
+    outs = engine.generate(prompts, params)
+    out = outs[len(before)]
+    assert out.prompt_token_ids == SEEDED_PROMPT
+    return [s.token_ids for s in sorted(out.samples, key=lambda s: s.index)]
+
+
+def test_seeded_samples_do_not_depend_on_batch_or_schedule(model):
+    def engine(kv=2048, **kw):
+        return Engine(model, EngineConfig(kv_cache_tokens=kv, max_model_len=128, **kw))
+
+    alone = seeded_samples(engine())
+    assert len(alone) == 4 and all(len(s) == 12 for s in alone)
+    assert len({tuple(s) for s in alone}) == 4, "the n samples of one request must differ"
+    others = list(zip(*other_requests(0, 6)))
+    big = engine()
+    assert seeded_samples(big, before=others[:4], after=others[4:]) == alone
+    assert seeded_samples(big) == alone, "a warm prefix cache changed the samples"
+    # Chunked prefill and a few sequences at a time: other batch compositions and positions.
+    small = engine(max_num_seqs=2, max_num_batched_tokens=16)
+    assert seeded_samples(small, before=others[4:], after=others[:4]) == alone
+    assert seeded_samples(engine(max_num_seqs=3, max_num_batched_tokens=5), before=others) == alone
+    # A pool of one max_model_len forces preemption and recomputation.
+    tight = engine(kv=128, max_num_seqs=8, max_num_batched_tokens=64)
+    assert seeded_samples(tight, before=others[:3], after=others[3:]) == alone
+    assert tight.stats.preemptions > 0, "the tight pool was meant to preempt"
+
+
+def test_seeded_samples_do_not_depend_on_engine_seed_or_prefix_caching(model):
+    base = Engine(model, EngineConfig(kv_cache_tokens=1024, max_model_len=128, seed=1))
+    other = Engine(model, EngineConfig(kv_cache_tokens=1024, max_model_len=128, seed=2,
+                                       enable_prefix_caching=False))
+    assert seeded_samples(base) == seeded_samples(other)
+
+
+def test_engine_first_token_distribution_matches_the_model(model):
+    """First tokens of many seeded samples of one prompt follow softmax of the HF logits.
+    40 requests of n=50 rather than one of n=2000: the scheduler admits the siblings of one
+    request one per step (see the test below), which would take 2000 steps."""
+    prompt = [5, 17, 42, 8]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1].double()
+    want = logits.softmax(-1).numpy()
+    engine = Engine(model, EngineConfig(kv_cache_tokens=4096, max_model_len=128,
+                                        max_num_seqs=2048))
+    outs = engine.generate([prompt] * 40, [SamplingParams(n=50, temperature=1.0, max_tokens=1,
+                                                          seed=1000 + i) for i in range(40)])
+    first = np.array([s.token_ids[0] for out in outs for s in out.samples])
+    assert len(first) == 2000
+    counts = np.bincount(first, minlength=len(want))
+    assert (want * len(first) >= 5).sum() >= 20, "the test needs a spread-out distribution"
+    p = chi_square(counts, want)
+    assert p > P_MIN, p
+
+
+def test_siblings_of_a_cached_prompt_are_admitted_together(model):
+    """Once the first sample has prefilled the prompt, every sibling only computes the last
+    prompt token (its own logits): none of them can gain by waiting for another."""
+    engine = Engine(model, EngineConfig(kv_cache_tokens=1024, max_model_len=128))
+    (out,) = engine.generate([[5, 17, 42, 8, 9]], SamplingParams(n=16, max_tokens=1, seed=0))
+    assert len(out.samples) == 16
+    assert engine.stats.prompt_tokens_computed == 5 + 15
+    assert engine.stats.steps <= 3, f"{engine.stats.steps} steps to admit 16 siblings"
