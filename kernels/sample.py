@@ -99,6 +99,15 @@ def _top_p_key(row_ptr, vocab_size, temp, row_max, log_sum, lp_max, keep_key, to
 
 
 @triton.jit
+def _running_argmax(values, cols, vocab_size, best, best_idx):
+    """Fold one chunk into a running (max, first index of max), as torch.argmax breaks ties."""
+    c_max = tl.max(values, 0)
+    c_idx = tl.min(tl.where(values == c_max, cols, vocab_size), 0)
+    take = c_max > best
+    return tl.where(take, c_max, best), tl.where(take, c_idx, best_idx)
+
+
+@triton.jit
 def _sample_kernel(logits, stride_row, temperature, top_k, top_p, min_p, seed, position,
                    out_tokens, out_logprobs, vocab_size,
                    BLOCK_V: tl.constexpr, RADIX: tl.constexpr, USE_LIBDEVICE: tl.constexpr):
@@ -115,11 +124,7 @@ def _sample_kernel(logits, stride_row, temperature, top_k, top_p, min_p, seed, p
         cols = start + tl.arange(0, BLOCK_V)
         x = tl.load(row_ptr + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
         y = tl.math.div_rn(x, temp)
-        c_max = tl.max(y, 0)
-        c_idx = tl.min(tl.where(y == c_max, cols, vocab_size), 0)
-        take = c_max > best
-        best_idx = tl.where(take, c_idx, best_idx)
-        best = tl.where(take, c_max, best)
+        best, best_idx = _running_argmax(y, cols, vocab_size, best, best_idx)
     row_max = best
 
     # Pass 2: the log-sum, as torch's log_softmax: max first, then sum exp(y - max).
@@ -165,11 +170,7 @@ def _sample_kernel(logits, stride_row, temperature, top_k, top_p, min_p, seed, p
             keep = (_order_key(lp) >= keep_key) & (lp >= min_lp) & (cols < vocab_size)
             u = bits_to_uniform(token_bits(key, cols))
             score = tl.where(keep, lp, float("-inf")) + gumbel(u, USE_LIBDEVICE)
-            c_max = tl.max(score, 0)
-            c_idx = tl.min(tl.where(score == c_max, cols, vocab_size), 0)
-            take = c_max > best
-            best_idx = tl.where(take, c_idx, best_idx)
-            best = tl.where(take, c_max, best)
+            best, best_idx = _running_argmax(score, cols, vocab_size, best, best_idx)
         token = best_idx
 
     # The logprob is unfiltered: recompute the chosen token's logp with the same formula.
