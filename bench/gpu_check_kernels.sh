@@ -27,7 +27,7 @@ if [ "$what" != bench ]; then
       echo "$name: rc=$? $(tail -n 1 "$LOGS/$name.log")"
     }
     A=tests/test_kernels_attention.py
-    run store tests/test_kernels_store_kv.py &
+    run store tests/test_kernels_store_kv.py tests/test_kernels_spec_accept.py &
     run sample tests/test_kernels_sample.py &
     run shared_prefix tests/test_kernels_shared_prefix.py &
     run attn_prefill $A -k "prefill or extend" &

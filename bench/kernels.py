@@ -10,8 +10,10 @@ same run on the same device.
               only) as a share of a bf16 8192^3 torch matmul.
   tiles       a short sweep of (BLOCK_N, num_warps, num_stages) for one decode and one prefill
               shape, to retune `_tile_config`.
-  shared      n = 8 samples x 16 prompts decoding over a 4K shared prompt: KV bytes read and
-              time of the shared-prefix path against plain paged decode.
+  shared      n = 8 samples x 16 prompts (GRPO-shaped) decoding over a 1K and a 4K shared
+              prompt with 256 generated tokens: KV bytes read by plain paged decode and by the
+              shared-prefix path, at the last step and over the whole generation, and their
+              times at the last step.
   sample      the Triton sampler against the torch sampler at batch 128, vocab 128256.
 
     python bench/kernels.py          # ~1-2 minutes on an H200
@@ -184,12 +186,16 @@ def bench_tiles(pool, copy_bw, mm_flops):
 
 
 def bench_shared_prefix(pool):
+    print("\n== shared prefix: 16 prompts x n=8, 256 generated tokens ==")
+    for prompt in (1024, 4096):
+        shared_prefix_case(pool, groups=16, n=8, prefix=prompt, generated=256)
+
+
+def shared_prefix_case(pool, groups: int, n: int, prefix: int, generated: int):
     from kernels import paged_attention, shared_prefix_attention
     from kernels.shared_prefix import shared_prefix_kv_bytes
 
-    print("\n== shared prefix: 16 prompts x n=8, prompt 4096, private suffix 256 ==")
-    groups, n, prefix, suffix = 16, 8, 4096, 256
-    batch = groups * n
+    batch, suffix = groups * n, generated  # timed at the last decode step
     prefix_slots = pool.slots(groups * prefix, True)
     suffix_slots = pool.perm[groups * prefix: groups * prefix + batch * suffix]
     q = torch.randn(batch, Q_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
@@ -209,12 +215,22 @@ def bench_shared_prefix(pool):
         q, pool.k, pool.v, out, gp, pp, prefix_slots, sp, suffix_slots, sm_scale=scale,
         max_group_size=n, max_prefix_len=prefix, max_suffix_len=suffix))
     err = (out.float() - ref.float()).abs().max().item()
-    plain_b, shared_b = shared_prefix_kv_bytes([n] * groups, [prefix] * groups, [suffix] * batch,
-                                               KV_TOKEN_BYTES // 2)
-    print(f"KV bytes per layer: plain {plain_b / 2**20:.0f} MiB, shared {shared_b / 2**20:.0f} MiB "
-          f"(saves {100 * (1 - shared_b / plain_b):.0f}%)")
-    print(f"time: plain {plain_ms * 1e3:.0f} us, shared {shared_ms * 1e3:.0f} us "
-          f"({plain_ms / shared_ms:.2f}x); max abs diff {err:.1e}")
+
+    def kv_bytes(step_suffix: int) -> tuple[int, int]:
+        return shared_prefix_kv_bytes([n] * groups, [prefix] * groups, [step_suffix] * batch,
+                                      KV_TOKEN_BYTES // 2)
+
+    # Decode step t (1-based) reads the prompt and the t tokens generated so far.
+    steps = [kv_bytes(t) for t in range(1, generated + 1)]
+    last_plain, last_shared = steps[-1]
+    gen_plain, gen_shared = (sum(b) for b in zip(*steps))
+    print(f"prompt {prefix}: KV bytes per layer, last step: plain {last_plain / 2**20:.0f} MiB, "
+          f"shared {last_shared / 2**20:.0f} MiB "
+          f"(saves {100 * (1 - last_shared / last_plain):.0f}%); whole generation: "
+          f"plain {gen_plain / 2**30:.2f} GiB, shared {gen_shared / 2**30:.2f} GiB "
+          f"(saves {100 * (1 - gen_shared / gen_plain):.0f}%)")
+    print(f"prompt {prefix}: last step time: plain {plain_ms * 1e3:.0f} us, shared "
+          f"{shared_ms * 1e3:.0f} us ({plain_ms / shared_ms:.2f}x); max abs diff {err:.1e}")
 
 
 def bench_sampler():

@@ -66,7 +66,12 @@ class ModelRunner:
         meta = AttentionMetadata(
             qo_indptr=qo_indptr.to(dev, torch.int32), kv_indptr=kv_indptr.to(dev, torch.int32),
             kv_indices=self.table.table[kv_row.to(dev), kv_col.to(dev)],
-            out_slots=batch.out_slots, q_lens=q_lens, kv_lens=kv_lens)
+            out_slots=batch.out_slots, q_lens=q_lens, kv_lens=kv_lens,
+            groups=[it.seq.group for it in items],
+            # Once the prompt is cached, Scheduler.cache_computed points the first num_prompt
+            # slots of the row at the tree's, which are the same for every sample of the prompt.
+            shared_lens=[it.seq.num_prompt if it.seq.cached_len >= it.seq.num_prompt else 0
+                         for it in items])
         meta.plan = self.backend.plan(meta)
         return StepInputs(input_ids=torch.tensor(input_ids, device=dev),
                           positions=positions.to(dev), meta=meta,

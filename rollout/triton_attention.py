@@ -1,25 +1,118 @@
 """The Triton attention backend (CUDA default): store_kv, then one varlen paged-attention
-kernel for prefill, extend, decode and verify (kernels/paged_attention.py)."""
+kernel for prefill, extend, decode and verify (kernels/paged_attention.py).
+
+Decode steps in which samples of one prompt decode side by side (n samples per prompt, once
+the prompt is cached) take the shared-prefix path instead (kernels/shared_prefix.py): each
+group's prompt K/V is read once for all its samples rather than once per sample. That kernel
+wants a group's queries in contiguous rows, so the step's rows are permuted into group order
+and the output permuted back; the permutation and index tensors are built once per step in
+`plan`, not per layer.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from itertools import accumulate
+
 import torch
 
-from kernels import paged_attention, store_kv
+from kernels import paged_attention, shared_prefix_attention, store_kv
 
 from .attention import AttentionBackend, AttentionMetadata
 
 
+@dataclass
+class _SharedPrefixPlan:
+    """Arguments of `shared_prefix_attention` for one decode step, in group order."""
+
+    perm: torch.Tensor | None  # row i of the group order is request perm[i]; None: identity
+    group_indptr: torch.Tensor
+    prefix_indptr: torch.Tensor
+    prefix_indices: torch.Tensor
+    suffix_indptr: torch.Tensor
+    suffix_indices: torch.Tensor
+    max_group_size: int
+    max_prefix_len: int
+    max_suffix_len: int
+
+
 class TritonAttention(AttentionBackend):
-    def plan(self, meta: AttentionMetadata) -> tuple[int, int]:
+    def plan(self, meta: AttentionMetadata) -> tuple[int, int] | _SharedPrefixPlan:
         # Launch sizes come from host-side lengths, so the kernels never synchronise.
-        return meta.max_q_len, meta.max_kv_len
+        return _shared_prefix_plan(meta) or (meta.max_q_len, meta.max_kv_len)
 
     def forward(self, q, k, v, layer, meta, scale):
         k_pool, v_pool = self.pool.k(layer), self.pool.v(layer)
         store_kv(k, v, k_pool, v_pool, meta.out_slots)
         out = torch.empty_like(q)
-        max_q_len, max_kv_len = meta.plan
-        paged_attention(q, k_pool, v_pool, out, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
-                        sm_scale=scale, max_q_len=max_q_len, max_kv_len=max_kv_len)
+        plan = meta.plan
+        if not isinstance(plan, _SharedPrefixPlan):
+            max_q_len, max_kv_len = plan
+            paged_attention(q, k_pool, v_pool, out, meta.qo_indptr, meta.kv_indptr,
+                            meta.kv_indices, sm_scale=scale, max_q_len=max_q_len,
+                            max_kv_len=max_kv_len)
+            return out
+        grouped_q = q if plan.perm is None else q.index_select(0, plan.perm)
+        grouped_out = out if plan.perm is None else torch.empty_like(q)
+        shared_prefix_attention(
+            grouped_q, k_pool, v_pool, grouped_out, plan.group_indptr, plan.prefix_indptr,
+            plan.prefix_indices, plan.suffix_indptr, plan.suffix_indices, sm_scale=scale,
+            max_group_size=plan.max_group_size, max_prefix_len=plan.max_prefix_len,
+            max_suffix_len=plan.max_suffix_len)
+        if plan.perm is not None:
+            out.index_copy_(0, plan.perm, grouped_out)
         return out
+
+
+def _shared_prefix_plan(meta: AttentionMetadata) -> _SharedPrefixPlan | None:
+    """The shared-prefix arguments of a decode-only step in which some group has >= 2 requests
+    with a shared prefix; None otherwise (the plain kernel then serves the step)."""
+    if not meta.shared_lens or meta.max_q_len != 1:
+        return None
+    sharing: dict[str, list[int]] = {}
+    for b, (group, shared) in enumerate(zip(meta.groups, meta.shared_lens)):
+        if shared:
+            sharing.setdefault(group, []).append(b)
+    shared_groups = [m for m in sharing.values() if len(m) > 1]
+    if not shared_groups:
+        return None
+    grouped = {b for m in shared_groups for b in m}
+    members = shared_groups + [[b] for b in range(len(meta.kv_lens)) if b not in grouped]
+    kv_starts = [0, *accumulate(meta.kv_lens)]
+    # A lone request reads all but its new token through the prefix launch, which splits long
+    # contexts across programs (split-KV); the suffix launch never splits.
+    prefix_lens = [meta.shared_lens[m[0]] if len(m) > 1 else meta.kv_lens[m[0]] - 1
+                   for m in members]
+    perm = [b for m in members for b in m]
+    suffix_lens, suffix_starts = [], []
+    for m, p in zip(members, prefix_lens):
+        for b in m:
+            suffix_starts.append(kv_starts[b] + p)
+            suffix_lens.append(meta.kv_lens[b] - p)
+    device = meta.kv_indices.device
+    prefix_pos = _ranges([kv_starts[m[0]] for m in members], prefix_lens, device)
+    suffix_pos = _ranges(suffix_starts, suffix_lens, device)
+    return _SharedPrefixPlan(
+        perm=None if perm == list(range(len(perm))) else torch.tensor(perm, device=device),
+        group_indptr=_indptr([len(m) for m in members], device),
+        prefix_indptr=_indptr(prefix_lens, device),
+        prefix_indices=meta.kv_indices[prefix_pos],
+        suffix_indptr=_indptr(suffix_lens, device),
+        suffix_indices=meta.kv_indices[suffix_pos],
+        max_group_size=max(map(len, members)), max_prefix_len=max(prefix_lens),
+        max_suffix_len=max(suffix_lens))
+
+
+def _indptr(lens: list[int], device) -> torch.Tensor:
+    return torch.tensor([0, *accumulate(lens)], dtype=torch.int32, device=device)
+
+
+def _ranges(starts: list[int], lens: list[int], device) -> torch.Tensor:
+    """arange(s, s + n) for each (s, n), concatenated; built on `device` from O(B) host data
+    (output_size keeps repeat_interleave from reading the total back)."""
+    total = sum(lens)
+    lens_t = torch.tensor(lens, device=device)
+    offsets = lens_t.cumsum(0) - lens_t  # where each range begins in the output
+    shift = torch.tensor(starts, device=device) - offsets
+    return torch.arange(total, device=device) + torch.repeat_interleave(shift, lens_t,
+                                                                        output_size=total)

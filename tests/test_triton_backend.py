@@ -1,24 +1,105 @@
-"""The engine on the Triton backend (interpreter on CPU) against the torch reference backend."""
+"""The engine on the Triton backend (interpreter on CPU) against the torch reference backend,
+and its shared-prefix decode path (samples of one prompt read the prompt's K/V once)."""
 
 import pytest
+import torch
+from kernels_env import DEVICE
 from models import tiny_model
 
-from rollout import Engine, EngineConfig, SamplingParams
+from kernels import shared_prefix_attention
+from rollout import Engine, EngineConfig, SamplingParams, triton_attention
+from rollout.attention import AttentionMetadata, TorchAttention
+from rollout.kv_pool import KVPool
+from rollout.triton_attention import TritonAttention
 
 pytestmark = pytest.mark.interpreter
 
 
-def test_triton_backend_matches_torch_backend():
-    model = tiny_model("qwen3")
-    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11], [12] * 5]
-    params = SamplingParams(n=2, temperature=0.8, max_tokens=6, logprobs=True, seed=1)
+def generate_on_both_backends(prompts, params, **overrides):
     outs = {}
     for backend in ("torch", "triton"):
-        engine = Engine(model, EngineConfig(kv_cache_tokens=512, max_model_len=64,
-                                            attention_backend=backend, max_num_batched_tokens=9))
+        config = EngineConfig(kv_cache_tokens=512, max_model_len=64, attention_backend=backend,
+                              **overrides)
+        engine = Engine(tiny_model("qwen3").to(DEVICE), config)
         outs[backend] = engine.generate(prompts, params)
         engine.check_invariants()
     for a, b in zip(outs["torch"], outs["triton"]):
         for sa, sb in zip(a.samples, b.samples):
             assert sa.token_ids == sb.token_ids
             assert max(abs(x - y) for x, y in zip(sa.logprobs, sb.logprobs)) < 1e-4
+
+
+def test_triton_backend_matches_torch_backend():
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11], [12] * 5]
+    params = SamplingParams(n=2, temperature=0.8, max_tokens=6, logprobs=True, seed=1)
+    generate_on_both_backends(prompts, params, max_num_batched_tokens=9)
+
+
+def test_samples_of_a_prompt_decode_through_the_shared_prefix(monkeypatch):
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["max_group_size"])
+        return shared_prefix_attention(*args, **kwargs)
+
+    monkeypatch.setattr(triton_attention, "shared_prefix_attention", counted)
+    system = list(range(1, 25))  # longer than a tile under the interpreter (16 positions)
+    prompts = [system + [30, 31, 32], system + [40, 41], [50] * 18]
+    params = SamplingParams(n=4, temperature=0.8, max_tokens=6, logprobs=True, seed=3)
+    generate_on_both_backends(prompts, params)
+    assert calls and max(calls) == 4
+
+
+def decode_step(pool, requests, seed=0):
+    """Metadata and q/k/v of a decode step; requests: (group, shared_len, kv_len). A group's
+    first shared_len context slots are the same for all its requests, the rest are private."""
+    gen = torch.Generator().manual_seed(seed)
+    free = iter(torch.randperm(pool.num_slots, generator=gen).tolist())
+    prefixes, kv_indices = {}, []
+    for group, shared, kv_len in requests:
+        prefix = prefixes.setdefault(group, [next(free) for _ in range(shared)])
+        kv_indices.append(prefix[:shared] + [next(free) for _ in range(kv_len - shared)])
+    num_req = len(requests)
+    kv_lens = [kv_len for _, _, kv_len in requests]
+    meta = AttentionMetadata(
+        qo_indptr=torch.arange(num_req + 1, dtype=torch.int32, device=DEVICE),
+        kv_indptr=torch.tensor([0] + kv_lens).cumsum(0).to(DEVICE, torch.int32),
+        kv_indices=torch.tensor([s for slots in kv_indices for s in slots], device=DEVICE),
+        out_slots=torch.tensor([slots[-1] for slots in kv_indices], device=DEVICE),
+        q_lens=[1] * num_req, kv_lens=kv_lens, groups=[g for g, _, _ in requests],
+        shared_lens=[s for _, s, _ in requests])
+    q = torch.randn(num_req, 4, 32, generator=gen).to(DEVICE)
+    k, v = torch.randn(2, num_req, pool.kv_heads, 32, generator=gen).to(DEVICE)
+    return meta, q, k, v
+
+
+def test_shared_prefix_path_matches_torch_backend_on_interleaved_groups():
+    """Groups interleaved in the batch (rows permuted and back), a group of one with a shared
+    length and a request with none (both read alone), prefixes across several tiles."""
+    pool = KVPool(1, 300, 2, 32, torch.float32, DEVICE)
+    pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=torch.Generator().manual_seed(1)))
+    requests = [("a", 20, 23), ("b", 9, 10), ("a", 20, 41), ("d", 0, 17), ("b", 9, 25),
+                ("c", 5, 12), ("a", 20, 21)]
+    meta, q, k, v = decode_step(pool, requests)
+    outs = []
+    for backend in (TorchAttention(pool), TritonAttention(pool)):
+        meta.plan = backend.plan(meta)
+        outs.append(backend.forward(q, k, v, 0, meta, 32 ** -0.5))
+    plan = meta.plan
+    assert plan.perm.tolist() == [0, 2, 6, 1, 4, 3, 5]
+    assert plan.group_indptr.tolist() == [0, 3, 5, 6, 7]
+    # a, b, then d and c alone: all their context but the new token
+    assert plan.prefix_indptr.tolist() == [0, 20, 29, 45, 56]
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=0)
+
+
+def test_plain_kernel_when_nothing_is_shared():
+    pool = KVPool(1, 100, 2, 32, torch.float32, DEVICE)
+    backend = TritonAttention(pool)
+    # Every group of one, or sharing nothing yet: the plain paged kernel's plan.
+    for requests in ([("a", 5, 9), ("b", 5, 7)], [("a", 0, 9), ("a", 0, 7), ("b", 4, 6)]):
+        meta, *_ = decode_step(pool, requests)
+        assert backend.plan(meta) == (1, 9)
+    meta, *_ = decode_step(pool, [("a", 5, 9), ("a", 5, 7)])
+    meta.q_lens = [1, 2]  # a verify (or prefill) row: not decode-only
+    assert backend.plan(meta) == (2, 9)

@@ -17,7 +17,7 @@ from ..kv_pool import KVPool
 from ..model_runner import ModelRunner
 from ..models.loader import build_model, load_into
 from ..radix_cache import RadixCache, common_prefix_len
-from ..request import Sequence, SeqStatus
+from ..request import SeqStatus, Sequence
 from ..sampler import TOKEN_STREAM, SamplingBatch, gumbel_noise, target_logprobs
 from ..scheduler import Batch, Scheduler
 from ..sleep import WeightParking

@@ -16,7 +16,9 @@ Two acceptance rules, both leaving the output distributed exactly as plain sampl
   distribution, reproducible for a fixed configuration).
 
 p and q are the filtered (top-k/p/min-p) distributions. Coins and resampling noise come from
-the counter-based streams keyed by (sample seed, position).
+the counter-based streams keyed by (sample seed, position). Everything per row is computed here
+in torch; the scan along each request's drafts is `kernels/spec_accept.py` (a Triton kernel on
+CUDA, its torch reference elsewhere).
 """
 
 from __future__ import annotations
@@ -25,8 +27,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampler import (ACCEPT_STREAM, RESIDUAL_STREAM, SamplingBatch, gumbel_noise, sample,
-                       target_logprobs, uniform_scalar)
+from ..sampler import (
+    ACCEPT_STREAM,
+    RESIDUAL_STREAM,
+    SamplingBatch,
+    gumbel_noise,
+    sample,
+    target_logprobs,
+    uniform_scalar,
+)
+from .accept import accept_drafts_ref
 
 RULES = ("coupled", "rejection")
 
@@ -56,42 +66,43 @@ def draft_distributions(drafts: list[list[int]], draft_probs: list[torch.Tensor 
     return torch.cat(q_rows)
 
 
+def _accept(device: torch.device):
+    """The Triton scan on CUDA (imported only there: off CUDA rollout needs no triton)."""
+    if device.type == "cuda":
+        from kernels.spec_accept import accept_drafts
+
+        return accept_drafts
+    return accept_drafts_ref
+
+
 def verify(logits: torch.Tensor, batch: SamplingBatch, drafts: list[list[int]],
            draft_probs: list[torch.Tensor | None], rule: str = "coupled") -> list[Verdict]:
     """`logits` [R, V]: for each request its len(draft)+1 rows; `batch` holds one row per
     logits row (position = the position of the token that row predicts)."""
-    vocab = logits.shape[-1]
+    device, vocab = logits.device, logits.shape[-1]
     logp, candidates = target_logprobs(logits, batch)
     target, _ = sample(logits, batch)  # the target's own sample (argmax on greedy rows)
-    d = torch.tensor([t for draft in drafts for t in draft + [-1]], device=logits.device)
-    if rule == "coupled" or batch.all_greedy:
-        accept = d == target
-        residual_token = target
-    else:
-        q = draft_distributions(drafts, draft_probs, vocab, logits.device)
+    d = torch.tensor([t for draft in drafts for t in draft + [-1]], device=device)
+    row_indptr = torch.tensor([0] + [len(draft) + 1 for draft in drafts]).cumsum(0)
+    rows = dict(row_indptr=row_indptr.to(device, torch.int32), target=target, draft=d,
+                greedy=batch.temperature == 0)
+    if rule == "rejection" and not batch.all_greedy:
+        q = draft_distributions(drafts, draft_probs, vocab, device)
         safe_d = d.clamp(min=0)[:, None]
         p = candidates.softmax(dim=-1)
-        ratio = p.gather(-1, safe_d).squeeze(-1) / q.gather(-1, safe_d).squeeze(-1).clamp(min=1e-30)
-        coin = uniform_scalar(batch.seed, batch.position, ACCEPT_STREAM)
-        greedy = batch.temperature == 0
-        accept = torch.where(greedy, d == target, coin < ratio)
-        residual = (p - q).clamp(min=0).log()
         noise = gumbel_noise(batch.seed, batch.position, vocab, RESIDUAL_STREAM)
-        residual_token = torch.where(greedy, target, (residual + noise).argmax(dim=-1))
-    accept, target_l = accept.tolist(), target.tolist()
-    residual_l = residual_token.tolist()
-    verdicts, row = [], 0
-    picked_rows, picked_tokens = [], []
-    for draft in drafts:
-        a = 0
-        while a < len(draft) and accept[row + a]:
-            a += 1
-        last = target_l[row + a] if a == len(draft) else residual_l[row + a]
+        rows.update(p_draft=p.gather(-1, safe_d).squeeze(-1),
+                    q_draft=q.gather(-1, safe_d).squeeze(-1),
+                    coin=uniform_scalar(batch.seed, batch.position, ACCEPT_STREAM),
+                    residual=((p - q).clamp(min=0).log() + noise).argmax(dim=-1))
+    num_accepted, last_token = _accept(device)(**rows)
+    num_accepted, last_token = torch.stack([num_accepted.long(), last_token]).tolist()  # 1 sync
+    verdicts, picked_rows, picked_tokens = [], [], []
+    for draft, start, a, last in zip(drafts, row_indptr.tolist(), num_accepted, last_token):
         tokens = draft[:a] + [last]
-        picked_rows += range(row, row + a + 1)
+        picked_rows += range(start, start + a + 1)
         picked_tokens += tokens
         verdicts.append(Verdict(tokens, [], len(draft)))
-        row += len(draft) + 1
     lps = logp[torch.tensor(picked_rows), torch.tensor(picked_tokens)].tolist()
     at = 0
     for v in verdicts:
