@@ -166,7 +166,7 @@ class RadixCache:
     def evict(self, num_slots: int) -> int:
         """Free at least `num_slots` slots from unlocked leaves, LRU first (fewer if the
         unlocked part of the tree is smaller). Returns the number freed."""
-        leaves = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
+        leaves = [n for n in self.nodes() if not n.children and n.lock_ref == 0]
         heapq.heapify(leaves)
         freed = 0
         while freed < num_slots and leaves:
@@ -181,7 +181,7 @@ class RadixCache:
         return freed
 
     # --- inspection -------------------------------------------------------------------------
-    def _nodes(self):
+    def nodes(self):
         stack = list(self.root.children.values())
         while stack:
             node = stack.pop()
@@ -189,13 +189,13 @@ class RadixCache:
             stack.extend(node.children.values())
 
     def all_slots(self) -> torch.Tensor:
-        pieces = [n.value for n in self._nodes()]
+        pieces = [n.value for n in self.nodes()]
         return torch.cat(pieces) if pieces else self._empty()
 
     def check(self) -> None:
         """Assert the size bookkeeping and that lock counts never exceed the parent's."""
         evictable = protected = 0
-        for node in self._nodes():
+        for node in self.nodes():
             assert len(node.key) == node.value.numel() > 0
             assert node.parent.children[node.key[0]] is node
             assert node.lock_ref >= 0

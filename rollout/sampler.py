@@ -145,7 +145,8 @@ def filter_logprobs(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return logp.masked_fill(drop, float("-inf"))
 
 
-def target_logprobs(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def target_logprobs(logits: torch.Tensor,
+                    batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(logp, candidates): logp = log_softmax(logits / T) with T = 1 on greedy rows (what the
     caller reports), candidates = logp with top-k/p/min-p exclusions at -inf (what is sampled)."""
     logits = logits.float()

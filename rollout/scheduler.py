@@ -88,18 +88,18 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(seq.num_tokens - seq.num_computed, budget)
-            slots = self._alloc(n)
+            slots = self.alloc_slots(n)
             while slots is None:
                 victim = self._newest_unscheduled(scheduled)
                 self.preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
-                slots = self._alloc(n)
+                slots = self.alloc_slots(n)
             if slots is None:
                 continue
             scheduled.add(seq.seq_id)
-            self._schedule(seq, slots, items)
+            self.schedule_seq(seq, slots, items)
             budget -= n
         if not preempted:
             budget = self._admit(budget, items)
@@ -107,7 +107,8 @@ class Scheduler:
             return None
         return Batch(items)
 
-    def _schedule(self, seq: Sequence, slots: torch.Tensor, items: list[ScheduledSeq]) -> None:
+    def schedule_seq(self, seq: Sequence, slots: torch.Tensor,
+                     items: list[ScheduledSeq]) -> None:
         n = slots.numel()
         self.table.write(seq.row, seq.num_computed, slots)
         items.append(ScheduledSeq(seq, seq.num_computed, n,
@@ -117,7 +118,7 @@ class Scheduler:
                    draft_probs: torch.Tensor | None) -> bool:
         """Extend a decode item with proposals to verify; False (item unchanged) when the
         pool has no room for them even after eviction: drafts never preempt anyone."""
-        slots = self._alloc(len(draft))
+        slots = self.alloc_slots(len(draft))
         if slots is None:
             return False
         self.table.write(item.seq.row, item.start + item.num_new, slots)
@@ -132,7 +133,7 @@ class Scheduler:
                 return seq
         raise RuntimeError("KV pool exhausted by sequences already scheduled this step")
 
-    def _alloc(self, n: int) -> torch.Tensor | None:
+    def alloc_slots(self, n: int) -> torch.Tensor | None:
         short = n - self.pool.num_free
         if short > 0:
             self.cache.evict(short)
@@ -171,10 +172,10 @@ class Scheduler:
             if self.pool.num_free + self.cache.evictable_size < n + decode_reserve:
                 self.cache.unlock(node)
                 break
-            new = self._alloc(n)
+            new = self.alloc_slots(n)
             self.attach(seq, slots, node)
             admitted.add(seq.seq_id)
-            self._schedule(seq, new, items)
+            self.schedule_seq(seq, new, items)
             budget -= n
             decode_reserve += 1
             if seq.num_computed < seq.num_prompt - 1:
@@ -324,7 +325,7 @@ class Scheduler:
             while node is not self.cache.root:
                 pins[id(node)] += 1
                 node = node.parent
-        for node in self.cache._nodes():
+        for node in self.cache.nodes():
             assert node.lock_ref == pins[id(node)], "radix lock count differs from its pins"
         rows = [s.row for s in self.running]
         assert len(set(rows)) == len(rows), "two sequences share a slot-table row"

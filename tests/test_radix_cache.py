@@ -104,7 +104,7 @@ class RadixMachine(RuleBasedStateMachine):
         # Node boundaries before the eviction: it must take whole nodes, and stop as soon as
         # it has enough.
         nodes = {}
-        for node in self.cache._nodes():
+        for node in self.cache.nodes():
             path = tuple(node_path(self.cache, node))
             nodes[path] = len(node.key)
         evictable = len(self.ref.slot) - len(locked)
@@ -240,11 +240,11 @@ class RadixMachine(RuleBasedStateMachine):
 
     @rule(tokens=TOKENS)
     def peek(self, tokens):
-        state = [(id(n), n.last_access, n.lock_ref, tuple(n.key)) for n in self.cache._nodes()]
+        state = [(id(n), n.last_access, n.lock_ref, tuple(n.key)) for n in self.cache.nodes()]
         expected = self.ref.match_len(tokens)
         assert self.cache.prefix_len(tokens) == expected
         assert self.cache.peek(tokens).tolist() == self.ref.slots(tokens, expected)
-        after = [(id(n), n.last_access, n.lock_ref, tuple(n.key)) for n in self.cache._nodes()]
+        after = [(id(n), n.last_access, n.lock_ref, tuple(n.key)) for n in self.cache.nodes()]
         assert after == state, "peek changed the tree"
 
     @rule(n=st.integers(1, 6))
@@ -277,7 +277,7 @@ class RadixMachine(RuleBasedStateMachine):
     @invariant()
     def tree_equals_reference(self):
         pins = [p for _, p in self.locks] + [tuple(t[:c.numel()]) for t, c, _, _ in self.requests]
-        for node in self.cache._nodes():
+        for node in self.cache.nodes():
             path = node_path(self.cache, node)
             start = len(path) - len(node.key)
             for i, slot in enumerate(node.value.tolist()):

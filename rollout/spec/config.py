@@ -25,7 +25,8 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative.method must be one of {METHODS}, got {self.method!r}")
-        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or not 1 <= k <= 16:
             raise ValueError(f"speculative.num_speculative_tokens must be in [1, 16], "
                              f"got {self.num_speculative_tokens!r}")
         if not 1 <= self.ngram_min <= self.ngram_max:

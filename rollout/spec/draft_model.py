@@ -132,10 +132,10 @@ class DraftModelDrafter:
         items, kept = [], []
         for target, shadow, k in active:
             n = shadow.num_tokens - shadow.num_computed
-            slots = self.scheduler._alloc(n)
+            slots = self.scheduler.alloc_slots(n)
             if slots is None:  # draft pool full: this sample goes without more drafts
                 continue
-            self.scheduler._schedule(shadow, slots, items)
+            self.scheduler.schedule_seq(shadow, slots, items)
             kept.append((target, shadow, k))
         if not items:
             return []
