@@ -120,7 +120,11 @@ class Engine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._groups:
             raise ValueError(f"request_id: {request_id!r} is already running")
-        base = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        # Greedy requests take no seed, so adding an evaluation does not shift later rollouts.
+        if params.seed is not None or params.greedy:
+            base = params.seed or 0
+        else:
+            base = self._seed_rng.getrandbits(63)
         stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else self.eos_ids)
         seqs = [Sequence(seq_id=next(self._ids), group=request_id, sample_index=j,

@@ -40,14 +40,6 @@ def tiny_model(family: str = "qwen2", seed: int = 0, dtype=torch.float32, **over
 
 def char_tokenizer(alphabet: str = "abcdefghijklmnopqrstuvwxyz0123456789 +=.,\n"):
     """A character-level tokenizer built locally: ids 0..2 are <pad>, <bos>, <eos>."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
-    from transformers import PreTrainedTokenizerFast
+    from recipes.tiny import char_tokenizer as build
 
-    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2}
-    for ch in alphabet:
-        vocab.setdefault(ch, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>",
-                                   eos_token="<eos>")
+    return build(alphabet)

@@ -1,0 +1,60 @@
+"""Model, tokenizer and engine for a recipe, from its config."""
+
+from __future__ import annotations
+
+import torch
+
+from rollout import Engine, EngineConfig
+
+from .config import RecipeConfig, speculative_config
+from .tiny import char_tokenizer, tiny_llama
+
+
+def load_tokenizer(cfg: RecipeConfig, alphabet: str | None):
+    if cfg.model is None:
+        return char_tokenizer(alphabet)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(cfg.model)
+    if tok.pad_token is None:  # right-padding of training batches needs some pad id
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(cfg: RecipeConfig, tokenizer, device: torch.device):
+    if cfg.model is None:
+        model = tiny_llama(tokenizer, cfg.seed, **cfg.tiny_model).to(getattr(torch,
+                                                                           cfg.model_dtype))
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(cfg.model,
+                                                     dtype=getattr(torch, cfg.model_dtype))
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    return model.to(device)
+
+
+def frozen_copy(model):
+    """The reference policy for the KL term: the starting weights, never trained."""
+    import copy
+
+    ref = copy.deepcopy(model).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
+def build_engine(cfg: RecipeConfig, model, tokenizer, rank: int = 0) -> Engine:
+    """The engine copies the weights it starts from; ColocatedRollout keeps them in sync."""
+    return Engine(model, engine_config(cfg, rank), tokenizer=tokenizer)
+
+
+def engine_config(cfg: RecipeConfig, rank: int = 0) -> EngineConfig:
+    # Seeded per rank: unseeded requests draw their seeds from it, so ranks sample differently.
+    return EngineConfig(kv_cache_tokens=cfg.kv_cache_tokens,
+                        kv_memory_fraction=cfg.kv_memory_fraction,
+                        max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+                        dtype=cfg.dtype, enable_prefix_caching=cfg.prefix_caching,
+                        speculative=speculative_config(cfg), seed=cfg.seed + 1009 * rank)

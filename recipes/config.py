@@ -1,0 +1,287 @@
+"""RecipeConfig: one dataclass for every recipe knob, read from YAML then `--key value` overrides.
+
+Every mistake a user can make in a config (an unknown key, a missing file, a value of the wrong
+type or out of range) raises ValueError naming the key, before any model is built: a typo in a
+launch script should cost seconds, not a model load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+
+import torch
+import yaml
+
+TRAINERS = ("custom", "trl")
+ALGOS = ("grpo", "ppo")
+REWARDS = ("auto", "exact", "math")
+TASKS = ("addition",)
+
+
+@dataclass
+class RecipeConfig:
+    # --- what to train -------------------------------------------------------------------------
+    model: str | None = None  # HF id or local path; None: the built-in tiny Llama
+    tiny_model: dict = field(default_factory=lambda: dict(hidden_size=128, num_hidden_layers=2))
+    dataset: str | None = None  # HF id, local dir or .json/.jsonl/.csv/.parquet; None: built-in
+    dataset_config: str | None = None  # e.g. "main" for openai/gsm8k
+    task: str = "addition"  # the built-in task, used when `dataset` is None
+    train_size: int = 8000  # built-in task sizes (a dataset's own splits are used otherwise)
+    eval_size: int = 200  # held-out prompts scored greedily before and after; 0: skip
+    eval_every: int = 0  # also score every this many RL steps (custom trainer); 0: never
+    train_split: str = "train"
+    eval_split: str = "test"
+    prompt_template: str = "{prompt}"  # str.format over a dataset row
+    answer_field: str = "answer"
+    system_prompt: str | None = None
+    chat_template: bool | None = None  # None: use the tokenizer's chat template if it has one
+    reward: str = "auto"  # exact | math; auto: exact for the built-in task, math for datasets
+
+    # --- trainer --------------------------------------------------------------------------------
+    trainer: str = "custom"  # custom (the loop in recipes/custom_loop.py) | trl
+    algo: str = "grpo"  # grpo | ppo (custom trainer only)
+    steps: int = 100
+    prompts_per_step: int = 32  # per process; each process rolls out its own shard
+    num_generations: int = 8  # samples per prompt (the GRPO group)
+    temperature: float = 1.0
+    max_new_tokens: int | None = None  # None: auto (see _AUTO below)
+    learning_rate: float | None = None
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    epochs: int = 1  # optimisation passes over each rollout batch
+    minibatches: int = 1  # optimizer steps per pass
+    micro_batch_size: int | None = None  # sequences per forward/backward (grad accumulation)
+    clip_eps: float = 0.2
+    beta: float = 0.0  # KL to a frozen reference (GRPO loss term, PPO reward penalty)
+    gamma: float = 1.0  # PPO: discount
+    lam: float = 0.95  # PPO: GAE lambda
+    vf_coef: float = 0.5  # PPO: value loss weight
+    value_clip: float = 0.2  # PPO: clip of the value update
+    gradient_checkpointing: bool = False
+    # Trained weights' dtype; keep float32 and let `accelerate launch --mixed_precision bf16`
+    # autocast, since AdamW on bf16 weights loses small updates.
+    model_dtype: str = "float32"
+
+    # --- supervised warm start (so rewards are not all zero on a fresh model) ------------------
+    warmstart_steps: int | None = None
+    warmstart_lr: float = 1e-3
+    warmstart_batch_size: int = 64
+
+    # --- engine -----------------------------------------------------------------------------
+    kv_cache_tokens: int | None = None  # None: a share of free device memory
+    max_model_len: int | None = None
+    max_num_seqs: int = 512
+    dtype: str | None = None  # the engine's dtype (e.g. bfloat16); None: the model's
+    kv_memory_fraction: float = 0.3  # share of free device memory when kv_cache_tokens is None
+    sleep_level: int = 1  # 1: weights parked on host while asleep; 2: dropped
+    prefix_caching: bool = True
+    # rollout.spec.SpeculativeConfig keys, e.g. {method: ngram, num_speculative_tokens: 4}
+    speculative: dict | None = None
+
+    # --- run --------------------------------------------------------------------------------
+    seed: int = 0
+    num_threads: int | None = None  # torch CPU threads; None: torch's default
+    output_dir: str = "outputs/grpo"  # outputs/ is git-ignored
+    run_name: str | None = None
+    wandb: bool = True
+    wandb_project: str = "rollout-recipes"
+    wandb_mode: str = "offline"  # offline by default: no network needed; `wandb sync` later
+    plot: bool = True
+    progress: bool = True  # tqdm bars and per-step lines
+
+    def __post_init__(self) -> None:
+        for name, (builtin, named) in _AUTO.items():
+            if getattr(self, name) is None:
+                setattr(self, name, builtin if self.model is None else named)
+        _check_types(self)
+        _check_values(self)
+
+    @property
+    def reward_kind(self) -> str:
+        if self.reward != "auto":
+            return self.reward
+        return "exact" if self.dataset is None else "math"
+
+
+# Keys left None get a value that fits the model: (built-in tiny model, a named model). A named
+# model without a config then still runs (`--model X --dataset Y`); its YAML tunes the rest.
+_AUTO = {"max_new_tokens": (8, 256), "max_model_len": (64, 1024), "learning_rate": (1e-4, 1e-6),
+         "micro_batch_size": (64, 8), "warmstart_steps": (300, 0)}
+
+_POSITIVE = ("steps", "prompts_per_step", "num_generations", "max_new_tokens", "epochs",
+             "minibatches", "micro_batch_size", "warmstart_batch_size", "max_model_len",
+             "max_num_seqs", "train_size")
+_NON_NEGATIVE = ("eval_size", "eval_every", "warmstart_steps", "beta", "weight_decay",
+                 "max_grad_norm", "seed")
+
+
+def _check_values(cfg: RecipeConfig) -> None:
+    for name, allowed in (("trainer", TRAINERS), ("algo", ALGOS), ("reward", REWARDS),
+                          ("task", TASKS), ("wandb_mode", ("offline", "online", "disabled"))):
+        if getattr(cfg, name) not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
+    for name in _POSITIVE:
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    for name in _NON_NEGATIVE:
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)}")
+    for name in ("dtype", "model_dtype"):
+        value = getattr(cfg, name)
+        if value is not None and not isinstance(getattr(torch, value, None), torch.dtype):
+            raise ValueError(f"{name} must name a torch dtype (e.g. bfloat16), got {value!r}")
+    if not 0 < cfg.kv_memory_fraction <= 1:
+        raise ValueError(f"kv_memory_fraction must be in (0, 1], got {cfg.kv_memory_fraction}")
+    for name in ("learning_rate", "warmstart_lr", "temperature", "clip_eps"):
+        if not getattr(cfg, name) > 0:
+            raise ValueError(f"{name} must be > 0, got {getattr(cfg, name)}")
+    for name in ("gamma", "lam"):
+        if not 0 <= getattr(cfg, name) <= 1:
+            raise ValueError(f"{name} must be in [0, 1], got {getattr(cfg, name)}")
+    if cfg.sleep_level not in (1, 2):
+        raise ValueError(f"sleep_level must be 1 or 2, got {cfg.sleep_level}")
+    if cfg.kv_cache_tokens is not None and cfg.kv_cache_tokens < cfg.max_model_len:
+        raise ValueError(f"kv_cache_tokens must be >= max_model_len ({cfg.max_model_len}), "
+                         f"got {cfg.kv_cache_tokens}")
+    if cfg.algo == "grpo" and cfg.num_generations < 2:
+        raise ValueError("num_generations must be >= 2 for grpo: advantages are normalised "
+                         "within each prompt's group")
+    if cfg.trainer == "trl" and cfg.algo != "grpo":
+        raise ValueError(f"algo: the trl trainer runs grpo only, got {cfg.algo!r}")
+    if cfg.model is None and cfg.dataset is not None:
+        raise ValueError("model: the built-in tiny model only knows the built-in task's "
+                         "characters; name a model (--model) to train on a dataset")
+    if cfg.speculative is not None:
+        speculative_config(cfg)  # raises ValueError naming the bad speculative.* key
+    unknown = set(cfg.tiny_model) - set(_TINY_KEYS)
+    if unknown:
+        raise ValueError(f"tiny_model: unknown key(s) {sorted(unknown)}; known: {_TINY_KEYS}")
+    if cfg.model is not None and not _looks_like_hub_id(cfg.model) and not os.path.exists(
+            cfg.model):
+        raise ValueError(f"model: {cfg.model!r} is neither an existing path nor a hub id")
+    if cfg.dataset is not None and is_data_file(cfg.dataset) and not os.path.isfile(cfg.dataset):
+        raise ValueError(f"dataset: file not found: {cfg.dataset!r}")
+    if "{" not in cfg.prompt_template or "}" not in cfg.prompt_template:
+        raise ValueError(f"prompt_template must name a dataset field in braces, e.g. "
+                         f"'{{question}}', got {cfg.prompt_template!r}")
+
+
+_TINY_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "intermediate_size", "max_position_embeddings")
+
+
+def speculative_config(cfg: RecipeConfig):
+    if cfg.speculative is None:
+        return None
+    from rollout.spec import SpeculativeConfig
+
+    known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    unknown = sorted(set(cfg.speculative) - known)
+    if unknown:
+        raise ValueError(f"speculative: unknown key(s) {unknown}; known: {sorted(known)}")
+    return SpeculativeConfig(**cfg.speculative)
+
+
+DATA_FILE_TYPES = {"json": "json", "jsonl": "json", "csv": "csv", "parquet": "parquet"}
+
+
+def is_data_file(name: str) -> bool:
+    return os.path.splitext(name)[1].lstrip(".") in DATA_FILE_TYPES
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    # "org/name" with no leading dot or slash; local paths start with ./, / or ~ or exist.
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
+
+
+def _check_types(cfg: RecipeConfig) -> None:
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        allowed = _allowed_types(_HINTS[f.name])
+        if float in allowed and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)  # YAML writes 1 for 1.0
+            setattr(cfg, f.name, value)
+        if float in allowed and str not in allowed and isinstance(value, str):
+            try:  # PyYAML reads 5e-4 (no dot) as a string
+                value = float(value)
+                setattr(cfg, f.name, value)
+            except ValueError:
+                pass
+        if not any(_is(value, t) for t in allowed):
+            names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+            raise ValueError(f"{f.name} must be {names}, got {value!r}")
+
+
+def _allowed_types(hint) -> tuple:
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return typing.get_args(hint)
+    return (hint,)
+
+
+def _is(value, t) -> bool:
+    if t is type(None):
+        return value is None
+    if t in (int, float) and isinstance(value, bool):
+        return False  # True is an int to Python, never to a config
+    return isinstance(value, t)
+
+
+_HINTS = typing.get_type_hints(RecipeConfig)
+
+
+def load_config(path: str | None = None, overrides: dict | None = None) -> RecipeConfig:
+    """YAML file (optional) then overrides; unknown keys anywhere raise ValueError."""
+    values: dict = {}
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ValueError(f"config: file not found: {path!r}")
+        with open(path) as f:
+            loaded = yaml.safe_load(f)
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"config: {path!r} must hold a mapping of keys to values")
+        values.update(loaded)
+    values.update(overrides or {})
+    known = {f.name for f in dataclasses.fields(RecipeConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"config: unknown key(s) {unknown}" + (f" in {path!r}" if path else ""))
+    return RecipeConfig(**values)
+
+
+def parse_overrides(args: list[str]) -> dict:
+    """`--key value` / `--key=value` pairs; values are read as YAML (so 1e-4, true, null work)."""
+    out: dict = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or arg == "--":
+            raise ValueError(f"config: expected --key value, got {arg!r}")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                raise ValueError(f"{key.replace('-', '_')}: missing value after {arg!r}")
+            value = args[i + 1]
+            i += 1
+        i += 1
+        key = key.replace("-", "_")
+        try:
+            parsed = yaml.safe_load(value) if value != "" else None
+        except yaml.YAMLError:  # e.g. a prompt template "{question}=" is not YAML: keep it
+            parsed = value
+        # A string field keeps the text as typed: `--run_name 7` is "7", not 7.
+        if str in _allowed_types(_HINTS.get(key, object)) and not isinstance(parsed, str) \
+                and parsed is not None:
+            parsed = value
+        out[key] = parsed
+    return out
+
+
+def to_dict(cfg: RecipeConfig) -> dict:
+    return dataclasses.asdict(cfg)

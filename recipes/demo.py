@@ -1,0 +1,57 @@
+"""`make demo`: a complete GRPO run on the CPU in a few minutes, that visibly learns.
+
+A tiny Llama (built from a config, random weights) and a character tokenizer (built here) learn
+2-digit addition, "12+34=" -> "46", from a verifiable reward. A short supervised warm start
+gets some rewards off zero; then GRPO with the rollout engine: 8 samples per prompt sharing
+the prompt's KV in the radix tree, the engine asleep at every optimizer step. Held-out greedy
+accuracy is printed before and after GRPO; the reward curve goes to a PNG and the run to an
+offline W&B directory.
+
+    python -m recipes.demo [--key value ...]     # overrides of recipes/configs/demo.yaml
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "demo.yaml")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    from recipes.config import load_config, parse_overrides
+    from recipes.session import train
+
+    cfg = load_config(CONFIG, parse_overrides(sys.argv[1:] if argv is None else argv))
+    result = train(cfg)
+    print(report(result))
+    return result
+
+
+def report(result: dict) -> str:
+    before, after = result.get("accuracy_before"), result.get("accuracy_after")
+    stats = result.get("engine_stats") or {}
+    hit = stats.get("cache_hit_tokens", 0) / max(stats.get("prompt_tokens", 0), 1)
+    lines = ["", "=" * 64]
+    if before is not None and after is not None:
+        lines.append(f"held-out greedy accuracy: {before:.1%} before GRPO -> {after:.1%} after "
+                     f"({after - before:+.1%})")
+    lines += [
+        f"engine: {stats.get('generated_tokens', 0)} tokens generated, "
+        f"{hit:.0%} of prompt tokens served from the radix cache, "
+        f"{stats.get('preemptions', 0)} preemptions",
+        f"run time: {result.get('seconds', 0):.0f} s",
+        f"reward curve: {result.get('plot')}",
+        f"metrics: {result.get('metrics_path')}",
+    ]
+    if result.get("wandb_dir"):
+        lines.append(f"W&B (offline): {result['wandb_dir']}  (upload: wandb sync "
+                     f"{result['wandb_dir']}/offline-run-*)")
+    lines.append("=" * 64)
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

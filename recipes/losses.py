@@ -1,0 +1,100 @@
+"""GRPO and PPO objectives on [N, L-1] token tensors (see batch.py for the layout).
+
+Losses are token-level sums divided by `num_tokens`, the completion tokens of the whole
+minibatch, so micro-batches add up to the minibatch's mean and long completions are not
+down-weighted per token (the sample-level mean of the original GRPO paper does that).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def group_advantages(rewards: torch.Tensor, group: torch.Tensor, eps: float = 1e-4
+                     ) -> torch.Tensor:
+    """(r - mean) / (std + eps) within each prompt's group: a group whose samples all score the
+    same carries no signal and gets advantage 0."""
+    num_groups = int(group.max()) + 1
+    count = torch.zeros(num_groups, device=rewards.device).index_add_(0, group,
+                                                                       torch.ones_like(rewards))
+    mean = torch.zeros(num_groups, device=rewards.device).index_add_(0, group, rewards) / count
+    centred = rewards - mean[group]
+    var = torch.zeros(num_groups, device=rewards.device).index_add_(0, group, centred ** 2)
+    std = (var / (count - 1).clamp(min=1)).sqrt()
+    return centred / (std[group] + eps)
+
+
+def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Unbiased, non-negative per-token estimate of KL(policy || reference) (Schulman's k3)."""
+    delta = ref_logprobs - logprobs
+    return torch.exp(delta) - delta - 1
+
+
+def clipped_policy_loss(logprobs, old_logprobs, advantages, clip_eps):
+    """-min(r A, clip(r, 1 ± eps) A) per token, and whether the clip was active."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
+    return -torch.minimum(unclipped, clipped), (clipped < unclipped).float(), ratio
+
+
+def grpo_loss(logprobs, old_logprobs, advantages, mask, num_tokens, clip_eps,
+              ref_logprobs=None, beta: float = 0.0):
+    """`advantages` is per sample [N]; every token of a sample shares it."""
+    per_token, clipped, ratio = clipped_policy_loss(logprobs, old_logprobs,
+                                                    advantages.unsqueeze(1), clip_eps)
+    stats = {}
+    if ref_logprobs is not None and beta > 0:
+        kl = kl_k3(logprobs, ref_logprobs)
+        per_token = per_token + beta * kl
+        stats["kl"] = _sum(kl, mask)
+    loss = _sum(per_token, mask) / num_tokens
+    stats |= _ratio_stats(ratio, clipped, mask)
+    return loss, stats
+
+
+def gae(rewards, values, mask, gamma: float, lam: float):
+    """Generalised advantage estimation over each row's contiguous completion tokens.
+
+    `rewards`, `values`, `mask`: [N, T]. Returns (advantages, returns), zero off the mask."""
+    n, t_len = rewards.shape
+    advantages = torch.zeros_like(rewards)
+    last = torch.zeros(n, device=rewards.device)
+    for t in reversed(range(t_len)):
+        if t + 1 < t_len:
+            next_mask = mask[:, t + 1]
+            next_value = values[:, t + 1] * next_mask
+        else:
+            next_mask = next_value = torch.zeros(n, device=rewards.device)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        last = delta + gamma * lam * next_mask * last
+        advantages[:, t] = last * mask[:, t]
+    return advantages, (advantages + values) * mask
+
+
+def whiten(x, mask, eps: float = 1e-8):
+    mean = _sum(x, mask) / mask.sum()
+    var = _sum((x - mean) ** 2, mask) / mask.sum()
+    return (x - mean) * torch.rsqrt(var + eps) * mask
+
+
+def ppo_loss(logprobs, old_logprobs, values, old_values, returns, advantages, mask, num_tokens,
+             clip_eps, value_clip, vf_coef):
+    """Clipped policy loss plus vf_coef x clipped value loss (max of clipped and unclipped)."""
+    pg, clipped, ratio = clipped_policy_loss(logprobs, old_logprobs, advantages, clip_eps)
+    v_clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
+    vf = 0.5 * torch.maximum((values - returns) ** 2, (v_clipped - returns) ** 2)
+    loss = (_sum(pg, mask) + vf_coef * _sum(vf, mask)) / num_tokens
+    return loss, {"policy_loss": _sum(pg.detach(), mask), "value_loss": _sum(vf.detach(), mask),
+                  **_ratio_stats(ratio, clipped, mask)}
+
+
+def _ratio_stats(ratio, clipped, mask) -> dict:
+    """Token sums: how far the trained policy has moved from the one that sampled."""
+    ratio = ratio.detach()
+    return {"clip_frac": _sum(clipped, mask), "ratio": _sum(ratio, mask),
+            "ratio_abs_dev": _sum((ratio - 1).abs(), mask)}
+
+
+def _sum(x, mask):
+    return (x * mask).sum()

@@ -1,0 +1,58 @@
+"""The reward curve as a PNG: what a person looks at first to see whether the run learned.
+
+Two series on one [0, 1] axis: the mean reward of each step's samples (temperature > 0, so it
+sits below what the policy can do greedily) and the held-out greedy accuracy, from the score
+before RL (step 0) through each `eval_every` evaluation to the final one."""
+
+from __future__ import annotations
+
+import os
+
+
+def reward_curve(history: list[dict], path: str, title: str, accuracy: dict | None = None
+                 ) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on training machines
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in history if "reward/mean" in r]
+    steps = [r["step"] for r in rows]
+    reward = [r["reward/mean"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    ax.plot(steps, reward, color="tab:blue", alpha=0.3, label="reward per step (sampled)")
+    window = max(1, len(reward) // 15)
+    if window > 1:
+        ax.plot(steps, moving_mean(reward, window), color="tab:blue",
+                label=f"reward, moving mean of {window} steps")
+    evals = [(0, accuracy["before"])] if accuracy and accuracy.get("before") is not None else []
+    evals += [(r["step"], r["eval/accuracy"]) for r in history if "eval/accuracy" in r]
+    if not any(r.get("eval/accuracy") is not None for r in history) and accuracy \
+            and accuracy.get("after") is not None:
+        evals.append((steps[-1] if steps else 1, accuracy["after"]))
+    if evals:
+        ax.plot(*zip(*evals), color="tab:green", marker="o", markersize=4,
+                label="held-out accuracy (greedy)")
+        ax.annotate(f"{evals[0][1]:.0%}", evals[0], textcoords="offset points",
+                    xytext=(4, -12), color="tab:green", fontsize=8)
+        ax.annotate(f"{evals[-1][1]:.0%}", evals[-1], textcoords="offset points",
+                    xytext=(-10, 6), color="tab:green", fontsize=8)
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("reward / accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def moving_mean(xs: list[float], window: int) -> list[float]:
+    out = []
+    for i in range(len(xs)):
+        chunk = xs[max(0, i - window + 1):i + 1]
+        out.append(sum(chunk) / len(chunk))
+    return out

@@ -1,0 +1,109 @@
+"""One training run from a RecipeConfig: set up, warm start, score, train, score again, report.
+
+The held-out accuracy is taken greedily through the engine right before and right after RL, so
+"before" already includes the supervised warm start: the difference is what RL added.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from .build import build_engine, frozen_copy, load_model, load_tokenizer
+from .config import RecipeConfig
+from .evaluate import held_out_accuracy
+from .plot import reward_curve
+from .tasks import builtin_alphabet, load_task
+from .tracking import Tracker
+
+
+def train(cfg: RecipeConfig) -> dict:
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs, set_seed
+
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    set_seed(cfg.seed)
+    # PPO's warm start trains the policy only: the value head gets no gradient then.
+    ddp = DistributedDataParallelKwargs(find_unused_parameters=cfg.algo == "ppo")
+    # cpu=True when there is no GPU: with it, a multi-process launch runs DDP over gloo.
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=[ddp])
+    # Read now: TRL's Trainer builds its own Accelerator, which resets the shared state ours
+    # reads from.
+    is_main, processes = accelerator.is_main_process, accelerator.num_processes
+    tracker = Tracker(cfg, is_main)
+    started = time.perf_counter()
+    try:
+        tokenizer = load_tokenizer(cfg, builtin_alphabet(cfg))
+        with accelerator.main_process_first():  # download / cache the dataset once
+            task = load_task(cfg, tokenizer)
+        policy = load_model(cfg, tokenizer, accelerator.device)
+        tracker.print(f"model: {cfg.model or 'built-in tiny Llama'} "
+                      f"({sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters), "
+                      f"task: {cfg.dataset or cfg.task} ({len(task.train)} train prompts), "
+                      f"{processes} process(es)")
+        if cfg.trainer == "trl":
+            from .trl_loop import train_trl
+
+            result = train_trl(cfg, accelerator, policy, tokenizer, task, tracker)
+        else:
+            result = _train_custom(cfg, accelerator, policy, tokenizer, task, tracker)
+        result["seconds"] = time.perf_counter() - started
+        result["processes"] = processes
+        tracker.set_summary(**{k: v for k, v in result.items() if v is not None})
+        if cfg.plot and is_main and tracker.history:
+            result["plot"] = reward_curve(
+                tracker.history, os.path.join(cfg.output_dir, "reward_curve.png"),
+                title=f"{cfg.algo.upper()} ({cfg.trainer}) on {cfg.dataset or cfg.task}",
+                accuracy={"before": result.get("accuracy_before"),
+                          "after": result.get("accuracy_after")})
+    finally:
+        tracker.finish()
+    return {**result, "history": tracker.history, "summary": tracker.summary,
+            "metrics_path": tracker.jsonl_path, "wandb_dir": tracker.wandb_dir,
+            "output_dir": cfg.output_dir}
+
+
+def _train_custom(cfg, accelerator, policy, tokenizer, task, tracker) -> dict:
+    from trainer_hooks.colocate import ColocatedRollout
+
+    from .custom_loop import CustomTrainer
+    from .value_head import ActorCritic
+    from .warmstart import warm_start
+
+    module = ActorCritic(policy) if cfg.algo == "ppo" else policy
+    optimizer = torch.optim.AdamW(module.parameters(), lr=cfg.learning_rate,
+                                  weight_decay=cfg.weight_decay)
+    module, optimizer = accelerator.prepare(module, optimizer)
+    engine = build_engine(cfg, policy, tokenizer, accelerator.process_index)
+    engine.sleep(cfg.sleep_level)  # asleep until the first rollout: warm start needs no engine
+    # synced=False: DDP broadcast rank 0's weights into `policy` without bumping versions.
+    rollout = ColocatedRollout(engine, policy, cfg.sleep_level, synced=False)
+    out: dict = {}
+    if cfg.warmstart_steps:
+        out["warmstart_loss"] = warm_start(cfg, module, tokenizer, task, accelerator)
+    ref = frozen_copy(policy) if cfg.beta > 0 else None  # the policy RL starts from
+    out["accuracy_before"] = _score(cfg, rollout, task, tokenizer, accelerator, tracker)
+    trainer = CustomTrainer(cfg, accelerator, module, optimizer, rollout, tokenizer, task,
+                            tracker, ref)
+
+    def evaluate() -> float:
+        return held_out_accuracy(rollout, task, tokenizer, cfg.max_new_tokens, accelerator)
+
+    out["accuracy_after"] = trainer.train(evaluate if task.eval is not None else None)
+    if out["accuracy_after"] is not None:
+        tracker.print(f"held-out accuracy after RL: {out['accuracy_after']:.1%} "
+                      f"({len(task.eval)} prompts, greedy)")
+    out["engine_stats"] = engine.stats.as_dict()
+    return out
+
+
+def _score(cfg, rollout, task, tokenizer, accelerator, tracker) -> float | None:
+    if task.eval is None:
+        return None
+    acc = held_out_accuracy(rollout, task, tokenizer, cfg.max_new_tokens, accelerator,
+                            progress=cfg.progress)
+    tracker.print(f"held-out accuracy before RL: {acc:.1%} ({len(task.eval)} prompts, greedy)")
+    return acc

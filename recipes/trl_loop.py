@@ -1,0 +1,133 @@
+"""`--trainer trl`: TRL's GRPOTrainer with its rollouts from the engine (trainer_hooks.trl).
+
+The recipe's keys map onto GRPOConfig; TRL's own logs are forwarded to the recipe's tracker
+(JSONL + W&B) under the same names the custom loop uses, so runs of both paths compare."""
+
+from __future__ import annotations
+
+import time
+
+from transformers import PrinterCallback, TrainerCallback
+
+from .build import engine_config
+from .config import RecipeConfig
+from .evaluate import held_out_accuracy
+
+# TRL log key -> the custom loop's name for the same quantity.
+_ALIASES = {"reward": "reward/mean", "reward_std": "reward/std",
+            "completions/mean_length": "completion/mean_length",
+            "completions/max_length": "completion/max_length",
+            "rollout/generate_seconds": "time/rollout", "rollout/sync_seconds": "time/weight_sync",
+            "rollout/wake_seconds": "time/wake", "rollout/sleep_seconds": "time/sleep"}
+
+
+def grpo_args(cfg: RecipeConfig, accelerator):
+    from trl import GRPOConfig
+
+    if (cfg.prompts_per_step * cfg.num_generations) % cfg.minibatches:
+        raise ValueError(f"minibatches: {cfg.minibatches} must divide prompts_per_step x "
+                         f"num_generations = {cfg.prompts_per_step * cfg.num_generations} "
+                         f"for the trl trainer")
+    # Read before GRPOConfig: building it resets the accelerate state `accelerator` reads.
+    on_cpu = accelerator.device.type == "cpu"
+    precision = accelerator.mixed_precision
+    return GRPOConfig(
+        output_dir=f"{cfg.output_dir}/trl", run_name=cfg.run_name, seed=cfg.seed,
+        # Autocast as `accelerate launch --mixed_precision` asked; the engine has its own dtype.
+        use_cpu=on_cpu, bf16=precision == "bf16", fp16=precision == "fp16",
+        max_steps=cfg.steps, num_generations=cfg.num_generations,
+        # One generation batch = prompts_per_step prompts x num_generations per process, split
+        # into `minibatches` optimizer steps, each reused `epochs` times (num_iterations).
+        per_device_train_batch_size=cfg.prompts_per_step * cfg.num_generations // cfg.minibatches,
+        steps_per_generation=cfg.minibatches, num_iterations=cfg.epochs,
+        max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature, top_p=1.0,
+        learning_rate=cfg.learning_rate, lr_scheduler_type="constant",
+        weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, beta=cfg.beta,
+        epsilon=cfg.clip_eps, logging_steps=1, save_strategy="no", report_to=[],
+        disable_tqdm=not cfg.progress, gradient_checkpointing=cfg.gradient_checkpointing)
+
+
+def correctness_reward(reward):
+    """TRL calls reward functions with the batch's columns as keyword lists."""
+
+    def correct(prompts, completions, answer, **_):
+        return [reward(c if isinstance(c, str) else c[-1]["content"], a)
+                for c, a in zip(completions, answer)]
+
+    return correct
+
+
+class _ToTracker(TrainerCallback):
+    """Forwards each step's logs, and whether the engine was asleep at every optimizer step."""
+
+    def __init__(self, tracker, engine, awake_bytes: int) -> None:
+        self.tracker, self.engine, self.awake_bytes = tracker, engine, awake_bytes
+        self.asleep: list[bool] = []
+        self._step_started = 0.0
+        self._step_seconds = 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._step_started = time.perf_counter()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.asleep.append(self.engine.is_sleeping)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._step_seconds = time.perf_counter() - self._step_started
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not logs or "loss" not in logs:  # the end-of-training summary has no loss
+            return
+        row = dict(logs)
+        row.update({new: logs[old] for old, new in _ALIASES.items() if old in logs})
+        rollout = sum(logs.get(k, 0.0) for k in ("rollout/generate_seconds",
+                                                  "rollout/sync_seconds",
+                                                  "rollout/wake_seconds",
+                                                  "rollout/sleep_seconds"))
+        row["time/train"] = max(self._step_seconds - rollout, 0.0)
+        row["memory/engine_awake_bytes"] = self.awake_bytes
+        row["memory/engine_asleep_bytes"] = self.engine.memory_held()
+        row["engine/asleep_at_optimizer_step"] = float(bool(self.asleep) and all(self.asleep))
+        self.asleep = []
+        self.tracker.log(row, state.global_step)
+
+
+def train_trl(cfg: RecipeConfig, accelerator, policy, tokenizer, task, tracker) -> dict:
+    from trainer_hooks.colocate import ColocatedRollout
+    from trainer_hooks.trl import RolloutGRPOTrainer
+
+    from .warmstart import warm_start
+
+    out: dict = {}
+    if cfg.warmstart_steps:
+        # Before TRL wraps the model: every rank trains on the same batches, so the replicas
+        # stay equal without a DDP wrapper of our own.
+        out["warmstart_loss"] = warm_start(cfg, policy, tokenizer, task, accelerator,
+                                           same_batches_on_every_rank=True)
+    rank = accelerator.process_index  # read before GRPOConfig resets the accelerate state
+    trainer = RolloutGRPOTrainer(
+        policy, reward_funcs=[correctness_reward(task.reward)], args=grpo_args(cfg, accelerator),
+        train_dataset=task.train, processing_class=tokenizer,
+        engine_config=engine_config(cfg, rank),
+        sleep_level=cfg.sleep_level)
+    engine = trainer.engine
+    engine.wake_up()  # one measured wake: what the engine holds while it generates
+    awake_bytes = engine.memory_held()
+    engine.sleep(cfg.sleep_level)
+    trainer.add_callback(_ToTracker(tracker, engine, awake_bytes))
+    if not cfg.progress:
+        trainer.remove_callback(PrinterCallback)  # it prints every log dict to stdout
+    accelerator = trainer.accelerator  # the one TRL built replaces ours (shared state reset)
+    # Scoring shares the trainer's engine; it syncs on its own when the weights changed.
+    scorer = ColocatedRollout(engine, trainer.model, cfg.sleep_level, synced=False)
+    if task.eval is not None:
+        out["accuracy_before"] = held_out_accuracy(scorer, task, tokenizer,
+                                                   cfg.max_new_tokens, accelerator)
+        tracker.print(f"held-out accuracy before RL: {out['accuracy_before']:.1%}")
+    trainer.train()
+    if task.eval is not None:
+        out["accuracy_after"] = held_out_accuracy(scorer, task, tokenizer,
+                                                  cfg.max_new_tokens, accelerator)
+        tracker.print(f"held-out accuracy after RL: {out['accuracy_after']:.1%}")
+    out["engine_stats"] = engine.stats.as_dict()
+    return out

@@ -1,0 +1,66 @@
+"""Supervised warm start: a few steps of teacher forcing on prompt -> answer, so a fresh model
+earns some reward and GRPO has a signal. Kept short on purpose: RL has to do the rest."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from .config import RecipeConfig
+
+
+def encode_examples(task, tokenizer, prompts: list[str], answers: list[str], device):
+    """prompt + answer + eos, right-padded: (ids, attention mask, loss mask over answer + eos).
+    Prompts are encoded as the engine will see them (Task.encode)."""
+    rows, masks = [], []
+    for p, answer in zip(task.encode(tokenizer, prompts), answers):
+        a = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+        rows.append(p + a)
+        masks.append([0] * len(p) + [1] * len(a))
+    length = max(map(len, rows))
+    ids = torch.full((len(rows), length), tokenizer.pad_token_id, dtype=torch.long)
+    attention = torch.zeros(len(rows), length, dtype=torch.long)
+    mask = torch.zeros(len(rows), length)
+    for i, (r, m) in enumerate(zip(rows, masks)):
+        ids[i, :len(r)] = torch.tensor(r)
+        attention[i, :len(r)] = 1
+        mask[i, :len(m)] = torch.tensor(m, dtype=torch.float32)
+    return ids.to(device), attention.to(device), mask.to(device)
+
+
+def logits_of(module, input_ids, attention_mask):
+    """Logits from a plain causal LM or an ActorCritic (which returns (logits, values))."""
+    out = module(input_ids=input_ids, attention_mask=attention_mask)
+    return out[0] if isinstance(out, tuple) else out.logits
+
+
+def warm_start(cfg: RecipeConfig, module, tokenizer, task, accelerator,
+               same_batches_on_every_rank: bool = False) -> float:
+    """`module`: the prepared (DDP) training module, whose ranks see different batches; or a
+    plain model that every rank trains alike (`same_batches_on_every_rank`). Returns the last
+    loss."""
+    optimizer = accelerator.prepare(torch.optim.AdamW(module.parameters(), lr=cfg.warmstart_lr))
+    rank = 0 if same_batches_on_every_rank else accelerator.process_index
+    rng = random.Random(cfg.seed * 7919 + rank)
+    prompts, answers = task.train["prompt"], task.train["answer"]
+    bar = tqdm(range(cfg.warmstart_steps), desc="warm start (supervised)", unit="step",
+               disable=not (cfg.progress and accelerator.is_main_process))
+    module.train()
+    loss_value = float("nan")
+    for _ in bar:
+        pick = [rng.randrange(len(prompts)) for _ in range(cfg.warmstart_batch_size)]
+        ids, attention, mask = encode_examples(task, tokenizer, [prompts[i] for i in pick],
+                                               [answers[i] for i in pick], accelerator.device)
+        logits = logits_of(module, ids, attention)
+        nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(),
+                              reduction="none")
+        loss = (nll * mask[:, 1:].flatten()).sum() / mask[:, 1:].sum()
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = loss.item()
+        bar.set_postfix(loss=f"{loss_value:.3f}")
+    return loss_value
