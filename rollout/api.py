@@ -15,8 +15,8 @@ def generate(model, prompts, params=None, tokenizer=None, use_tqdm: bool = False
     """Generate with an engine cached for `model` (rebuilt when `config` changes).
 
     The cached engine holds its own copy of the weights, taken when it was built: after an
-    optimizer step call `engine_for(model).update_weights(model)` (colocation issue) or build a
-    new one.
+    optimizer step call `engine_for(model).update_weights(model)`, or use
+    trainer_hooks.ColocatedRollout, which syncs only when the weights changed.
     """
     return engine_for(model, tokenizer=tokenizer, **config).generate(prompts, params,
                                                                      use_tqdm=use_tqdm)
