@@ -414,8 +414,12 @@ def _resolve_model(model, config: EngineConfig, tokenizer):
                          "wrapped) or a local path")
     param = next(inner.parameters())
     device = torch.device(config.device or param.device)
+    # One spelling per device, so tensors on it compare equal: distributed CPU runs hand out
+    # "cpu:0" (!= "cpu"), and a bare "cuda" means the current GPU.
     if device.type == "cpu":
-        device = torch.device("cpu")  # distributed CPU runs hand out "cpu:0", which != "cpu"
+        device = torch.device("cpu")
+    elif device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     hf_config = inner.get_base_model().config if is_peft(inner) else inner.config
     return hf_config, model_tensors(model), device, config.dtype or param.dtype, tokenizer
 

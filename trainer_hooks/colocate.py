@@ -13,35 +13,9 @@ from __future__ import annotations
 import time
 
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from rollout import Engine
-from rollout.weights import unwrap
-
-_optimizer_steps = 0  # every optimizer step in this process, counted by a global hook
-_hook = None
-
-
-def _count_step(optimizer, args, kwargs) -> None:
-    global _optimizer_steps
-    _optimizer_steps += 1
-
-
-def _watch_optimizers() -> None:
-    global _hook
-    if _hook is None:
-        _hook = register_optimizer_step_post_hook(_count_step)
-
-
-def weights_version(model: nn.Module) -> tuple[int, ...]:
-    """Changes whenever a parameter may have been modified in place. Autograd's per-tensor
-    version counters catch copy_, load_state_dict and foreach optimizers, but fused optimizer
-    kernels (torch's fused AdamW, the HF Trainer's default) write without bumping them, so any
-    optimizer step in the process counts too (at worst one needless sync when some other
-    model's optimizer stepped). Cheaper than hashing the weights."""
-    _watch_optimizers()
-    return (_optimizer_steps, *(p._version for p in unwrap(model).parameters()))
-
+from rollout.weights import weights_version
 
 class ColocatedRollout:
     def __init__(self, engine: Engine, model: nn.Module, sleep_level: int = 1,

@@ -1,0 +1,39 @@
+"""rollout.generate: one engine per model object, kept in step with the model's weights."""
+
+import torch
+from models import tiny_model
+
+import rollout
+from rollout import Engine, EngineConfig, SamplingParams
+from rollout.api import engine_for
+
+CONFIG = dict(kv_cache_tokens=512, max_model_len=64)
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7]]
+GREEDY = SamplingParams(temperature=0, max_tokens=10, logprobs=True)
+
+
+def tokens(outs):
+    return [o.samples[0].token_ids for o in outs]
+
+
+def logprobs(outs):
+    return [o.samples[0].logprobs for o in outs]
+
+
+def test_generate_reuses_its_engine_and_follows_optimizer_steps():
+    model = tiny_model("llama")
+    first = rollout.generate(model, PROMPTS, GREEDY, **CONFIG)
+    engine = engine_for(model, **CONFIG)
+    again = rollout.generate(model, PROMPTS, GREEDY, **CONFIG)
+    assert (tokens(again), logprobs(again)) == (tokens(first), logprobs(first))
+    assert engine_for(model, **CONFIG) is engine
+    optimizer = torch.optim.SGD(model.parameters(), lr=5.0)
+    loss = model(torch.tensor([PROMPTS[1]]), labels=torch.tensor([PROMPTS[1]])).loss
+    loss.backward()
+    optimizer.step()
+    after = rollout.generate(model, PROMPTS, GREEDY, **CONFIG)
+    fresh = Engine(model, EngineConfig(**CONFIG)).generate(PROMPTS, GREEDY)
+    assert tokens(after) == tokens(fresh) != tokens(first)
+    engine.sleep(2)  # asleep without weights: the next call wakes and refills it
+    assert tokens(rollout.generate(model, PROMPTS, GREEDY, **CONFIG)) == tokens(fresh)
+    assert engine_for(model, max_model_len=32, kv_cache_tokens=512) is not engine
