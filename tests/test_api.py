@@ -25,7 +25,8 @@ def test_generate_reuses_its_engine_and_follows_optimizer_steps():
     first = rollout.generate(model, PROMPTS, GREEDY, **CONFIG)
     engine = engine_for(model, **CONFIG)
     again = rollout.generate(model, PROMPTS, GREEDY, **CONFIG)
-    assert (tokens(again), logprobs(again)) == (tokens(first), logprobs(first))
+    assert tokens(again) == tokens(first)  # the second call hits the prefix cache
+    assert torch.allclose(torch.tensor(logprobs(again)), torch.tensor(logprobs(first)), atol=1e-5)
     assert engine_for(model, **CONFIG) is engine
     optimizer = torch.optim.SGD(model.parameters(), lr=5.0)
     loss = model(torch.tensor([PROMPTS[1]]), labels=torch.tensor([PROMPTS[1]])).loss
