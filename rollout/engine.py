@@ -20,20 +20,20 @@ from .attention import make_backend
 from .config import EngineConfig
 from .kv_pool import KVPool, kv_bytes_per_token, size_pool
 from .model_runner import ModelRunner
-from .models.loader import build_model, checkpoint_tensors, load_into
+from .models.loader import build_model, eos_token_ids, load_into, resolve_model
 from .outputs import RolloutOutput, Sample
 from .radix_cache import RadixCache
 from .request import Sequence
 from .sampler import SamplingBatch, sample, sample_seed
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .sleep import WeightParking, tensor_bytes
 from .slot_table import SlotTable
 from .spec.speculator import Speculator
 from .spec.verify import verify
-from .sleep import WeightParking, tensor_bytes
 from .stats import EngineStats
-from .weights import as_named_tensors, buckets, is_peft, model_tensors, unwrap
 from .stop import StopChecker
+from .weights import as_named_tensors, buckets
 
 Prompt = str | Seq[int]
 
@@ -60,7 +60,7 @@ class Engine:
         if overrides:
             config = dataclasses.replace(config, **overrides)
         self.config = config
-        hf_config, weights, device, dtype, tokenizer = _resolve_model(model, config, tokenizer)
+        hf_config, weights, device, dtype, tokenizer = resolve_model(model, config, tokenizer)
         self.hf_config, self.tokenizer, self.device = hf_config, tokenizer, device
         self.model = build_model(hf_config, config.max_model_len, dtype, device)
         load_into(self.model, weights)
@@ -77,7 +77,7 @@ class Engine:
         self.backend = make_backend(config.attention_backend, self.pool)
         self.runner = ModelRunner(self.model, self.backend, self.table, device)
         self.stop = StopChecker(config.max_model_len, tokenizer)
-        self.eos_ids = _eos_ids(model, hf_config, tokenizer)
+        self.eos_ids = eos_token_ids(model, hf_config, tokenizer)
         self._groups: dict[str, _Group] = {}
         self._ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
@@ -394,47 +394,6 @@ class Engine:
         drafter = getattr(self.speculator, "drafter", None)
         if hasattr(drafter, "scheduler"):
             drafter.scheduler.check_invariants()
-
-
-def _resolve_model(model, config: EngineConfig, tokenizer):
-    """(hf_config, named weights, device, dtype, tokenizer) for an in-memory model or a path."""
-    if isinstance(model, str):
-        from transformers import AutoConfig, AutoTokenizer
-
-        hf_config = AutoConfig.from_pretrained(model)
-        device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        default = getattr(hf_config, "dtype", None) if device.type == "cuda" else None
-        dtype = config.dtype or (default if isinstance(default, torch.dtype) else torch.float32)
-        if tokenizer is None:
-            tokenizer = AutoTokenizer.from_pretrained(model)
-        return hf_config, checkpoint_tensors(model), device, dtype, tokenizer
-    inner = unwrap(model) if isinstance(model, torch.nn.Module) else model
-    if not hasattr(inner, "config") or not hasattr(inner, "named_parameters"):
-        raise ValueError("model must be a transformers PreTrainedModel (possibly DDP/PEFT "
-                         "wrapped) or a local path")
-    param = next(inner.parameters())
-    device = torch.device(config.device or param.device)
-    # One spelling per device, so tensors on it compare equal: distributed CPU runs hand out
-    # "cpu:0" (!= "cpu"), and a bare "cuda" means the current GPU.
-    if device.type == "cpu":
-        device = torch.device("cpu")
-    elif device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    hf_config = inner.get_base_model().config if is_peft(inner) else inner.config
-    return hf_config, model_tensors(model), device, config.dtype or param.dtype, tokenizer
-
-
-def _eos_ids(model, hf_config, tokenizer) -> frozenset[int]:
-    ids: set[int] = set()
-    sources = [getattr(hf_config, "eos_token_id", None),
-               getattr(getattr(model, "generation_config", None), "eos_token_id", None),
-               getattr(tokenizer, "eos_token_id", None)]
-    for value in sources:
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(v for v in value if isinstance(v, int))
-    return frozenset(ids)
 
 
 def _triton_sample(logits: torch.Tensor, rows: SamplingBatch):

@@ -24,7 +24,7 @@ import torch
 from .config import EngineConfig
 from .kv_pool import KVPool
 from .radix_cache import RadixCache, common_prefix_len
-from .request import Sequence, SeqStatus
+from .request import SeqStatus, Sequence
 from .slot_table import SlotTable
 
 

@@ -15,7 +15,7 @@ import torch
 from ..attention import make_backend
 from ..kv_pool import KVPool
 from ..model_runner import ModelRunner
-from ..models.loader import build_model, load_into
+from ..models.loader import build_model, load_into, resolve_model
 from ..radix_cache import RadixCache, common_prefix_len
 from ..request import SeqStatus, Sequence
 from ..sampler import TOKEN_STREAM, SamplingBatch, gumbel_noise, target_logprobs
@@ -28,10 +28,8 @@ class DraftModelDrafter:
     def __init__(self, draft_model, engine, stream: int = TOKEN_STREAM) -> None:
         """`stream`: the noise the draft samples with; the target's own (TOKEN_STREAM) for
         coupled acceptance, an independent one (DRAFT_STREAM) for rejection sampling."""
-        from ..engine import _resolve_model  # the engine module imports this one
-
         cfg = engine.config
-        hf_config, weights, _, _, _ = _resolve_model(draft_model, cfg, engine.tokenizer)
+        hf_config, weights, _, _, _ = resolve_model(draft_model, cfg, engine.tokenizer)
         if hf_config.vocab_size != engine.vocab_size:
             raise ValueError(f"speculative.draft_model: vocab_size {hf_config.vocab_size} differs "
                              f"from the target's {engine.vocab_size}; it must share the tokenizer")
