@@ -4,7 +4,6 @@ and speculative acceptance when the engine reports it."""
 from __future__ import annotations
 
 
-
 class EngineMeter:
     def __init__(self, engine) -> None:
         self.engine = engine

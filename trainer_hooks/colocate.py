@@ -17,6 +17,7 @@ from torch import nn
 from rollout import Engine
 from rollout.weights import weights_version
 
+
 class ColocatedRollout:
     def __init__(self, engine: Engine, model: nn.Module, sleep_level: int = 1,
                  gather=None, synced: bool = True) -> None:
