@@ -61,9 +61,21 @@ def train(cfg: RecipeConfig) -> dict:
                           "after": result.get("accuracy_after")})
     finally:
         tracker.finish()
+        _leave_process_group(accelerator)
     return {**result, "history": tracker.history, "summary": tracker.summary,
             "metrics_path": tracker.jsonl_path, "wandb_dir": tracker.wandb_dir,
             "output_dir": cfg.output_dir}
+
+
+def _leave_process_group(accelerator) -> None:
+    """Tear the gloo/NCCL group down explicitly: left to interpreter exit, its destructor can
+    race with its own threads and abort a rank ("terminate called without an active
+    exception") after the run itself succeeded."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        accelerator.wait_for_everyone()
+        dist.destroy_process_group()
 
 
 def _train_custom(cfg, accelerator, policy, tokenizer, task, tracker) -> dict:

@@ -74,6 +74,9 @@ def main(out_dir: str) -> None:
                   model_wrapper=type(trainer.model_wrapped).__name__)
     with open(os.path.join(out_dir, f"rank{acc.process_index}.json"), "w") as f:
         json.dump(report, f)
+    # Explicit teardown: left to interpreter exit, gloo can abort a rank after success.
+    acc.wait_for_everyone()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
