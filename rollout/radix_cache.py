@@ -52,6 +52,12 @@ class RadixCache:
 
     def reset(self) -> None:
         """Forget every node without freeing slots (the pool itself is being dropped)."""
+        if hasattr(self, "root"):
+            # Parent <-> child links make the old tree a reference cycle: its slot tensors
+            # would stay allocated until the garbage collector ran. Break it now, so sleep()
+            # hands the device memory back at once.
+            for node in list(self.nodes()):
+                node.parent, node.children, node.value = None, {}, None
         self.root = RadixNode([], self._empty(), None)
         self.root.lock_ref = 1  # the root is never evicted
         self.evictable_size = 0

@@ -6,6 +6,7 @@ engine must produce the very same tokens and logprobs, bit for bit (same dtype, 
 
 import copy
 import gc
+import weakref
 
 import pytest
 import torch
@@ -279,3 +280,17 @@ def test_custom_loop_logprobs_equal_trainer_recompute():
         opt.zero_grad()
         loss.backward()
         opt.step()
+
+
+def test_sleep_frees_the_prefix_tree_without_waiting_for_the_garbage_collector():
+    engine = Engine(tiny_model("qwen2"), EngineConfig(kv_cache_tokens=1024, max_model_len=64))
+    engine.generate([[1, 2, 3], [4, 5, 6], [1, 2, 3, 9]],
+                    SamplingParams(n=3, max_tokens=8, seed=0))
+    slots = [weakref.ref(node.value) for node in engine.cache.nodes()]
+    assert slots
+    gc.disable()
+    try:
+        engine.sleep(1)
+        assert all(ref() is None for ref in slots)  # freed by refcount, as device memory must be
+    finally:
+        gc.enable()

@@ -82,10 +82,10 @@ def test_sleep_returns_cuda_memory():
     after2 = torch.cuda.memory_allocated()
     print(f"allocated: before engine {before}, engine up {with_pool}, sleep(1) {after1}, "
           f"sleep(2) {after2}")
-    # Measured on an H200 (torch 2.11): 5.6 KB left after sleep(1), 11 KB after sleep(2), of a
-    # 53 MB engine; a leaked pool or weight copy would be megabytes.
-    assert after1 - before < 64 << 10
-    assert after2 - before < 64 << 10
+    # An H200 run once left 5.6 KB / 11 KB here: the radix tree's slot tensors, alive in a
+    # reference cycle until the garbage collector ran (RadixCache.reset now breaks it).
+    assert after1 == before
+    assert after2 == before
     engine.wake_up()
     engine.update_weights(model)
     assert engine.generate(PROMPTS, params)[0].samples[0].token_ids == first[0].samples[0].token_ids
