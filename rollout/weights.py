@@ -91,6 +91,10 @@ def model_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             if "lora_" in name or ".original_module." in name:
                 continue
             tensor = param.detach()
+            if hasattr(tensor, "full_tensor"):
+                # FSDP2 / tensor-parallel DTensor shard: gather the whole weight (a collective:
+                # every rank syncs its own engine at the same point of the step).
+                tensor = tensor.full_tensor()
             if layers and name in layers:
                 module = layers[name]
                 for adapter in _unmerged_adapters(module):
