@@ -216,11 +216,7 @@ class Engine:
     def _sampling_batch(self, items) -> SamplingBatch:
         """One row per sampled position: a verifying item has len(draft) + 1 of them."""
         rows = [(it.seq, j) for it in items for j in range(len(it.draft) + 1)]
-        return SamplingBatch.build(
-            temperature=[s.params.temperature for s, _ in rows],
-            top_k=[s.params.top_k for s, _ in rows], top_p=[s.params.top_p for s, _ in rows],
-            min_p=[s.params.min_p for s, _ in rows], seed=[s.seed for s, _ in rows],
-            position=[s.num_tokens + j for s, j in rows], device=self.device)
+        return SamplingBatch.for_sequences(rows, self.device)
 
     def _abort_bad(self, seqs: list[Sequence]) -> None:
         groups = sorted({s.group for s in seqs})

@@ -125,6 +125,16 @@ class SamplingBatch:
             or any(m > 0 for m in min_p),
         )
 
+    @classmethod
+    def for_sequences(cls, rows: list, device: torch.device | str) -> "SamplingBatch":
+        """One row per (sequence, offset): the sequence's parameters and seed, sampling the
+        token at position num_tokens + offset (offsets > 0 are verified draft positions)."""
+        params = [seq.params for seq, _ in rows]
+        return cls.build(temperature=[p.temperature for p in params],
+                         top_k=[p.top_k for p in params], top_p=[p.top_p for p in params],
+                         min_p=[p.min_p for p in params], seed=[seq.seed for seq, _ in rows],
+                         position=[seq.num_tokens + j for seq, j in rows], device=device)
+
 
 def filter_logprobs(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                     min_p: torch.Tensor) -> torch.Tensor:
@@ -157,6 +167,19 @@ def target_logprobs(logits: torch.Tensor,
     return logp, logp
 
 
+def pick(logits: torch.Tensor, candidates: torch.Tensor, batch: SamplingBatch,
+         stream: int = TOKEN_STREAM) -> torch.Tensor:
+    """Gumbel-max over `candidates` with the counter noise of `stream`; the argmax of the raw
+    logits on greedy rows (no noise is drawn when every row is greedy)."""
+    if batch.all_greedy:
+        return logits.argmax(dim=-1)
+    noise = gumbel_noise(batch.seed, batch.position, logits.shape[-1], stream)
+    tokens = (candidates + noise).argmax(dim=-1)
+    if batch.any_greedy:
+        tokens = torch.where(batch.temperature == 0, logits.argmax(dim=-1), tokens)
+    return tokens
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch,
            stream: int = TOKEN_STREAM) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (tokens int64 [B], logprobs float32 [B]).
@@ -164,14 +187,6 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     The logprob is log_softmax(logits / T) at the chosen token, before any top-k/p/min-p
     filtering (T = 1 for greedy rows): the quantity a GRPO/PPO trainer recomputes.
     """
-    if batch.all_greedy:
-        logits = logits.float()
-        tokens = logits.argmax(dim=-1)
-        logp = logits.log_softmax(dim=-1)
-        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
     logp, candidates = target_logprobs(logits, batch)
-    noise = gumbel_noise(batch.seed, batch.position, logits.shape[-1], stream)
-    tokens = (candidates + noise).argmax(dim=-1)
-    if batch.any_greedy:
-        tokens = torch.where(batch.temperature == 0, logits.argmax(dim=-1), tokens)
+    tokens = pick(logits, candidates, batch, stream)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

@@ -18,7 +18,7 @@ from ..model_runner import ModelRunner
 from ..models.loader import build_model, load_into, resolve_model
 from ..radix_cache import RadixCache, common_prefix_len
 from ..request import SeqStatus, Sequence
-from ..sampler import TOKEN_STREAM, SamplingBatch, gumbel_noise, target_logprobs
+from ..sampler import TOKEN_STREAM, SamplingBatch, pick, target_logprobs
 from ..scheduler import Batch, Scheduler
 from ..sleep import WeightParking
 from ..slot_table import SlotTable
@@ -139,12 +139,7 @@ class DraftModelDrafter:
             return []
         batch = Batch(items)
         logits = self.runner.run(self.runner.prepare(batch))
-        shadows = [s for _, s, _ in kept]
-        rows = SamplingBatch.build(
-            temperature=[s.params.temperature for s in shadows],
-            top_k=[s.params.top_k for s in shadows], top_p=[s.params.top_p for s in shadows],
-            min_p=[s.params.min_p for s in shadows], seed=[s.seed for s in shadows],
-            position=[s.num_tokens for s in shadows], device=self.device)
+        rows = SamplingBatch.for_sequences([(s, 0) for _, s, _ in kept], self.device)
         tokens, q = self._sample(logits, rows)
         for it, (target, shadow, _), token, q_row in zip(items, kept, tokens.tolist(), q):
             shadow.num_computed += it.num_new
@@ -159,8 +154,4 @@ class DraftModelDrafter:
     def _sample(self, logits: torch.Tensor, rows: SamplingBatch):
         """Draft tokens and their q (the filtered draft distribution they were drawn from)."""
         _, candidates = target_logprobs(logits, rows)
-        q = candidates.softmax(dim=-1)
-        noise = gumbel_noise(rows.seed, rows.position, logits.shape[-1], self.stream)
-        tokens = (candidates + noise).argmax(dim=-1)
-        tokens = torch.where(rows.temperature == 0, logits.argmax(dim=-1), tokens)
-        return tokens, q
+        return pick(logits, candidates, rows, self.stream), candidates.softmax(dim=-1)

@@ -32,7 +32,7 @@ from ..sampler import (
     RESIDUAL_STREAM,
     SamplingBatch,
     gumbel_noise,
-    sample,
+    pick,
     target_logprobs,
     uniform_scalar,
 )
@@ -81,7 +81,7 @@ def verify(logits: torch.Tensor, batch: SamplingBatch, drafts: list[list[int]],
     logits row (position = the position of the token that row predicts)."""
     device, vocab = logits.device, logits.shape[-1]
     logp, candidates = target_logprobs(logits, batch)
-    target, _ = sample(logits, batch)  # the target's own sample (argmax on greedy rows)
+    target = pick(logits, candidates, batch)  # the target's own sample (argmax when greedy)
     d = torch.tensor([t for draft in drafts for t in draft + [-1]], device=device)
     row_indptr = torch.tensor([0] + [len(draft) + 1 for draft in drafts]).cumsum(0)
     rows = dict(row_indptr=row_indptr.to(device, torch.int32), target=target, draft=d,
