@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -57,6 +58,22 @@ class AttentionBackend(ABC):
         """Store k/v [T, Hkv, D] at meta.out_slots, attend q [T, Hq, D]; returns [T, Hq, D]."""
 
 
+def indptr(lens: list[int], device) -> torch.Tensor:
+    """[0, l0, l0 + l1, ...] as int32 on `device`."""
+    return torch.tensor([0, *accumulate(lens)], dtype=torch.int32, device=device)
+
+
+def ranges(starts: list[int], lens: list[int], device) -> torch.Tensor:
+    """arange(s, s + n) for each (s, n), concatenated; built on `device` from O(B) host data
+    (output_size keeps repeat_interleave from reading the total back)."""
+    total = sum(lens)
+    lens_t = torch.tensor(lens, device=device)
+    offsets = lens_t.cumsum(0) - lens_t  # where each range begins in the output
+    shift = torch.tensor(starts, device=device) - offsets
+    return torch.arange(total, device=device) + torch.repeat_interleave(shift, lens_t,
+                                                                        output_size=total)
+
+
 @dataclass
 class _Segment:
     """Requests padded together: q_index [b, mq] into the flat axis, kv_slots [b, mk]."""
@@ -76,8 +93,8 @@ class TorchAttention(AttentionBackend):
         device = meta.kv_indices.device
         q_lens = torch.tensor(meta.q_lens)
         kv_lens = torch.tensor(meta.kv_lens)
-        q_start = meta.qo_indptr[:-1].cpu().long()
-        kv_start = meta.kv_indptr[:-1].cpu().long()
+        q_start = torch.tensor([0, *accumulate(meta.q_lens)][:-1])
+        kv_start = torch.tensor([0, *accumulate(meta.kv_lens)][:-1])
         segments = []
         decode = q_lens == 1
         for rows in (decode.nonzero().flatten(), (~decode).nonzero().flatten()):
@@ -132,6 +149,8 @@ def make_backend(name: str, pool: KVPool) -> AttentionBackend:
         name = "triton" if pool.device.type == "cuda" else "torch"
     if name == "torch":
         return TorchAttention(pool)
-    from .triton_attention import TritonAttention  # triton is imported only when asked for
+    from .triton_attention import (
+        TritonAttention,  # triton is imported only when asked for
+    )
 
     return TritonAttention(pool)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
-from .attention import AttentionBackend, AttentionMetadata
+from .attention import AttentionBackend, AttentionMetadata, indptr, ranges
 from .scheduler import Batch
 from .slot_table import SlotTable
 
@@ -39,33 +40,21 @@ class ModelRunner:
         self.forward_seconds = 0.0
 
     def prepare(self, batch: Batch) -> StepInputs:
-        items = batch.items
+        items, dev = batch.items, self.device
         q_lens = [it.num_new for it in items]
         kv_lens = [it.start + it.num_new for it in items]
-        input_ids = [t for it in items for t in it.input_ids()]
-        q_lens_t = torch.tensor(q_lens)
-        kv_lens_t = torch.tensor(kv_lens)
-        qo_indptr = torch.zeros(len(items) + 1, dtype=torch.int64)
-        torch.cumsum(q_lens_t, 0, out=qo_indptr[1:])
-        kv_indptr = torch.zeros(len(items) + 1, dtype=torch.int64)
-        torch.cumsum(kv_lens_t, 0, out=kv_indptr[1:])
-        starts = torch.tensor([it.start for it in items])
-        num_tokens = int(qo_indptr[-1])
-        positions = torch.arange(num_tokens) - torch.repeat_interleave(qo_indptr[:-1] - starts,
-                                                                        q_lens_t)
-        rows = torch.tensor([it.seq.row for it in items])
-        kv_row = torch.repeat_interleave(rows, kv_lens_t)
-        kv_col = torch.arange(int(kv_indptr[-1])) - torch.repeat_interleave(kv_indptr[:-1],
-                                                                            kv_lens_t)
         # Sampled rows: each sampling item's last position, or all k+1 when verifying drafts.
         logits_index = []
-        for it, end in zip(items, qo_indptr[1:].tolist()):
+        for it, end in zip(items, accumulate(q_lens)):
             if it.sample:
                 logits_index += range(end - len(it.draft) - 1, end)
-        dev = self.device
+        # Row r of the slot table starts at flat index r * width: each request's context
+        # slots are one range of the flattened table.
+        width = self.table.table.shape[1]
+        context = ranges([it.seq.row * width for it in items], kv_lens, dev)
         meta = AttentionMetadata(
-            qo_indptr=qo_indptr.to(dev, torch.int32), kv_indptr=kv_indptr.to(dev, torch.int32),
-            kv_indices=self.table.table[kv_row.to(dev), kv_col.to(dev)],
+            qo_indptr=indptr(q_lens, dev), kv_indptr=indptr(kv_lens, dev),
+            kv_indices=self.table.table.view(-1)[context],
             out_slots=batch.out_slots, q_lens=q_lens, kv_lens=kv_lens,
             groups=[it.seq.group for it in items],
             # Once the prompt is cached, Scheduler.cache_computed points the first num_prompt
@@ -73,10 +62,10 @@ class ModelRunner:
             shared_lens=[it.seq.num_prompt if it.seq.cached_len >= it.seq.num_prompt else 0
                          for it in items])
         meta.plan = self.backend.plan(meta)
-        return StepInputs(input_ids=torch.tensor(input_ids, device=dev),
-                          positions=positions.to(dev), meta=meta,
-                          logits_index=torch.tensor(logits_index, dtype=torch.long,
-                                                    device=dev))
+        return StepInputs(
+            input_ids=torch.tensor([t for it in items for t in it.input_ids()], device=dev),
+            positions=ranges([it.start for it in items], q_lens, dev), meta=meta,
+            logits_index=torch.tensor(logits_index, dtype=torch.long, device=dev))
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 
 from kernels import paged_attention, shared_prefix_attention, store_kv
 
-from .attention import AttentionBackend, AttentionMetadata
+from .attention import AttentionBackend, AttentionMetadata, indptr, ranges
 
 
 @dataclass
@@ -90,29 +90,14 @@ def _shared_prefix_plan(meta: AttentionMetadata) -> _SharedPrefixPlan | None:
             suffix_starts.append(kv_starts[b] + p)
             suffix_lens.append(meta.kv_lens[b] - p)
     device = meta.kv_indices.device
-    prefix_pos = _ranges([kv_starts[m[0]] for m in members], prefix_lens, device)
-    suffix_pos = _ranges(suffix_starts, suffix_lens, device)
+    prefix_pos = ranges([kv_starts[m[0]] for m in members], prefix_lens, device)
+    suffix_pos = ranges(suffix_starts, suffix_lens, device)
     return _SharedPrefixPlan(
         perm=None if perm == list(range(len(perm))) else torch.tensor(perm, device=device),
-        group_indptr=_indptr([len(m) for m in members], device),
-        prefix_indptr=_indptr(prefix_lens, device),
+        group_indptr=indptr([len(m) for m in members], device),
+        prefix_indptr=indptr(prefix_lens, device),
         prefix_indices=meta.kv_indices[prefix_pos],
-        suffix_indptr=_indptr(suffix_lens, device),
+        suffix_indptr=indptr(suffix_lens, device),
         suffix_indices=meta.kv_indices[suffix_pos],
         max_group_size=max(map(len, members)), max_prefix_len=max(prefix_lens),
         max_suffix_len=max(suffix_lens))
-
-
-def _indptr(lens: list[int], device) -> torch.Tensor:
-    return torch.tensor([0, *accumulate(lens)], dtype=torch.int32, device=device)
-
-
-def _ranges(starts: list[int], lens: list[int], device) -> torch.Tensor:
-    """arange(s, s + n) for each (s, n), concatenated; built on `device` from O(B) host data
-    (output_size keeps repeat_interleave from reading the total back)."""
-    total = sum(lens)
-    lens_t = torch.tensor(lens, device=device)
-    offsets = lens_t.cumsum(0) - lens_t  # where each range begins in the output
-    shift = torch.tensor(starts, device=device) - offsets
-    return torch.arange(total, device=device) + torch.repeat_interleave(shift, lens_t,
-                                                                        output_size=total)
