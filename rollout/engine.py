@@ -16,19 +16,15 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from .attention import make_backend
 from .config import EngineConfig
-from .kv_pool import KVPool, kv_bytes_per_token, size_pool
-from .model_runner import ModelRunner
+from .kv_pool import kv_bytes_per_token, size_pool
+from .model_stack import ModelStack
 from .models.loader import build_model, eos_token_ids, load_into, resolve_model
 from .outputs import RolloutOutput, Sample
-from .radix_cache import RadixCache
 from .request import Sequence
 from .sampler import SamplingBatch, sample, sample_seed
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
-from .sleep import WeightParking, tensor_bytes
-from .slot_table import SlotTable
+from .sleep import tensor_bytes
 from .spec.speculator import Speculator
 from .spec.verify import verify
 from .stats import EngineStats
@@ -69,13 +65,10 @@ class Engine:
         per_token = kv_bytes_per_token(layers, self.model.num_kv_heads, self.model.head_dim, dtype)
         num_slots = size_pool(config.kv_cache_tokens, config.kv_memory_fraction,
                               config.max_model_len, config.max_num_seqs, per_token, device)
-        self.pool = KVPool(layers, num_slots, self.model.num_kv_heads, self.model.head_dim,
-                           dtype, device)
-        self.cache = RadixCache(self.pool.free, device, enabled=config.enable_prefix_caching)
-        self.table = SlotTable(config.max_num_seqs, config.max_model_len, device)
-        self.scheduler = Scheduler(config, self.pool, self.cache, self.table)
-        self.backend = make_backend(config.attention_backend, self.pool)
-        self.runner = ModelRunner(self.model, self.backend, self.table, device)
+        self.stack = ModelStack(self.model, config, num_slots, device)
+        self.pool, self.cache, self.table = self.stack.pool, self.stack.cache, self.stack.table
+        self.scheduler, self.backend = self.stack.scheduler, self.stack.backend
+        self.runner = self.stack.runner
         self.stop = StopChecker(config.max_model_len, tokenizer)
         self.eos_ids = eos_token_ids(model, hf_config, tokenizer)
         self._groups: dict[str, _Group] = {}
@@ -84,7 +77,6 @@ class Engine:
         self._stats = EngineStats()
         self.speculator = self._make_speculator(config.speculative)
         self._sample = _triton_sample if device.type == "cuda" else sample
-        self._parking = WeightParking(self.model, device)
         self.sleep_level = 0
         self._weights_missing = False
 
@@ -317,12 +309,8 @@ class Engine:
                 self.wake_up()
             else:
                 return
-        self.cache.reset()
-        self.pool.release()
-        self.table.release()
-        self.model.rope.release()
-        self._parking.park(level)
-        if hasattr(self.speculator, "drafter") and hasattr(self.speculator.drafter, "sleep"):
+        self.stack.sleep(level)
+        if self.speculator is not None:
             self.speculator.drafter.sleep()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -333,11 +321,8 @@ class Engine:
     def wake_up(self) -> None:
         if not self.is_sleeping:
             return
-        self._parking.restore()
-        self.model.rope.build(self.device)
-        self.pool.allocate()
-        self.table.allocate()
-        if hasattr(self.speculator, "drafter") and hasattr(self.speculator.drafter, "wake_up"):
+        self.stack.wake_up()
+        if self.speculator is not None:
             self.speculator.drafter.wake_up()
         self.sleep_level = 0
 
@@ -387,9 +372,8 @@ class Engine:
         lock counts equal the running sequences that pin each node. The draft model's pool,
         when speculating with one, is checked the same way."""
         self.scheduler.check_invariants()
-        drafter = getattr(self.speculator, "drafter", None)
-        if hasattr(drafter, "scheduler"):
-            drafter.scheduler.check_invariants()
+        if self.speculator is not None:
+            self.speculator.drafter.check_invariants()
 
 
 def _triton_sample(logits: torch.Tensor, rows: SamplingBatch):

@@ -12,19 +12,16 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import make_backend
-from ..kv_pool import KVPool
-from ..model_runner import ModelRunner
+from ..model_stack import ModelStack
 from ..models.loader import build_model, load_into, resolve_model
-from ..radix_cache import RadixCache, common_prefix_len
+from ..radix_cache import common_prefix_len
 from ..request import SeqStatus, Sequence
 from ..sampler import TOKEN_STREAM, SamplingBatch, pick, target_logprobs
-from ..scheduler import Batch, Scheduler
-from ..sleep import WeightParking
-from ..slot_table import SlotTable
+from ..scheduler import Batch
+from .drafter import Drafter
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     def __init__(self, draft_model, engine, stream: int = TOKEN_STREAM) -> None:
         """`stream`: the noise the draft samples with; the target's own (TOKEN_STREAM) for
         coupled acceptance, an independent one (DRAFT_STREAM) for rejection sampling."""
@@ -33,18 +30,14 @@ class DraftModelDrafter:
         if hf_config.vocab_size != engine.vocab_size:
             raise ValueError(f"speculative.draft_model: vocab_size {hf_config.vocab_size} differs "
                              f"from the target's {engine.vocab_size}; it must share the tokenizer")
-        dtype, device = engine.pool.dtype, engine.device
-        self.model = build_model(hf_config, cfg.max_model_len, dtype, device)
-        load_into(self.model, weights)
-        self.pool = KVPool(hf_config.num_hidden_layers, engine.pool.num_slots,
-                           self.model.num_kv_heads, self.model.head_dim, dtype, device)
-        self.cache = RadixCache(self.pool.free, device, enabled=cfg.enable_prefix_caching)
-        self.table = SlotTable(cfg.max_num_seqs, cfg.max_model_len, device)
-        self.scheduler = Scheduler(cfg, self.pool, self.cache, self.table)
-        self.runner = ModelRunner(self.model, make_backend(cfg.attention_backend, self.pool),
-                                  self.table, device)
+        device = engine.device
+        model = build_model(hf_config, cfg.max_model_len, engine.pool.dtype, device)
+        load_into(model, weights)
+        # As many slots as the target: the draft tracks the same sequences.
+        self.stack = ModelStack(model, cfg, engine.pool.num_slots, device)
+        self.cache, self.scheduler = self.stack.cache, self.stack.scheduler
+        self.runner = self.stack.runner
         self.device, self.stream = device, stream
-        self.parking = WeightParking(self.model, device)
         self.shadows: dict[int, tuple[Sequence, Sequence]] = {}  # seq_id -> (target, shadow)
 
     # --- shadow bookkeeping -----------------------------------------------------------------
@@ -86,17 +79,13 @@ class DraftModelDrafter:
         them, so they are parked rather than dropped, whatever the engine's level)."""
         self.shadows.clear()
         self.scheduler.running.clear()
-        self.cache.reset()
-        self.pool.release()
-        self.table.release()
-        self.model.rope.release()
-        self.parking.park(1)
+        self.stack.sleep(1)
 
     def wake_up(self) -> None:
-        self.parking.restore()
-        self.model.rope.build(self.device)
-        self.pool.allocate()
-        self.table.allocate()
+        self.stack.wake_up()
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()
 
     # --- proposing --------------------------------------------------------------------------
     def propose_batch(self, wanted: list[tuple[Sequence, int]], siblings):

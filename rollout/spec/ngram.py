@@ -7,6 +7,7 @@ from __future__ import annotations
 from array import array
 
 from ..request import Sequence
+from .drafter import Drafter
 
 
 def find_continuation(source: list[int], pattern: list[int], k: int) -> list[int]:
@@ -35,7 +36,7 @@ def find_continuation(source: list[int], pattern: list[int], k: int) -> list[int
     return proposal
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     def __init__(self, ngram_min: int, ngram_max: int) -> None:
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
 

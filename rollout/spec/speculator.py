@@ -61,6 +61,4 @@ class Speculator:
         for it in batch.items:
             if it.seq.is_finished:
                 self._misses.pop(it.seq.seq_id, None)
-        rollback = getattr(self.drafter, "rollback", None)
-        if rollback is not None:
-            rollback([it.seq for it in verified])
+        self.drafter.rollback([it.seq for it in verified])
