@@ -197,13 +197,13 @@ class Engine:
         if bad:
             self.scheduler.undo(batch)
             self._abort_bad(bad)
-        self.scheduler.commit(batch, emitted, logprobs, self.stop)
+        finished = self.scheduler.commit(batch, emitted, logprobs, self.stop)
         if speculating:
             drafted = [v for v, it in zip(verdicts, items) if it.draft]
             self.speculator.after_commit(batch, drafted)
             self._stats.record_verdicts(drafted)
         self._stats.record_step(batch, sum(map(len, emitted)), time.perf_counter() - t0)
-        return self._collect_finished()
+        return self._collect_finished(finished)
 
     def _sampling_batch(self, items) -> SamplingBatch:
         """One row per sampled position: a verifying item has len(draft) + 1 of them."""
@@ -217,8 +217,11 @@ class Engine:
         raise ValueError(f"logits: the model produced non-finite values (nan/inf) for "
                          f"request(s) {groups}; they were aborted, the others go on")
 
-    def _collect_finished(self) -> list[RolloutOutput]:
-        done = [g for g in self._groups.values() if g.done]
+    def _collect_finished(self, finished: list[Sequence]) -> list[RolloutOutput]:
+        """Outputs of the requests whose last sample finished in this step (only the groups
+        of this step's finished samples are looked at, not every request in flight)."""
+        ids = dict.fromkeys(s.group for s in finished)  # ordered, unique
+        done = [self._groups[i] for i in ids if self._groups[i].done]
         for g in done:
             del self._groups[g.request_id]
         return [self._output(g) for g in done]
