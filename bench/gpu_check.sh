@@ -3,6 +3,10 @@
 #   bash bench/gpu_check.sh correctness   # kernel tests (bf16 too) + engine-on-CUDA tests
 #   bash bench/gpu_check.sh bench         # kernel, engine-vs-transformers benchmarks
 #   bash bench/gpu_check.sh more          # colocation and speculative-decoding benchmarks
+#   bash bench/gpu_check.sh owed          # only what no GPU run has checked yet (~6 min):
+#                                         # the kernels and engine paths added since the last
+#                                         # GPU run, exact sleep memory, the kernel and
+#                                         # engine-vs-transformers benchmarks
 #   bash bench/gpu_check.sh all
 # Every section has its own timeout, so one failure does not eat the session. Logs go to $OUT.
 set -u
@@ -32,19 +36,32 @@ if [ "$what" = correctness ] || [ "$what" = all ]; then
   ( OUT=/tmp/kernels_logs PY=$PY timeout 300 bash bench/gpu_check_kernels.sh tests \
       > /tmp/kernel_tests.out 2>&1; cat /tmp/kernels_logs/kernels_check/*.log > "$O/kernel_tests.log" ) &
   kernel_tests=$!  # wait on it by pid: a bare `wait` would also wait for the tee above
-  section engine_tests 280 $PY -m pytest -q -p no:cacheprovider -x tests/test_gpu.py -rA
+  section engine_tests 280 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+      tests/test_triton_backend.py -rA
   section engine_cpu_suite 200 $PY -m pytest -q -p no:cacheprovider tests/test_parity.py \
       tests/test_spec.py tests/test_prefix_sharing.py
   wait "$kernel_tests"
   echo "=== kernel tests"; cat /tmp/kernel_tests.out
 fi
 
-if [ "$what" = bench ] || [ "$what" = all ]; then
+if [ "$what" = owed ]; then
+  # Correctness first, in parallel (mostly Triton compilation on the CPU); timings after, alone.
+  ( timeout 240 $PY -m pytest -q -p no:cacheprovider tests/test_kernels_shared_prefix.py \
+      tests/test_kernels_spec_accept.py > "$O/kernel_tests_owed.log" 2>&1
+    echo "=== owed kernel tests: rc=$? $(tail -n 1 "$O/kernel_tests_owed.log")" ) &
+  kernel_tests=$!
+  section engine_tests 240 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+      tests/test_triton_backend.py -rA
+  wait "$kernel_tests"
+fi
+
+if [ "$what" = bench ] || [ "$what" = owed ] || [ "$what" = all ]; then
+  section kernels_bench 200 $PY bench/kernels.py
   section engine_vs_hf_0.5b 150 $PY bench/engine_vs_hf.py --device cuda --model-shape 0.5b \
       --dtype bfloat16 --kv-tokens 400000
-  section engine_vs_hf_0.5b_large 150 $PY bench/engine_vs_hf.py --device cuda --model-shape 0.5b \
-      --dtype bfloat16 --kv-tokens 400000 --prompts 64 --max-new 256
-  section kernels_bench 200 $PY bench/kernels.py
+  [ "$what" != owed ] && section engine_vs_hf_0.5b_large 150 $PY bench/engine_vs_hf.py \
+      --device cuda --model-shape 0.5b --dtype bfloat16 --kv-tokens 400000 --prompts 64 \
+      --max-new 256
 fi
 
 if [ "$what" = more ] || [ "$what" = all ]; then
