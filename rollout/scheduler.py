@@ -80,8 +80,11 @@ class Scheduler:
         items: list[ScheduledSeq] = []
         preempted = False
         scheduled: set[int] = set()
-        order = [s for s in self.running if not s.is_prefilling]
-        order += [s for s in self.running if s.is_prefilling]
+        decodes = [s for s in self.running if not s.is_prefilling]
+        grown = self._grow_decodes(decodes[:budget], items)
+        scheduled.update(s.seq_id for s in decodes[:grown])
+        budget -= grown
+        order = decodes[grown:] + [s for s in self.running if s.is_prefilling]
         for seq in order:
             if budget == 0:
                 break
@@ -106,6 +109,19 @@ class Scheduler:
         if not items:
             return None
         return Batch(items)
+
+    def _grow_decodes(self, decodes: list[Sequence], items: list[ScheduledSeq]) -> int:
+        """One slot for each decoding sequence, allocated and written to the table with a
+        constant number of device ops (per-sequence ops would make a GPU step launch-bound).
+        Returns how many were scheduled: all, or none when the pool is short, and then the
+        one-by-one path decides whom to preempt."""
+        slots = self.alloc_slots(len(decodes)) if decodes else None
+        if slots is None:
+            return 0
+        self.table.write_each([s.row for s in decodes], [s.num_computed for s in decodes], slots)
+        items.extend(ScheduledSeq(seq, seq.num_computed, 1, True, slots[i:i + 1])
+                     for i, seq in enumerate(decodes))
+        return len(decodes)
 
     def schedule_seq(self, seq: Sequence, slots: torch.Tensor,
                      items: list[ScheduledSeq]) -> None:
@@ -227,7 +243,8 @@ class Scheduler:
             tokens, lps = next(sampled)
             kept = it.num_new - len(it.draft) + len(tokens) - 1  # rejected drafts drop out
             seq.num_computed += kept
-            self.pool.free(it.slots[kept:])
+            if kept < it.num_new:
+                self.pool.free(it.slots[kept:])
             reason = None
             for token, logprob in zip(tokens, lps):
                 seq.token_ids.append(token)

@@ -34,5 +34,10 @@ class SlotTable:
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         self.table[row, start:start + slots.numel()] = slots
 
+    def write_each(self, rows: list[int], cols: list[int], slots: torch.Tensor) -> None:
+        """slots[i] goes to (rows[i], cols[i]): a whole decode step's growth in one op."""
+        index = torch.tensor([rows, cols], device=self.device)
+        self.table[index[0], index[1]] = slots
+
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
         return self.table[row, start:end]
