@@ -3,7 +3,10 @@
 Default (CPU): a ~25M-parameter Qwen2-style model with random weights, 16 prompts of 192 tokens
 sharing a 128-token system prefix, n = 8, 128 new tokens, temperature 1.
 Prints tokens/s of both, their ratio, prompt tokens each computed, and the engine's time outside
-the model forward as a share of its step time. Nothing is asserted.
+the model forward as a share of its step time. On CUDA, last, a short decode-heavy run under the
+profiler: kernels launched per step and the share of wall time the GPU spends in them (a low
+share means steps are bound by the host, launches and scheduling, which CUDA graphs address).
+Nothing is asserted.
 
     python bench/engine_vs_hf.py [--device cuda --model-shape 0.5b --dtype bfloat16]
 """
@@ -62,7 +65,28 @@ def run_engine(model, prompts, n, max_new, args):
     delta = {k: s[k] - base[k] for k in ("generated_tokens", "prompt_tokens_computed",
                                          "step_seconds", "forward_seconds", "steps")}
     generated = sum(len(smp.token_ids) for o in outs for smp in o.samples)
-    return generated, seconds, delta
+    return generated, seconds, delta, engine
+
+
+def gpu_busy(engine, prompts, n) -> None:
+    """Kernels per engine step and the GPU's busy share of the wall time, over 16 decode
+    steps at the run's batch size. The profiler slows the host, so the share is a lower bound."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    params = SamplingParams(n=n, temperature=1.0, max_tokens=16, ignore_eos=True, seed=2)
+    steps = engine.stats.steps
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        engine.generate(prompts, params)
+        torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - t0) * 1e6
+    steps = engine.stats.steps - steps
+    on_gpu = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    busy_us = sum(e.time_range.elapsed_us() for e in on_gpu)
+    print(f"profiled ({steps} steps, prompts cached): {len(on_gpu) / steps:.0f} kernels and "
+          f"copies per step, GPU busy {busy_us / wall_us:.0%} of the wall time "
+          f"({wall_us / steps / 1e3:.2f} ms per step)")
 
 
 def main() -> None:
@@ -89,14 +113,19 @@ def main() -> None:
     print(f"workload: {args.prompts} prompts x {args.prompt_len} tokens "
           f"({args.prefix_len} shared), n={args.n}, {args.max_new} new tokens, temperature 1")
 
-    gen, secs, d = run_engine(model, prompts, args.n, args.max_new, args)
+    gen, secs, d, engine = run_engine(model, prompts, args.n, args.max_new, args)
     engine_tps = gen / secs
     overhead = 1 - d["forward_seconds"] / d["step_seconds"]
     print(f"engine:       {engine_tps:9.1f} tok/s  ({gen} tokens in {secs:.2f} s, "
           f"{d['steps']} steps), prompt tokens computed {d['prompt_tokens_computed']}, "
           f"time outside the model forward {overhead:.1%}")
-    if args.skip_hf:
-        return
+    if not args.skip_hf:
+        compare_hf(model, prompts, args, engine_tps)
+    if args.device.startswith("cuda"):
+        gpu_busy(engine, prompts, args.n)
+
+
+def compare_hf(model, prompts, args, engine_tps: float) -> None:
     gen_hf, secs_hf, prompt_hf = run_hf(model, prompts, args.n, args.max_new, args.device)
     hf_tps = gen_hf / secs_hf
     print(f"transformers: {hf_tps:9.1f} tok/s  ({gen_hf} tokens in {secs_hf:.2f} s), "
