@@ -8,7 +8,7 @@ profiler: kernels launched per step and the share of wall time the GPU spends in
 share means steps are bound by the host, launches and scheduling, which CUDA graphs address).
 Nothing is asserted.
 
-    python bench/engine_vs_hf.py [--device cuda --model-shape 0.5b --dtype bfloat16]
+    python bench/engine_vs_hf.py [--device cuda --model-shape 0.5b --dtype bfloat16] [--cuda-graphs]
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def run_hf(model, prompts, n, max_new, device):
 def run_engine(model, prompts, n, max_new, args):
     config = EngineConfig(kv_cache_tokens=args.kv_tokens, max_model_len=1024,
                           max_num_seqs=max(256, len(prompts) * n),
-                          max_num_batched_tokens=args.batched_tokens)
+                          max_num_batched_tokens=args.batched_tokens,
+                          cuda_graphs=args.cuda_graphs)
     engine = Engine(model, config)
     params = SamplingParams(n=n, temperature=1.0, max_tokens=max_new, ignore_eos=True, seed=0)
     # Warm-up (kernel compilation on GPU) on other prompts, so nothing of the run is cached.
@@ -102,6 +103,7 @@ def main() -> None:
     ap.add_argument("--kv-tokens", type=int, default=65536)
     ap.add_argument("--batched-tokens", type=int, default=8192)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--cuda-graphs", action="store_true", help="replay decode steps from graphs")
     args = ap.parse_args()
 
     shape = QWEN2_25M if args.model_shape == "25m" else QWEN2_05B
@@ -109,7 +111,7 @@ def main() -> None:
     params_m = sum(p.numel() for p in model.parameters()) / 1e6
     prompts = grpo_prompts(args.prompts, args.prompt_len, args.prefix_len, shape["vocab_size"])
     print(f"model: Qwen2-style {params_m:.1f}M params, {args.dtype} on {args.device}, "
-          f"{torch.get_num_threads()} threads")
+          f"{torch.get_num_threads()} threads, cuda_graphs={args.cuda_graphs}")
     print(f"workload: {args.prompts} prompts x {args.prompt_len} tokens "
           f"({args.prefix_len} shared), n={args.n}, {args.max_new} new tokens, temperature 1")
 

@@ -3,10 +3,10 @@
 #   bash bench/gpu_check.sh correctness   # kernel tests (bf16 too) + engine-on-CUDA tests
 #   bash bench/gpu_check.sh bench         # kernel, engine-vs-transformers benchmarks
 #   bash bench/gpu_check.sh more          # colocation and speculative-decoding benchmarks
-#   bash bench/gpu_check.sh owed          # only what no GPU run has checked yet (~6 min):
+#   bash bench/gpu_check.sh owed          # only what no GPU run has checked yet (~7 min):
 #                                         # the kernels and engine paths added since the last
-#                                         # GPU run, exact sleep memory, the kernel and
-#                                         # engine-vs-transformers benchmarks
+#                                         # GPU run (CUDA graphs too), exact sleep memory, the
+#                                         # kernel and engine-vs-transformers benchmarks
 #   bash bench/gpu_check.sh all
 # Every section has its own timeout, so one failure does not eat the session. Logs go to $OUT.
 set -u
@@ -59,6 +59,8 @@ if [ "$what" = bench ] || [ "$what" = owed ] || [ "$what" = all ]; then
   section kernels_bench 200 $PY bench/kernels.py
   section engine_vs_hf_0.5b 150 $PY bench/engine_vs_hf.py --device cuda --model-shape 0.5b \
       --dtype bfloat16 --kv-tokens 400000
+  section engine_0.5b_cuda_graphs 100 $PY bench/engine_vs_hf.py --device cuda --model-shape 0.5b \
+      --dtype bfloat16 --kv-tokens 400000 --cuda-graphs --skip-hf
   [ "$what" != owed ] && section engine_vs_hf_0.5b_large 150 $PY bench/engine_vs_hf.py \
       --device cuda --model-shape 0.5b --dtype bfloat16 --kv-tokens 400000 --prompts 64 \
       --max-new 256

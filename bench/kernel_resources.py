@@ -40,8 +40,9 @@ if __name__ == "__main__":
     # Run as a script, bench/ leads sys.path and its kernels.py would shadow the package.
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# Before triton: off the GPU, kernels/ turns the interpreter on unless told otherwise (above),
-# and triton's own library must be decorated in the same mode.
+# isort: off
+# kernels/ before triton: off the GPU it turns the interpreter on unless told otherwise
+# (above), and triton's own library must be decorated in the same mode.
 import kernels  # noqa: E402, F401
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -49,6 +50,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.compiler import compile as triton_compile  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+# isort: on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +199,13 @@ def _indptr(lengths: list[int]) -> torch.Tensor:
 def engine_cases(model: str, dtype: torch.dtype) -> list[tuple[str, Callable[[], object]]]:
     """(case name, launch) for each step kind of `model`. Nothing runs, so contexts are
     described by their lengths alone: the pool and slot tensors stay small."""
-    from kernels import accept_drafts, paged_attention, sample, shared_prefix_attention, store_kv
+    from kernels import (
+        accept_drafts,
+        paged_attention,
+        sample,
+        shared_prefix_attention,
+        store_kv,
+    )
 
     hq, hkv, d, vocab = MODELS[model]
     pool_k = torch.empty(4096, hkv, d, dtype=dtype)

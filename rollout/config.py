@@ -25,6 +25,9 @@ class EngineConfig:
     lpm_max_waiting: int = 128
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
+    # Replay decode-only steps from CUDA graphs (rollout/cuda_graph.py); needs the Triton
+    # backend. Off by default until a GPU run has measured it.
+    cuda_graphs: bool = False
     dtype: torch.dtype | str | None = None  # None: the model's dtype
     device: torch.device | str | None = None  # None: the model's device (cuda if loading a path)
     seed: int | None = None  # default seed of unseeded requests; None draws one per request

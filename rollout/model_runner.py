@@ -5,12 +5,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import TYPE_CHECKING
 
 import torch
 
 from .attention import AttentionBackend, AttentionMetadata, indptr, ranges
 from .scheduler import Batch
 from .slot_table import SlotTable
+
+if TYPE_CHECKING:
+    from .cuda_graph import DecodeGraphs
 
 
 class ForwardContext:
@@ -31,12 +35,14 @@ class StepInputs:
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     logits_index: torch.Tensor  # flat indices whose logits are sampled
+    graphed: bool = False  # a decode-only step replayed from a CUDA graph
 
 
 class ModelRunner:
     def __init__(self, model, backend: AttentionBackend, table: SlotTable,
-                 device: torch.device) -> None:
+                 device: torch.device, graphs: DecodeGraphs | None = None) -> None:
         self.model, self.backend, self.table, self.device = model, backend, table, device
+        self.graphs = graphs
         self.forward_seconds = 0.0
 
     def prepare(self, batch: Batch) -> StepInputs:
@@ -61,21 +67,29 @@ class ModelRunner:
             # slots of the row at the tree's, which are the same for every sample of the prompt.
             shared_lens=[it.seq.num_prompt if it.seq.cached_len >= it.seq.num_prompt else 0
                          for it in items])
-        meta.plan = self.backend.plan(meta)
+        # A decode-only step (every item one new token, sampled) can replay a graph.
+        graphed = (self.graphs is not None and len(logits_index) == len(items)
+                   and max(q_lens) == 1 and self.graphs.fits(len(items)))
+        if not graphed:
+            meta.plan = self.backend.plan(meta)
         return StepInputs(
             input_ids=torch.tensor([t for it in items for t in it.input_ids()], device=dev),
             positions=ranges([it.start for it in items], q_lens, dev), meta=meta,
-            logits_index=torch.tensor(logits_index, dtype=torch.long, device=dev))
+            logits_index=torch.tensor(logits_index, dtype=torch.long, device=dev),
+            graphed=graphed)
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """Logits (fp32) of the sampled positions, in batch order."""
         t0 = time.perf_counter()
-        dtype = self.model.model.embed_tokens.weight.dtype
-        cos, sin = self.model.rope.lookup(inputs.positions, dtype)
-        ctx = ForwardContext(cos, sin, inputs.meta, self.backend)
-        hidden = self.model(inputs.input_ids, ctx)
-        logits = self.model.compute_logits(hidden[inputs.logits_index])
+        if inputs.graphed:
+            logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        else:
+            dtype = self.model.model.embed_tokens.weight.dtype
+            cos, sin = self.model.rope.lookup(inputs.positions, dtype)
+            ctx = ForwardContext(cos, sin, inputs.meta, self.backend)
+            hidden = self.model(inputs.input_ids, ctx)
+            logits = self.model.compute_logits(hidden[inputs.logits_index])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.forward_seconds += time.perf_counter() - t0

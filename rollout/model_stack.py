@@ -26,11 +26,16 @@ class ModelStack:
         self.table = SlotTable(config.max_num_seqs, config.max_model_len, device)
         self.scheduler = Scheduler(config, self.pool, self.cache, self.table)
         self.backend = make_backend(config.attention_backend, self.pool)
-        self.runner = ModelRunner(model, self.backend, self.table, device)
+        self.graphs = None
+        if config.cuda_graphs:
+            self.graphs = decode_graphs(model, self.backend, config, device)
+        self.runner = ModelRunner(model, self.backend, self.table, device, self.graphs)
         self.parking = WeightParking(model, device)
 
     def sleep(self, level: int) -> None:
         """Drop the KV pool (the tree empties with it) and park the weights (see sleep.py)."""
+        if self.graphs is not None:
+            self.graphs.release()
         self.cache.reset()
         self.pool.release()
         self.table.release()
@@ -42,3 +47,15 @@ class ModelStack:
         self.model.rope.build(self.device)
         self.pool.allocate()
         self.table.allocate()
+
+
+def decode_graphs(model, backend, config: EngineConfig, device: torch.device):
+    from .triton_attention import TritonAttention
+
+    if not isinstance(backend, TritonAttention):
+        raise ValueError("cuda_graphs: needs the Triton attention backend (attention_backend "
+                         f"'triton', or 'auto' on CUDA); this engine resolved "
+                         f"{config.attention_backend!r} to {type(backend).__name__}")
+    from .cuda_graph import DecodeGraphs
+
+    return DecodeGraphs(model, backend, config.max_num_seqs, config.max_model_len, device)

@@ -4,7 +4,7 @@ Level 1 drops the KV pool and moves the weights to host memory (pinned on CUDA, 
 one fast copy). Level 2 drops the weights too; `update_weights` must refill them before the
 next generate. Parameters keep their identity across a cycle (their `.data` is swapped), so
 modules and optimizers that hold them stay valid; device addresses do change, which matters
-only to captured CUDA graphs, and the engine captures none yet.
+only to captured CUDA graphs: the engine drops its graphs at sleep and captures them again.
 """
 
 from __future__ import annotations

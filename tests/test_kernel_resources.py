@@ -11,7 +11,14 @@ import sys
 import pytest
 import torch
 
-from bench.kernel_resources import TARGETS, HostRead, Recorder, Variant, no_host_reads, report
+from bench.kernel_resources import (
+    TARGETS,
+    HostRead,
+    Recorder,
+    Variant,
+    no_host_reads,
+    report,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
