@@ -57,4 +57,5 @@ def engine_config(cfg: RecipeConfig, rank: int = 0) -> EngineConfig:
                         kv_memory_fraction=cfg.kv_memory_fraction,
                         max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
                         dtype=cfg.dtype, enable_prefix_caching=cfg.prefix_caching,
+                        cuda_graphs=cfg.cuda_graphs,
                         speculative=speculative_config(cfg), seed=cfg.seed + 1009 * rank)

@@ -79,6 +79,7 @@ class RecipeConfig:
     kv_memory_fraction: float = 0.3  # share of free device memory when kv_cache_tokens is None
     sleep_level: int = 1  # 1: weights parked on host while asleep; 2: dropped
     prefix_caching: bool = True
+    cuda_graphs: bool = False  # replay decode steps from CUDA graphs (GPU, Triton backend)
     # rollout.spec.SpeculativeConfig keys, e.g. {method: ngram, num_speculative_tokens: 4}
     speculative: dict | None = None
 
