@@ -37,7 +37,7 @@ if [ "$what" = correctness ] || [ "$what" = all ]; then
       > /tmp/kernel_tests.out 2>&1; cat /tmp/kernels_logs/kernels_check/*.log > "$O/kernel_tests.log" ) &
   kernel_tests=$!  # wait on it by pid: a bare `wait` would also wait for the tee above
   section engine_tests 280 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py \
-      tests/test_triton_backend.py -rA
+      tests/test_triton_backend.py tests/test_cuda_graph.py -rA
   section engine_cpu_suite 200 $PY -m pytest -q -p no:cacheprovider tests/test_parity.py \
       tests/test_spec.py tests/test_prefix_sharing.py
   wait "$kernel_tests"
@@ -51,7 +51,7 @@ if [ "$what" = owed ]; then
     echo "=== owed kernel tests: rc=$? $(tail -n 1 "$O/kernel_tests_owed.log")" ) &
   kernel_tests=$!
   section engine_tests 240 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py \
-      tests/test_triton_backend.py -rA
+      tests/test_triton_backend.py tests/test_cuda_graph.py -rA
   wait "$kernel_tests"
 fi
 
