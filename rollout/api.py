@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import weakref
 
 from .config import EngineConfig
 from .engine import Engine
+from .models.loader import checkpoint_tensors
 from .weights import weights_version
 
-# model object -> (config it was built with, engine); dropped with the model.
+# model object -> [engine, weights version it holds]; dropped with the model.
 _ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# A path string cannot be a weak key: checkpoints' engines are kept under the resolved path.
+_PATH_ENGINES: dict[str, Engine] = {}
 
 
 def generate(model, prompts, params=None, tokenizer=None, use_tqdm: bool = False, **config):
@@ -24,18 +28,36 @@ def generate(model, prompts, params=None, tokenizer=None, use_tqdm: bool = False
 
 
 def engine_for(model, tokenizer=None, **config) -> Engine:
-    """The engine cached for `model`, awake and holding the model's current weights (synced
-    in place when they changed since the last call, e.g. after an optimizer step)."""
+    """The engine cached for `model` (an in-memory model or a local checkpoint path), awake and
+    holding the model's current weights (synced in place when they changed since the last
+    call, e.g. after an optimizer step)."""
     cfg = EngineConfig(**config)
+    if isinstance(model, (str, os.PathLike)):
+        return _checkpoint_engine(os.path.realpath(model), cfg, tokenizer)
     entry = _ENGINES.get(model)
-    if entry is None or entry[0] != cfg or (tokenizer is not None and entry[1].tokenizer
-                                             is not tokenizer):
-        entry = [cfg, Engine(model, cfg, tokenizer=tokenizer), weights_version(model)]
+    if entry is None or not _reusable(entry[0], cfg, tokenizer):
+        entry = [Engine(model, cfg, tokenizer=tokenizer), weights_version(model)]
         _ENGINES[model] = entry
-    engine = entry[1]
+    engine = entry[0]
     engine.wake_up()
-    version = weights_version(model)
-    if version != entry[2] or engine.needs_weights:
+    if weights_version(model) != entry[1] or engine.needs_weights:
         engine.update_weights(model)
-        entry[2] = version
+        # Read after the sync: PEFT's merge/unmerge fallback (DoRA) writes the base weights
+        # while they are read, which must not count as a change next time.
+        entry[1] = weights_version(model)
     return engine
+
+
+def _checkpoint_engine(path: str, cfg: EngineConfig, tokenizer) -> Engine:
+    """A checkpoint's weights are read again only when sleep(level=2) dropped them."""
+    engine = _PATH_ENGINES.get(path)
+    if engine is None or not _reusable(engine, cfg, tokenizer):
+        engine = _PATH_ENGINES[path] = Engine(path, cfg, tokenizer=tokenizer)
+    engine.wake_up()
+    if engine.needs_weights:
+        engine.update_weights(checkpoint_tensors(path))
+    return engine
+
+
+def _reusable(engine: Engine, cfg: EngineConfig, tokenizer) -> bool:
+    return engine.config == cfg and (tokenizer is None or engine.tokenizer is tokenizer)

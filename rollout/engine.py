@@ -23,13 +23,13 @@ from .models.loader import build_model, eos_token_ids, load_into, resolve_model
 from .outputs import RolloutOutput, Sample
 from .request import Sequence
 from .sampler import SamplingBatch, sample, sample_seed
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, as_int
 from .sleep import tensor_bytes
 from .spec.speculator import Speculator
 from .spec.verify import verify
 from .stats import EngineStats
 from .stop import StopChecker
-from .weights import as_named_tensors, buckets
+from .weights import buckets, named_shapes_and_tensors
 
 Prompt = str | Seq[int]
 
@@ -72,7 +72,11 @@ class Engine:
         self.stop = StopChecker(config.max_model_len, tokenizer)
         self.eos_ids = eos_token_ids(model, hf_config, tokenizer)
         self._groups: dict[str, _Group] = {}
-        self._ids = itertools.count()
+        # Outputs of streaming requests that finished while generate() stepped; the next
+        # step() returns them.
+        self._held: dict[str, RolloutOutput] = {}
+        self._ids = itertools.count()  # sequence ids
+        self._request_ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
         self._stats = EngineStats()
         self.speculator = self._make_speculator(config.speculative)
@@ -96,22 +100,40 @@ class Engine:
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        group = self._make_group(prompt, params or SamplingParams(), request_id)
+        text, ids, params = self._check_request(prompt, params)
+        if request_id is not None:
+            request_id = str(request_id)
+            if request_id in self._groups or request_id in self._held:
+                raise ValueError(f"request_id: {request_id!r} is already running (or finished "
+                                 f"and not yet returned by step())")
+        group = self._make_group(text, ids, params, request_id)
         self._enqueue(group)
         return group.request_id
 
-    def _make_group(self, prompt: Prompt, params: SamplingParams,
-                    request_id: str | None) -> _Group:
+    def _check_request(self, prompt: Prompt, params: SamplingParams | None
+                       ) -> tuple[str | None, list[int], SamplingParams]:
+        """Everything a request must pass, changing no state: its text, its token ids and the
+        engine's own validated copy of its params."""
         self._check_ready()
+        params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        # A copy built through __init__ re-runs validation on the fields as they are now (they
+        # may have been set after construction) and keeps later edits of the caller's object,
+        # often reused for the next batch, away from this request.
+        params = dataclasses.replace(params)
         params.check_vocab(self.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer; pass tokenizer= to Engine")
         text, ids = self._prompt_ids(prompt)
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self._groups:
-            raise ValueError(f"request_id: {request_id!r} is already running")
+        return text, ids, params
+
+    def _make_group(self, text: str | None, ids: list[int], params: SamplingParams,
+                    request_id: str | None) -> _Group:
+        """Draws the request's id (unless given) and seed: only for a request that passed
+        _check_request."""
+        if request_id is None:
+            request_id = self._new_request_id()
         # Greedy requests take no seed, so adding an evaluation does not shift later rollouts.
         if params.seed is not None or params.greedy:
             base = params.seed or 0
@@ -123,6 +145,13 @@ class Engine:
                          prompt_ids=ids, params=params, seed=sample_seed(base, j),
                          stop_ids=stop_ids) for j in range(params.n)]
         return _Group(request_id, text, ids, params, seqs)
+
+    def _new_request_id(self) -> str:
+        # A counter of its own, skipping the ids in use: callers may name requests "3" too.
+        while True:
+            request_id = str(next(self._request_ids))
+            if request_id not in self._groups and request_id not in self._held:
+                return request_id
 
     def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         text = None
@@ -144,8 +173,9 @@ class Engine:
             raise ValueError(f"prompt: {len(ids)} tokens, but max_model_len="
                              f"{self.config.max_model_len} allows at most {limit} so that one "
                              f"token can be generated")
+        ids = [as_int("prompt: token id", t) for t in ids]
         for t in ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+            if not 0 <= t < self.vocab_size:
                 raise ValueError(f"prompt: token id {t!r} is outside the vocabulary "
                                  f"[0, {self.vocab_size})")
         return text, ids
@@ -157,24 +187,39 @@ class Engine:
         self._stats.prompt_tokens += len(group.prompt_ids) * len(group.seqs)
 
     def abort(self, request_id: str) -> None:
+        self._abort(request_id, keep_kv=True)
+
+    def _abort(self, request_id: str, keep_kv: bool) -> None:
+        """keep_kv: the computed K/V goes to the prefix cache (a plain abort) or is dropped."""
         group = self._groups.pop(str(request_id), None)
         if group is None:
             raise ValueError(f"request_id: {request_id!r} is not running")
         for seq in group.seqs:
             if not seq.is_finished:
-                self.scheduler.finish(seq, "abort")
+                self.scheduler.finish(seq, "abort", keep_kv)
 
     def abort_all(self) -> None:
+        """Abort every running request and drop the outputs step() has yet to return."""
         for request_id in list(self._groups):
             self.abort(request_id)
+        self._held.clear()
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self._groups)
+        """Requests are running, or finished with outputs step() has yet to return."""
+        return bool(self._groups) or bool(self._held)
 
     # --- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RolloutOutput]:
-        """Run one scheduler step; returns the requests that finished in it."""
+        """Run one scheduler step; returns the requests that finished in it, preceded by the
+        streaming requests (add_request) that finished while generate() was stepping."""
+        outs = self._step()
+        if self._held:
+            outs = [*self._held.values(), *outs]
+            self._held.clear()
+        return outs
+
+    def _step(self) -> list[RolloutOutput]:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch is None:
@@ -213,7 +258,9 @@ class Engine:
     def _abort_bad(self, seqs: list[Sequence]) -> None:
         groups = sorted({s.group for s in seqs})
         for request_id in groups:
-            self.abort(request_id)
+            # Their K/V may hold the non-finite values: cached, it would poison later requests
+            # that share the prefix.
+            self._abort(request_id, keep_kv=False)
         raise ValueError(f"logits: the model produced non-finite values (nan/inf) for "
                          f"request(s) {groups}; they were aborted, the others go on")
 
@@ -239,23 +286,24 @@ class Engine:
     def _text(self, seq: Sequence) -> str | None:
         if self.tokenizer is None:
             return None
-        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-        if seq.stop_text_at is not None:
-            full = self.tokenizer.decode(seq.output_ids, skip_special_tokens=False)
-            text = full[:seq.stop_text_at]
-        return text
+        text = self.stop.decode(seq.output_ids)
+        return text if seq.stop_text_at is None else text[:seq.stop_text_at]
 
     # --- generate ---------------------------------------------------------------------------
     def generate(self, prompts: Seq[Prompt], params: SamplingParams | Seq[SamplingParams] = None,
                  use_tqdm: bool = False) -> list[RolloutOutput]:
-        """n samples per prompt; one RolloutOutput per prompt, in order."""
+        """n samples per prompt; one RolloutOutput per prompt, in order. Streaming requests
+        that finish meanwhile are kept for the next step() to return."""
         if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
             raise ValueError("prompts must be a list of strings or of token-id lists")
         if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
+            params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"params: {len(params)} SamplingParams for {len(prompts)} prompts")
-        groups = [self._make_group(p, sp, None) for p, sp in zip(prompts, params)]
+        # Every request is checked before any takes an id or a seed: a failed call changes
+        # nothing, not even the seeds later calls draw.
+        checked = [self._check_request(p, sp) for p, sp in zip(prompts, params)]
+        groups = [self._make_group(*c, None) for c in checked]
         for g in groups:
             self._enqueue(g)
         wanted = {g.request_id: i for i, g in enumerate(groups)}
@@ -264,11 +312,13 @@ class Engine:
         pending = len(groups)
         try:
             while pending:
-                for out in self.step():
+                for out in self._step():
                     if out.request_id in wanted:
                         results[wanted[out.request_id]] = out
                         pending -= 1
                         bar.update(1)
+                    else:
+                        self._held[out.request_id] = out
         except BaseException:
             # Nobody will collect this call's outputs: stop spending compute on them.
             for g in groups:
@@ -307,13 +357,13 @@ class Engine:
         if level not in (1, 2):
             raise ValueError(f"level must be 1 or 2, got {level!r}")
         self._check_idle("sleep")
-        if self.is_sleeping:
-            if level > self.sleep_level:  # deepen: drop what level 1 parked on the host
-                self.wake_up()
-            else:
-                return
+        if level <= self.sleep_level:
+            return
+        # Deepening 1 -> 2 only drops the weights parked on the host: waking first would
+        # allocate the pools and weights on a device the trainer may have filled since.
+        deepen = self.is_sleeping
         self.stack.sleep(level)
-        if self.speculator is not None:
+        if self.speculator is not None and not deepen:
             self.speculator.drafter.sleep()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -332,24 +382,30 @@ class Engine:
     def update_weights(self, source, bucket_bytes: int = 256 << 20) -> dict:
         """Copy new weights in place: `source` is the trainer's model (DDP/compile/PEFT wrapped
         or not) or (HF name, tensor) pairs. Clears the prefix cache, whose KV came from the
-        old weights. Returns {'bytes', 'seconds'}."""
+        old weights. Every name and shape is checked before the first copy, so an unknown
+        name or a wrong shape raises ValueError and changes nothing. Returns {'bytes',
+        'seconds'}."""
         if self.is_sleeping:
             raise RuntimeError("update_weights: the engine is asleep: call wake_up() first")
         self._check_idle("update_weights")
         t0 = time.perf_counter()
-        dtype = self.model.model.embed_tokens.weight.dtype
-        written: set[str] = set()
-        moved = 0
-        for bucket in buckets(as_named_tensors(source), self.device, dtype, bucket_bytes):
-            written |= self.model.load_weights(bucket)
-            moved += sum(t.numel() * t.element_size() for _, t in bucket)
+        shapes, named = named_shapes_and_tensors(source)
+        written = self.model.check_weights(shapes)
         if self._weights_missing:
             missing = self.model.expected_weight_names() - written
             if missing:
                 raise ValueError(f"update_weights: after sleep(level=2) every weight is needed; "
                                  f"{len(missing)} missing, e.g. {sorted(missing)[:3]}")
-            self._weights_missing = False
-        self.cache.evict(self.cache.total_size)
+        dtype = self.model.model.embed_tokens.weight.dtype
+        moved = 0
+        try:
+            for bucket in buckets(named, self.device, dtype, bucket_bytes):
+                self.model.load_weights(bucket)
+                moved += sum(t.numel() * t.element_size() for _, t in bucket)
+        finally:
+            # KV computed by the old weights goes, even when a copy failed half way.
+            self.cache.evict(self.cache.total_size)
+        self._weights_missing = False
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return {"bytes": moved, "seconds": time.perf_counter() - t0}

@@ -33,7 +33,8 @@ class ModelStack:
         self.parking = WeightParking(model, device)
 
     def sleep(self, level: int) -> None:
-        """Drop the KV pool (the tree empties with it) and park the weights (see sleep.py)."""
+        """Drop the KV pool (the tree empties with it) and park the weights (see sleep.py).
+        On a stack asleep at level 1, sleep(2) deepens in place: nothing is allocated."""
         if self.graphs is not None:
             self.graphs.release()
         self.cache.reset()

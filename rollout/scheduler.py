@@ -293,11 +293,15 @@ class Scheduler:
         self.cache.unlock(seq.node)
         seq.node, seq.cached_len = node, end
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: Sequence, keep_kv: bool = True) -> None:
         """Give up everything the running sequence holds: its KV to the tree (or the pool when
-        caching is off), its lock, its table row."""
+        caching is off, or when `keep_kv` is False: K/V that produced non-finite logits must
+        not be shared with later requests), its lock, its table row."""
         if self.cache.enabled:
-            self.cache_computed(seq)
+            if keep_kv:
+                self.cache_computed(seq)
+            else:
+                self.pool.free(self.private_slots(seq).clone())
             self.cache.unlock(seq.node)
         else:
             self.pool.free(self.table.read(seq.row, 0, seq.num_computed).clone())
@@ -311,9 +315,9 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: str, keep_kv: bool = True) -> None:
         if seq.status is SeqStatus.RUNNING:
-            self.release(seq)
+            self.release(seq, keep_kv)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason

@@ -20,11 +20,12 @@ class WeightParking:
         self.dropped: dict[str, tuple[torch.Size, torch.dtype]] = {}
 
     def park(self, level: int) -> None:
-        """Level 1: weights to host memory. Level 2: weights dropped."""
+        """Level 1: weights to host memory. Level 2: weights dropped, also those a level-1
+        park put on the host (deepening touches no device memory)."""
         to_host = self.device.type != "cpu"  # on CPU host memory is where they already are
         for name, t in self.model.named_parameters():
             if level == 2:
-                self.dropped[name] = (t.shape, t.dtype)
+                self.dropped[name] = (self.host.pop(name, t).shape, t.dtype)
             elif to_host:
                 host = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.device.type == "cuda")
                 host.copy_(t.data)

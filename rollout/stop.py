@@ -22,13 +22,21 @@ class StopChecker:
         return None
 
     def _stop_string(self, seq: Sequence) -> bool:
-        # A stop string ends in the newest token; a window of the last few tokens is enough to
-        # see it, since every token decodes to at least one character (or a byte of one).
+        # Stop strings match the text the caller gets (`Sample.text`, special tokens skipped).
+        # One ends in the newest token; a window of the last few tokens is enough to see it,
+        # since every other token decodes to at least one character (or a byte of one), unless
+        # special tokens in the window decode to nothing: then the window is the whole output.
         longest = max(len(s) for s in seq.params.stop)
         window = seq.output_ids[-(longest + 4):]
-        tail = self.tokenizer.decode(window, skip_special_tokens=False)
+        tail = self.decode(window)
+        if len(tail) < longest:
+            tail = self.decode(seq.output_ids)
         if not any(s in tail for s in seq.params.stop):
             return False
-        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=False)
+        text = self.decode(seq.output_ids)
         seq.stop_text_at = min(i for i in (text.find(s) for s in seq.params.stop) if i >= 0)
         return True
+
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of `token_ids` as the caller sees it."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)

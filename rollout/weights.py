@@ -87,9 +87,7 @@ def model_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     layers = lora_layers(model) if is_peft(model) else {}
     merge = merged_adapters(model) if layers is None else contextlib.nullcontext()
     with merge, torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name or ".original_module." in name:
-                continue
+        for name, param in _weight_params(model):
             tensor = param.detach()
             if hasattr(tensor, "full_tensor"):
                 # FSDP2 / tensor-parallel DTensor shard: gather the whole weight (a collective:
@@ -102,12 +100,29 @@ def model_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             yield hf_name(name), tensor
 
 
-def as_named_tensors(source) -> Iterable[tuple[str, torch.Tensor]]:
+def _weight_params(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """The parameters that carry the model's weights: not LoRA adapters (folded in) and not
+    the frozen originals PEFT keeps beside `modules_to_save`."""
+    for name, param in model.named_parameters():
+        if "lora_" not in name and ".original_module." not in name:
+            yield name, param
+
+
+def named_shapes_and_tensors(source) -> tuple[list[tuple[str, torch.Size]],
+                                               Iterable[tuple[str, torch.Tensor]]]:
+    """(HF name, shape) of every tensor `source` gives, known before any is read, and the
+    tensors themselves. A model's shapes come from its parameters (reading its weights may
+    merge adapters or gather shards, so that happens once, while copying); other sources,
+    generators included, are collected as references (no copies)."""
     if isinstance(source, nn.Module):
-        return model_tensors(source)
-    if isinstance(source, dict):
-        return source.items()
-    return source
+        shapes = [(hf_name(n), p.shape) for n, p in _weight_params(unwrap(source))]
+        return shapes, model_tensors(source)
+    named = list(source.items() if isinstance(source, dict) else source)
+    for name, tensor in named:
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"weight {name!r}: expected a torch.Tensor, got "
+                             f"{type(tensor).__name__}")
+    return [(name, tensor.shape) for name, tensor in named], named
 
 
 def buckets(named: Iterable[tuple[str, torch.Tensor]], device: torch.device,
@@ -158,10 +173,15 @@ def _watch_optimizers() -> None:
 
 
 def weights_version(model: nn.Module) -> tuple[int, ...]:
-    """Changes whenever a parameter may have been modified in place. Autograd's per-tensor
-    version counters catch copy_, load_state_dict and foreach optimizers, but fused optimizer
-    kernels (torch's fused AdamW, the HF Trainer's default) write without bumping them, so any
-    optimizer step in the process counts too (at worst one needless sync when some other
-    model's optimizer stepped). Cheaper than hashing the weights."""
+    """Changes whenever a parameter may have been modified, without reading the weights.
+    Autograd's per-tensor version counters catch copy_, load_state_dict and foreach
+    optimizers. Storage addresses catch `p.data = ...` (vector_to_parameters, Module.to),
+    which leaves the counter alone. Fused optimizer kernels (torch's fused AdamW, the HF
+    Trainer's default) write without bumping counters, so any optimizer step in the process
+    counts too (at worst one needless sync when some other model's optimizer stepped).
+    Not seen: in-place writes through `.data` (`p.data.add_(...)`) bypass the counter; after
+    those call `engine.update_weights(model)` (or `ColocatedRollout.sync_weights(force=True)`).
+    """
     _watch_optimizers()
-    return (_optimizer_steps, *(p._version for p in unwrap(model).parameters()))
+    params = list(unwrap(model).parameters())
+    return (_optimizer_steps, *(p._version for p in params), *(p.data_ptr() for p in params))

@@ -107,3 +107,23 @@ def test_non_finite_logits_abort_only_the_affected_request():
         done.update({o.request_id: o for o in engine.step()})
         engine.check_invariants()
     assert samples([done[i] for i in ids]) == expected
+
+
+def test_k_v_of_a_request_aborted_for_non_finite_logits_is_not_cached():
+    # The bad token is in the first, unsampled chunk; the abort comes a step later. Its prefix
+    # [1..5] (K/V poisoned through the chunk's attention) must not reach the radix tree, where
+    # a healthy prompt sharing it would pick it up.
+    model = tiny_model("llama")
+    params = SamplingParams(temperature=0, max_tokens=4)
+    healthy = [1, 2, 3, 4, 5, 6]
+    expected = samples(Engine(model, EngineConfig(kv_cache_tokens=256, max_model_len=32))
+                       .generate([healthy], params))
+    engine = Engine(model, EngineConfig(kv_cache_tokens=256, max_model_len=32,
+                                        max_num_batched_tokens=6))
+    with torch.no_grad():
+        engine.model.model.embed_tokens.weight[100] = float("nan")
+    with pytest.raises(ValueError, match="logits"):
+        engine.generate([[1, 2, 3, 4, 5, 100, 7, 8]], params)
+    engine.check_invariants()
+    assert engine.scheduler.cache.prefix_len(healthy) == 0
+    assert samples(engine.generate([healthy], params)) == expected

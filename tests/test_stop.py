@@ -38,13 +38,30 @@ def test_stop_strings_and_text():
     model = tiny_model("qwen2", vocab_size=len(tok))
     engine = Engine(model, EngineConfig(kv_cache_tokens=1024, max_model_len=128), tokenizer=tok)
     free = greedy_run(engine, "ab 1+2=", max_tokens=40, ignore_eos=True)
-    text = tok.decode(free.token_ids)
-    assert free.text == tok.decode(free.token_ids, skip_special_tokens=True)
+    text = tok.decode(free.token_ids, skip_special_tokens=True)
+    assert free.text == text
     stop = text[12:14]
     cut = greedy_run(engine, "ab 1+2=", max_tokens=40, ignore_eos=True, stop=[stop])
     assert cut.finish_reason == "stop"
     assert cut.text == text[:text.index(stop)]
     assert tok.decode(cut.token_ids).endswith(stop) or stop in tok.decode(cut.token_ids)
+
+
+def test_stop_strings_match_the_visible_text_special_tokens_skipped():
+    tok = char_tokenizer()
+    model = tiny_model("llama", vocab_size=len(tok))
+    engine = Engine(model, EngineConfig(kv_cache_tokens=1024, max_model_len=64), tokenizer=tok)
+    params = dict(temperature=1.0, seed=0, max_tokens=40, ignore_eos=True)
+    free = run_checked(engine, ["abc"], SamplingParams(**params))[0].samples[0]
+    assert tok.pad_token_id in free.token_ids[:8]  # a special token early in the output
+    visible = free.text
+    assert visible == tok.decode(free.token_ids, skip_special_tokens=True)
+    stop = visible[4:7]  # spans the skipped special token
+    cut = run_checked(engine, ["abc"], SamplingParams(**params, stop=[stop]))[0].samples[0]
+    assert cut.finish_reason == "stop" and cut.text == visible[:visible.index(stop)]
+    # "pad" is only in the special token's own text, which the caller never sees.
+    padded = run_checked(engine, ["abc"], SamplingParams(**params, stop=["pad"]))[0].samples[0]
+    assert padded.finish_reason == "length" and padded.text == visible
 
 
 def test_abort_mid_generation_frees_everything():

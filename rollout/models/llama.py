@@ -157,29 +157,51 @@ class LlamaForCausalLM(nn.Module):
         return (hidden @ self.lm_head_weight.t()).float()
 
     # --- weights ----------------------------------------------------------------------------
+    def check_weights(self, named_shapes: Iterable[tuple[str, torch.Size]]) -> set[str]:
+        """What load_weights would write for tensors of these HF names and shapes, reading and
+        copying nothing, so that a bad name or shape (ValueError) is refused before any weight
+        changes."""
+        params = dict(self.named_parameters())
+        written: set[str] = set()
+        for name, shape in named_shapes:
+            dest = self._destination(params, name, shape)
+            if dest is not None:
+                written.add(dest[1])
+        return written
+
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into our (fused) parameters in place; returns the names of
-        our parameters that were written. Unknown names raise ValueError."""
+        our parameters that were written. An unknown name or a wrong shape raises ValueError
+        when reached: check_weights first to refuse before anything is copied."""
         params = dict(self.named_parameters())
         written: set[str] = set()
         for name, tensor in named_tensors:
-            if "rotary_emb" in name:
-                continue
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied: the embedding carries it
-            target, shard = self._target(name)
-            if target not in params:
-                raise ValueError(f"load_weights: no parameter for checkpoint tensor {name!r}")
-            dst = params[target]
-            if shard is not None:
-                dst = self._shard(target, dst, shard)
-            if dst.shape != tensor.shape:
-                raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(dst.shape)}")
-            dst.copy_(tensor)
-            written.add(target if shard is None else f"{target}[{shard}]")
+            dest = self._destination(params, name, tensor.shape)
+            if dest is not None:
+                dest[0].copy_(tensor)
+                written.add(dest[1])
         return written
+
+    def _destination(self, params: dict[str, nn.Parameter], name: str,
+                     shape: torch.Size) -> tuple[torch.Tensor, str] | None:
+        """The parameter (or fused shard of one) that the HF tensor `name` goes to, and the
+        name it counts as written; None for tensors we do not keep."""
+        if "rotary_emb" in name:
+            return None
+        if name == "lm_head.weight" and self.lm_head is None:
+            return None  # tied: the embedding carries it
+        target, shard = self._target(name)
+        if target not in params:
+            raise ValueError(f"weight {name!r}: no such parameter in this "
+                             f"{self.config.model_type} model")
+        dst = params[target]
+        if shard is not None:
+            dst = self._shard(target, dst, shard)
+        if dst.shape != shape:
+            raise ValueError(f"weight {name!r}: shape {tuple(shape)}, expected "
+                             f"{tuple(dst.shape)}")
+        return dst, target if shard is None else f"{target}[{shard}]"
 
     @staticmethod
     def _target(name: str) -> tuple[str, int | None]:
