@@ -8,6 +8,7 @@ launch script should cost seconds, not a model load.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -129,17 +130,33 @@ def _check_values(cfg: RecipeConfig) -> None:
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
     for name in _NON_NEGATIVE:
-        if getattr(cfg, name) < 0:
+        if not getattr(cfg, name) >= 0:  # `not >=`: NaN fails too
             raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)}")
+    if not cfg.seed < 2**32:  # accelerate's set_seed seeds numpy, which takes 32 bits
+        raise ValueError(f"seed must be < 2**32, got {cfg.seed}")
+    if cfg.num_threads is not None and cfg.num_threads < 1:
+        raise ValueError(f"num_threads must be >= 1 or null (torch's default), "
+                         f"got {cfg.num_threads}")
     for name in ("dtype", "model_dtype"):
         value = getattr(cfg, name)
-        if value is not None and not isinstance(getattr(torch, value, None), torch.dtype):
-            raise ValueError(f"{name} must name a torch dtype (e.g. bfloat16), got {value!r}")
+        dtype = getattr(torch, value, None) if value is not None else None
+        if value is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"{name} must name a floating-point torch dtype (e.g. bfloat16), "
+                             f"got {value!r}")
     if not 0 < cfg.kv_memory_fraction <= 1:
         raise ValueError(f"kv_memory_fraction must be in (0, 1], got {cfg.kv_memory_fraction}")
-    for name in ("learning_rate", "warmstart_lr", "temperature", "clip_eps"):
-        if not getattr(cfg, name) > 0:
-            raise ValueError(f"{name} must be > 0, got {getattr(cfg, name)}")
+    for name in ("learning_rate", "warmstart_lr", "temperature", "clip_eps", "value_clip"):
+        if not 0 < getattr(cfg, name) < math.inf:
+            raise ValueError(f"{name} must be > 0 and finite, got {getattr(cfg, name)}")
+    if not 0 <= cfg.vf_coef < math.inf:
+        raise ValueError(f"vf_coef must be >= 0 and finite, got {cfg.vf_coef}")
+    batch = cfg.prompts_per_step * cfg.num_generations
+    if cfg.minibatches > batch:
+        raise ValueError(f"minibatches must be <= prompts_per_step x num_generations = {batch} "
+                         f"(one sample per minibatch at least), got {cfg.minibatches}")
+    if cfg.trainer == "trl" and batch % cfg.minibatches:
+        raise ValueError(f"minibatches: {cfg.minibatches} must divide prompts_per_step x "
+                         f"num_generations = {batch} for the trl trainer")
     for name in ("gamma", "lam"):
         if not 0 <= getattr(cfg, name) <= 1:
             raise ValueError(f"{name} must be in [0, 1], got {getattr(cfg, name)}")
@@ -161,6 +178,12 @@ def _check_values(cfg: RecipeConfig) -> None:
     unknown = set(cfg.tiny_model) - set(_TINY_KEYS)
     if unknown:
         raise ValueError(f"tiny_model: unknown key(s) {sorted(unknown)}; known: {_TINY_KEYS}")
+    for key, value in cfg.tiny_model.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"tiny_model.{key} must be an int >= 1, got {value!r}")
+    if cfg.max_new_tokens >= cfg.max_model_len:
+        raise ValueError(f"max_new_tokens must be < max_model_len ({cfg.max_model_len}): a "
+                         f"prompt and its completion share it, got {cfg.max_new_tokens}")
     if cfg.model is not None and not _looks_like_hub_id(cfg.model) and not os.path.exists(
             cfg.model):
         raise ValueError(f"model: {cfg.model!r} is neither an existing path nor a hub id")

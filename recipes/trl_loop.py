@@ -9,7 +9,7 @@ import time
 
 from transformers import PrinterCallback, TrainerCallback
 
-from .build import engine_config
+from .build import engine_config, frozen_copy
 from .config import RecipeConfig
 from .evaluate import held_out_accuracy
 
@@ -24,10 +24,7 @@ _ALIASES = {"reward": "reward/mean", "reward_std": "reward/std",
 def grpo_args(cfg: RecipeConfig, accelerator):
     from trl import GRPOConfig
 
-    if (cfg.prompts_per_step * cfg.num_generations) % cfg.minibatches:
-        raise ValueError(f"minibatches: {cfg.minibatches} must divide prompts_per_step x "
-                         f"num_generations = {cfg.prompts_per_step * cfg.num_generations} "
-                         f"for the trl trainer")
+    # RecipeConfig checked that minibatches divides prompts_per_step x num_generations.
     # Read before GRPOConfig: building it resets the accelerate state `accelerator` reads.
     on_cpu = accelerator.device.type == "cpu"
     precision = accelerator.mixed_precision
@@ -35,7 +32,10 @@ def grpo_args(cfg: RecipeConfig, accelerator):
         output_dir=f"{cfg.output_dir}/trl", run_name=cfg.run_name, seed=cfg.seed,
         # Autocast as `accelerate launch --mixed_precision` asked; the engine has its own dtype.
         use_cpu=on_cpu, bf16=precision == "bf16", fp16=precision == "fp16",
-        max_steps=cfg.steps, num_generations=cfg.num_generations,
+        # `steps` counts RL steps (rollouts), as in the custom loop; TRL's max_steps counts
+        # optimizer steps, `minibatches` x `epochs` of them per rollout. One log row per RL step.
+        max_steps=cfg.steps * _optimizer_steps_per_rollout(cfg),
+        num_generations=cfg.num_generations,
         # One generation batch = prompts_per_step prompts x num_generations per process, split
         # into `minibatches` optimizer steps, each reused `epochs` times (num_iterations).
         per_device_train_batch_size=cfg.prompts_per_step * cfg.num_generations // cfg.minibatches,
@@ -43,8 +43,13 @@ def grpo_args(cfg: RecipeConfig, accelerator):
         max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature, top_p=1.0,
         learning_rate=cfg.learning_rate, lr_scheduler_type="constant",
         weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, beta=cfg.beta,
-        epsilon=cfg.clip_eps, logging_steps=1, save_strategy="no", report_to=[],
+        epsilon=cfg.clip_eps, logging_steps=_optimizer_steps_per_rollout(cfg),
+        save_strategy="no", report_to=[],
         disable_tqdm=not cfg.progress, gradient_checkpointing=cfg.gradient_checkpointing)
+
+
+def _optimizer_steps_per_rollout(cfg: RecipeConfig) -> int:
+    return cfg.minibatches * cfg.epochs
 
 
 def correctness_reward(reward):
@@ -60,8 +65,9 @@ def correctness_reward(reward):
 class _ToTracker(TrainerCallback):
     """Forwards each step's logs, and whether the engine was asleep at every optimizer step."""
 
-    def __init__(self, tracker, engine, awake_bytes: int) -> None:
+    def __init__(self, tracker, engine, awake_bytes: int, steps_per_rollout: int = 1) -> None:
         self.tracker, self.engine, self.awake_bytes = tracker, engine, awake_bytes
+        self.steps_per_rollout = steps_per_rollout
         self.asleep: list[bool] = []
         self._step_started = 0.0
         self._step_seconds = 0.0
@@ -89,7 +95,7 @@ class _ToTracker(TrainerCallback):
         row["memory/engine_asleep_bytes"] = self.engine.memory_held()
         row["engine/asleep_at_optimizer_step"] = float(bool(self.asleep) and all(self.asleep))
         self.asleep = []
-        self.tracker.log(row, state.global_step)
+        self.tracker.log(row, state.global_step // self.steps_per_rollout)  # the RL step
 
 
 def train_trl(cfg: RecipeConfig, accelerator, policy, tokenizer, task, tracker) -> dict:
@@ -108,13 +114,16 @@ def train_trl(cfg: RecipeConfig, accelerator, policy, tokenizer, task, tracker) 
     trainer = RolloutGRPOTrainer(
         policy, reward_funcs=[correctness_reward(task.reward)], args=grpo_args(cfg, accelerator),
         train_dataset=task.train, processing_class=tokenizer,
-        engine_config=engine_config(cfg, rank),
-        sleep_level=cfg.sleep_level)
+        engine_config=engine_config(cfg, rank), sleep_level=cfg.sleep_level,
+        # The KL reference is the policy RL starts from (after the warm start), as in the
+        # custom loop; left to TRL it would reload the model's path (none for the tiny model).
+        ref_model=frozen_copy(policy) if cfg.beta > 0 else None)
     engine = trainer.engine
     engine.wake_up()  # one measured wake: what the engine holds while it generates
     awake_bytes = engine.memory_held()
     engine.sleep(cfg.sleep_level)
-    trainer.add_callback(_ToTracker(tracker, engine, awake_bytes))
+    trainer.add_callback(_ToTracker(tracker, engine, awake_bytes,
+                                    _optimizer_steps_per_rollout(cfg)))
     if not cfg.progress:
         trainer.remove_callback(PrinterCallback)  # it prints every log dict to stdout
     accelerator = trainer.accelerator  # the one TRL built replaces ours (shared state reset)

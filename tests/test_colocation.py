@@ -294,3 +294,31 @@ def test_sleep_frees_the_prefix_tree_without_waiting_for_the_garbage_collector()
         assert all(ref() is None for ref in slots)  # freed by refcount, as device memory must be
     finally:
         gc.enable()
+
+
+def test_nested_blocks_keep_the_engine_awake_until_the_outermost_exits():
+    """An evaluation helper opening its own block inside the step's (same wrapper, or another
+    wrapper sharing the engine) must not abort the outer block's requests or put the engine to
+    sleep under it."""
+    model = tiny_model("qwen2")
+    engine = Engine(model, CONFIG)
+    rollout, scorer = ColocatedRollout(engine, model), ColocatedRollout(engine, model)
+    with rollout as r:
+        rid = r.engine.add_request(PROMPTS[0], GREEDY)
+        for inner in (rollout, scorer):
+            with inner:
+                inner.generate(PROMPTS[1:], GREEDY)
+            assert not engine.is_sleeping and engine.has_unfinished
+        got = run(r.engine)  # still awake; the streaming request is still there
+        while engine.has_unfinished:
+            engine.step()
+    # Tokens only: the streaming request shares those batches, which moves logprobs by ~1 ulp.
+    assert [[t for t, _ in o] for o in got] == [[t for t, _ in o] for o in fresh(model)]
+    assert rid is not None and engine.is_sleeping and engine.pool.nbytes == 0
+    # An error in an inner block still sleeps the engine when the outer block exits.
+    with pytest.raises(KeyError), rollout, scorer:
+        raise KeyError("reward function failed")
+    assert engine.is_sleeping and not engine.has_unfinished
+    with scorer:  # and the next block works
+        assert run(scorer.engine) == fresh(model)
+    assert engine.is_sleeping

@@ -119,6 +119,19 @@ def test_trl_two_steps(tmp_path):
     assert out["accuracy_after"] is not None
 
 
+def test_trl_kl_reference_and_rl_steps_match_the_custom_loop(tmp_path):
+    # beta > 0: TRL would reload the reference from the policy's config path (the tiny model
+    # has none); the recipe hands it the warm-started policy, as the custom loop's reference.
+    # minibatches x epochs: `steps` counts rollouts in both trainers, not optimizer steps.
+    pytest.importorskip("trl")
+    out = main(["--config", write_config(tmp_path, eval_size=0), "--trainer", "trl",
+                "--beta", "0.05", "--minibatches", "2", "--epochs", "2"])
+    check_steps(out["history"])  # one row per RL step, each with its own rollout
+    for row in out["history"]:
+        assert row["kl"] >= 0 and row["engine/asleep_at_optimizer_step"] == 1.0
+    assert out["history"][0]["kl"] == pytest.approx(0.0, abs=1e-6)  # reference == policy
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -178,10 +191,23 @@ def test_missing_dataset_file(tmp_path):
     ("tiny_model", {"hidden": 8}, "tiny_model"), ("kv_cache_tokens", 8, "kv_cache_tokens"),
     ("speculative", {"method": "magic"}, "speculative.method"),
     ("speculative", {"k": 4}, "speculative"),
+    # NaN passes `< 0`; a non-float dtype, a seed numpy refuses, a thread count torch refuses
+    # and PPO knobs out of range used to pass and fail later, after the model was built.
+    ("beta", float("nan"), "beta"), ("max_grad_norm", float("nan"), "max_grad_norm"),
+    ("model_dtype", "int8", "model_dtype"), ("dtype", "int32", "dtype"),
+    ("seed", 2**40, "seed"), ("num_threads", -2, "num_threads"), ("vf_coef", -1.0, "vf_coef"),
+    ("value_clip", -0.5, "value_clip"), ("clip_eps", float("inf"), "clip_eps"),
+    ("tiny_model", {"hidden_size": 0}, "tiny_model.hidden_size"),
+    ("max_new_tokens", 64, "max_new_tokens"), ("minibatches", 1000, "minibatches"),
 ])
 def test_bad_values_name_their_key(key, value, match):
     with pytest.raises(ValueError, match=match):
         RecipeConfig(**{key: value})
+
+
+def test_trl_minibatches_are_checked_before_any_model_is_built():
+    with pytest.raises(ValueError, match="minibatches"):
+        RecipeConfig(trainer="trl", prompts_per_step=4, num_generations=4, minibatches=3)
 
 
 def test_overrides_are_read_as_yaml():

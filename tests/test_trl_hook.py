@@ -232,3 +232,40 @@ def test_peft_lora_training_syncs_merged_weights(tmp_path):
     for n, p in trainer.model.named_parameters():
         if "lora_" not in n:
             assert torch.equal(p, base[n]), f"{n}: the frozen base weights were written"
+
+
+def test_resumed_run_samples_what_the_uninterrupted_run_sampled(tmp_path):
+    """The engine's seeds follow the trainer's step (restored from a checkpoint), not a count
+    of rollout calls (which restarts at 0 in a resumed process and replays step 1's noise)."""
+    tok = char_tokenizer()
+    data = Dataset.from_dict({"prompt": PROMPTS})
+
+    def trainer():
+        reward = Recorder()
+        args = grpo_args(tmp_path, learning_rate=1e-2, save_strategy="steps", save_steps=1)
+        return RolloutGRPOTrainer(tiny_model("qwen2", vocab_size=len(tok)), reward_funcs=reward,
+                                  args=args, train_dataset=data, processing_class=tok,
+                                  engine_config=ENGINE), reward
+
+    whole, whole_reward = trainer()
+    whole.train()
+    resumed, resumed_reward = trainer()
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    assert resumed_reward.prompts == whole_reward.prompts[8:]  # TRL replays the same prompts
+    assert resumed_reward.completion_ids == whole_reward.completion_ids[8:]
+
+
+def test_ref_model_is_used_as_the_kl_reference(tmp_path):
+    """TRL reloads the reference from the policy's config path: an in-memory model has none."""
+    tok = char_tokenizer()
+    data = Dataset.from_dict({"prompt": PROMPTS})
+    model = tiny_model("llama", vocab_size=len(tok))
+    ref = tiny_model("llama", vocab_size=len(tok), seed=1)
+    trainer = RolloutGRPOTrainer(model, reward_funcs=Recorder(), train_dataset=data,
+                                 args=grpo_args(tmp_path, beta=0.1), processing_class=tok,
+                                 engine_config=ENGINE, ref_model=ref)
+    assert trainer.ref_model is ref  # prepared by TRL as its own (CPU: the module itself)
+    with pytest.raises(ValueError, match="ref_model"):
+        RolloutGRPOTrainer("some/model", reward_funcs=Recorder(), train_dataset=data,
+                           args=grpo_args(tmp_path, beta=0.1), processing_class=tok,
+                           engine_config=ENGINE, ref_model=ref)

@@ -6,16 +6,22 @@
 
 Entering wakes the engine and syncs the weights when the trainer changed them since the last
 sync; leaving (also on error) aborts whatever is still running and puts the engine to sleep.
+Blocks nest (an evaluation helper that opens its own block inside the step's, or two wrappers
+sharing one engine): only the outermost block wakes, aborts and puts the engine to sleep.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 
 from torch import nn
 
 from rollout import Engine
 from rollout.weights import weights_version
+
+# Open blocks per engine, across every ColocatedRollout that shares it.
+_OPEN: weakref.WeakKeyDictionary[Engine, int] = weakref.WeakKeyDictionary()
 
 
 class ColocatedRollout:
@@ -34,15 +40,19 @@ class ColocatedRollout:
         self.synced = False  # whether the last entry copied weights in
 
     def __enter__(self) -> ColocatedRollout:
+        outermost = _OPEN.get(self.engine, 0) == 0
         t0 = time.perf_counter()
-        self.engine.wake_up()
+        if outermost:
+            self.engine.wake_up()
         t1 = time.perf_counter()
         try:
             self.synced = self.sync_weights()
         except BaseException:
             # __exit__ does not run when __enter__ raises: give the memory back here.
-            self.engine.sleep(self.sleep_level)
+            if outermost:
+                self.engine.sleep(self.sleep_level)
             raise
+        _OPEN[self.engine] = _OPEN.get(self.engine, 0) + 1
         self.timings.update(wake=t1 - t0, sync=time.perf_counter() - t1)
         return self
 
@@ -66,6 +76,15 @@ class ColocatedRollout:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         t0 = time.perf_counter()
-        self.engine.abort_all()
-        self.engine.sleep(self.sleep_level)
+        left = _OPEN.get(self.engine, 1) - 1
+        if left > 0:
+            # An enclosing block still uses the engine (and may have requests in flight).
+            _OPEN[self.engine] = left
+            self.timings["sleep"] = 0.0
+            return
+        _OPEN.pop(self.engine, None)
+        try:
+            self.engine.abort_all()
+        finally:
+            self.engine.sleep(self.sleep_level)
         self.timings["sleep"] = time.perf_counter() - t0

@@ -23,10 +23,13 @@ FSDP-sharded models are not supported yet (their parameters would need full_tens
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
 
+import trl.trainer.grpo_trainer as _grpo_module
+from torch import nn
 from trl import GRPOTrainer
 from trl.data_utils import is_conversational
 from trl.models import unwrap_model_for_generation
@@ -66,6 +69,10 @@ class EngineRollout:
         self.sleep_level, self.seed = sleep_level, seed
         self.colocated: ColocatedRollout | None = None
         self.calls = 0
+        # (mode, global step) of the last rollout and how many came before it at that key: the
+        # seeds' counter, restored with the trainer state when a run resumes from a checkpoint.
+        self._at: tuple[int, int] | None = None
+        self._index = 0
         self.last_metrics: dict[str, float] = {}
 
     def setup(self, trainer: GRPOTrainer, synced: bool | None = None) -> Engine:
@@ -89,6 +96,9 @@ class EngineRollout:
         rollout.gather = lambda m: _gathered(trainer, m)
         prompt_ids = tokenize_prompts(prompts, trainer)
         params = sampling_params(trainer, engine)
+        at = (int(not trainer.model.training), trainer.state.global_step)
+        self._index = self._index + 1 if at == self._at else 0
+        self._at = at
         groups: dict[tuple[int, ...], list[int]] = {}
         for i, ids in enumerate(prompt_ids):
             groups.setdefault(tuple(ids), []).append(i)
@@ -111,8 +121,11 @@ class EngineRollout:
     def _seed(self, trainer: GRPOTrainer, group: int) -> int | None:
         if self.seed is None:
             return None  # the engine draws one per request
+        # Keyed by the trainer's step, not by a count of calls, so a run resumed from a
+        # checkpoint samples what the uninterrupted run sampled (and evaluations in between
+        # leave training's samples alone). Ints only: hash() of str varies per process.
         rank = trainer.accelerator.process_index
-        return hash((self.seed, rank, self.calls, group)) & ((1 << 63) - 1)
+        return hash((self.seed, rank, *self._at, self._index, group)) & ((1 << 63) - 1)
 
     def _record(self, trainer, rollout, before, after, generate_seconds: float) -> None:
         prompt = after.prompt_tokens - before.prompt_tokens
@@ -186,6 +199,22 @@ class _NoVLLM:
                                   f"is not supported with the rollout engine")
 
 
+@contextlib.contextmanager
+def _reference_model(ref_model: nn.Module | None):
+    """While GRPOTrainer.__init__ runs, its `create_model_from_path` (called for the policy
+    only when the policy is given by name, which `ref_model` excludes) returns `ref_model`:
+    TRL then prepares it as its own (dropout off, fused head, accelerator.prepare)."""
+    if ref_model is None:
+        yield
+        return
+    real = _grpo_module.create_model_from_path
+    _grpo_module.create_model_from_path = lambda *args, **kwargs: ref_model
+    try:
+        yield
+    finally:
+        _grpo_module.create_model_from_path = real
+
+
 class RolloutGRPOTrainer(GRPOTrainer):
     """GRPOTrainer whose rollouts come from an engine on this rank's device.
 
@@ -200,7 +229,14 @@ class RolloutGRPOTrainer(GRPOTrainer):
     """
 
     def __init__(self, model, reward_funcs=None, args=None, *positional,
-                 engine_config: EngineConfig | None = None, sleep_level: int = 1, **kwargs):
+                 engine_config: EngineConfig | None = None, sleep_level: int = 1,
+                 ref_model: nn.Module | None = None, **kwargs):
+        """`ref_model`: the frozen reference for the KL term (beta > 0). TRL itself reloads one
+        from the policy's config path, which an in-memory model lacks (built from a config:
+        TRL fails) or no longer matches (warm-started or edited after loading)."""
+        if ref_model is not None and isinstance(model, str):
+            raise ValueError("ref_model: pass the policy as a module too (TRL loads the "
+                             "reference of a model given by name from that name)")
         if kwargs.get("rollout_func") is not None:
             raise ValueError("rollout_func: RolloutGRPOTrainer provides its own")
         if kwargs.get("tools") or kwargs.get("environment_factory"):
@@ -210,8 +246,9 @@ class RolloutGRPOTrainer(GRPOTrainer):
             raise ValueError("use_vllm: the rollout engine replaces vLLM; set use_vllm=False")
         self.rollout = EngineRollout(lambda t: build_engine(t, engine_config), sleep_level,
                                      seed=None if args is None else args.seed)
-        super().__init__(model, reward_funcs, args, *positional, rollout_func=self.rollout,
-                         **kwargs)
+        with _reference_model(ref_model):
+            super().__init__(model, reward_funcs, args, *positional, rollout_func=self.rollout,
+                             **kwargs)
         # Built now so a bad EngineConfig fails here, not mid-training; asleep until used.
         self.engine = self.rollout.setup(self, synced=False)
         self.engine.sleep(sleep_level)
