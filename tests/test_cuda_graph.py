@@ -85,3 +85,24 @@ def test_verify_steps_run_eagerly_beside_graphed_decodes(method):
 def test_cuda_graphs_need_the_triton_backend():
     with pytest.raises(ValueError, match="cuda_graphs: needs the Triton attention backend"):
         engine(True, attention_backend="torch")
+
+
+def test_graphed_decode_with_split_kv():
+    # max_model_len 600: graphed steps launch attention with max_kv_len = 600, which splits the
+    # context (split-KV, most splits empty for these short rows) where eager steps do not.
+    params = SamplingParams(n=1, temperature=0.8, max_tokens=4, logprobs=True, seed=1,
+                            ignore_eos=True)
+    sizes = dict(kv_cache_tokens=600, max_model_len=600)
+    graphed = engine(True, **sizes)
+    assert_same(outputs(engine(False, **sizes), params), outputs(graphed, params))
+    assert graphed.stack.graphs.replays > 0
+
+
+def test_graphed_decode_under_preemption_with_an_odd_max_num_seqs():
+    # A pool of 48 slots preempts; max_num_seqs 11 is not a bucket of the small series.
+    params = [SamplingParams(n=n, temperature=0.8, max_tokens=m, logprobs=True, seed=s,
+                             ignore_eos=True) for n, m, s in ((3, 10, 1), (2, 8, 2), (2, 12, 3))]
+    sizes = dict(kv_cache_tokens=48, max_num_seqs=11)
+    graphed = engine(True, **sizes)
+    assert_same(outputs(engine(False, **sizes), params), outputs(graphed, params))
+    assert graphed.stats.preemptions > 0 and graphed.stack.graphs.replays > 0
