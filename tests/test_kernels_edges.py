@@ -9,12 +9,12 @@ All against the torch references; shapes stay tiny for the CPU interpreter.
 import pytest
 import torch
 from kernels_env import ATOL, DEVICE, indptr, poison_unused_slots, scattered_slots
+from test_kernels_shared_prefix import run_case as run_shared_prefix
 
 from kernels import (
     merge_states,
     paged_attention,
     paged_attention_ref,
-    shared_prefix_attention,
     store_kv,
     store_kv_ref,
 )
@@ -161,36 +161,6 @@ def test_non_contiguous_head_dim_is_rejected():
 
 
 # --- shared prefix -------------------------------------------------------------------------------
-
-def run_shared_prefix(group_sizes, prefix_lens, suffix_lens, q_heads, kv_heads, head_dim, dtype,
-                      splits=None, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    num_req = sum(group_sizes)
-    num_slots = sum(prefix_lens) + sum(suffix_lens) + 5
-    k_pool, v_pool = make_pools(num_slots, kv_heads, head_dim, dtype, gen)
-    slots = scattered_slots(num_slots, sum(prefix_lens) + sum(suffix_lens), gen)
-    poison_unused_slots(k_pool, v_pool, slots)
-    prefix_indices, suffix_indices = slots[:sum(prefix_lens)], slots[sum(prefix_lens):]
-    q = torch.randn(num_req, q_heads, head_dim, generator=gen).to(DEVICE, dtype)
-    out = torch.full_like(q, float("nan"))
-    scale = head_dim ** -0.5
-    shared_prefix_attention(
-        q, k_pool, v_pool, out, indptr(group_sizes), indptr(prefix_lens), prefix_indices,
-        indptr(suffix_lens), suffix_indices, sm_scale=scale, max_group_size=max(group_sizes),
-        max_prefix_len=max(prefix_lens), max_suffix_len=max(suffix_lens),
-        num_prefix_splits=splits)
-    kv_indices, kv_lens, p_off, s_off, req = [], [], 0, 0, 0
-    for n, plen in zip(group_sizes, prefix_lens):
-        for _ in range(n):
-            slen = suffix_lens[req]
-            kv_indices += [prefix_indices[p_off:p_off + plen], suffix_indices[s_off:s_off + slen]]
-            kv_lens.append(plen + slen)
-            s_off, req = s_off + slen, req + 1
-        p_off += plen
-    ref = paged_attention_ref(q, k_pool, v_pool, indptr([1] * num_req), indptr(kv_lens),
-                              torch.cat(kv_indices), scale)
-    torch.testing.assert_close(out.float(), ref.float(), atol=ATOL[dtype], rtol=0)
-
 
 @pytest.mark.parametrize("q_heads,kv_heads,dtype,splits", [
     (14, 2, torch.float32, 3), (15, 5, torch.float16, 1), (12, 2, torch.float32, None)])
