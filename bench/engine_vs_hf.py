@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from workloads import QWEN2_05B, QWEN2_25M, grpo_prompts, random_qwen2  # noqa: E402
+from workloads import add_model_args, grpo_prompts, model_from_args  # noqa: E402
 
 from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
 
@@ -92,9 +92,7 @@ def gpu_busy(engine, prompts, n) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--model-shape", choices=["25m", "0.5b"], default="25m")
+    add_model_args(ap)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=192)
     ap.add_argument("--prefix-len", type=int, default=128)
@@ -106,8 +104,7 @@ def main() -> None:
     ap.add_argument("--cuda-graphs", action="store_true", help="replay decode steps from graphs")
     args = ap.parse_args()
 
-    shape = QWEN2_25M if args.model_shape == "25m" else QWEN2_05B
-    model = random_qwen2(shape, getattr(torch, args.dtype), args.device)
+    shape, model = model_from_args(args)
     params_m = sum(p.numel() for p in model.parameters()) / 1e6
     prompts = grpo_prompts(args.prompts, args.prompt_len, args.prefix_len, shape["vocab_size"])
     print(f"model: Qwen2-style {params_m:.1f}M params, {args.dtype} on {args.device}, "

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from workloads import QWEN2_05B, QWEN2_25M, random_qwen2  # noqa: E402
+from workloads import add_model_args, model_from_args  # noqa: E402
 
 from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
 from rollout.spec import SpeculativeConfig  # noqa: E402
@@ -72,18 +72,14 @@ def report(name, batch, plain, spec):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--model-shape", choices=["25m", "0.5b"], default="25m")
+    add_model_args(ap)
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-new", type=int, default=96)
     ap.add_argument("--kv-tokens", type=int, default=65536)
     ap.add_argument("--draft-noise", type=float, default=0.05)
     args = ap.parse_args()
-    shape = QWEN2_25M if args.model_shape == "25m" else QWEN2_05B
-    dtype = getattr(torch, args.dtype)
-    model = random_qwen2(shape, dtype, args.device)
+    shape, model = model_from_args(args)
     draft = noisy_copy(model, args.draft_noise)
     vocab = shape["vocab_size"]
     rng = random.Random(0)

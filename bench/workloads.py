@@ -16,6 +16,19 @@ QWEN2_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
                  tie_word_embeddings=True)
 
 
+def add_model_args(ap) -> None:
+    """--device, --dtype, --model-shape: the random-weight model a benchmark runs."""
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--model-shape", choices=["25m", "0.5b"], default="25m")
+
+
+def model_from_args(args) -> tuple[dict, torch.nn.Module]:
+    """(shape, model) chosen by add_model_args' options."""
+    shape = QWEN2_25M if args.model_shape == "25m" else QWEN2_05B
+    return shape, random_qwen2(shape, getattr(torch, args.dtype), args.device)
+
+
 def random_qwen2(shape: dict, dtype=torch.float32, device="cpu", seed=0):
     torch.manual_seed(seed)
     config = Qwen2Config(**shape, max_position_embeddings=4096, eos_token_id=None,
