@@ -8,6 +8,9 @@ constant number of ops, and replays.
 
 - Padded rows decode token 0 at position 0 over a one-slot context (slot 0): they write no K/V
   (out slot -1) and their logits are dropped.
+- Every graph writes its logits into one shared buffer [max batch, vocab]: a logits tensor per
+  graph would hold hundreds of MB across the buckets at a 150K vocabulary. The graphs' other
+  intermediates share one memory pool (they never run concurrently).
 - A graph fixes launch parameters, so attention runs with max_kv_len = max_model_len (split-KV
   sized for the longest context; programs past a row's real length exit at once) and without
   the shared-prefix path, whose grouping changes every step.
@@ -44,13 +47,16 @@ class _StaticInputs:
     kv_indptr: torch.Tensor  # int32 [max_batch + 1]
     kv_indices: torch.Tensor  # int32 [max_batch * max_model_len]
     pad_ramp: torch.Tensor  # int32 [max_batch]: 1, 2, ... (the padded rows' context ends)
+    logits: torch.Tensor  # fp32 [max_batch, vocab]: the output of every graph
 
     @classmethod
-    def allocate(cls, max_batch: int, max_model_len: int, device) -> _StaticInputs:
+    def allocate(cls, max_batch: int, max_model_len: int, vocab_size: int,
+                 device) -> _StaticInputs:
         def ints(n, dtype=torch.int64):
             return torch.zeros(n, dtype=dtype, device=device)
 
-        return cls(input_ids=ints(max_batch), positions=ints(max_batch),
+        return cls(logits=torch.empty(max_batch, vocab_size, device=device),
+                   input_ids=ints(max_batch), positions=ints(max_batch),
                    out_slots=ints(max_batch),
                    qo_indptr=torch.arange(max_batch + 1, dtype=torch.int32, device=device),
                    kv_indptr=ints(max_batch + 1, torch.int32),
@@ -78,11 +84,9 @@ class _CudaGraph:
 class _EagerGraph:
     def __init__(self, forward, pool) -> None:
         self.forward = forward
-        self.out = forward()
 
     def replay(self) -> torch.Tensor:
-        self.out.copy_(self.forward())
-        return self.out
+        return self.forward()
 
 
 class DecodeGraphs:
@@ -106,7 +110,7 @@ class DecodeGraphs:
         size = next(b for b in self.buckets if b >= batch)
         if self.static is None:
             self.static = _StaticInputs.allocate(self.buckets[-1], self.max_model_len,
-                                                 self.device)
+                                                 self.model.vocab_size, self.device)
             self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self._fill(batch, size, input_ids, positions, meta)
         graph = self.graphs.get(size)
@@ -142,7 +146,7 @@ class DecodeGraphs:
                 kv_lens=[max_len] * size, plan=(1, max_len))
             cos, sin = model.rope.lookup(s.positions[:size], dtype)
             hidden = model(s.input_ids[:size], ForwardContext(cos, sin, meta, self.backend))
-            return model.compute_logits(hidden)
+            return s.logits[:size].copy_(model.compute_logits(hidden))
 
         return forward
 

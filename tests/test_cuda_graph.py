@@ -51,10 +51,20 @@ def test_graphed_decode_matches_eager_with_padding_and_finishing_samples():
                              ignore_eos=True)
               for n, m, s in ((3, 9, 1), (2, 5, 2), (2, 12, 3))]
     eager, graphed = engine(False), engine(True)
-    assert_same(outputs(eager, params), outputs(graphed, params))
     graphs = graphed.stack.graphs
+    run, storages = graphs.run, set()
+
+    def recorded(*args):
+        logits = run(*args)
+        storages.add(logits.untyped_storage().data_ptr())
+        return logits
+
+    graphs.run = recorded
+    assert_same(outputs(eager, params), outputs(graphed, params))
     assert graphs.replays > 10 and len(graphs.graphs) >= 3
     assert set(graphs.graphs) <= set(graphs.buckets)
+    # Every bucket's graph writes into the one shared logits buffer.
+    assert storages == {graphs.static.logits.untyped_storage().data_ptr()}
 
 
 def test_graphs_are_dropped_at_sleep_and_captured_again():
