@@ -46,20 +46,21 @@ fi
 
 if [ "$what" = owed ]; then
   # Correctness first, in parallel (mostly Triton compilation on the CPU); timings after, alone.
-  ( timeout 240 $PY -m pytest -q -p no:cacheprovider tests/test_kernels_shared_prefix.py \
+  # Limits add up to 580 s, so the whole mode fits one device call (timeout_s 590).
+  ( timeout 200 $PY -m pytest -q -p no:cacheprovider tests/test_kernels_shared_prefix.py \
       tests/test_kernels_spec_accept.py > "$O/kernel_tests_owed.log" 2>&1
     echo "=== owed kernel tests: rc=$? $(tail -n 1 "$O/kernel_tests_owed.log")" ) &
   kernel_tests=$!
-  section engine_tests 240 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+  section engine_tests 200 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py \
       tests/test_triton_backend.py tests/test_cuda_graph.py -rA
   wait "$kernel_tests"
 fi
 
 if [ "$what" = bench ] || [ "$what" = owed ] || [ "$what" = all ]; then
-  section kernels_bench 200 $PY bench/kernels.py
-  section engine_vs_hf_0.5b 150 $PY bench/engine_vs_hf.py --device cuda --model-shape 0.5b \
+  section kernels_bench 170 $PY bench/kernels.py
+  section engine_vs_hf_0.5b 120 $PY bench/engine_vs_hf.py --device cuda --model-shape 0.5b \
       --dtype bfloat16 --kv-tokens 400000
-  section engine_0.5b_cuda_graphs 100 $PY bench/engine_vs_hf.py --device cuda --model-shape 0.5b \
+  section engine_0.5b_cuda_graphs 90 $PY bench/engine_vs_hf.py --device cuda --model-shape 0.5b \
       --dtype bfloat16 --kv-tokens 400000 --cuda-graphs --skip-hf
   [ "$what" != owed ] && section engine_vs_hf_0.5b_large 150 $PY bench/engine_vs_hf.py \
       --device cuda --model-shape 0.5b --dtype bfloat16 --kv-tokens 400000 --prompts 64 \
