@@ -46,6 +46,10 @@ def run_hf(model, prompts, n, max_new, device):
     return generated, seconds, ids.numel() * n  # HF expands prompts n times before prefill
 
 
+PHASES = ("schedule_seconds", "draft_seconds", "prepare_seconds", "forward_seconds",
+          "sample_seconds", "commit_seconds")
+
+
 def run_engine(model, prompts, n, max_new, args):
     config = EngineConfig(kv_cache_tokens=args.kv_tokens, max_model_len=1024,
                           max_num_seqs=max(256, len(prompts) * n),
@@ -63,8 +67,8 @@ def run_engine(model, prompts, n, max_new, args):
     sync(args.device)
     seconds = time.perf_counter() - t0
     s = engine.stats.as_dict()
-    delta = {k: s[k] - base[k] for k in ("generated_tokens", "prompt_tokens_computed",
-                                         "step_seconds", "forward_seconds", "steps")}
+    delta = {k: s[k] - base[k] for k in ("generated_tokens", "prompt_tokens_computed", "steps",
+                                         "step_seconds", *PHASES)}
     generated = sum(len(smp.token_ids) for o in outs for smp in o.samples)
     return generated, seconds, delta, engine
 
@@ -118,6 +122,9 @@ def main() -> None:
     print(f"engine:       {engine_tps:9.1f} tok/s  ({gen} tokens in {secs:.2f} s, "
           f"{d['steps']} steps), prompt tokens computed {d['prompt_tokens_computed']}, "
           f"time outside the model forward {overhead:.1%}")
+    per_step = ", ".join(f"{name.removesuffix('_seconds')} {d[name] / d['steps'] * 1e3:.2f}"
+                         for name in PHASES)
+    print(f"engine ms per step: {per_step}")
     if not args.skip_hf:
         compare_hf(model, prompts, args, engine_tps)
     if args.device.startswith("cuda"):

@@ -220,13 +220,17 @@ class Engine:
         return outs
 
     def _step(self) -> list[RolloutOutput]:
-        t0 = time.perf_counter()
+        marks = [time.perf_counter()]
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        marks.append(time.perf_counter())
         speculating = self.speculator is not None and self.speculator.propose(batch) > 0
+        marks.append(time.perf_counter())
         inputs = self.runner.prepare(batch)
+        marks.append(time.perf_counter())
         logits = self.runner.run(inputs)
+        marks.append(time.perf_counter())
         items = [it for it in batch.items if it.sample]
         rows = self._sampling_batch(items)
         if speculating:
@@ -242,12 +246,14 @@ class Engine:
         if bad:
             self.scheduler.undo(batch)
             self._abort_bad(bad)
+        marks.append(time.perf_counter())
         finished = self.scheduler.commit(batch, emitted, logprobs, self.stop)
         if speculating:
             drafted = [v for v, it in zip(verdicts, items) if it.draft]
             self.speculator.after_commit(batch, drafted)
             self._stats.record_verdicts(drafted)
-        self._stats.record_step(batch, sum(map(len, emitted)), time.perf_counter() - t0)
+        marks.append(time.perf_counter())
+        self._stats.record_step(batch, sum(map(len, emitted)), tuple(marks))
         return self._collect_finished(finished)
 
     def _sampling_batch(self, items) -> SamplingBatch:

@@ -16,15 +16,29 @@ class EngineStats:
     preemptions: int = 0
     step_seconds: float = 0.0
     forward_seconds: float = 0.0  # inside the model forward (incl. logits)
+    # The rest of a step, by phase: where the host spends what the forward does not use.
+    schedule_seconds: float = 0.0  # admission, growth, preemption
+    draft_seconds: float = 0.0  # speculative proposals
+    prepare_seconds: float = 0.0  # the step's flat metadata
+    sample_seconds: float = 0.0  # sampling or verification, tokens back to the host
+    commit_seconds: float = 0.0  # appending tokens, stop checks, retiring, caching
     spec_proposed: int = 0  # draft tokens proposed
     spec_accepted: int = 0  # draft tokens accepted
     spec_verifications: int = 0  # sample-steps that verified drafts
     spec_emitted: int = 0  # tokens those verifications emitted (accepted + 1 each)
 
-    def record_step(self, batch, num_emitted: int, seconds: float) -> None:
+    def record_step(self, batch, num_emitted: int, marks: tuple[float, ...]) -> None:
+        """`marks`: perf_counter() at the start and after schedule, draft, prepare, forward,
+        sample and commit."""
+        start, scheduled, drafted, prepared, forwarded, sampled, committed = marks
         self.steps += 1
         self.generated_tokens += num_emitted
-        self.step_seconds += seconds
+        self.step_seconds += committed - start
+        self.schedule_seconds += scheduled - start
+        self.draft_seconds += drafted - scheduled
+        self.prepare_seconds += prepared - drafted
+        self.sample_seconds += sampled - forwarded
+        self.commit_seconds += committed - sampled
         if any(it.num_new == 1 and it.start >= it.seq.num_prompt for it in batch.items):
             self.decode_steps += 1
 
