@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from workloads import add_model_args, grpo_prompts, model_from_args  # noqa: E402
 
 from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
+from rollout.stats import STEP_PHASES  # noqa: E402
 
 
 def sync(device: str) -> None:
@@ -46,10 +47,6 @@ def run_hf(model, prompts, n, max_new, device):
     return generated, seconds, ids.numel() * n  # HF expands prompts n times before prefill
 
 
-PHASES = ("schedule_seconds", "draft_seconds", "prepare_seconds", "forward_seconds",
-          "sample_seconds", "commit_seconds")
-
-
 def run_engine(model, prompts, n, max_new, args):
     config = EngineConfig(kv_cache_tokens=args.kv_tokens, max_model_len=1024,
                           max_num_seqs=max(256, len(prompts) * n),
@@ -68,7 +65,7 @@ def run_engine(model, prompts, n, max_new, args):
     seconds = time.perf_counter() - t0
     s = engine.stats.as_dict()
     delta = {k: s[k] - base[k] for k in ("generated_tokens", "prompt_tokens_computed", "steps",
-                                         "step_seconds", *PHASES)}
+                                         "step_seconds", *STEP_PHASES)}
     generated = sum(len(smp.token_ids) for o in outs for smp in o.samples)
     return generated, seconds, delta, engine
 
@@ -123,7 +120,7 @@ def main() -> None:
           f"{d['steps']} steps), prompt tokens computed {d['prompt_tokens_computed']}, "
           f"time outside the model forward {overhead:.1%}")
     per_step = ", ".join(f"{name.removesuffix('_seconds')} {d[name] / d['steps'] * 1e3:.2f}"
-                         for name in PHASES)
+                         for name in STEP_PHASES)
     print(f"engine ms per step: {per_step}")
     if not args.skip_hf:
         compare_hf(model, prompts, args, engine_tps)

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+# The parts of a step's time, as EngineStats fields (forward_seconds measured by the runner).
+STEP_PHASES = ("schedule_seconds", "draft_seconds", "prepare_seconds", "forward_seconds",
+               "sample_seconds", "commit_seconds")
+
 
 @dataclass
 class EngineStats:

@@ -29,11 +29,12 @@ class StopChecker:
         longest = max(len(s) for s in seq.params.stop)
         window = seq.output_ids[-(longest + 4):]
         tail = self.decode(window)
-        if len(tail) < longest:
-            tail = self.decode(seq.output_ids)
+        whole = len(window) == len(seq.output_ids)
+        if not whole and len(tail) < longest:
+            tail, whole = self.decode(seq.output_ids), True
         if not any(s in tail for s in seq.params.stop):
             return False
-        text = self.decode(seq.output_ids)
+        text = tail if whole else self.decode(seq.output_ids)
         seq.stop_text_at = min(i for i in (text.find(s) for s in seq.params.stop) if i >= 0)
         return True
 

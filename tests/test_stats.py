@@ -4,9 +4,7 @@ from models import tiny_model
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.spec import SpeculativeConfig
-
-PHASES = ("schedule_seconds", "draft_seconds", "prepare_seconds", "forward_seconds",
-          "sample_seconds", "commit_seconds")
+from rollout.stats import STEP_PHASES as PHASES
 
 
 def test_step_time_splits_into_phases():
