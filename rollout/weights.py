@@ -6,13 +6,19 @@ prefixes (DDP's `module.`, torch.compile's `_orig_mod.`, PEFT's `base_model.mode
 LoRA is added out of place (base + delta, one layer at a time), so the trainer's frozen base
 weights are never written: an in-place merge + unmerge is not exact in floating point and would
 drift them a little on every sync. Other adapter kinds (DoRA, LoRA bias) fall back to PEFT's
-merge_adapter / unmerge_adapter for the duration of the read.
+merge_adapter / unmerge_adapter for the duration of the read. What is read follows PEFT's
+current selection: the active adapter(s), none inside `disable_adapter()`, and of a
+`modules_to_save` wrapper the copy its forward uses.
+
+Every tensor is checked from its metadata before any is read or copied (`check_tensor`), so a
+bad source raises ValueError and leaves the engine's weights as they were.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+import re
+from collections.abc import Generator, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -20,6 +26,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 _WRAPPER_ATTRS = ("module", "_orig_mod")  # DDP / DeepSpeed engine / FSDP, torch.compile
 _NAME_PREFIXES = ("module.", "_orig_mod.", "base_model.model.")
+# The copies a PEFT `modules_to_save` wrapper keeps of its module (ModuleDict keys hold no dots).
+_SAVED_COPY = re.compile(r"\.(original_module|modules_to_save\.[^.]+)\.")
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -37,12 +45,23 @@ def hf_name(name: str) -> str:
         for prefix in _NAME_PREFIXES:
             if name.startswith(prefix):
                 name, changed = name[len(prefix):], True
-    # PEFT keeps a trained copy of `modules_to_save` beside the frozen original.
-    return name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+    # PEFT keeps a trained copy of `modules_to_save` per adapter beside the frozen original;
+    # _weight_params passes on only the one in use.
+    return _SAVED_COPY.sub(".", name.replace(".base_layer.", "."))
 
 
 def is_peft(model: nn.Module) -> bool:
     return hasattr(model, "merge_adapter") and hasattr(model, "unmerge_adapter")
+
+
+def _is_lora(module: nn.Module) -> bool:
+    return hasattr(module, "lora_A") and hasattr(module, "get_delta_weight")
+
+
+def _is_modules_to_save(module: nn.Module) -> bool:
+    """A PEFT `modules_to_save` wrapper."""
+    return (isinstance(getattr(module, "modules_to_save", None), nn.ModuleDict)
+            and hasattr(module, "original_module"))
 
 
 @contextlib.contextmanager
@@ -63,7 +82,7 @@ def lora_layers(model: nn.Module) -> dict[str, nn.Module] | None:
     some active adapter is not a plain `weight + delta` (a variant such as DoRA, or a bias)."""
     layers = {}
     for name, module in model.named_modules():
-        if not (hasattr(module, "lora_A") and hasattr(module, "get_delta_weight")):
+        if not _is_lora(module):
             continue
         for a in _unmerged_adapters(module):
             if a in getattr(module, "lora_variant", {}) or getattr(module, "lora_bias", {}).get(a):
@@ -79,50 +98,103 @@ def _unmerged_adapters(module: nn.Module) -> list[str]:
     return [a for a in module.active_adapters if a in module.lora_A and a not in merged]
 
 
-def model_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def model_tensors(model: nn.Module) -> Generator[tuple[str, torch.Tensor], None, None]:
     """HF-named parameters of a (possibly wrapped, possibly PEFT) causal LM, adapters merged.
 
-    Must be consumed inside the generator (it may hold a merge open while it yields)."""
+    Consume it to the end or close() it: it may hold PEFT's merge open while it yields."""
     model = unwrap(model)
     layers = lora_layers(model) if is_peft(model) else {}
     merge = merged_adapters(model) if layers is None else contextlib.nullcontext()
-    with merge, torch.no_grad():
+    with merge:
         for name, param in _weight_params(model):
-            tensor = param.detach()
-            if hasattr(tensor, "full_tensor"):
-                # FSDP2 / tensor-parallel DTensor shard: gather the whole weight (a collective:
-                # every rank syncs its own engine at the same point of the step).
-                tensor = tensor.full_tensor()
-            if layers and name in layers:
-                module = layers[name]
-                for adapter in _unmerged_adapters(module):
-                    tensor = tensor + module.get_delta_weight(adapter).to(tensor.dtype)
-            yield hf_name(name), tensor
+            yield hf_name(name), _read(param, layers.get(name) if layers else None)
+
+
+@torch.no_grad()  # per tensor: a no_grad held across the yields would disable grad in the caller
+def _read(tensor: torch.Tensor, lora: nn.Module | None = None) -> torch.Tensor:
+    """A weight, whole, with its LoRA layer's deltas added."""
+    tensor = tensor.detach()
+    if hasattr(tensor, "full_tensor"):
+        # FSDP2 / tensor-parallel DTensor shard: gather the whole weight (a collective: every
+        # rank syncs its own engine at the same point of the step).
+        tensor = tensor.full_tensor()
+    if lora is not None:
+        for adapter in _unmerged_adapters(lora):
+            tensor = tensor + lora.get_delta_weight(adapter).to(tensor.dtype)
+    return tensor
 
 
 def _weight_params(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
-    """The parameters that carry the model's weights: not LoRA adapters (folded in) and not
-    the frozen originals PEFT keeps beside `modules_to_save`."""
+    """The parameters that carry the model's weights: not LoRA adapters (folded in), and of
+    each `modules_to_save` wrapper only the copy its forward uses now."""
+    unused = tuple(f"{name}.{copy}." for name, module in model.named_modules()
+                   if _is_modules_to_save(module) for copy in _unused_copies(module))
     for name, param in model.named_parameters():
-        if "lora_" not in name and ".original_module." not in name:
+        if "lora_" not in name and not name.startswith(unused):
             yield name, param
 
 
+def _unused_copies(wrapper: nn.Module) -> list[str]:
+    """What PEFT's ModulesToSaveWrapper.forward skips: it runs the active adapter's copy, or the
+    frozen original while adapters are disabled or an active adapter has no copy here."""
+    active = wrapper.active_adapters
+    own = (bool(active) and not wrapper.disable_adapters
+           and all(a in wrapper.modules_to_save for a in active))
+    used = f"modules_to_save.{active[0]}" if own else "original_module"
+    copies = ["original_module", *(f"modules_to_save.{a}" for a in wrapper.modules_to_save)]
+    return [c for c in copies if c != used]
+
+
+def _read_params(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """Every parameter that reading the weights touches: the weights and the LoRA adapters
+    folded into them."""
+    yield from _weight_params(model)
+    for name, module in model.named_modules():
+        if not _is_lora(module):
+            continue
+        folded = set(_unmerged_adapters(module))
+        for local, param in module.named_parameters():
+            kind, _, rest = local.partition(".")  # e.g. lora_A.<adapter>.weight
+            if kind.startswith("lora_") and rest.split(".")[0] in folded:
+                yield f"{name}.{local}", param
+
+
+def check_tensor(name: str, tensor) -> None:
+    """Refuse (ValueError naming the weight) what cannot be copied in, or only by a silent
+    lossy cast, from metadata alone: nothing is read, merged or gathered. Any floating dtype
+    is taken and cast to the engine's (float64 -> fp32 rounds no more than fp32 -> bf16 does);
+    integer, bool and complex ones are refused (a cast would truncate, or drop the imaginary
+    part). A DTensor is judged the same way, by its dtype and its local shard's device; its
+    shape (checked by the model's check_weights) is the global one."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"weight {name!r}: expected a torch.Tensor, got "
+                         f"{type(tensor).__name__}")
+    if tensor.is_meta:
+        raise ValueError(f"weight {name!r}: a meta tensor (a shape without data); load or "
+                         f"materialise the weights first")
+    if not tensor.is_floating_point():
+        raise ValueError(f"weight {name!r}: dtype {tensor.dtype} is not floating point; "
+                         f"weights must be a floating dtype (cast to the engine's)")
+
+
 def named_shapes_and_tensors(source) -> tuple[list[tuple[str, torch.Size]],
-                                               Iterable[tuple[str, torch.Tensor]]]:
-    """(HF name, shape) of every tensor `source` gives, known before any is read, and the
-    tensors themselves. A model's shapes come from its parameters (reading its weights may
-    merge adapters or gather shards, so that happens once, while copying); other sources,
-    generators included, are collected as references (no copies)."""
+                                               Generator[tuple[str, torch.Tensor], None, None]]:
+    """(HF name, shape) of every tensor `source` gives, each passed through check_tensor
+    before any is read, and a generator of the tensors themselves (close() it when copying
+    stops early: reading a model may hold PEFT's merge open). A model is checked from its
+    parameters (reading its weights may merge adapters or gather shards, so that happens once,
+    while copying); other sources, generators included, are collected as references (no
+    copies), and DTensor shards among them are gathered one at a time while copying."""
     if isinstance(source, nn.Module):
-        shapes = [(hf_name(n), p.shape) for n, p in _weight_params(unwrap(source))]
-        return shapes, model_tensors(source)
+        model = unwrap(source)
+        for name, param in _read_params(model):
+            check_tensor(hf_name(name), param)
+        return [(hf_name(n), p.shape) for n, p in _weight_params(model)], model_tensors(source)
     named = list(source.items() if isinstance(source, dict) else source)
     for name, tensor in named:
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"weight {name!r}: expected a torch.Tensor, got "
-                             f"{type(tensor).__name__}")
-    return [(name, tensor.shape) for name, tensor in named], named
+        check_tensor(name, tensor)
+    return ([(name, tensor.shape) for name, tensor in named],
+            ((name, _read(tensor)) for name, tensor in named))
 
 
 def buckets(named: Iterable[tuple[str, torch.Tensor]], device: torch.device,
@@ -172,8 +244,8 @@ def _watch_optimizers() -> None:
         _hook = register_optimizer_step_post_hook(_count_step)
 
 
-def weights_version(model: nn.Module) -> tuple[int, ...]:
-    """Changes whenever a parameter may have been modified, without reading the weights.
+def weights_version(model: nn.Module) -> tuple:
+    """Changes whenever the weights a read gives may have changed, without reading them.
     Autograd's per-tensor version counters catch copy_, load_state_dict and foreach
     optimizers. Storage addresses catch `p.data = ...` (vector_to_parameters, Module.to),
     which leaves the counter alone. Fused optimizer kernels (torch's fused AdamW, the HF
@@ -181,7 +253,21 @@ def weights_version(model: nn.Module) -> tuple[int, ...]:
     counts too (at worst one needless sync when some other model's optimizer stepped).
     Not seen: in-place writes through `.data` (`p.data.add_(...)`) bypass the counter; after
     those call `engine.update_weights(model)` (or `ColocatedRollout.sync_weights(force=True)`).
+    PEFT's `set_adapter` and `disable_adapter()` change which weights a read folds in without
+    touching a parameter: each adapter layer's selection is part of the version too.
     """
     _watch_optimizers()
-    params = list(unwrap(model).parameters())
-    return (_optimizer_steps, *(p._version for p in params), *(p.data_ptr() for p in params))
+    model = unwrap(model)
+    params = list(model.parameters())
+    return (_optimizer_steps, *(p._version for p in params), *(p.data_ptr() for p in params),
+            _adapter_selection(model))
+
+
+def _adapter_selection(model: nn.Module) -> tuple:
+    """Per PEFT adapter layer (LoRA and other tuners, modules_to_save wrappers): its active
+    adapters, whether adapters are disabled, and which are merged into the base weight (flags
+    only, no weights read). Such layers are told apart by a class attribute: looking it up on
+    the class skips nn.Module.__getattr__, which a missing attribute costs on every module."""
+    return tuple((tuple(m.active_adapters), m.disable_adapters,
+                  tuple(getattr(m, "merged_adapters", ())))
+                 for m in model.modules() if hasattr(type(m), "adapter_layer_names"))

@@ -1,0 +1,293 @@
+"""update_weights checks every source tensor before the first copy (a bad one raises ValueError
+naming it and changes nothing), casts any floating dtype, and follows PEFT's adapter selection
+(set_adapter, disable_adapter, modules_to_save) through rollout.generate and ColocatedRollout."""
+
+import copy
+import re
+
+import pytest
+import torch
+from models import tiny_model
+from test_dtensor_weights import one_rank_group  # noqa: F401  (fixture)
+from torch import nn
+
+import rollout
+from rollout import Engine, EngineConfig, SamplingParams
+from trainer_hooks import ColocatedRollout
+
+CONFIG = dict(kv_cache_tokens=256, max_model_len=64)
+PROMPT = [[3, 1, 4, 1, 5, 9, 2, 6]]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, logprobs=True)
+# Late in the parameter order: most good tensors come before it.
+TARGET = "model.layers.1.mlp.down_proj.weight"
+
+
+def outputs(outs):
+    return [(s.token_ids, s.logprobs) for o in outs for s in o.samples]
+
+
+def fresh(model):
+    return outputs(Engine(model, EngineConfig(**CONFIG)).generate(PROMPT, GREEDY))
+
+
+def old_engine_and_new_model():
+    return Engine(tiny_model("qwen2", seed=0), EngineConfig(**CONFIG)), tiny_model("qwen2", seed=7)
+
+
+def assert_refused(engine, source, name: str, problem: str) -> None:
+    before = {n: t.clone() for n, t in engine.model.state_dict().items()}
+    with pytest.raises(ValueError, match=f"weight {re.escape(repr(name))}: {problem}"):
+        engine.update_weights(source)
+    after = engine.model.state_dict()
+    assert all(torch.equal(after[n], t) for n, t in before.items())
+    assert not engine.needs_weights
+
+
+# --- a bad tensor is refused before anything is copied ---------------------------------------
+BAD = {  # what spoils a good tensor, and the problem the error names
+    "meta": (lambda t: torch.empty_like(t, device="meta"), "a meta tensor"),
+    "int64": (lambda t: t.long(), "dtype torch.int64 is not floating point"),
+    "bool": (lambda t: t > 0, "dtype torch.bool is not floating point"),
+    "complex": (lambda t: t.to(torch.complex64), "dtype torch.complex64 is not floating point"),
+    "shape": (lambda t: t[:, :3], r"shape \(64, 3\), expected \(64, 128\)"),
+    "non-tensor": (lambda t: t.numpy(), "expected a torch.Tensor, got ndarray"),
+}
+
+
+@pytest.mark.parametrize("container", ["dict", "pairs"])
+@pytest.mark.parametrize("bad", BAD)
+def test_bad_named_tensor_is_refused_before_any_copy(bad, container):
+    spoil, problem = BAD[bad]
+    engine, new = old_engine_and_new_model()
+    named = [(n, spoil(p.detach()) if n == TARGET else p.detach())
+             for n, p in new.named_parameters()]
+    assert_refused(engine, dict(named) if container == "dict" else named, TARGET, problem)
+
+
+@pytest.mark.parametrize("container", ["dict", "pairs"])
+def test_unknown_name_is_refused_before_any_copy(container):
+    engine, new = old_engine_and_new_model()
+    bogus = "model.layers.1.mlp.bogus.weight"
+    named = [(n, p.detach()) for n, p in new.named_parameters()]
+    named.insert(len(named) - 1, (bogus, torch.zeros(3)))
+    assert_refused(engine, dict(named) if container == "dict" else named, bogus,
+                   "no such parameter")
+
+
+@pytest.mark.parametrize("bad", ["meta", "int64", "bool", "complex"])
+def test_bad_model_parameter_is_refused_from_its_metadata(bad):
+    spoil, problem = BAD[bad]
+    engine, new = old_engine_and_new_model()
+    module = new.get_submodule(TARGET.rsplit(".", 1)[0])
+    module.weight = nn.Parameter(spoil(module.weight.detach()), requires_grad=False)
+    assert_refused(engine, new, TARGET, problem)
+
+
+# --- floating dtypes are cast ----------------------------------------------------------------
+@pytest.mark.parametrize("container", ["dict", "model"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+def test_floating_sources_are_cast_to_the_engine_dtype(dtype, container):
+    engine, new = old_engine_and_new_model()
+    cast = copy.deepcopy(new).to(dtype)
+    engine.update_weights(cast if container == "model" else dict(cast.named_parameters()))
+    assert not engine.needs_weights
+    got = outputs(engine.generate(PROMPT, GREEDY))
+    # Exactly what the fp32 weights rounded through `dtype` give (float64 rounds nothing) ...
+    assert got == fresh(copy.deepcopy(cast).float())
+    # ... and close to the fp32 weights' outputs.
+    want = fresh(new)
+    assert [ids for ids, _ in got] == [ids for ids, _ in want]
+    tol = {torch.float64: 0, torch.float16: 0.02, torch.bfloat16: 0.1}[dtype]
+    for (_, lps), (_, ref) in zip(got, want):
+        assert torch.allclose(torch.tensor(lps), torch.tensor(ref), atol=tol, rtol=0)
+
+
+# --- a copy that fails midway ----------------------------------------------------------------
+def fail_copies_after(engine, monkeypatch, count: int) -> None:
+    """A device error no metadata check can foresee: load_weights raises once `count` tensors
+    have been copied."""
+    load, seen = engine.model.load_weights, []
+
+    def flaky(bucket):
+        seen.extend(bucket)
+        if len(seen) > count:
+            raise RuntimeError("simulated copy failure")
+        return load(bucket)
+
+    monkeypatch.setattr(engine.model, "load_weights", flaky)
+
+
+def test_copy_failing_midway_leaves_the_callers_grad_mode_alone(monkeypatch):
+    engine, new = old_engine_and_new_model()
+    fail_copies_after(engine, monkeypatch, 3)
+    with pytest.raises(RuntimeError) as failure:
+        engine.update_weights(new)
+    # The traceback keeps the suspended reader alive: a no_grad held across its yields would
+    # still be in force here, and in the trainer's next backward.
+    assert failure.value is not None and torch.is_grad_enabled()
+
+
+def dora(model):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(model, peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, use_dora=True))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["model", "dora"])
+def test_copy_failing_midway_leaves_the_engine_needing_a_full_update(kind, monkeypatch):
+    engine, new = old_engine_and_new_model()
+    if kind == "dora":
+        new = dora(new)  # read through PEFT's in-place merge, held open while copying
+    before = {n: t.clone() for n, t in engine.model.state_dict().items()}
+    fail_copies_after(engine, monkeypatch, 3)
+    # A RuntimeError saying its weights are incomplete, needs_weights set (rather than serving
+    # half-old, half-new weights), and the reader closed at once (else PEFT's merge stays in
+    # the trainer's weights for as long as the traceback lives).
+    with pytest.raises(RuntimeError, match="incomplete") as failure:
+        engine.update_weights(new)
+    assert failure.value is not None  # `failure` keeps the traceback, and the reader, alive
+    assert not any(getattr(m, "merged", False) for m in new.modules())
+    after = engine.model.state_dict()
+    assert not all(torch.equal(after[n], t) for n, t in before.items())  # some were written
+    assert engine.needs_weights
+    with pytest.raises(RuntimeError, match="update_weights"):
+        engine.generate(PROMPT, GREEDY)
+    monkeypatch.undo()
+    engine.update_weights(new)
+    # Approximately: every read of a DoRA model merges and unmerges, which moves its weights.
+    [(ids, lps)] = outputs(engine.generate(PROMPT, GREEDY))
+    [(want_ids, want_lps)] = fresh(new)
+    assert ids == want_ids and lps == pytest.approx(want_lps, abs=1e-5)
+
+
+# --- DTensor shards: checked without gathering, gathered while copying -----------------------
+def shard(model, mesh, meta: str | None = None):
+    """Every parameter as a one-rank DTensor shard; `meta`'s local shard holds no data."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    for name, p in list(model.named_parameters()):
+        module_name, attr = name.rsplit(".", 1)
+        if name == meta:
+            dt = DTensor.from_local(torch.empty_like(p, device="meta"), mesh, [Shard(0)],
+                                    run_check=False)
+        else:
+            dt = distribute_tensor(p.detach(), mesh, [Shard(0)])
+        setattr(model.get_submodule(module_name), attr, nn.Parameter(dt, requires_grad=False))
+    return model
+
+
+def test_dtensor_with_meta_shard_is_refused_without_gathering(one_rank_group, monkeypatch):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    engine, new = old_engine_and_new_model()
+    sharded = shard(new, init_device_mesh("cpu", (1,)), meta=TARGET)
+    gathers = []
+    full_tensor = DTensor.full_tensor
+    monkeypatch.setattr(DTensor, "full_tensor",
+                        lambda self, **kw: gathers.append(1) or full_tensor(self, **kw))
+    assert_refused(engine, sharded, TARGET, "a meta tensor")
+    assert_refused(engine, dict(sharded.named_parameters()), TARGET, "a meta tensor")
+    assert not gathers
+
+
+def test_named_dtensor_shards_are_gathered_while_copying(one_rank_group):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    engine, new = old_engine_and_new_model()
+    want = fresh(new)
+    sharded = shard(new, init_device_mesh("cpu", (1,)))
+    engine.update_weights({n: p for n, p in sharded.named_parameters()})
+    assert outputs(engine.generate(PROMPT, GREEDY)) == want
+
+
+# --- PEFT: the active adapter, or none inside disable_adapter() -----------------------------
+def two_adapter_model(family="qwen2", **lora):
+    """(base, PEFT model with adapters 'default' and 'other' whose deltas differ)."""
+    peft = pytest.importorskip("peft")
+    base = tiny_model(family)
+
+    def config():
+        return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                               lora_dropout=0.0, **lora)
+
+    model = peft.get_peft_model(copy.deepcopy(base), config())
+    model.add_adapter("other", config())
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            # lora_B starts at zero (a no-op merge); modules_to_save copies start as the original.
+            if "lora_B" in name or ".modules_to_save." in name:
+                p.normal_(0, 0.5)
+    return base, model
+
+
+def merged(model, adapter: str):
+    """What PEFT itself computes with `adapter` active, as a plain model."""
+    model = copy.deepcopy(model)
+    model.set_adapter(adapter)
+    return model.merge_and_unload()
+
+
+def expected(base, model):
+    want = {"default": fresh(merged(model, "default")), "other": fresh(merged(model, "other")),
+            None: fresh(base)}
+    assert len({repr(v) for v in want.values()}) == 3  # the three are told apart
+    return want
+
+
+@pytest.mark.parametrize("lora", [{}, {"modules_to_save": ["lm_head"]}], ids=["lora", "saved"])
+def test_generate_follows_set_adapter_and_disable_adapter(lora):
+    base, model = two_adapter_model("llama" if lora else "qwen2", **lora)
+    want = expected(base, model)
+
+    def generate():
+        return outputs(rollout.generate(model, PROMPT, GREEDY, **CONFIG))
+
+    assert generate() == want["default"]
+    model.set_adapter("other")
+    assert generate() == want["other"]
+    with model.disable_adapter():
+        assert generate() == want[None]
+    assert generate() == want["other"]
+
+
+def test_colocated_rollout_follows_set_adapter_and_disable_adapter():
+    base, model = two_adapter_model()
+    want = expected(base, model)
+    colocated = ColocatedRollout(Engine(base, EngineConfig(**CONFIG)), model, synced=False)
+
+    def generate():
+        with colocated as r:
+            return outputs(r.generate(PROMPT, GREEDY)), r.synced
+
+    assert generate() == (want["default"], True)
+    model.set_adapter("other")
+    assert generate() == (want["other"], True)
+    with model.disable_adapter():
+        assert generate() == (want[None], True)
+    assert generate() == (want["other"], True)
+    assert generate() == (want["other"], False)  # the selection is stable between reads
+
+
+@pytest.mark.parametrize("adapter, refused", [("default", True), ("other", False)])
+def test_only_the_adapters_folded_in_are_checked(adapter, refused):
+    """A meta LoRA weight is refused from metadata (nothing merged) when the read would fold it
+    in, and ignored when its adapter is inactive."""
+    base, model = two_adapter_model()
+    engine = Engine(base, EngineConfig(**CONFIG))
+    v_proj = model.base_model.model.model.layers[1].self_attn.v_proj
+    lora_b = v_proj.lora_B[adapter]
+    lora_b.weight = nn.Parameter(torch.empty_like(lora_b.weight, device="meta"))
+    if refused:
+        assert_refused(engine, model, f"model.layers.1.self_attn.v_proj.lora_B.{adapter}.weight",
+                       "a meta tensor")
+        assert not any(getattr(m, "merged", False) for m in model.modules())
+    else:
+        engine.update_weights(model)
+        assert outputs(engine.generate(PROMPT, GREEDY)) == fresh(merged(model, "default"))
