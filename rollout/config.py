@@ -7,8 +7,14 @@ from typing import Any
 
 import torch
 
+from .sampling_params import (INT32_MAX, SEED_LIMIT, as_bool, as_choice, as_float, as_int,
+                              show)
+
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# What the Triton kernels run and are tested in: their tile sizes and dot precision assume 2- or
+# 4-byte floats (kernels/paged_attention.py), so float64 is not among them.
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclass
@@ -35,30 +41,56 @@ class EngineConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
-            raise ValueError(f"kv_cache_tokens must be >= 1 or None, got {self.kv_cache_tokens}")
+        # Sizes count tokens that int32 tensors index: slot ids (in the CUDA graphs' kv_indices),
+        # positions, qo_indptr/kv_indptr.
+        if self.kv_cache_tokens is not None:
+            self.kv_cache_tokens = as_int("kv_cache_tokens", self.kv_cache_tokens, 1, INT32_MAX)
+        self.kv_memory_fraction = as_float("kv_memory_fraction", self.kv_memory_fraction)
         if not 0 < self.kv_memory_fraction <= 1:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "lpm_max_waiting"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.schedule_policy not in SCHEDULE_POLICIES:
-            raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, "
-                             f"got {self.schedule_policy!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
-                             f"got {self.attention_backend!r}")
+        # A prompt needs a token and room for one generated token.
+        self.max_model_len = as_int("max_model_len", self.max_model_len, 2, INT32_MAX)
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            setattr(self, name, as_int(name, getattr(self, name), 1, INT32_MAX))
+        if self.max_num_seqs * self.max_model_len > INT32_MAX:
+            raise ValueError(f"max_num_seqs * max_model_len must be <= 2**31 - 1 (a step's int32 "
+                             f"kv_indptr sums its sequences' lengths), got {self.max_num_seqs} * "
+                             f"{self.max_model_len}")
+        self.lpm_max_waiting = as_int("lpm_max_waiting", self.lpm_max_waiting, 1)
+        self.schedule_policy = as_choice("schedule_policy", self.schedule_policy,
+                                         SCHEDULE_POLICIES)
+        self.attention_backend = as_choice("attention_backend", self.attention_backend,
+                                           ATTENTION_BACKENDS)
+        self.enable_prefix_caching = as_bool("enable_prefix_caching", self.enable_prefix_caching)
+        self.cuda_graphs = as_bool("cuda_graphs", self.cuda_graphs)
+        if self.dtype is not None:
+            self.dtype = as_dtype(self.dtype)
+        if self.device is not None:
+            self.device = as_device(self.device)
+        if self.seed is not None:
+            self.seed = as_int("seed", self.seed, 0, SEED_LIMIT - 1)
         if self.speculative is not None:
             from .spec.config import SpeculativeConfig
 
             if not isinstance(self.speculative, SpeculativeConfig):
                 raise ValueError("speculative must be a rollout.spec.SpeculativeConfig or None")
-        if isinstance(self.dtype, str):
-            self.dtype = resolve_dtype(self.dtype)
 
 
-def resolve_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype must name a torch dtype (e.g. 'bfloat16'), got {name!r}")
+def as_dtype(value, name: str = "dtype") -> torch.dtype:
+    """A torch dtype (or its name, 'torch.' optional) the engine runs in."""
+    dtype = DTYPES.get(value.removeprefix("torch.")) if isinstance(value, str) else value
+    if not isinstance(dtype, torch.dtype) or dtype not in DTYPES.values():
+        raise ValueError(f"{name} must be one of {', '.join(DTYPES)} (a str or torch.dtype), "
+                         f"got {show(value)}")
     return dtype
+
+
+def as_device(value) -> torch.device:
+    """Parsed only: whether this process has the device is checked when the engine starts."""
+    if isinstance(value, (str, torch.device)):
+        try:
+            return torch.device(value)
+        except RuntimeError:
+            pass
+    raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:<index>' (a str or torch.device), "
+                     f"got {show(value)}")

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..config import EngineConfig
+from ..config import EngineConfig, as_dtype
 from ..weights import is_peft, model_tensors, unwrap
 from . import model_class
 
@@ -57,27 +57,47 @@ def resolve_model(model, config: EngineConfig, tokenizer):
     if isinstance(model, str):
         from transformers import AutoConfig, AutoTokenizer
 
+        device = _check_device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         hf_config = AutoConfig.from_pretrained(model)
-        device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         default = getattr(hf_config, "dtype", None) if device.type == "cuda" else None
         dtype = config.dtype or (default if isinstance(default, torch.dtype) else torch.float32)
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(model)
-        return hf_config, checkpoint_tensors(model), device, dtype, tokenizer
+        return hf_config, checkpoint_tensors(model), device, _model_dtype(dtype), tokenizer
     inner = unwrap(model) if isinstance(model, torch.nn.Module) else model
-    if not hasattr(inner, "config") or not hasattr(inner, "named_parameters"):
+    param = next(inner.parameters(), None) if hasattr(inner, "parameters") else None
+    if not hasattr(inner, "config") or param is None:
         raise ValueError("model must be a transformers PreTrainedModel (possibly DDP/PEFT "
                          "wrapped) or a local path")
-    param = next(inner.parameters())
-    device = torch.device(config.device or param.device)
-    # One spelling per device, so tensors on it compare equal: distributed CPU runs hand out
-    # "cpu:0" (!= "cpu"), and a bare "cuda" means the current GPU.
-    if device.type == "cpu":
-        device = torch.device("cpu")
-    elif device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _check_device(config.device or param.device)
     hf_config = inner.get_base_model().config if is_peft(inner) else inner.config
-    return hf_config, model_tensors(model), device, config.dtype or param.dtype, tokenizer
+    return (hf_config, model_tensors(model), device, _model_dtype(config.dtype or param.dtype),
+            tokenizer)
+
+
+def _check_device(device: torch.device | str) -> torch.device:
+    """The device, if this process has it, spelled one way so tensors on it compare equal:
+    distributed CPU runs hand out "cpu:0" (!= "cpu"), and a bare "cuda" means the current GPU.
+    Checked before anything is allocated on it."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.type != "cuda":
+        raise ValueError(f"device must be cpu or cuda, got {device}")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise ValueError(f"device is {device}, but CUDA is not available in this process")
+    if device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if device.index >= count:
+        raise ValueError(f"device is {device}, but this process sees {count} CUDA device(s): "
+                         f"cuda:0 to cuda:{count - 1}")
+    return device
+
+
+def _model_dtype(dtype: torch.dtype) -> torch.dtype:
+    # The model's (or checkpoint's) own dtype when EngineConfig.dtype is None.
+    return as_dtype(dtype, "dtype (EngineConfig.dtype, else the model's)")
 
 
 def eos_token_ids(model, hf_config, tokenizer) -> frozenset[int]:

@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..sampling_params import as_choice, as_int
+
 METHODS = ("ngram", "draft")
+ACCEPTANCE = ("coupled", "rejection")
+MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass
@@ -23,19 +27,16 @@ class SpeculativeConfig:
     acceptance: str = "coupled"
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"speculative.method must be one of {METHODS}, got {self.method!r}")
-        k = self.num_speculative_tokens
-        if not isinstance(k, int) or not 1 <= k <= 16:
-            raise ValueError(f"speculative.num_speculative_tokens must be in [1, 16], "
-                             f"got {self.num_speculative_tokens!r}")
-        if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ValueError(f"speculative.ngram_min/ngram_max must satisfy 1 <= min <= max, "
-                             f"got {self.ngram_min}, {self.ngram_max}")
-        if self.max_batch_size < 1:
-            raise ValueError(f"speculative.max_batch_size must be >= 1, got {self.max_batch_size}")
-        if self.acceptance not in ("coupled", "rejection"):
-            raise ValueError(f"speculative.acceptance must be 'coupled' or 'rejection', "
-                             f"got {self.acceptance!r}")
+        self.method = as_choice("speculative.method", self.method, METHODS)
+        self.acceptance = as_choice("speculative.acceptance", self.acceptance, ACCEPTANCE)
+        self.num_speculative_tokens = as_int("speculative.num_speculative_tokens",
+                                             self.num_speculative_tokens, 1,
+                                             MAX_SPECULATIVE_TOKENS)
+        self.ngram_min = as_int("speculative.ngram_min", self.ngram_min, 1)
+        self.ngram_max = as_int("speculative.ngram_max", self.ngram_max, 1)
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"speculative.ngram_min must be <= ngram_max, got {self.ngram_min} "
+                             f"> {self.ngram_max}")
+        self.max_batch_size = as_int("speculative.max_batch_size", self.max_batch_size, 1)
         if self.method == "draft" and self.draft_model is None:
             raise ValueError("speculative.draft_model is required when method='draft'")
