@@ -91,5 +91,10 @@ class KVPool:
             self._free[self._num_free:self._num_free + n] = slots
             self._num_free += n
 
+    def unfree(self, slots: torch.Tensor) -> None:
+        """Undo the latest `free(slots)` (rolling a failed step back, newest change first):
+        they are still the top of the free stack, since every later change was undone."""
+        self._num_free -= slots.numel()
+
     def free_slots(self) -> torch.Tensor:
         return self._free[:self._num_free]

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .attention import AttentionBackend, AttentionMetadata, indptr, ranges
-from .scheduler import Batch
+from .batch import Batch
 from .slot_table import SlotTable
 
 if TYPE_CHECKING:

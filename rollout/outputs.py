@@ -24,3 +24,22 @@ class RolloutOutput:
     prompt_token_ids: list[int]
     samples: list[Sample] = field(default_factory=list)
     prompt: str | None = None
+    # Why the engine aborted the request (non-finite logits, a failing stop check); the
+    # samples that had finished before keep their tokens and reasons.
+    error: str | None = None
+
+
+def build_output(group, decode) -> RolloutOutput:
+    """The output of a finished `intake.Group`. `decode(seq)` gives a sample's text (None
+    without a tokenizer); a tokenizer that fails here costs the text, not the tokens."""
+    samples, error = [], group.error
+    for seq in group.seqs:
+        try:
+            text = decode(seq)
+        except Exception as e:  # user tokenizer code, after the request finished
+            text, error = None, error or f"detokenize: {type(e).__name__}: {e}"
+        samples.append(Sample(
+            index=seq.sample_index, token_ids=seq.output_ids,
+            logprobs=list(seq.logprobs) if group.params.logprobs else None,
+            finish_reason=seq.finish_reason, text=text))
+    return RolloutOutput(group.request_id, group.prompt_ids, samples, group.prompt, error)

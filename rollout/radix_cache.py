@@ -6,13 +6,15 @@ ancestors: a locked node is never evicted. Eviction frees unlocked leaves, least
 first, back to the pool.
 
 Invariant: `evictable_size` + `protected_size` equals the number of slots in the tree;
-`evictable_size` counts the slots of nodes whose lock count is 0.
+`evictable_size` counts the slots of nodes whose lock count is 0. The tree never frees a slot:
+evicted nodes go back to the caller (the KV manager), which owns the pool. `uninsert` and
+`unevict` undo an insert and an eviction, for rolling a failed step back.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -43,11 +45,10 @@ def common_prefix_len(key: Sequence[int], tokens: Sequence[int], start: int) -> 
 
 
 class RadixCache:
-    def __init__(self, free_slots: Callable[[torch.Tensor], None], device: torch.device,
-                 enabled: bool = True) -> None:
-        self._free_slots = free_slots
+    shares_prefixes = True
+
+    def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.enabled = enabled
         self.reset()
 
     def reset(self) -> None:
@@ -83,8 +84,6 @@ class RadixCache:
         the matched prefix and can be locked on its own.
         """
         node, pos, pieces = self.root, 0, []
-        if not self.enabled:
-            return self._empty(), node
         now = self._touch()
         node.last_access = now
         while pos < len(tokens):
@@ -103,7 +102,7 @@ class RadixCache:
     def peek(self, tokens: Sequence[int]) -> torch.Tensor:
         """Slots of the longest cached prefix, without splitting edges or touching LRU."""
         node, pos, pieces = self.root, 0, []
-        while self.enabled and pos < len(tokens):
+        while pos < len(tokens):
             child = node.children.get(tokens[pos])
             if child is None:
                 break
@@ -131,8 +130,6 @@ class RadixCache:
     def insert(self, tokens: Sequence[int], slots: torch.Tensor) -> int:
         """Cache `tokens` with their `slots`; returns how many leading tokens were already
         cached. The caller still owns `slots[:returned]` and must free those it allocated."""
-        if not self.enabled:
-            return 0
         assert len(tokens) == slots.numel()
         node, pos, now = self.root, 0, self._touch()
         while pos < len(tokens):
@@ -168,23 +165,51 @@ class RadixCache:
                 self.protected_size -= len(node.key)
             node = node.parent
 
+    def uninsert(self, tokens: Sequence[int], already: int) -> None:
+        """Undo `insert(tokens, ...)`, `already` being what it returned (or would have): drop
+        the branch it added for tokens[already:], whatever splits happened since (it must be
+        unlocked again). Safe on an insert that failed before adding anything."""
+        node, pos = self.root, 0
+        while pos < already:
+            node = node.children.get(tokens[pos])
+            if node is None:
+                return
+            pos += len(node.key)
+        branch = node.children.get(tokens[already]) if pos == already < len(tokens) else None
+        if branch is None:
+            return  # the insert stopped before adding its branch
+        del node.children[tokens[already]]
+        stack = [branch]
+        while stack:
+            gone = stack.pop()
+            assert gone.lock_ref == 0, "uninsert of a locked node"
+            self.evictable_size -= len(gone.key)
+            stack.extend(gone.children.values())
+
     # --- eviction ---------------------------------------------------------------------------
-    def evict(self, num_slots: int) -> int:
-        """Free at least `num_slots` slots from unlocked leaves, LRU first (fewer if the
-        unlocked part of the tree is smaller). Returns the number freed."""
+    def evict(self, num_slots: int) -> list[RadixNode]:
+        """Detach unlocked leaves, LRU first, until they hold at least `num_slots` slots (fewer
+        if the unlocked part of the tree is smaller). Returns them in eviction order; their
+        slots are the caller's to free."""
         leaves = [n for n in self.nodes() if not n.children and n.lock_ref == 0]
         heapq.heapify(leaves)
-        freed = 0
+        evicted, freed = [], 0
         while freed < num_slots and leaves:
             leaf = heapq.heappop(leaves)
-            self._free_slots(leaf.value)
+            evicted.append(leaf)
             freed += len(leaf.key)
             self.evictable_size -= len(leaf.key)
             parent = leaf.parent
             del parent.children[leaf.key[0]]
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(leaves, parent)
-        return freed
+        return evicted
+
+    def unevict(self, evicted: list[RadixNode]) -> None:
+        """Put back what `evict` returned (their slots must hold the same K/V again)."""
+        for node in reversed(evicted):
+            node.parent.children[node.key[0]] = node
+            self.evictable_size += len(node.key)
 
     # --- inspection -------------------------------------------------------------------------
     def nodes(self):

@@ -43,6 +43,20 @@ class Sequence:
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
 
+    def snapshot(self) -> tuple:
+        """State to restore if a step's bookkeeping is undone (rollout/journal.py). Token and
+        logprob lists are only appended to, or replaced, while a snapshot is held, so their
+        objects and lengths are enough."""
+        return (self.status, self.num_computed, self.cached_len, self.node, self.row,
+                self.finish_reason, self.stop_text_at,
+                self.token_ids, len(self.token_ids), self.logprobs, len(self.logprobs))
+
+    def restore(self, snapshot: tuple) -> None:
+        (self.status, self.num_computed, self.cached_len, self.node, self.row,
+         self.finish_reason, self.stop_text_at,
+         self.token_ids, num_tokens, self.logprobs, num_logprobs) = snapshot
+        del self.token_ids[num_tokens:], self.logprobs[num_logprobs:]
+
     @property
     def num_prompt(self) -> int:
         return len(self.prompt_ids)

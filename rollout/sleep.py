@@ -21,12 +21,15 @@ class WeightParking:
 
     def park(self, level: int) -> None:
         """Level 1: weights to host memory. Level 2: weights dropped, also those a level-1
-        park put on the host (deepening touches no device memory)."""
+        park put on the host (deepening touches no device memory). Parameters already parked
+        are skipped, so a park that failed half way can be run again."""
         to_host = self.device.type != "cpu"  # on CPU host memory is where they already are
         for name, t in self.model.named_parameters():
+            if name in self.dropped:
+                continue
             if level == 2:
                 self.dropped[name] = (self.host.pop(name, t).shape, t.dtype)
-            elif to_host:
+            elif to_host and name not in self.host:
                 host = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.device.type == "cuda")
                 host.copy_(t.data)
                 self.host[name] = host
@@ -34,15 +37,22 @@ class WeightParking:
                 continue
             t.data = torch.empty(0, dtype=t.dtype, device=self.device)
 
+    @property
+    def dropped_any(self) -> bool:
+        return bool(self.dropped)
+
     def restore(self) -> None:
+        """Weights back on the device, one at a time: a restore that failed half way leaves
+        the rest parked, to be restored (or parked again) later."""
         for name, t in self.model.named_parameters():
             if name in self.host:
                 t.data = self.host[name].to(self.device, non_blocking=True)
+                del self.host[name]
             elif name in self.dropped:
                 # Uninitialised until update_weights fills them; generate refuses until then.
                 shape, dtype = self.dropped[name]
                 t.data = torch.empty(shape, dtype=dtype, device=self.device)
-        self.host, self.dropped = {}, {}
+                del self.dropped[name]
 
 
 def tensor_bytes(tensors) -> int:

@@ -27,6 +27,11 @@ class SlotTable:
     def free_row(self, row: int) -> None:
         self._free_rows.append(row)
 
+    def unfree_row(self, row: int) -> None:
+        """Undo the latest `free_row(row)`."""
+        assert self._free_rows[-1] == row, "unfree_row: not the newest freed row"
+        self._free_rows.pop()
+
     @property
     def num_free_rows(self) -> int:
         return len(self._free_rows)

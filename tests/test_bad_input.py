@@ -48,7 +48,7 @@ def test_bad_prompts_raise_and_running_requests_survive(model, prompt, field):
         engine.add_request(prompt, params)
     with pytest.raises(ValueError, match=field):
         engine.generate([[9, 9, 9], prompt], params)  # the good prompt must not be queued
-    assert set(engine._groups) == set(ids)
+    assert set(engine.running_requests) == set(ids)
     engine.check_invariants()
     done = {}
     while engine.has_unfinished:
@@ -64,12 +64,14 @@ def test_other_bad_requests(model):
         engine.add_request([1, 2], SamplingParams(stop=["x"]))  # no tokenizer
     with pytest.raises(ValueError, match="params"):
         engine.generate([[1], [2]], [SamplingParams()])
+    with pytest.raises(ValueError, match="params"):
+        engine.generate([[1], [2]], (SamplingParams() for _ in range(2)))
     engine.add_request([1, 2], request_id="a")
     with pytest.raises(ValueError, match="request_id"):
         engine.add_request([3, 4], request_id="a")
     with pytest.raises(ValueError, match="request_id"):
         engine.abort("nope")
-    assert list(engine._groups) == ["a"]
+    assert engine.running_requests == ["a"]
 
 
 def test_bad_config():
@@ -95,18 +97,40 @@ def test_non_finite_logits_abort_only_the_affected_request():
     expected = samples(engine.generate(good, params))
     with torch.no_grad():
         engine.model.model.embed_tokens.weight[77] = float("nan")  # poisons prompts with 77
+    # Streaming: the poisoned request comes back aborted with its error, the others finish.
     ids = [engine.add_request(p, params) for p in good]
     bad = engine.add_request([7, 77, 8], params)
-    with pytest.raises(ValueError, match="logits"):
-        while True:
-            engine.step()
-    assert bad not in engine._groups
-    engine.check_invariants()
     done = {}
     while engine.has_unfinished:
         done.update({o.request_id: o for o in engine.step()})
         engine.check_invariants()
     assert samples([done[i] for i in ids]) == expected
+    assert all(done[i].error is None for i in ids)
+    assert "non-finite" in done[bad].error
+    assert [s.finish_reason for s in done[bad].samples] == ["abort"]
+    # In one generate() call: the same, and the results keep their order.
+    outs = engine.generate([good[0], [7, 77, 8], good[1]], SamplingParams(temperature=0,
+                                                                           max_tokens=6, n=2))
+    engine.check_invariants()
+    assert [o.error is None for o in outs] == [True, False, True]
+    assert {s.finish_reason for s in outs[1].samples} == {"abort"}
+    assert [o.samples[0].token_ids for o in (outs[0], outs[2])] == [e[0] for e in expected]
+
+
+def test_non_finite_streaming_request_leaves_a_generate_beside_it_alone():
+    model = tiny_model("llama")
+    engine = Engine(model, EngineConfig(kv_cache_tokens=1024, max_model_len=64))
+    params = SamplingParams(temperature=0, max_tokens=6)
+    good = [[1, 2, 3], [4, 5, 6]]
+    expected = samples(engine.generate(good, params))
+    with torch.no_grad():
+        engine.model.model.embed_tokens.weight[77] = float("nan")
+    bad = engine.add_request([7, 77, 8], params)
+    assert samples(engine.generate(good, params)) == expected
+    (out,) = engine.step()  # held for step() while generate() ran
+    assert out.request_id == bad and "non-finite" in out.error
+    assert not engine.has_unfinished
+    engine.check_invariants()
 
 
 def test_k_v_of_a_request_aborted_for_non_finite_logits_is_not_cached():
@@ -122,8 +146,8 @@ def test_k_v_of_a_request_aborted_for_non_finite_logits_is_not_cached():
                                         max_num_batched_tokens=6))
     with torch.no_grad():
         engine.model.model.embed_tokens.weight[100] = float("nan")
-    with pytest.raises(ValueError, match="logits"):
-        engine.generate([[1, 2, 3, 4, 5, 100, 7, 8]], params)
+    (out,) = engine.generate([[1, 2, 3, 4, 5, 100, 7, 8]], params)
+    assert "non-finite" in out.error and out.samples[0].finish_reason == "abort"
     engine.check_invariants()
-    assert engine.scheduler.cache.prefix_len(healthy) == 0
+    assert engine.cache.prefix_len(healthy) == 0
     assert samples(engine.generate([healthy], params)) == expected

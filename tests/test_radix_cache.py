@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from rollout.kv_pool import KVPool
+from rollout.no_prefix_cache import make_prefix_cache
 from rollout.radix_cache import RadixCache
 
 CPU = torch.device("cpu")
@@ -26,7 +27,16 @@ TOKENS = st.lists(st.integers(0, 3), min_size=1, max_size=9)
 def make_cache(num_slots: int = NUM_SLOTS, enabled: bool = True) -> tuple[KVPool, RadixCache]:
     pool = KVPool(num_layers=1, num_slots=num_slots, kv_heads=1, head_dim=1,
                   dtype=torch.float32, device=CPU)
-    return pool, RadixCache(pool.free, CPU, enabled=enabled)
+    return pool, make_prefix_cache(enabled, CPU)
+
+
+def evict(pool: KVPool, cache: RadixCache, n: int) -> int:
+    """Evict as the KV manager does (the tree detaches nodes, the pool takes their slots);
+    returns the number of slots freed."""
+    nodes = cache.evict(n)
+    for node in nodes:
+        pool.free(node.value)
+    return sum(len(node.key) for node in nodes)
 
 
 def node_path(cache: RadixCache, node) -> list[int]:
@@ -109,7 +119,7 @@ class RadixMachine(RuleBasedStateMachine):
             nodes[path] = len(node.key)
         evictable = len(self.ref.slot) - len(locked)
         assert self.cache.evictable_size == evictable
-        freed = self.cache.evict(n)
+        freed = evict(self.pool, self.cache, n)
         back = self.pool.free_slots()[before:].tolist()
         assert len(back) == freed, "evict reported a different count than it freed"
         owner = {s: p for p, s in self.ref.slot.items()}
@@ -348,12 +358,12 @@ def test_evict_skips_locked_paths():
     _, node = cache.match_prefix([1, 2, 3])
     cache.lock(node)
     free = pool.num_free
-    assert cache.evict(100) == 2
+    assert evict(pool, cache, 100) == 2
     assert sorted(pool.free_slots()[free:].tolist()) == sorted(b[1:].tolist())
     assert cache.match_prefix([1, 2, 3])[0].tolist() == a.tolist()
     assert cache.prefix_len([1, 5, 6]) == 1
     cache.unlock(node)
-    assert cache.evict(100) == 3 and cache.total_size == 0
+    assert evict(pool, cache, 100) == 3 and cache.total_size == 0
     assert pool.num_free == NUM_SLOTS
     cache.check()
 
@@ -362,10 +372,10 @@ def test_evict_frees_whole_leaves_then_the_parents_they_expose():
     pool, cache = make_cache()
     insert_new(pool, cache, [1, 2, 3])
     insert_new(pool, cache, [1, 2, 4, 4])  # splits [1, 2, 3] into [1, 2] + [3]
-    assert cache.evict(1) == 1  # [3]: the least recently used leaf, one token
+    assert evict(pool, cache, 1) == 1  # [3]: the least recently used leaf, one token
     assert cache.prefix_len([1, 2, 3]) == 2
-    assert cache.evict(1) == 2  # [4, 4] goes whole
-    assert cache.evict(1) == 2  # then the exposed parent [1, 2]
+    assert evict(pool, cache, 1) == 2  # [4, 4] goes whole
+    assert evict(pool, cache, 1) == 2  # then the exposed parent [1, 2]
     assert cache.total_size == 0 and pool.num_free == NUM_SLOTS
     cache.check()
 
@@ -378,7 +388,7 @@ def test_evict_is_least_recently_used_first():
     order = []
     for _ in range(4):
         free = pool.num_free
-        assert cache.evict(1) == 2
+        assert evict(pool, cache, 1) == 2
         freed = pool.free_slots()[free:].tolist()
         order.append(next(t for t, s in leaves.items() if s.tolist() == freed))
     assert order == [1, 3, 0, 2]
@@ -390,7 +400,7 @@ def test_evict_ignores_a_partial_match_for_recency_of_the_rest():
     insert_new(pool, cache, [3])
     cache.match_prefix([0, 1])  # touches only the split-off [0, 1]; [2, 3] stays old
     free = pool.num_free
-    assert cache.evict(1) == 2
+    assert evict(pool, cache, 1) == 2
     assert cache.prefix_len([0, 1, 2, 3]) == 2 and cache.prefix_len([3]) == 1
     assert pool.num_free == free + 2
 
@@ -402,6 +412,6 @@ def test_disabled_cache_matches_nothing():
     got, node = cache.match_prefix([1, 2, 3])
     assert got.numel() == 0 and node is cache.root
     assert cache.prefix_len([1, 2, 3]) == 0 and cache.peek([1]).numel() == 0
-    assert cache.evict(10) == 0
+    assert evict(pool, cache, 10) == 0
     assert cache.all_slots().numel() == 0 and cache.total_size == 0
     cache.check()

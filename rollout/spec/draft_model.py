@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import torch
 
+from ..batch import Batch, ScheduledSeq
 from ..model_stack import ModelStack
 from ..models.loader import build_model, load_into, resolve_model
 from ..radix_cache import common_prefix_len
 from ..request import SeqStatus, Sequence
 from ..sampler import TOKEN_STREAM, SamplingBatch, pick, target_logprobs
-from ..scheduler import Batch
 from .drafter import Drafter
 
 
@@ -33,19 +33,20 @@ class DraftModelDrafter(Drafter):
         device = engine.device
         model = build_model(hf_config, cfg.max_model_len, engine.pool.dtype, device)
         load_into(model, weights)
-        # As many slots as the target: the draft tracks the same sequences.
-        self.stack = ModelStack(model, cfg, engine.pool.num_slots, device)
-        self.cache, self.scheduler = self.stack.cache, self.stack.scheduler
-        self.runner = self.stack.runner
+        # As many slots as the target: the draft tracks the same sequences. Its bookkeeping
+        # joins the engine's journal, so a failed step rolls both back together.
+        self.stack = ModelStack(model, cfg, engine.pool.num_slots, device, engine.journal)
+        self.kv, self.runner, self.journal = self.stack.kv, self.stack.runner, engine.journal
         self.device, self.stream = device, stream
         self.shadows: dict[int, tuple[Sequence, Sequence]] = {}  # seq_id -> (target, shadow)
 
     # --- shadow bookkeeping -----------------------------------------------------------------
     def _forget_retired(self) -> None:
-        for seq_id, (target, shadow) in list(self.shadows.items()):
-            if target.status is not SeqStatus.RUNNING:
-                self.scheduler.release(shadow)
+        for seq_id, entry in list(self.shadows.items()):
+            if entry[0].status is not SeqStatus.RUNNING:
+                self.kv.release(entry[1])
                 del self.shadows[seq_id]
+                self.journal.record(lambda i=seq_id, e=entry: self.shadows.__setitem__(i, e))
 
     def _shadow(self, target: Sequence) -> Sequence:
         entry = self.shadows.get(target.seq_id)
@@ -55,10 +56,11 @@ class DraftModelDrafter(Drafter):
                           sample_index=target.sample_index, prompt_ids=target.prompt_ids,
                           params=target.params, seed=target.seed, stop_ids=frozenset(),
                           token_ids=list(target.token_ids))
-        slots, node = self.cache.match_prefix(shadow.token_ids[:-1])
-        self.cache.lock(node)
-        self.scheduler.attach(shadow, slots, node)
+        slots, node = self.kv.match(shadow.token_ids[:-1])
+        self.kv.lock(node)
+        self.kv.attach(shadow, slots, node)
         self.shadows[target.seq_id] = (target, shadow)
+        self.journal.record(lambda: self.shadows.pop(target.seq_id))
         return shadow
 
     def rollback(self, targets: list[Sequence]) -> None:
@@ -70,41 +72,47 @@ class DraftModelDrafter(Drafter):
             shadow = entry[1]
             valid = min(common_prefix_len(shadow.token_ids[:shadow.num_computed],
                                           target.token_ids, 0), target.num_tokens - 1)
-            self.scheduler.truncate(shadow, valid)
-            del shadow.token_ids[shadow.num_computed + 1:]
+            self.kv.truncate(shadow, valid)
+            self.journal.touch(shadow)
+            shadow.token_ids = shadow.token_ids[:shadow.num_computed + 1]
+
+    def discard_pending(self) -> None:
+        self.kv.discard_pending()
 
     # --- colocation -------------------------------------------------------------------------
     def sleep(self) -> None:
         """Free the draft's KV pool; its weights go to host memory (the trainer never updates
         them, so they are parked rather than dropped, whatever the engine's level)."""
         self.shadows.clear()
-        self.scheduler.running.clear()
         self.stack.sleep(1)
 
     def wake_up(self) -> None:
         self.stack.wake_up()
 
     def check_invariants(self) -> None:
-        self.scheduler.check_invariants()
+        self.kv.check()
+        assert set(self.shadows) == set(self.kv.attached), "draft shadows differ from its KV"
 
     # --- proposing --------------------------------------------------------------------------
     def propose_batch(self, wanted: list[tuple[Sequence, int]], siblings):
         """[(draft tokens, q [k, V])] per (target sequence, k)."""
-        self._forget_retired()
         results: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
-        new_groups: set[str] = set()
         active: list[tuple[Sequence, Sequence, int]] = []
-        for target, k in wanted:
-            if target.seq_id not in self.shadows:
-                # Siblings wait a round so the first one's prompt is cached in the draft tree.
-                if target.group in new_groups:
-                    continue
-                new_groups.add(target.group)
-            shadow = self._shadow(target)
-            self.rollback([target])
-            shadow.token_ids = list(target.token_ids)
-            active.append((target, shadow, k))
-            results[target.seq_id] = ([], [])
+        with self.journal.unit():
+            self._forget_retired()
+            new_groups: set[str] = set()
+            for target, k in wanted:
+                if target.seq_id not in self.shadows:
+                    # Siblings wait a round so the first one's prompt is cached in the draft
+                    # tree.
+                    if target.group in new_groups:
+                        continue
+                    new_groups.add(target.group)
+                shadow = self._shadow(target)
+                self.rollback([target])
+                shadow.token_ids = list(target.token_ids)
+                active.append((target, shadow, k))
+                results[target.seq_id] = ([], [])
         for step in range(max((k for _, _, k in active), default=0)):
             active = [(t, s, k) for t, s, k in active if k > step]
             active = self._draft_round(active, results)
@@ -115,29 +123,35 @@ class DraftModelDrafter(Drafter):
         return out
 
     def _draft_round(self, active, results):
-        """One draft forward: each shadow computes its uncomputed tokens and samples one."""
+        """One draft forward: each shadow computes its uncomputed tokens and samples one. The
+        slots are taken in one unit and committed in another, with the forward between them
+        (see rollout/journal.py); a failure in between leaves them pending, for the engine to
+        discard."""
         items, kept = [], []
-        for target, shadow, k in active:
-            n = shadow.num_tokens - shadow.num_computed
-            slots = self.scheduler.alloc_slots(n)
-            if slots is None:  # draft pool full: this sample goes without more drafts
-                continue
-            self.scheduler.schedule_seq(shadow, slots, items)
-            kept.append((target, shadow, k))
+        with self.journal.unit():
+            for target, shadow, k in active:
+                n = shadow.num_tokens - shadow.num_computed
+                slots = self.kv.alloc(n)
+                if slots is None:  # draft pool full: this sample goes without more drafts
+                    continue
+                self.kv.place(shadow, shadow.num_computed, slots)
+                items.append(ScheduledSeq(shadow, shadow.num_computed, n, True, slots))
+                kept.append((target, shadow, k))
         if not items:
             return []
-        batch = Batch(items)
-        logits = self.runner.run(self.runner.prepare(batch))
+        logits = self.runner.run(self.runner.prepare(Batch(items)))
         rows = SamplingBatch.for_sequences([(s, 0) for _, s, _ in kept], self.device)
         tokens, q = self._sample(logits, rows)
-        for it, (target, shadow, _), token, q_row in zip(items, kept, tokens.tolist(), q):
-            shadow.num_computed += it.num_new
-            if it.start < shadow.num_prompt and self.cache.enabled:
-                self.scheduler.cache_computed(shadow)
-            shadow.token_ids.append(token)
-            drafted, probs = results[target.seq_id]
-            drafted.append(token)
-            probs.append(q_row)
+        with self.journal.unit():
+            for it, (target, shadow, _), token, q_row in zip(items, kept, tokens.tolist(), q):
+                self.kv.advance(shadow, it.num_new)
+                if it.start < shadow.num_prompt:
+                    self.kv.cache_computed(shadow)
+                shadow.token_ids.append(token)
+                drafted, probs = results[target.seq_id]
+                drafted.append(token)
+                probs.append(q_row)
+            self.kv.settle()
         return kept
 
     def _sample(self, logits: torch.Tensor, rows: SamplingBatch):

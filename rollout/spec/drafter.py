@@ -1,6 +1,7 @@
 """What a drafter provides. The n-gram drafter holds no device state, so only `propose_batch`
 is its own; the draft-model drafter overrides the rest (its pool sleeps with the engine, its
-K/V rolls back after verification, its bookkeeping is checked with the engine's)."""
+K/V rolls back after verification and after a failed step, its bookkeeping is checked with the
+engine's)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ class Drafter(ABC):
 
     def rollback(self, targets) -> None:
         """Drop state computed for proposals the target rejected."""
+
+    def discard_pending(self) -> None:
+        """A step failed: give back slots allocated for it and not yet committed."""
 
     def sleep(self) -> None:
         pass

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ..batch import Batch, ScheduledSeq
+from ..kv_manager import KVManager
 from ..request import Sequence
-from ..scheduler import Batch, Scheduler
 from .config import SpeculativeConfig
 from .ngram import NgramDrafter
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, scheduler: Scheduler, max_model_len: int,
+    def __init__(self, config: SpeculativeConfig, kv: KVManager, max_model_len: int,
                  siblings: Callable[[Sequence], list[Sequence]], drafter=None) -> None:
-        self.config, self.scheduler = config, scheduler
+        self.config, self.kv = config, kv
         self.max_model_len, self.siblings = max_model_len, siblings
         self.drafter = drafter or NgramDrafter(config.ngram_min, config.ngram_max)
         # seq_id -> (consecutive fully rejected rounds, steps left before proposing again):
@@ -36,10 +37,21 @@ class Speculator:
         wanted = [(it, k) for it, k in wanted if k > 0]
         proposals = self.drafter.propose_batch([(it.seq, k) for it, k in wanted], self.siblings)
         extended = 0
-        for (it, _), (draft, probs) in zip(wanted, proposals):
-            if draft and self.scheduler.add_drafts(it, draft, probs):
-                extended += 1
+        with self.kv.journal.unit():
+            for (it, _), (draft, probs) in zip(wanted, proposals):
+                if draft and self._add_draft(it, draft, probs):
+                    extended += 1
         return extended
+
+    def _add_draft(self, item: ScheduledSeq, draft: list[int], probs) -> bool:
+        """Slots for the proposals to verify; False (item unchanged) when the pool has no
+        room for them even after eviction: drafts never preempt anyone."""
+        slots = self.kv.alloc(len(draft))
+        if slots is None:
+            return False
+        self.kv.place(item.seq, item.start + item.num_new, slots)
+        item.add_draft(draft, probs, slots)
+        return True
 
     def _ready(self, seq: Sequence) -> bool:
         state = self._misses.get(seq.seq_id)
@@ -49,16 +61,29 @@ class Speculator:
         return False
 
     def after_commit(self, batch: Batch, verdicts) -> None:
-        """Update the back-off, and let the drafter drop K/V of rejected proposals."""
-        verified = [it for it in batch.items if it.draft]
-        for it, verdict in zip(verified, verdicts):
+        """Update the back-off (`verdicts`: one per sampled item), and let the drafter drop
+        K/V of rejected proposals."""
+        sampled = [it for it in batch.items if it.sample]
+        verified = []
+        for it, verdict in zip(sampled, verdicts):
+            if not it.draft:
+                continue
+            verified.append(it.seq)
             state = self._misses.setdefault(it.seq.seq_id, [0, 0])
             if verdict.accepted:
                 state[0] = 0
             else:
                 state[0] += 1
                 state[1] = min(2 ** state[0], 32)
-        for it in batch.items:
-            if it.seq.is_finished:
-                self._misses.pop(it.seq.seq_id, None)
-        self.drafter.rollback([it.seq for it in verified])
+        self.drafter.rollback(verified)
+
+    def forget(self, seqs: list[Sequence]) -> None:
+        """The request ended (finished or aborted): drop its back-off state."""
+        for seq in seqs:
+            self._misses.pop(seq.seq_id, None)
+
+    def discard_pending(self) -> None:
+        self.drafter.discard_pending()
+
+    def check_invariants(self) -> None:
+        self.drafter.check_invariants()

@@ -1,0 +1,237 @@
+"""The KV manager: the one owner of KV slots.
+
+It holds the pool (free slots), the prefix cache (slots of cached tokens), the slot table (each
+attached sequence's slots in token order) and the KV bookkeeping of every attached sequence:
+`token_ids[:num_computed]` have K/V; the slots of the first `cached_len` belong to the tree
+(pinned by locking `seq.node`), the rest are the sequence's private tail. Slots allocated for a
+step's new positions are pending until the step commits (`settle`) or fails
+(`discard_pending`).
+
+Invariant (`check`): every slot is in exactly one place: the free list, a tree node, one
+attached sequence's private tail, or the pending list; lock counts equal the attached
+sequences pinning each node.
+
+Every change is recorded in the journal, so a unit of a step can be undone whole.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from .journal import Journal
+from .kv_pool import KVPool
+from .request import Sequence
+from .slot_table import SlotTable
+
+
+class KVManager:
+    def __init__(self, pool: KVPool, cache, table: SlotTable, journal: Journal) -> None:
+        self.pool, self.cache, self.table, self.journal = pool, cache, table, journal
+        self.attached: dict[int, Sequence] = {}  # seq_id -> sequence
+        self.pending: list[torch.Tensor] = []
+        self.cache_hit_tokens = 0  # tokens matched in the tree at attach
+
+    # --- capacity ---------------------------------------------------------------------------
+    @property
+    def num_slots(self) -> int:
+        return self.pool.num_slots
+
+    @property
+    def available(self) -> int:
+        """Slots an allocation can get: free ones and unlocked cached ones."""
+        return self.pool.num_free + self.cache.evictable_size
+
+    @property
+    def shares_prefixes(self) -> bool:
+        return self.cache.shares_prefixes
+
+    def prefix_len(self, tokens) -> int:
+        return self.cache.prefix_len(tokens)
+
+    # --- slots ------------------------------------------------------------------------------
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """n slots for new positions, evicting least recently used cached prefixes if short;
+        None when even that leaves too few. Pending until the step settles."""
+        short = n - self.pool.num_free
+        if short > 0:
+            self._evict(short)
+        if n > self.pool.num_free:
+            return None
+        slots = self.pool.alloc(n)
+        self.journal.record(lambda: self.pool.free(slots))
+        self.pending.append(slots)
+        self.journal.record(self.pending.pop)
+        return slots
+
+    def free(self, slots: torch.Tensor) -> None:
+        self.pool.free(slots)
+        self.journal.record(lambda: self.pool.unfree(slots))
+
+    def _evict(self, n: int) -> None:
+        evicted = self.cache.evict(n)
+        for node in evicted:
+            self.pool.free(node.value)
+        self.journal.record(lambda: self._unevict(evicted))
+
+    def _unevict(self, evicted) -> None:
+        for node in reversed(evicted):
+            self.pool.unfree(node.value)
+        self.cache.unevict(evicted)
+
+    def clear_cache(self) -> None:
+        """Evict every unlocked cached prefix (its K/V came from weights that changed)."""
+        self._evict(self.cache.total_size)
+
+    def settle(self) -> None:
+        """The step's pending slots are accounted for: advanced into sequences or freed."""
+        settled = self.pending
+        self.journal.record(lambda: setattr(self, "pending", settled))
+        self.pending = []
+
+    def discard_pending(self) -> None:
+        """A step failed before it settled: its new slots go back to the pool."""
+        for slots in self.pending:
+            self.pool.free(slots)
+        self.pending = []
+
+    # --- tree -------------------------------------------------------------------------------
+    def match(self, tokens) -> tuple[torch.Tensor, object]:
+        """Slots of the longest cached prefix of `tokens` and the node that ends it (lock it
+        before anything can evict it)."""
+        return self.cache.match_prefix(tokens)
+
+    def lock(self, node) -> None:
+        self.cache.lock(node)
+        self.journal.record(lambda: self.cache.unlock(node))
+
+    def unlock(self, node) -> None:
+        self.cache.unlock(node)
+        self.journal.record(lambda: self.cache.lock(node))
+
+    # --- sequences --------------------------------------------------------------------------
+    def attach(self, seq: Sequence, slots: torch.Tensor, node) -> None:
+        """`seq` computes on top of its matched prefix (`slots`, ending at `node`, which the
+        caller locked): it gets a table row and starts after the match."""
+        self.journal.touch(seq)
+        row = self.table.alloc_row()
+        self.journal.record(lambda: self.table.free_row(row))
+        self.table.write(row, 0, slots)
+        matched = slots.numel()
+        seq.row, seq.node, seq.cached_len, seq.num_computed = row, node, matched, matched
+        self.attached[seq.seq_id] = seq
+        self.journal.record(lambda: self.attached.pop(seq.seq_id))
+        self.journal.add(self, "cache_hit_tokens", matched)
+
+    def place(self, seq: Sequence, start: int, slots: torch.Tensor) -> None:
+        """Slots for positions start.. of `seq`, not computed yet. (What they overwrite needs
+        no undo record: positions that stopped being computed in this unit have one.)"""
+        self.table.write(seq.row, start, slots)
+
+    def place_decodes(self, seqs: list[Sequence], slots: torch.Tensor) -> None:
+        """slots[i] for the next position of seqs[i], in one device op."""
+        self.table.write_each([s.row for s in seqs], [s.num_computed for s in seqs], slots)
+
+    def advance(self, seq: Sequence, n: int) -> None:
+        """n more positions of `seq` hold computed K/V."""
+        self.journal.touch(seq)
+        seq.num_computed += n
+
+    def truncate(self, seq: Sequence, num_computed: int) -> None:
+        """Drop the K/V of positions >= num_computed (never below what the tree holds)."""
+        num_computed = max(num_computed, seq.cached_len)
+        if num_computed < seq.num_computed:
+            self.journal.touch(seq)
+            freed = self.table.read(seq.row, num_computed, seq.num_computed).clone()
+            self.free(freed)
+            self._keep_row(seq.row, num_computed, freed)
+            seq.num_computed = num_computed
+
+    def cache_computed(self, seq: Sequence) -> None:
+        """Hand the sequence's computed tokens to the tree and lock the node that ends them;
+        private slots that duplicate tokens already cached are freed and replaced. With
+        prefix caching off the tree takes nothing and the tail stays private."""
+        end = seq.num_computed
+        if end == seq.cached_len:
+            return
+        self.journal.touch(seq)
+        tokens = seq.token_ids[:end]
+        slots = self.table.read(seq.row, 0, end).clone()
+        # The undo is recorded first, from what is cached now: an insert that fails half way
+        # is undone too.
+        cached_before = self.cache.prefix_len(tokens)
+        self.journal.record(lambda: self.cache.uninsert(tokens, cached_before))
+        already = self.cache.insert(tokens, slots)
+        cached, node = self.cache.match_prefix(tokens)
+        self.free(slots[seq.cached_len:already])
+        self._rewrite(seq.row, cached)
+        self.lock(node)
+        self.unlock(seq.node)
+        seq.node, seq.cached_len = node, cached.numel()
+
+    def _rewrite(self, row: int, slots: torch.Tensor) -> None:
+        """Computed positions change slots (to the tree's copies): the old ones are kept for
+        an undo."""
+        old = self.table.read(row, 0, slots.numel()).clone()
+        self.table.write(row, 0, slots)
+        self.journal.record(lambda: self.table.write(row, 0, old))
+
+    def _keep_row(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """Positions start.. of `row` stop being computed; a later write in the same unit (a
+        sequence growing again, another one taking the row) must not outlive an undo."""
+        self.journal.record(lambda: self.table.write(row, start, slots))
+
+    def release(self, seq: Sequence, keep_kv: bool = True) -> None:
+        """Give up everything the attached sequence holds: its computed K/V to the tree (or to
+        the pool when not `keep_kv`: K/V that produced non-finite logits must not be shared),
+        its lock, its table row."""
+        if keep_kv:
+            self.cache_computed(seq)
+        self.journal.touch(seq)
+        row = seq.row
+        self._keep_row(row, 0, self.table.read(row, 0, seq.num_computed).clone())
+        self.free(self.private_slots(seq).clone())
+        self.unlock(seq.node)
+        self.table.free_row(row)
+        self.journal.record(lambda: self.table.unfree_row(row))
+        del self.attached[seq.seq_id]
+        self.journal.record(lambda: self.attached.__setitem__(seq.seq_id, seq))
+        seq.node, seq.row, seq.cached_len, seq.num_computed = None, -1, 0, 0
+
+    def reset(self) -> None:
+        """The pool is being dropped (sleep): forget the tree and every attachment."""
+        self.cache.reset()
+        self.attached.clear()
+        self.pending = []
+
+    # --- inspection -------------------------------------------------------------------------
+    def private_slots(self, seq: Sequence) -> torch.Tensor:
+        return self.table.read(seq.row, seq.cached_len, seq.num_computed)
+
+    def check(self) -> None:
+        """Assert the invariant above, the tree's own bookkeeping, and that each attached
+        sequence's cached prefix is what the tree holds for its tokens."""
+        if not self.pool.is_allocated:
+            assert not self.attached and not self.pending, "sequences attached to a dropped pool"
+            return
+        parts = [self.pool.free_slots(), self.cache.all_slots(), *self.pending]
+        parts += [self.private_slots(s) for s in self.attached.values()]
+        every = torch.cat(parts).cpu().sort().values
+        assert torch.equal(every, torch.arange(self.pool.num_slots)), \
+            f"slot accounting broken: {every.numel()} slots accounted of {self.pool.num_slots}"
+        self.cache.check()
+        pins: Counter = Counter()
+        for seq in self.attached.values():
+            assert 0 <= seq.cached_len <= seq.num_computed < seq.num_tokens
+            assert torch.equal(self.table.read(seq.row, 0, seq.cached_len),
+                               self.cache.peek(seq.token_ids[:seq.cached_len]))
+            node = seq.node
+            while node is not self.cache.root:
+                pins[id(node)] += 1
+                node = node.parent
+        for node in self.cache.nodes():
+            assert node.lock_ref == pins[id(node)], "radix lock count differs from its pins"
+        rows = [s.row for s in self.attached.values()]
+        assert len(set(rows)) == len(rows), "two sequences share a slot-table row"
+        assert len(rows) + self.table.num_free_rows == self.table.shape[0], "table rows leaked"
