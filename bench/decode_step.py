@@ -1,0 +1,232 @@
+"""One decode step of a GRPO rollout on the torch attention backend: shared-prefix path against
+the plain gather path, and against the step's matmul time.
+
+Workload (issue 11): a random-weight Llama of SmolLM2-135M's shapes (hidden 576, 30 layers,
+9 heads, 3 KV heads, head_dim 64, vocab 49152), 16 prompts sharing a 282-token system prompt,
+n = 8, so 128 samples decode side by side once the prompts are cached. The engine runs until
+every sample has generated --decoded tokens (several points, one run); that step's inputs are
+then replayed:
+
+- step: the step's attention plan + model forward (+ logits of the 128 sampled rows), with the
+  shared-prefix path ("new") and with the plain path ("old": the same metadata without
+  shared_lens, which is what the backend does for groups that share nothing);
+- matmul: the same step's linear layers alone (QKV, O, gate-up, down of every layer and the
+  LM head on a [128, hidden] input), the floor the issue measures against;
+- engine: whole engine steps (schedule, prepare, forward, sample, commit), alternating paths.
+
+Best of --repeat, paths interleaved. At --profile-at, the torch profiler's top ops of one step
+each way. Nothing is asserted but that both paths' logits agree (printed).
+
+    python bench/decode_step.py [--threads 2] [--decoded 8 64 192] [--repeat 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
+
+SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                    tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=1e-5)
+
+
+def random_llama(shape: dict, layers: int | None, seed: int = 0):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(seed)
+    shape = dict(shape, num_hidden_layers=layers or shape["num_hidden_layers"])
+    config = LlamaConfig(**shape, max_position_embeddings=2048, eos_token_id=None,
+                         bos_token_id=None, pad_token_id=None)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def prompts_sharing(num_prompts: int, prefix_len: int, prompt_len: int, vocab: int, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    system = torch.randint(vocab, (prefix_len,), generator=gen).tolist()
+    return [system + torch.randint(vocab, (prompt_len - prefix_len,), generator=gen).tolist()
+            for _ in range(num_prompts)]
+
+
+class PathSwitch:
+    """Wraps the backend's plan: "old" drops the shared lengths, so every request takes the
+    plain gather path (the bench's switch; the product has none)."""
+
+    def __init__(self, backend) -> None:
+        self.backend, self.plan, self.mode = backend, backend.plan, "new"
+        backend.plan = self
+
+    def __call__(self, meta):
+        if self.mode == "old":
+            meta.groups, meta.shared_lens = [], []
+        return self.plan(meta)
+
+
+def start(engine: Engine, prompts, n: int) -> None:
+    params = SamplingParams(n=n, temperature=1.0, max_tokens=10**6, ignore_eos=True, seed=0)
+    for p in prompts:
+        engine.add_request(p, params)
+
+
+def capture_decode_step(engine: Engine, num_samples: int, decoded: int):
+    """Steps the engine until every sample has `decoded` tokens; returns the inputs of the last
+    decode step (the engine is left mid-generation, its K/V in place)."""
+    runner, captured = engine.runner, {}
+    prepare = runner.prepare
+
+    def recording(batch):
+        captured["inputs"] = inputs = prepare(batch)
+        return inputs
+
+    runner.prepare = recording
+    try:
+        while True:
+            engine.step()
+            running = engine.scheduler.running
+            if (len(running) == num_samples
+                    and min(len(s.token_ids) - s.num_prompt for s in running) >= decoded):
+                return captured["inputs"]
+    finally:
+        runner.prepare = prepare
+
+
+def replay(runner, inputs, switch: PathSwitch, mode: str) -> float:
+    """Seconds of plan + forward of the captured step on path `mode`; the step rewrites the
+    same K/V into the same slots, so replays change nothing."""
+    switch.mode = mode
+    meta = dataclasses.replace(inputs.meta, plan=None, groups=list(inputs.meta.groups),
+                               shared_lens=list(inputs.meta.shared_lens))
+    t0 = time.perf_counter()
+    meta.plan = runner.backend.plan(meta)
+    runner.run(dataclasses.replace(inputs, meta=meta))
+    return time.perf_counter() - t0
+
+
+@torch.inference_mode()
+def matmul_seconds(model, batch: int) -> float:
+    """The step's linear layers alone on a [batch, hidden] input."""
+    dtype = model.lm_head_weight.dtype
+    attn0, mlp0 = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    x = torch.randn(batch, model.config.hidden_size, dtype=dtype)
+    x_attn = torch.randn(batch, attn0.q_size, dtype=dtype)
+    x_mlp = torch.randn(batch, mlp0.intermediate, dtype=dtype)
+    t0 = time.perf_counter()
+    for layer in model.model.layers:
+        layer.self_attn.qkv_proj(x)
+        layer.self_attn.o_proj(x_attn)
+        layer.mlp.gate_up_proj(x)
+        layer.mlp.down_proj(x_mlp)
+    model.compute_logits(x)
+    return time.perf_counter() - t0
+
+
+def engine_steps(engine: Engine, switch: PathSwitch, steps: int) -> dict[str, list[float]]:
+    times = {"old": [], "new": []}
+    for i in range(2 * steps):
+        mode = ("new", "old")[i % 2]
+        switch.mode = mode
+        t0 = time.perf_counter()
+        engine.step()
+        times[mode].append(time.perf_counter() - t0)
+    switch.mode = "new"
+    return times
+
+
+def profile(runner, inputs, switch, mode: str, rows: int) -> str:
+    replay(runner, inputs, switch, mode)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        replay(runner, inputs, switch, mode)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows,
+                                     max_name_column_width=48)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--prefix-len", type=int, default=282, help="shared system prompt")
+    ap.add_argument("--prompt-len", type=int, default=314, help="system prompt + own question")
+    ap.add_argument("--decoded", type=int, nargs="+", default=[8, 64, 192],
+                    help="measure the step at which every sample has this many tokens")
+    ap.add_argument("--profile-at", type=int, default=64, help="profile at this --decoded")
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--engine-steps", type=int, default=5, help="per path; 0 skips")
+    ap.add_argument("--layers", type=int, default=None, help="fewer layers (smoke runs)")
+    ap.add_argument("--profile-rows", type=int, default=12)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    model = random_llama(SMOLLM2_135M, args.layers)
+    engine = Engine(model, EngineConfig(kv_cache_tokens=65536, max_model_len=1024,
+                                        max_num_seqs=max(256, args.prompts * args.n)))
+    runner = engine.runner
+    switch = PathSwitch(runner.backend)
+    prompts = prompts_sharing(args.prompts, args.prefix_len, args.prompt_len,
+                              model.config.vocab_size)
+    num_samples = args.prompts * args.n
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"{model.config.num_hidden_layers} layers; {args.prompts} prompts of "
+          f"{args.prompt_len} tokens sharing {args.prefix_len}, n = {args.n}")
+    start(engine, prompts, args.n)
+    for decoded in sorted(args.decoded):
+        inputs = capture_decode_step(engine, num_samples, decoded)
+        measure(engine, inputs, switch, args, profile_it=decoded == args.profile_at)
+
+
+def measure(engine, inputs, switch, args, profile_it: bool) -> None:
+    runner, meta = engine.runner, inputs.meta
+    batch = len(meta.q_lens)
+    assert max(meta.q_lens) == 1 and batch == args.prompts * args.n
+    suffix = [kv - s for kv, s in zip(meta.kv_lens, meta.shared_lens)]
+    print(f"\n=== decode step of {batch} samples: kv_len {min(meta.kv_lens)}..{max(meta.kv_lens)}"
+          f", private suffix {min(suffix)}..{max(suffix)} (new token included), shared prefix "
+          f"{min(meta.shared_lens)}..{max(meta.shared_lens)} in {len(set(meta.groups))} groups")
+    # Both paths give the same logits.
+    logits = {}
+    for mode in ("old", "new"):
+        switch.mode = mode
+        m = dataclasses.replace(meta, plan=None, groups=list(meta.groups),
+                                shared_lens=list(meta.shared_lens))
+        m.plan = runner.backend.plan(m)
+        logits[mode] = runner.run(dataclasses.replace(inputs, meta=m))
+    diff = (logits["old"] - logits["new"]).abs().max().item()
+    print(f"max |logits old - new| = {diff:.2e}")
+
+    best = {"old": float("inf"), "new": float("inf"), "matmul": float("inf")}
+    for _ in range(args.repeat):
+        for mode in ("old", "new"):
+            best[mode] = min(best[mode], replay(runner, inputs, switch, mode))
+        best["matmul"] = min(best["matmul"], matmul_seconds(runner.model, batch))
+    mm = best["matmul"]
+    print(f"best of {args.repeat}, interleaved (plan + forward + logits of the step):")
+    print(f"  matmul only        {mm * 1e3:8.1f} ms")
+    for mode in ("old", "new"):
+        print(f"  step, {mode} path     {best[mode] * 1e3:8.1f} ms   "
+              f"= {best[mode] / mm:.2f}x matmul")
+    print(f"  old / new          {best['old'] / best['new']:.2f}x")
+
+    if args.engine_steps:
+        times = engine_steps(engine, switch, args.engine_steps)
+        print(f"whole engine steps (schedule..commit, sampling included), best of "
+              f"{args.engine_steps} each, alternating:")
+        for mode in ("old", "new"):
+            print(f"  {mode} path         {min(times[mode]) * 1e3:8.1f} ms   "
+                  f"= {min(times[mode]) / mm:.2f}x matmul")
+
+    if profile_it:
+        for mode in ("old", "new"):
+            print(f"\ntorch profiler, one decode step, {mode} path (top ops by self CPU time):")
+            print(profile(runner, inputs, switch, mode, args.profile_rows))
+
+
+if __name__ == "__main__":
+    main()
