@@ -46,12 +46,15 @@ class Committer:
         one when verifying). Returns the sequences that finished, and the requests that failed
         (their sequences are left as they were; the caller aborts them)."""
         verdicts, failed = self._verdicts(batch, emitted, logprobs)
-        finished = []
+        finished, prompt_tokens = [], 0
         for it, verdict in zip(batch.items, verdicts):
             if it.seq.group in failed:
                 self.kv.free(it.slots)
-            elif self._apply(it, verdict):
+                continue
+            prompt_tokens += max(0, min(it.start + it.num_new, it.seq.num_prompt) - it.start)
+            if self._apply(it, verdict):
                 finished.append(it.seq)
+        self.journal.add(self, "prompt_tokens_computed", prompt_tokens)
         return finished, failed
 
     def _verdicts(self, batch: Batch, emitted, logprobs):
@@ -83,8 +86,6 @@ class Committer:
     def _apply(self, it: ScheduledSeq, verdict: _Verdict | None) -> bool:
         """True when the sequence finished."""
         seq = it.seq
-        computed = max(0, min(it.start + it.num_new, seq.num_prompt) - it.start)
-        self.journal.add(self, "prompt_tokens_computed", computed)
         if verdict is None:  # a prefill chunk short of the prompt's end
             self.kv.advance(seq, it.num_new)
             return False

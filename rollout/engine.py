@@ -101,7 +101,7 @@ class Engine:
     def _entered(self, call: str) -> Iterator[None]:
         """Every public call that changes state: one thread at a time, Ctrl-C held except
         during forwards, and refused once a rollback could not finish."""
-        with self._guard.exclusive(call), self._guard.hold_interrupts():
+        with self._guard.hold_interrupts(), self._guard.exclusive(call):
             if self._broken is not None:
                 raise RuntimeError(f"{call}: {self._broken}")
             try:
@@ -113,7 +113,14 @@ class Engine:
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, hold_kv: bool = False,
+                    resume: tuple[str, int] | None = None) -> str:
+        """Queue a request; its output comes from a later step(). Multi-turn (see
+        rollout/agent.py): `hold_kv` keeps each finished sample's KV locked in the prefix cache
+        under the key (request_id, sample index) until `release_hold(key)`, or until memory
+        runs short (oldest first; counted in stats.holds_dropped); `resume` names the hold of
+        the previous turn, released once this request is admitted on top of it (a hold
+        dropped meanwhile costs only the recomputation)."""
         with self._entered("add_request"):
             text, ids, params = self._check_request(prompt, params)
             if request_id is not None:
@@ -121,9 +128,17 @@ class Engine:
                 if request_id in self._groups or request_id in self._ready:
                     raise ValueError(f"request_id: {request_id!r} is already running (or "
                                      f"finished and not yet returned by step())")
+            if not isinstance(hold_kv, bool):
+                raise ValueError(f"hold_kv must be True or False, got {hold_kv!r}")
             with self.journal.unit():
                 group = self._make_group(text, ids, params, request_id)
+                for seq in group.seqs:
+                    seq.hold_key = (group.request_id, seq.sample_index) if hold_kv else None
+                    seq.resume_key = resume
                 self._enqueue(group)
+                # An interrupt held meanwhile (e.g. during tokenization) raises here and
+                # queues nothing, rather than after the request is queued.
+                self._guard.deliver_held()
             return group.request_id
 
     def _check_request(self, prompt: Prompt, params: SamplingParams | None):
@@ -163,9 +178,16 @@ class Engine:
         self.journal.add(self._stats, "prompt_tokens", len(group.prompt_ids) * len(group.seqs))
 
     def abort(self, request_id: str) -> None:
-        """Stop a running request; its computed K/V stays in the prefix cache."""
+        """Stop a running request (its computed K/V stays in the prefix cache), or drop the
+        output of a finished one that step() has not returned yet (and its KV holds)."""
         with self._entered("abort"), self.journal.unit():
-            self._abort(request_id, keep_kv=True)
+            group = self._ready.pop(str(request_id), None)
+            if group is None:
+                self._abort(request_id, keep_kv=True)
+                return
+            self.journal.record(lambda: self._ready.__setitem__(group.request_id, group))
+            for seq in group.seqs:
+                self.kv.unhold(seq.hold_key)
 
     def _abort(self, request_id: str, keep_kv: bool) -> None:
         """keep_kv: the computed K/V goes to the prefix cache (a plain abort) or is dropped."""
@@ -183,6 +205,12 @@ class Engine:
         self.journal.record(lambda: self._groups.__setitem__(group.request_id, group))
         if self.speculator is not None:
             self.speculator.forget(group.seqs)
+
+    def release_hold(self, key: tuple[str, int]) -> bool:
+        """Unlock the KV kept for a finished sample of a `hold_kv` request (the episode ended);
+        False if it was released already (or dropped under memory pressure)."""
+        with self._entered("release_hold"), self.journal.unit():
+            return self.kv.unhold(key)
 
     def abort_all(self) -> None:
         """Abort every running request and drop the outputs step() has yet to return."""
@@ -209,7 +237,10 @@ class Engine:
             if self.scheduler.has_work:
                 self._step_or_raise()
             outs = [self._output(g) for g in self._ready.values()]
-            self._ready.clear()
+            # An interrupt held through the step raises while the outputs are still kept
+            # for the next step(), not after they were handed over.
+            self._guard.deliver_held()
+            self._ready = {}
             return outs
 
     def _step_or_raise(self) -> None:
@@ -429,9 +460,10 @@ class Engine:
                 self.stack.wake_up()
             else:
                 self.stack.sleep(self.sleep_level)
-            if self.speculator is not None:
-                drafter = self.speculator.drafter
-                drafter.wake_up() if awake else drafter.sleep()
+            if self.speculator is not None and awake:
+                self.speculator.drafter.wake_up()
+            elif self.speculator is not None:
+                self.speculator.drafter.sleep()
         except BaseException as e:
             raise RollbackFailed("restoring the engine after a failed sleep/wake_up") from e
 
@@ -489,6 +521,7 @@ class Engine:
         s.prompt_tokens_computed = self.committer.prompt_tokens_computed
         s.cache_hit_tokens = self.kv.cache_hit_tokens
         s.preemptions = self.scheduler.num_preemptions
+        s.holds_dropped = self.kv.holds_dropped
         s.forward_seconds = self.runner.forward_seconds
         return s
 

@@ -9,7 +9,7 @@ step's new positions are pending until the step commits (`settle`) or fails
 
 Invariant (`check`): every slot is in exactly one place: the free list, a tree node, one
 attached sequence's private tail, or the pending list; lock counts equal the attached
-sequences pinning each node.
+sequences and holds pinning each node.
 
 Every change is recorded in the journal, so a unit of a step can be undone whole.
 """
@@ -31,7 +31,11 @@ class KVManager:
         self.pool, self.cache, self.table, self.journal = pool, cache, table, journal
         self.attached: dict[int, Sequence] = {}  # seq_id -> sequence
         self.pending: list[torch.Tensor] = []
+        # Finished sequences' cached tokens kept locked (an episode's KV while its environment
+        # runs), oldest first; released when memory runs short.
+        self.holds: dict[object, object] = {}  # key -> radix node
         self.cache_hit_tokens = 0  # tokens matched in the tree at attach
+        self.holds_dropped = 0  # holds released under memory pressure
 
     # --- capacity ---------------------------------------------------------------------------
     @property
@@ -57,6 +61,8 @@ class KVManager:
         short = n - self.pool.num_free
         if short > 0:
             self._evict(short)
+        while n > self.pool.num_free and self._drop_oldest_hold():
+            self._evict(n - self.pool.num_free)
         if n > self.pool.num_free:
             return None
         slots = self.pool.alloc(n)
@@ -80,8 +86,18 @@ class KVManager:
             self.pool.unfree(node.value)
         self.cache.unevict(evicted)
 
+    def make_room(self, n: int) -> bool:
+        """Release holds, oldest first, until `n` slots can be allocated; False if they
+        cannot even then."""
+        while self.available < n and self._drop_oldest_hold():
+            pass
+        return self.available >= n
+
     def clear_cache(self) -> None:
-        """Evict every unlocked cached prefix (its K/V came from weights that changed)."""
+        """Release every hold and evict every unlocked cached prefix (its K/V came from
+        weights that changed)."""
+        for key in list(self.holds):
+            self.unhold(key)
         self._evict(self.cache.total_size)
 
     def settle(self) -> None:
@@ -109,6 +125,30 @@ class KVManager:
     def unlock(self, node) -> None:
         self.cache.unlock(node)
         self.journal.record(lambda: self.cache.lock(node))
+
+    # --- holds -----------------------------------------------------------------------------
+    def hold(self, key, node) -> None:
+        """Keep `node` (a finished sequence's cached tokens) locked under `key` until
+        `unhold(key)`, or until memory runs short."""
+        self.unhold(key)
+        self.lock(node)
+        self.holds[key] = node
+        self.journal.record(lambda: self.holds.pop(key))
+
+    def unhold(self, key) -> bool:
+        node = self.holds.pop(key, None)
+        if node is None:
+            return False
+        self.journal.record(lambda: self.holds.__setitem__(key, node))
+        self.unlock(node)
+        return True
+
+    def _drop_oldest_hold(self) -> bool:
+        if not self.holds:
+            return False
+        self.unhold(next(iter(self.holds)))
+        self.journal.add(self, "holds_dropped", 1)
+        return True
 
     # --- sequences --------------------------------------------------------------------------
     def attach(self, seq: Sequence, slots: torch.Tensor, node) -> None:
@@ -148,12 +188,13 @@ class KVManager:
             self._keep_row(seq.row, num_computed, freed)
             seq.num_computed = num_computed
 
-    def cache_computed(self, seq: Sequence) -> None:
-        """Hand the sequence's computed tokens to the tree and lock the node that ends them;
-        private slots that duplicate tokens already cached are freed and replaced. With
-        prefix caching off the tree takes nothing and the tail stays private."""
-        end = seq.num_computed
-        if end == seq.cached_len:
+    def cache_computed(self, seq: Sequence, end: int | None = None) -> None:
+        """Hand the sequence's computed tokens (the first `end` of them) to the tree and lock
+        the node that ends them; private slots that duplicate tokens already cached are
+        freed and replaced. With prefix caching off the tree takes nothing and the tail stays
+        private."""
+        end = seq.num_computed if end is None else min(end, seq.num_computed)
+        if end <= seq.cached_len:
             return
         self.journal.touch(seq)
         tokens = seq.token_ids[:end]
@@ -182,12 +223,14 @@ class KVManager:
         sequence growing again, another one taking the row) must not outlive an undo."""
         self.journal.record(lambda: self.table.write(row, start, slots))
 
-    def release(self, seq: Sequence, keep_kv: bool = True) -> None:
+    def release(self, seq: Sequence, keep_kv: bool = True, hold_key=None) -> None:
         """Give up everything the attached sequence holds: its computed K/V to the tree (or to
         the pool when not `keep_kv`: K/V that produced non-finite logits must not be shared),
-        its lock, its table row."""
+        its lock (kept under `hold_key` if given), its table row."""
         if keep_kv:
             self.cache_computed(seq)
+            if hold_key is not None:
+                self.hold(hold_key, seq.node)
         self.journal.touch(seq)
         row = seq.row
         self._keep_row(row, 0, self.table.read(row, 0, seq.num_computed).clone())
@@ -203,6 +246,7 @@ class KVManager:
         """The pool is being dropped (sleep): forget the tree and every attachment."""
         self.cache.reset()
         self.attached.clear()
+        self.holds.clear()
         self.pending = []
 
     # --- inspection -------------------------------------------------------------------------
@@ -226,7 +270,7 @@ class KVManager:
             assert 0 <= seq.cached_len <= seq.num_computed < seq.num_tokens
             assert torch.equal(self.table.read(seq.row, 0, seq.cached_len),
                                self.cache.peek(seq.token_ids[:seq.cached_len]))
-            node = seq.node
+        for node in [*(s.node for s in self.attached.values()), *self.holds.values()]:
             while node is not self.cache.root:
                 pins[id(node)] += 1
                 node = node.parent

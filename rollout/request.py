@@ -38,6 +38,10 @@ class Sequence:
     row: int = -1  # row of the slot table while running
     finish_reason: str | None = None
     stop_text_at: int | None = None  # where a matched stop string starts in the output text
+    # Multi-turn: keep this sample's KV locked under `hold_key` when it finishes; release the
+    # hold `resume_key` (the previous turn's) once this one is admitted on top of it.
+    hold_key: object = None
+    resume_key: object = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -137,7 +137,9 @@ class Scheduler:
             # would only buy an immediate preemption (the match is locked first: what it
             # pins is not room).
             self.kv.lock(node)
-            if self.kv.available < n + decode_reserve:
+            if seq.resume_key is not None:
+                self.kv.unhold(seq.resume_key)  # the lock just taken pins the held tokens
+            if not self.kv.make_room(n + decode_reserve):
                 self.kv.unlock(node)
                 break
             new = self.kv.alloc(n)
@@ -177,8 +179,8 @@ class Scheduler:
         return False
 
     # --- retiring ---------------------------------------------------------------------------
-    def _stop_running(self, seq: Sequence, keep_kv: bool) -> None:
-        self.kv.release(seq, keep_kv)
+    def _stop_running(self, seq: Sequence, keep_kv: bool, hold_key=None) -> None:
+        self.kv.release(seq, keep_kv, hold_key)
         i = self.running.index(seq)
         del self.running[i]
         self.journal.record(lambda: self.running.insert(i, seq))
@@ -192,10 +194,13 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str, keep_kv: bool = True) -> None:
         """`seq` ends with `reason`: running, it gives its K/V up (to the tree when
-        `keep_kv`); waiting, it leaves the queue."""
+        `keep_kv`, held there if it asked to be and did not abort); waiting, it leaves the
+        queue."""
         self.journal.touch(seq)
+        if seq.resume_key is not None:
+            self.kv.unhold(seq.resume_key)  # ended before it was admitted
         if seq.status is SeqStatus.RUNNING:
-            self._stop_running(seq, keep_kv)
+            self._stop_running(seq, keep_kv, None if reason == "abort" else seq.hold_key)
         elif seq.status is SeqStatus.WAITING:
             i = self.waiting.index(seq)
             del self.waiting[i]

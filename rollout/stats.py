@@ -18,6 +18,7 @@ class EngineStats:
     steps: int = 0
     decode_steps: int = 0  # steps that advanced at least one sample by a decode token
     preemptions: int = 0
+    holds_dropped: int = 0  # multi-turn KV holds released under memory pressure
     step_seconds: float = 0.0
     forward_seconds: float = 0.0  # inside the model forward (incl. logits)
     # The rest of a step, by phase: where the host spends what the forward does not use.

@@ -11,42 +11,30 @@ class StopChecker:
         self.tokenizer = tokenizer
         self._lengths: dict[int, int] = {}  # token id -> characters it decodes to alone
 
-    def __call__(self, seq: Sequence) -> str | None:
-        """The finish reason after the newest token (already in `seq.token_ids`), or None to
-        go on; a matched stop string sets `seq.stop_text_at`."""
-        _, reason, at = self._scan(seq, [], seq.num_tokens - 1)
-        if at is not None:
-            seq.stop_text_at = at
-        return reason
-
     def check(self, seq: Sequence, tokens: list[int]) -> tuple[int, str | None, int | None]:
         """As if `tokens` were appended one at a time to `seq.token_ids`, without touching `seq`:
         (how many of them are kept, up to and including the one a stop condition fires at;
         the finish reason or None; where the matched stop string starts in the output text)."""
-        return self._scan(seq, list(tokens), seq.num_tokens)
-
-    def _scan(self, seq: Sequence, extra: list[int],
-              first: int) -> tuple[int, str | None, int | None]:
-        """`check` of the tokens at positions first.. of `seq.token_ids + extra`."""
-        ids = _Joined(seq.token_ids, extra)
-        start = seq.num_prompt
+        first, start = seq.num_tokens, seq.num_prompt
         # Stop ids and lengths fire at a token known without decoding.
-        limit, reason = len(ids), None
-        for pos in range(first, len(ids)):
-            if ids[pos] in seq.stop_ids:
+        limit, reason = len(tokens), None
+        for i, token in enumerate(tokens):
+            end = first + i + 1  # tokens once this one is appended
+            if token in seq.stop_ids:
                 reason = "stop"
-            elif pos + 1 - start >= seq.params.max_tokens or pos + 1 >= self.max_model_len:
+            elif end - start >= seq.params.max_tokens or end >= self.max_model_len:
                 reason = "length"
             if reason:
-                limit = pos + 1
+                limit = i + 1
                 break
         if seq.params.stop:
             # A stop string can fire before that token, or at it instead of "length".
-            last = limit - 1 if reason == "stop" else limit
+            ids = _Joined(seq.token_ids, list(tokens))
+            last = first + (limit - 1 if reason == "stop" else limit)
             hit = self._stop_string(ids, start, first, last, seq.params.stop)
             if hit:
                 return hit[0] - first, "stop", hit[1]
-        return limit - first, reason, None
+        return limit, reason, None
 
     def _stop_string(self, ids: _Joined, start: int, first: int, last: int,
                      stops: list[str]) -> tuple[int, int] | None:

@@ -89,14 +89,22 @@ def test_pool_too_small_for_one_request_refuses_to_start(model):
         Engine(model, EngineConfig(kv_cache_tokens=100, max_model_len=256))
 
 
-def test_non_finite_logits_abort_only_the_affected_request():
-    model = tiny_model("llama")
-    engine = Engine(model, EngineConfig(kv_cache_tokens=1024, max_model_len=64))
-    params = SamplingParams(temperature=0, max_tokens=6)
-    good = [[1, 2, 3], [4, 5, 6]]
-    expected = samples(engine.generate(good, params))
+GOOD = [[1, 2, 3], [4, 5, 6]]
+GREEDY6 = SamplingParams(temperature=0, max_tokens=6)
+
+
+def poisoned_engine():
+    """An engine whose embedding of token 77 is NaN, and its outputs for GOOD from before."""
+    engine = Engine(tiny_model("llama"), EngineConfig(kv_cache_tokens=1024, max_model_len=64))
+    expected = samples(engine.generate(GOOD, GREEDY6))
     with torch.no_grad():
         engine.model.model.embed_tokens.weight[77] = float("nan")  # poisons prompts with 77
+    return engine, expected
+
+
+def test_non_finite_logits_abort_only_the_affected_request():
+    engine, expected = poisoned_engine()
+    good, params = GOOD, GREEDY6
     # Streaming: the poisoned request comes back aborted with its error, the others finish.
     ids = [engine.add_request(p, params) for p in good]
     bad = engine.add_request([7, 77, 8], params)
@@ -118,15 +126,9 @@ def test_non_finite_logits_abort_only_the_affected_request():
 
 
 def test_non_finite_streaming_request_leaves_a_generate_beside_it_alone():
-    model = tiny_model("llama")
-    engine = Engine(model, EngineConfig(kv_cache_tokens=1024, max_model_len=64))
-    params = SamplingParams(temperature=0, max_tokens=6)
-    good = [[1, 2, 3], [4, 5, 6]]
-    expected = samples(engine.generate(good, params))
-    with torch.no_grad():
-        engine.model.model.embed_tokens.weight[77] = float("nan")
-    bad = engine.add_request([7, 77, 8], params)
-    assert samples(engine.generate(good, params)) == expected
+    engine, expected = poisoned_engine()
+    bad = engine.add_request([7, 77, 8], GREEDY6)
+    assert samples(engine.generate(GOOD, GREEDY6)) == expected
     (out,) = engine.step()  # held for step() while generate() ran
     assert out.request_id == bad and "non-finite" in out.error
     assert not engine.has_unfinished

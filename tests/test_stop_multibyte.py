@@ -80,13 +80,13 @@ def state(seq):
 
 
 def step_by_step(checker, seq, tokens):
-    """What the engine does: append one token, call the checker, stop at a finish reason."""
+    """What the engine does without drafts: check one token, append it, stop at a reason."""
     for kept, token in enumerate(tokens, 1):
+        _, reason, at = checker.check(seq, [token])
         seq.token_ids.append(token)
-        reason = checker(seq)
         if reason is not None:
-            return kept, reason, seq.stop_text_at
-    return len(tokens), None, seq.stop_text_at
+            return kept, reason, at
+    return len(tokens), None, None
 
 
 def speculative(checker, seq, tokens, rng):
@@ -104,7 +104,7 @@ def speculative(checker, seq, tokens, rng):
 
 def agrees(tok, tokens, stop, prompt=(5,), max_tokens=1000, stop_ids=(), rng=None):
     """check() == naive reference, from the empty output and from a committed prefix that has
-    not stopped yet (every one, or one drawn by `rng`), also a few tokens at a time; __call__
+    not stopped yet (every one, or one drawn by `rng`), also a few tokens at a time; and one
     token by token agrees; check() leaves the sequence alone."""
     checker = StopChecker(MAX_MODEL_LEN, tok)
 
@@ -192,10 +192,9 @@ def test_no_match_until_the_character_is_complete(tok):
         assert len(pieces) >= 2, char
         seq = make_seq([7], enc(tok, "x "), [char, "\u00e9x"])
         for piece in pieces[:-1]:
+            assert checker.check(seq, [piece]) == (1, None, None)
             seq.token_ids.append(piece)
-            assert checker(seq) is None and seq.stop_text_at is None
-        seq.token_ids.append(pieces[-1])
-        assert checker(seq) == "stop" and seq.stop_text_at == 2
+        assert checker.check(seq, [pieces[-1]]) == (1, "stop", 2)
 
 
 def test_replacement_character_in_a_stop_string(tok):

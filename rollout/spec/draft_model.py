@@ -146,7 +146,9 @@ class DraftModelDrafter(Drafter):
             for it, (target, shadow, _), token, q_row in zip(items, kept, tokens.tolist(), q):
                 self.kv.advance(shadow, it.num_new)
                 if it.start < shadow.num_prompt:
-                    self.kv.cache_computed(shadow)
+                    # The prompt only, for the siblings: what the shadow computed past it
+                    # stays private, so rollback can always go back to the target's tokens.
+                    self.kv.cache_computed(shadow, shadow.num_prompt)
                 shadow.token_ids.append(token)
                 drafted, probs = results[target.seq_id]
                 drafted.append(token)
