@@ -1,0 +1,289 @@
+"""Multi-turn episodes: the model acts, an environment answers, for several turns.
+
+    episodes = run_episodes(engine, prompts, env_factory=Calculator,
+                            params=SamplingParams(n=8, temperature=1.0, max_tokens=128,
+                                                  stop=["</call>"], seed=0),
+                            max_turns=6, max_episode_tokens=2048)
+    ep = episodes[i][j]    # prompt i, sample j: one episode each
+    ep.token_ids, ep.mask, ep.logprobs, ep.turns, ep.reward, ep.finish_reason
+
+An episode is one token list after its prompt: model turns as sampled and environment
+observations, never re-tokenised, so `prompt_ids + token_ids` is exactly what the model was
+conditioned on. `mask` is 1 for model tokens and 0 for environment tokens; `logprobs` are the
+sampler's for model tokens and 0.0 for the others.
+
+Each turn is an engine request whose prompt is the episode so far: the prefix cache serves all
+of it, and while the environment runs the episode's KV is held (locked) so other requests cannot
+evict it; under memory pressure held episodes are released oldest first and recompute on their
+next turn (`engine.stats.holds_dropped`). Environments run in a thread pool: an episode waiting
+for its environment never stalls the batch, and a failing or slow `step` affects only its own
+episode. `step` may be a coroutine function.
+
+The environment protocol: `env_factory()` gives one environment per episode, with
+`step(turn_ids: list[int], text: str | None) -> Step` and optionally `reset(prompt_ids)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import random
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+from .engine import Engine, _progress
+from .intake import check_request
+from .outputs import Sample
+from .sampling_params import SamplingParams, as_int
+
+# Marks the assistant's content when a chat template renders an observation (message_tokens).
+_MARK = "\x00rollout-assistant\x00"
+
+
+@dataclass
+class Step:
+    """An environment's answer to a model turn. `observation`: token ids (appended as they
+    are), text (tokenised alone), a chat message dict ({"role": "tool", "content": ...}:
+    the chat template's rendering of it after an assistant turn) or None."""
+
+    observation: str | Sequence[int] | dict | None = None
+    reward: float = 0.0
+    done: bool = False
+
+
+@dataclass
+class Episode:
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)  # model and env tokens, in order
+    mask: list[int] = field(default_factory=list)  # 1: sampled by the model; 0: environment
+    logprobs: list[float] = field(default_factory=list)  # sampler's; 0.0 for env tokens
+    turns: int = 0  # model turns
+    reward: float = 0.0  # sum of the environment's step rewards
+    finish_reason: str | None = None  # "done" | "max_turns" | "length" | "abort"
+    error: str | None = None  # why an episode aborted
+
+
+def run_episodes(engine: Engine, prompts, env_factory: Callable[[], object],
+                 params: SamplingParams | None = None, max_turns: int = 8,
+                 max_episode_tokens: int | None = None, use_tqdm: bool = False,
+                 env_workers: int = 8) -> list[list[Episode]]:
+    """`params.n` episodes per prompt (prompt i, sample j: `episodes[i][j]`). `max_turns`:
+    model turns per episode; `max_episode_tokens`: model + env tokens after the prompt (the
+    episode ends with "length"; capped by the engine's max_model_len); `params.max_tokens`
+    bounds each model turn."""
+    params = SamplingParams() if params is None else dataclasses.replace(params)
+    max_turns = as_int("max_turns", max_turns, low=1)
+    env_workers = as_int("env_workers", env_workers, low=1)
+    if max_episode_tokens is not None:
+        max_episode_tokens = as_int("max_episode_tokens", max_episode_tokens, low=1)
+    if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
+        raise ValueError("prompts must be a list of strings or of token-id lists")
+    if engine.has_unfinished:
+        raise ValueError("engine: run_episodes steps the engine itself and needs it idle; "
+                         f"{len(engine.running_requests)} requests are running")
+    runner = _Runner(engine, env_factory, params, max_turns, max_episode_tokens, env_workers)
+    return runner.run(list(prompts), use_tqdm)
+
+
+@dataclass
+class _Live:
+    """An episode in flight."""
+
+    episode: Episode
+    env: object
+    index: tuple[int, int]  # (prompt, sample)
+    hold: tuple[str, int] | None = None  # the engine's hold on its KV
+
+
+class _Runner:
+    def __init__(self, engine: Engine, env_factory, params: SamplingParams, max_turns: int,
+                 max_episode_tokens: int | None, env_workers: int) -> None:
+        self.engine, self.env_factory, self.params = engine, env_factory, params
+        self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
+        self.limit = engine.config.max_model_len - 1  # a prompt leaves one token to generate
+        self.workers = env_workers
+        self.base_seed = params.seed if params.seed is not None else random.getrandbits(63)
+        self.turn_params = dataclasses.replace(params, n=1, logprobs=True)
+        self.requests: dict[str, list[_Live | None]] = {}  # request id -> its episodes
+        self.waiting: dict[Future, _Live] = {}  # environment steps under way
+
+    def run(self, prompts: list, use_tqdm: bool) -> list[list[Episode]]:
+        engine = self.engine
+        checked = [check_request(p, self.params, engine.vocab_size, engine.config.max_model_len,
+                                 engine.tokenizer)[1] for p in prompts]  # every prompt first
+        result: list[list[Episode]] = []
+        bar = self.bar = _progress(len(prompts) * self.params.n, use_tqdm)
+        with ThreadPoolExecutor(self.workers, thread_name_prefix="rollout-env") as pool:
+            self.pool = pool
+            try:
+                for i, ids in enumerate(checked):
+                    lives = [self._start(Episode(list(ids)), (i, j))
+                             for j in range(self.params.n)]
+                    result.append([live.episode for live in lives])
+                    first = dataclasses.replace(
+                        self.params, logprobs=True, seed=self._seed(i, 0, 0),
+                        max_tokens=min(self.params.max_tokens, self._budget(lives[0].episode)))
+                    self._submit(ids, first, [live if live.episode.finish_reason is None
+                                              else None for live in lives], None)
+                while self.requests or self.waiting:
+                    self._advance()
+            except BaseException:
+                self._abandon()
+                raise
+            finally:
+                bar.close()
+        return result
+
+    def _start(self, episode: Episode, index: tuple[int, int]) -> _Live:
+        live = _Live(episode, None, index)
+        try:
+            live.env = self.env_factory()
+            reset = getattr(live.env, "reset", None)
+            if reset is not None:
+                _run(reset(list(episode.prompt_ids)))
+        except Exception as e:
+            self._end(live, "abort", f"environment reset: {type(e).__name__}: {e}")
+        return live
+
+    def _submit(self, prompt_ids: list[int], params: SamplingParams,
+                lives: list[_Live | None], resume) -> None:
+        if all(live is None for live in lives):
+            return
+        request_id = self.engine.add_request(prompt_ids, params, hold_kv=True, resume=resume)
+        self.requests[request_id] = lives
+
+    def _advance(self) -> None:
+        """One engine step, or, with nothing to compute, a wait for an environment."""
+        if self.engine.has_unfinished:
+            for out in self.engine.step():
+                lives = self.requests.pop(out.request_id, None)
+                if lives is None:
+                    continue  # someone else's streaming request
+                for live, sample in zip(lives, out.samples):
+                    if live is not None:
+                        self._model_turn(live, out.request_id, sample, out.error)
+        elif self.waiting:
+            wait(list(self.waiting), return_when=FIRST_COMPLETED)
+        for future in [f for f in self.waiting if f.done()]:
+            self._env_turn(self.waiting.pop(future), future)
+
+    def _model_turn(self, live: _Live, request_id: str, sample: Sample, error: str | None):
+        ep = live.episode
+        live.hold = (request_id, sample.index)
+        ep.turns += 1
+        ep.token_ids += sample.token_ids
+        ep.mask += [1] * len(sample.token_ids)
+        ep.logprobs += sample.logprobs
+        if sample.finish_reason == "abort":
+            return self._end(live, "abort", error or "aborted by the engine")
+        future = self.pool.submit(_env_step, live.env, list(sample.token_ids), sample.text)
+        self.waiting[future] = live
+
+    def _env_turn(self, live: _Live, future: Future) -> None:
+        ep = live.episode
+        try:
+            step = future.result()
+            if not isinstance(step, Step):
+                raise TypeError(f"step() must return a rollout.agent.Step, got "
+                                f"{type(step).__name__}")
+            ep.reward += float(step.reward)
+            if step.done:
+                return self._end(live, "done")
+            if ep.turns >= self.max_turns:
+                return self._end(live, "max_turns")
+            last = ep.token_ids[-1] if ep.token_ids else None
+            obs = self._observation(step.observation, last)
+        except Exception as e:
+            return self._end(live, "abort", f"environment step: {type(e).__name__}: {e}")
+        budget = self._budget(ep)
+        if len(obs) >= budget:  # the observation would leave the model no token
+            return self._end(live, "length")
+        ep.token_ids += obs
+        ep.mask += [0] * len(obs)
+        ep.logprobs += [0.0] * len(obs)
+        params = dataclasses.replace(
+            self.turn_params, max_tokens=min(self.params.max_tokens, budget - len(obs)),
+            seed=self._seed(*live.index, ep.turns))
+        self._submit(ep.prompt_ids + ep.token_ids, params, [live], live.hold)
+        live.hold = None
+
+    def _seed(self, prompt: int, sample: int, turn: int) -> int:
+        """A turn's seed, a function of the run's seed and where the turn is (the first turn is
+        one request for all of a prompt's samples: sample 0): episodes sample the same
+        whatever order their environments answer in."""
+        return hash((self.base_seed, prompt, sample, turn)) & ((1 << 63) - 1)
+
+    def _budget(self, ep: Episode) -> int:
+        """Tokens the episode may still add (observation and the next model turn)."""
+        left = self.limit - len(ep.prompt_ids) - len(ep.token_ids)
+        if self.max_episode_tokens is not None:
+            left = min(left, self.max_episode_tokens - len(ep.token_ids))
+        return left
+
+    def _observation(self, observation, last_token: int | None) -> list[int]:
+        tok = self.engine.tokenizer
+        if observation is None:
+            return []
+        if isinstance(observation, dict):
+            return message_tokens(tok, observation,
+                                  after_eos=last_token == getattr(tok, "eos_token_id", None))
+        if isinstance(observation, str):
+            if tok is None:
+                raise ValueError("a text observation needs the engine's tokenizer")
+            return list(tok.encode(observation, add_special_tokens=False))
+        ids = [as_int("observation: token id", t) for t in observation]
+        bad = [t for t in ids if not 0 <= t < self.engine.vocab_size]
+        if bad:
+            raise ValueError(f"observation: token id {bad[0]} is outside the vocabulary "
+                             f"[0, {self.engine.vocab_size})")
+        return ids
+
+    def _end(self, live: _Live, reason: str, error: str | None = None) -> None:
+        live.episode.finish_reason, live.episode.error = reason, error
+        if live.hold is not None:
+            self.engine.release_hold(live.hold)
+            live.hold = None
+        self.bar.update(1)
+
+    def _abandon(self) -> None:
+        """The run failed: stop its requests, release its holds, leave its envs to finish."""
+        for request_id in self.requests:
+            self.engine.abort(request_id)  # running, or finished and not yet stepped out
+        for live in self.waiting.values():
+            if live.hold is not None:
+                self.engine.release_hold(live.hold)
+        for future in self.waiting:
+            future.cancel()
+
+
+def _env_step(env, turn_ids: list[int], text: str | None):
+    return _run(env.step(turn_ids, text))
+
+
+def _run(result):
+    """A coroutine's result (async environments), or the value itself."""
+    return asyncio.run(result) if inspect.iscoroutine(result) else result
+
+
+def message_tokens(tokenizer, message: dict, after_eos: bool) -> list[int]:
+    """The tokens a chat template puts after an assistant turn for `message` (a tool or user
+    message), generation prompt included; `after_eos`: the model's turn ended with the EOS
+    token, which the template renders as the end of the assistant turn. Refused when the
+    template is not prefix-preserving (rendering one more message changes what came before),
+    since the episode's tokens could then not be what a trainer's template would give."""
+    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("a chat-message observation needs a tokenizer with a chat template")
+    base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARK}]
+    prefix = tokenizer.apply_chat_template(base, tokenize=False)
+    full = tokenizer.apply_chat_template(base + [message], tokenize=False,
+                                         add_generation_prompt=True)
+    if not full.startswith(prefix):
+        raise ValueError("the chat template is not prefix-preserving: appending a message "
+                         "changes the rendering of the turns before it")
+    tail = full[full.index(_MARK) + len(_MARK):]
+    eos = getattr(tokenizer, "eos_token", None)
+    if after_eos and eos and tail.startswith(eos):
+        tail = tail[len(eos):]
+    return list(tokenizer.encode(tail, add_special_tokens=False))

@@ -1,0 +1,238 @@
+"""Multi-turn episodes (rollout.agent): token-in/token-out against a transformers forward over
+the episode, masks, KV served by the prefix cache across turns, holds under a small pool,
+failing and slow environments, budgets, chat-message observations."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import random
+import threading
+import time
+
+import pytest
+import torch
+from models import char_tokenizer, tiny_model
+
+from rollout import Engine, EngineConfig, SamplingParams
+from rollout.agent import Step, message_tokens, run_episodes
+
+TOK = char_tokenizer()
+PROMPTS = ["ab 1+2=", "the cat", "zz top 9"]
+OBS = "<r>42</r>\n"
+
+
+@functools.cache
+def model():
+    return tiny_model("llama", vocab_size=len(TOK))
+
+
+def engine(**kw) -> Engine:
+    cfg = dict(kv_cache_tokens=4096, max_model_len=256)
+    cfg.update(kw)
+    return Engine(model(), EngineConfig(**cfg), tokenizer=TOK)
+
+
+class Echo:
+    """Answers every turn with OBS, rewards 1 per turn, done after `turns` turns."""
+
+    def __init__(self, turns: int = 3, observation=OBS) -> None:
+        self.turns, self.observation, self.seen = turns, observation, []
+
+    def reset(self, prompt_ids):
+        self.prompt_ids = prompt_ids
+
+    def step(self, turn_ids, text):
+        self.seen.append((list(turn_ids), text))
+        return Step(observation=self.observation, reward=1.0, done=len(self.seen) >= self.turns)
+
+
+PARAMS = SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=5)
+
+
+def summary(episodes):
+    return [[(e.token_ids, e.mask, e.turns, e.finish_reason, e.reward) for e in row]
+            for row in episodes]
+
+
+def test_episode_tokens_are_what_the_model_was_conditioned_on():
+    """Each model token's logprob equals log_softmax of a transformers forward over
+    prompt + token_ids (the history is never re-tokenised); env tokens are the observation's
+    own tokenisation, masked 0 with logprob 0."""
+    episodes = run_episodes(engine(), PROMPTS, Echo, PARAMS, max_turns=5)
+    obs = TOK.encode(OBS, add_special_tokens=False)
+    for row in episodes:
+        assert len(row) == PARAMS.n
+        for ep in row:
+            assert ep.finish_reason == "done" and ep.turns == 3 and ep.reward == 3.0
+            assert len(ep.token_ids) == len(ep.mask) == len(ep.logprobs)
+            full = ep.prompt_ids + ep.token_ids
+            with torch.no_grad():
+                logits = model()(torch.tensor([full])).logits[0].float()
+            ref = logits[len(ep.prompt_ids) - 1:-1].log_softmax(-1)
+            ref = ref.gather(-1, torch.tensor(ep.token_ids)[:, None]).squeeze(-1)
+            mask = torch.tensor(ep.mask, dtype=torch.bool)
+            got = torch.tensor(ep.logprobs)
+            assert torch.allclose(got[mask], ref[mask], atol=1e-4)
+            assert bool((got[~mask] == 0).all())
+            # Environment tokens: two observations of OBS's own tokens, between model turns.
+            runs = _runs(ep.mask)
+            assert [m for m, _ in runs] == [1, 0, 1, 0, 1]
+            assert [n for m, n in runs if m == 0] == [len(obs)] * 2
+            at = runs[0][1]
+            assert ep.token_ids[at:at + len(obs)] == obs
+
+
+def _runs(mask):
+    out = []
+    for m in mask:
+        if out and out[-1][0] == m:
+            out[-1][1] += 1
+        else:
+            out.append([m, 1])
+    return [tuple(r) for r in out]
+
+
+def test_each_turn_computes_only_the_observation_and_one_token():
+    eng = engine()
+    episodes = run_episodes(eng, PROMPTS, Echo, PARAMS, max_turns=5)
+    obs = len(TOK.encode(OBS, add_special_tokens=False))
+    later_turns = sum(ep.turns - 1 for row in episodes for ep in row)
+    # The first turn: each prompt once, and its last token once more per sibling sample.
+    first = sum(len(TOK.encode(p)) + PARAMS.n - 1 for p in PROMPTS)
+    stats = eng.stats
+    assert stats.prompt_tokens_computed <= first + later_turns * (obs + 1)
+    assert stats.holds_dropped == 0
+    eng.check_invariants()
+    assert eng.kv.available == eng.kv.num_slots, "holds released at the end"
+
+
+def test_same_seed_same_episodes_whatever_the_env_timing():
+    class Jittery(Echo):
+        def step(self, turn_ids, text):
+            time.sleep(random.random() * 0.02)
+            return super().step(turn_ids, text)
+
+    a = run_episodes(engine(), PROMPTS, Jittery, PARAMS, max_turns=5, env_workers=4)
+    b = run_episodes(engine(), PROMPTS, Jittery, PARAMS, max_turns=5, env_workers=2)
+    assert summary(a) == summary(b)
+
+
+def test_small_pool_drops_holds_and_gives_the_same_episodes():
+    """Under memory pressure held episodes are released oldest first and recomputed."""
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=10, seed=1)
+    prompts = [p * 3 for p in PROMPTS]
+    large = run_episodes(engine(), prompts, functools.partial(Echo, 4), params, max_turns=5)
+    small_engine = engine(kv_cache_tokens=256, max_model_len=128)
+    small = run_episodes(small_engine, prompts, functools.partial(Echo, 4), params,
+                         max_turns=5)
+    assert summary(small) == summary(large)
+    assert small_engine.stats.holds_dropped > 0 and small_engine.stats.preemptions > 0
+    small_engine.check_invariants()
+
+
+def test_failing_environment_aborts_only_its_episode():
+    made = []
+
+    class Failing(Echo):
+        def __init__(self):
+            super().__init__()
+            made.append(self)
+            self.fail = len(made) == 2
+
+        def step(self, turn_ids, text):
+            if self.fail and self.seen:
+                raise RuntimeError("tool crashed")
+            return super().step(turn_ids, text)
+
+    eng = engine()
+    episodes = [ep for row in run_episodes(eng, PROMPTS, Failing, PARAMS) for ep in row]
+    failed = [ep for ep in episodes if ep.finish_reason == "abort"]
+    assert len(failed) == 1 and "tool crashed" in failed[0].error and failed[0].turns == 2
+    assert all(ep.finish_reason == "done" for ep in episodes if ep is not failed[0])
+    eng.check_invariants()
+    assert eng.kv.available == eng.kv.num_slots
+
+
+def test_a_slow_environment_does_not_stall_the_others():
+    """One environment blocks until every other episode has finished: that happens only if
+    the batch goes on without it."""
+    others_done = threading.Event()
+    finished = []
+
+    class Slow(Echo):
+        instances = []
+
+        def __init__(self):
+            super().__init__()
+            Slow.instances.append(self)
+
+        def step(self, turn_ids, text):
+            if self is Slow.instances[0] and not self.seen:
+                assert others_done.wait(timeout=60), "the batch waited for the slow env"
+            step = super().step(turn_ids, text)
+            if step.done and self is not Slow.instances[0]:
+                finished.append(self)
+                if len(finished) == len(Slow.instances) - 1:
+                    others_done.set()
+            return step
+
+    episodes = run_episodes(engine(), PROMPTS, Slow, PARAMS, max_turns=5)
+    assert all(ep.finish_reason == "done" for row in episodes for ep in row)
+
+
+def test_async_environment():
+    class Async(Echo):
+        async def step(self, turn_ids, text):
+            await asyncio.sleep(0)
+            return Echo.step(self, turn_ids, text)
+
+    a = run_episodes(engine(), PROMPTS, Async, PARAMS, max_turns=5)
+    b = run_episodes(engine(), PROMPTS, Echo, PARAMS, max_turns=5)
+    assert summary(a) == summary(b)
+
+
+def test_budgets():
+    never = functools.partial(Echo, 100)
+    turns = run_episodes(engine(), PROMPTS, never, PARAMS, max_turns=2)
+    assert all(ep.finish_reason == "max_turns" and ep.turns == 2 for row in turns for ep in row)
+    short = run_episodes(engine(), PROMPTS, never, PARAMS, max_turns=50,
+                         max_episode_tokens=40)
+    for ep in (ep for row in short for ep in row):
+        assert ep.finish_reason == "length" and len(ep.token_ids) <= 40
+    with pytest.raises(ValueError, match="max_turns"):
+        run_episodes(engine(), PROMPTS, Echo, PARAMS, max_turns=0)
+
+
+def test_observation_as_ids_and_bad_observations():
+    ids = TOK.encode("=7", add_special_tokens=False)
+    episodes = run_episodes(engine(), PROMPTS[:1], functools.partial(Echo, 2, ids), PARAMS)
+    for ep in episodes[0]:
+        at = ep.mask.index(0)
+        assert ep.token_ids[at:at + len(ids)] == ids
+    bad = run_episodes(engine(), PROMPTS[:1], functools.partial(Echo, 2, [10 ** 6]), PARAMS)
+    assert all(ep.finish_reason == "abort" and "vocabulary" in ep.error for ep in bad[0])
+
+
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
+            "{% if m['role'] == 'assistant' %}<eos>{% endif %}{{ '\\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_chat_message_observation_is_the_templates_delta():
+    tok = char_tokenizer("abcdefghijklmnopqrstuvwxyz0123456789 +=.,\n<>/")
+    tok.chat_template = TEMPLATE
+    delta = message_tokens(tok, {"role": "tool", "content": "42"}, after_eos=True)
+    assert tok.decode(delta) == "\n<tool>42\n<assistant>"
+    delta = message_tokens(tok, {"role": "tool", "content": "42"}, after_eos=False)
+    assert tok.decode(delta) == "<eos>\n<tool>42\n<assistant>"
+    tok.chat_template = "{% for m in messages[-1:] %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(ValueError, match="prefix-preserving"):
+        message_tokens(tok, {"role": "tool", "content": "42"}, after_eos=True)
+
+
+def test_run_episodes_needs_an_idle_engine():
+    eng = engine()
+    eng.add_request([1, 2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="idle"):
+        run_episodes(eng, PROMPTS, Echo, PARAMS)
