@@ -14,6 +14,7 @@ from models import tiny_model
 from scipy import stats
 
 from rollout import Engine, EngineConfig, SamplingParams
+from rollout import sampler
 from rollout.sampler import (
     SamplingBatch,
     bits_to_uniform,
@@ -21,12 +22,15 @@ from rollout.sampler import (
     gumbel_noise,
     mix32,
     mix32_int,
+    pick,
     row_keys,
     sample,
     sample_seed,
+    target_logprobs,
     to_int32,
     uniform_noise,
 )
+from rollout.spec.verify import verify
 
 P_MIN = 1e-3
 
@@ -292,6 +296,230 @@ def test_mixed_batch_logprobs_are_unfiltered_log_softmax_at_the_token():
     ranks = (logits > logits.gather(-1, tokens[:, None])).sum(-1)
     k3 = torch.tensor([k == 3 for k in top_k])
     assert int(ranks[k3].max()) < 3
+
+
+# --- the filter against the full sort it replaced -----------------------------------------
+def full_sort_filter(logp, top_k, top_p, min_p):
+    """filter_logprobs as it was (a sort of every row with indices), verbatim: the definition
+    the faster filter must reproduce bit for bit."""
+    vocab = logp.shape[-1]
+    sorted_logp, order = logp.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logp.device)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).to(torch.int64)
+    drop_sorted = ranks[None, :] >= k[:, None]
+    probs = sorted_logp.masked_fill(drop_sorted, float("-inf")).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    # top_p == 1 means off: in fp32 the mass before the tail can round to exactly 1.0.
+    drop_sorted |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
+    drop_sorted[:, 0] = False  # the most likely token always survives
+    drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+    drop |= logp < (sorted_logp[:, :1] + torch.log(min_p)[:, None])
+    return logp.masked_fill(drop, float("-inf"))
+
+
+def full_sort_target_logprobs(logits, batch):
+    """target_logprobs as it was: every row (greedy ones too) through the full sort."""
+    logits = logits.float()
+    temperature = torch.where(batch.temperature == 0, 1.0, batch.temperature)
+    logp = (logits / temperature[:, None]).log_softmax(dim=-1)
+    if batch.needs_filter:
+        return logp, full_sort_filter(logp, batch.top_k, batch.top_p, batch.min_p)
+    return logp, logp
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def mixed_logits(rows: int, vocab: int, kind: str, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=g)
+    if kind == "normal":  # ~4% of the vocabulary covers top_p = 0.9
+        return x * 3
+    if kind == "flat":  # a random-weight head: top_p keeps most of the vocabulary
+        return x * 0.3
+    if kind == "peaked":  # three leading tokens, top-1 probability from ~0.05 to ~1
+        lead = torch.rand(rows, 3, generator=g) * torch.tensor([10.0, -3.0, -3.0])
+        lead[:, 0] += np.log(vocab) + 1.5  # the bulk sums to ~ vocab * e^4.5
+        hot = torch.stack([torch.randperm(vocab, generator=g)[:3] for _ in range(rows)])
+        return (x * 3).scatter_add_(1, hot, lead.cumsum(dim=1))
+    if kind == "bf16":  # bf16 logits: ties everywhere
+        return (x * 4).to(torch.bfloat16).float()
+    if kind == "integers":  # a handful of distinct values: ties at every boundary
+        return torch.randint(0, 6, (rows, vocab), generator=g).float()
+    if kind == "masked":  # -inf logits (half of them, and rows with a single finite one)
+        x = (x * 4).masked_fill(torch.rand(rows, vocab, generator=g) < 0.5, float("-inf"))
+        x[::7] = float("-inf")
+        x[::7, 3] = 1.0
+        return x
+    raise ValueError(kind)
+
+
+KINDS = ("normal", "flat", "peaked", "bf16", "integers", "masked")
+
+
+def mixed_params(rows: int, vocab: int, seed: int, with_greedy: bool = True) -> dict:
+    rng = np.random.default_rng(seed)
+    temperature = rng.choice([0.0, 0.6, 1.0, 1.7] if with_greedy else [0.6, 1.0, 1.7], rows)
+    return {"temperature": temperature.tolist(),
+            "top_k": rng.choice([0, 1, 5, 50, vocab, vocab - 1, 3000], rows).tolist(),
+            "top_p": rng.choice([1.0, 0.999, 0.9, 0.5, 1e-3], rows).tolist(),
+            "min_p": rng.choice([0.0, 0.05, 0.5], rows).tolist()}
+
+
+def check_filter(logp, top_k, top_p, min_p, stats=None, normalized=True):
+    """normalized: logp is a log_softmax (as in target_logprobs), which lets top-p rows be
+    settled from candidates."""
+    want = full_sort_filter(logp, top_k, top_p, min_p)
+    got = sampler._filter_selected(logp, top_k, top_p, min_p, normalized, stats=stats)
+    bad = [i for i in range(len(logp)) if not same_bits(got[i], want[i])]
+    assert not bad, (f"rows {bad[:8]} differ: top_k {top_k[bad[:8]].tolist()} top_p "
+                     f"{top_p[bad[:8]].tolist()} min_p {min_p[bad[:8]].tolist()}, kept "
+                     f"{[int(torch.isfinite(got[i]).sum()) for i in bad[:8]]} instead of "
+                     f"{[int(torch.isfinite(want[i]).sum()) for i in bad[:8]]}")
+    assert same_bits(filter_logprobs(logp, top_k, top_p, min_p), want)
+
+
+@pytest.mark.parametrize("vocab", [12, 1001, 8195])
+def test_filter_equals_the_full_sort_on_mixed_rows(vocab):
+    """Every filter combination over every logits kind: the same kept tokens and values, and
+    through `sample`, the same tokens and logprobs bit for bit."""
+    stats: dict[str, int] = {}
+    rows = 84
+    for j, kind in enumerate(KINDS):
+        logits = mixed_logits(rows, vocab, kind, seed=vocab + j)
+        params = mixed_params(rows, vocab, seed=vocab + j)
+        b = batch(rows, seed=j, **params)
+        t = torch.where(b.temperature == 0, 1.0, b.temperature)
+        logp = (logits / t[:, None]).log_softmax(dim=-1)
+        check_filter(logp, b.top_k, b.top_p, b.min_p, stats)
+        want_logp, want_cand = full_sort_target_logprobs(logits, b)
+        got_logp, got_cand = target_logprobs(logits, b)
+        sampled = b.temperature != 0
+        assert same_bits(got_logp, want_logp)
+        assert same_bits(got_cand[sampled], want_cand[sampled])
+        assert same_bits(got_cand[~sampled], got_logp[~sampled])  # greedy rows: unfiltered
+        want_tokens = pick(logits, want_cand, b)
+        tokens, logprobs = sample(logits, b)
+        assert torch.equal(tokens, want_tokens), kind
+        assert same_bits(logprobs, want_logp.gather(-1, want_tokens[:, None]).squeeze(-1))
+    if vocab > 1000:  # every way of settling a row was taken
+        for path in ("top_k", "top_k_softmax", "candidates", "sorted", "reference"):
+            assert stats.get(path, 0) > 0, (path, stats)
+
+
+def test_filter_equals_the_full_sort_at_the_vocabulary_of_smollm2():
+    """49,152 tokens, the bench's shapes: top-p decided from candidates (peaked rows), by the
+    sorted values with the first PREFIX positions (normal) and with the whole row (flat,
+    top_p = 0.999), top-k alone, with top-p, and min-p."""
+    vocab, stats = 49152, {}
+    for j, kind in enumerate(("peaked", "normal", "flat")):
+        logp = mixed_logits(16, vocab, kind, seed=j).log_softmax(dim=-1)
+        top_p = torch.tensor([0.9, 0.999, 0.5, 1.0] * 4)
+        top_k = torch.tensor([0] * 8 + [50, 0, 2000, 5] + [0] * 4, dtype=torch.int32)
+        min_p = torch.tensor([0.0] * 12 + [0.05, 0.0, 0.05, 0.5])
+        check_filter(logp, top_k, top_p, min_p, stats)
+    for path in ("top_k", "candidates", "sorted", "sorted_whole"):
+        assert stats.get(path, 0) > 0, (path, stats)
+
+
+def test_filter_at_top_p_equal_to_a_reference_mass():
+    """top_p set to the exact float32 mass-before the reference computes at some position, and
+    one ulp either side: the decision flips on the last bit, which the candidate bounds must
+    leave to the exact path."""
+    vocab, rows = 3000, 8
+    stats: dict[str, int] = {}
+    for kind in ("peaked", "normal", "flat"):
+        logp = mixed_logits(rows, vocab, kind, seed=7).log_softmax(dim=-1)
+        sorted_logp = logp.sort(dim=-1, descending=True).values
+        for top_k in (0, 40):
+            masked = sorted_logp.clone()
+            if top_k:
+                masked[:, top_k:] = float("-inf")
+            probs = masked.softmax(dim=-1)
+            mass = probs.cumsum(dim=-1) - probs
+            for position in (1, 2, 5, 17, 33):
+                at = mass[:, position]
+                for p in (at, torch.nextafter(at, torch.ones(())),
+                          torch.nextafter(at, torch.zeros(()))):
+                    p = p.clamp(min=1e-6, max=0.9999)
+                    check_filter(logp, torch.full((rows,), top_k, dtype=torch.int32), p,
+                                 torch.zeros(rows), stats)
+    # The bounds on the candidates / top-k values cannot settle a tie with top_p: exact paths.
+    assert stats.get("top_k_softmax", 0) > 0 and stats.get("sorted", 0) > 0, stats
+
+
+def test_filter_ties_at_the_boundary_follow_the_sort():
+    """Tied values straddling the top-k / top-p boundary: which of them survive is whatever
+    the (unstable) sort put first, so those rows must take the sort itself."""
+    logp = torch.tensor([[0.0, -1.0, -1.0, -1.0, -2.0, -3.0] * 50] * 6).log_softmax(dim=-1)
+    top_k = torch.tensor([2, 60, 0, 0, 150, 0], dtype=torch.int32)
+    top_p = torch.tensor([1.0, 1.0, 0.05, 0.3, 0.9, 0.999])
+    stats: dict[str, int] = {}
+    check_filter(logp, top_k, top_p, torch.zeros(6), stats)
+    assert stats.get("reference", 0) >= 4, stats
+
+
+def test_filter_input_that_is_not_log_probabilities():
+    """filter_logprobs accepts any float32 rows (positive values, NaN)."""
+    logits = torch.randn(12, 500, generator=torch.Generator().manual_seed(3)) * 4 + 2
+    logits[5, 7] = float("nan")
+    top_k = torch.tensor([0, 3, 0, 600] * 3, dtype=torch.int32)
+    top_p = torch.tensor([0.9, 1.0, 0.5] * 4)
+    min_p = torch.tensor([0.0, 0.1] * 6)
+    check_filter(logits, top_k, top_p, min_p, normalized=False)
+
+
+def test_filter_rows_do_not_depend_on_their_batch():
+    logp = torch.cat([mixed_logits(6, 2000, kind, seed=4) for kind in KINDS]).log_softmax(-1)
+    rows = len(logp)
+    params = mixed_params(rows, 2000, seed=9)
+    top_k = torch.tensor(params["top_k"], dtype=torch.int32)
+    top_p, min_p = torch.tensor(params["top_p"]), torch.tensor(params["min_p"])
+    whole = filter_logprobs(logp, top_k, top_p, min_p)
+    for part in (torch.arange(0, rows, 3), torch.arange(rows - 1, -1, -5), torch.tensor([17])):
+        assert same_bits(filter_logprobs(logp[part], top_k[part], top_p[part], min_p[part]),
+                         whole[part])
+
+
+def test_rows_without_a_sampled_filter_are_not_filtered():
+    """Greedy rows and rows with every filter off: no candidate selection, logp itself."""
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(5))
+    b = batch(6, temperature=[0.0, 0.0, 1.0, 0.7, 0.0, 1.0], top_k=[5, 0, 0, 0, 3, 0],
+              top_p=[0.9, 0.5, 1.0, 1.0, 1.0, 1.0], min_p=[0.0, 0.2, 0.0, 0.0, 0.0, 0.0])
+    logp, candidates = target_logprobs(logits, b)
+    assert candidates is logp
+    tokens, logprobs = sample(logits, b)
+    want_logp, want_cand = full_sort_target_logprobs(logits, b)
+    assert torch.equal(tokens, pick(logits, want_cand, b))
+    assert same_bits(logprobs, want_logp.gather(-1, tokens[:, None]).squeeze(-1))
+
+
+@pytest.mark.parametrize("rule", ["coupled", "rejection"])
+def test_verification_is_unchanged(rule, monkeypatch):
+    """Speculative verification through the new filter and through the full sort: the same
+    accepted drafts, corrections and logprobs."""
+    vocab, rng = 700, np.random.default_rng(8)
+    drafts = [rng.integers(0, vocab, int(rng.integers(0, 5))).tolist() for _ in range(24)]
+    rows = sum(len(d) + 1 for d in drafts)
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    per_request = mixed_params(len(drafts), vocab, seed=8)
+    expand = {key: [v for v, d in zip(vals, drafts) for _ in range(len(d) + 1)]
+              for key, vals in per_request.items()}
+    b = batch(rows, seed=8, **expand)
+    # Make the drafts plausible: half of them are the target's own top token.
+    for i, d in enumerate(drafts):
+        start = sum(len(x) + 1 for x in drafts[:i])
+        for j in range(0, len(d), 2):
+            d[j] = int(logits[start + j].argmax())
+    probs = [None if rng.random() < 0.5 or not d else
+             torch.softmax(torch.randn(len(d), vocab, generator=g) * 2, dim=-1) for d in drafts]
+    got = verify(logits, b, drafts, probs, rule)
+    import rollout.spec.verify as verify_module
+    monkeypatch.setattr(verify_module, "target_logprobs", full_sort_target_logprobs)
+    want = verify(logits, b, drafts, probs, rule)
+    assert [(v.tokens, v.logprobs) for v in got] == [(v.tokens, v.logprobs) for v in want]
 
 
 # --- through the engine -------------------------------------------------------------------
