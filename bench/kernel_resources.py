@@ -1,7 +1,8 @@
 """What every Triton kernel variant the engine launches costs on a GPU that is not here.
 
 Each engine step kind (store, prefill, extend, a chunk beside decodes, decode with and without
-split-KV, speculative verify, shared-prefix decode, sampling, draft acceptance) is driven through
+split-KV, speculative verify, shared-prefix decode, sliding-window and soft-capped attention,
+sampling, draft acceptance) is driven through
 the real launch wrappers in `kernels/` on CPU tensors shaped like a named model. Launches are
 compiled for the target GPU with Triton's own compiler, never run, and each distinct variant is
 reported against the target's limits:
@@ -78,6 +79,7 @@ MODELS = {
     "llama-3-8b": (32, 8, 128, 128256),
     "qwen2-0.5b": (14, 2, 64, 151936),
     "qwen3-0.6b": (16, 8, 128, 151936),
+    "gemma-2-2b": (8, 4, 256, 256000),
 }
 
 
@@ -213,11 +215,12 @@ def engine_cases(model: str, dtype: torch.dtype) -> list[tuple[str, Callable[[],
     slots = torch.zeros(4096, dtype=torch.int32)
     scale = d ** -0.5
 
-    def attention(q_lens: list[int], kv_lens: list[int]):
+    def attention(q_lens: list[int], kv_lens: list[int], window=None, softcap=None):
         q = torch.empty(sum(q_lens), hq, d, dtype=dtype)
         return lambda: paged_attention(q, pool_k, pool_v, torch.empty_like(q), _indptr(q_lens),
                                        _indptr(kv_lens), slots, sm_scale=scale,
-                                       max_q_len=max(q_lens), max_kv_len=max(kv_lens))
+                                       max_q_len=max(q_lens), max_kv_len=max(kv_lens),
+                                       window=window, softcap=softcap)
 
     def store(tokens: int):
         qkv = torch.empty(tokens, (hq + 2 * hkv) * d, dtype=dtype)  # fused QKV, as the model
@@ -225,12 +228,13 @@ def engine_cases(model: str, dtype: torch.dtype) -> list[tuple[str, Callable[[],
         v = qkv[:, (hq + hkv) * d:].view(tokens, hkv, d)
         return lambda: store_kv(k, v, pool_k, pool_v, slots[:tokens].long())
 
-    def shared_prefix(groups: int, n: int, prefix: int, suffix: int):
+    def shared_prefix(groups: int, n: int, prefix: int, suffix: int, softcap=None):
         q = torch.empty(groups * n, hq, d, dtype=dtype)
         return lambda: shared_prefix_attention(
             q, pool_k, pool_v, torch.empty_like(q), _indptr([n] * groups),
             _indptr([prefix] * groups), slots, _indptr([suffix] * (groups * n)), slots,
-            sm_scale=scale, max_group_size=n, max_prefix_len=prefix, max_suffix_len=suffix)
+            sm_scale=scale, max_group_size=n, max_prefix_len=prefix, max_suffix_len=suffix,
+            softcap=softcap)
 
     def sampler(batch: int):
         ints = torch.zeros(batch, dtype=torch.int32)  # top_k, seed, position
@@ -253,6 +257,13 @@ def engine_cases(model: str, dtype: torch.dtype) -> list[tuple[str, Callable[[],
         ("decode 256 x 2048", attention([1] * 256, [2048] * 256)),
         ("verify 8 x (4+1) over 1024", attention([5] * 8, [1024] * 8)),
         ("shared prefix 4 groups x 8, 1024 + 64", shared_prefix(4, 8, 1024, 64)),
+        # Sliding-window layers (Mistral, Gemma 2/3) and soft-capped scores (Gemma 2).
+        ("window 1024: prefill 1 x 2048", attention([2048], [2048], window=1024)),
+        ("window 1024: decode 256 x 2048", attention([1] * 256, [2048] * 256, window=1024)),
+        ("window 4096 softcap: decode 1 x 8192 (split-KV)",
+         attention([1], [8192], window=4096, softcap=50.0)),
+        ("softcap: extend 2 x 512 over 4096", attention([512] * 2, [4096] * 2, softcap=50.0)),
+        ("softcap: shared prefix 4 groups x 8", shared_prefix(4, 8, 1024, 64, softcap=50.0)),
         ("sample 64 rows", sampler(64)),
         ("accept coupled", accept(40, False)),
         ("accept rejection", accept(40, True)),

@@ -21,12 +21,11 @@ from .paged_attention import (  # noqa: E402
 )
 from .sample import sample  # noqa: E402
 from .shared_prefix import shared_prefix_attention  # noqa: E402
-from .spec_accept import accept_drafts, accept_drafts_ref  # noqa: E402
+from .spec_accept import accept_drafts  # noqa: E402
 from .store_kv import store_kv, store_kv_ref  # noqa: E402
 
 __all__ = [
     "accept_drafts",
-    "accept_drafts_ref",
     "choose_num_kv_splits",
     "gumbel_noise_triton",
     "merge_states",

@@ -14,6 +14,11 @@ Split-KV (flash decoding): when a decode batch has too few (request, KV head) pr
 the GPU, the context is cut into `num_kv_splits` ranges handled by separate programs that write
 a normalised partial output and its log-sum-exp; `merge_states` combines them.
 
+Sliding window (`window` W, Gemma 2/3, Mistral): query i sees only j > i + kv_len - q_len - W.
+Blocks before a tile's first window are skipped, blocks where the tile's rows disagree are
+masked, the rest run unmasked as without a window. Soft-capping (`softcap` c, Gemma 2): scores
+become c * tanh(s / c) before the mask and the softmax.
+
 No host synchronisation: grid sizes come from tensor shapes and the caller's `max_q_len` /
 `max_kv_len` (Python ints); programs past a request's real length exit at once, so a decode step
 with fixed-shape metadata can be captured in a CUDA graph. The grid is B x ceil(max_q_len /
@@ -41,10 +46,17 @@ MAX_KV_SPLITS = 64
 
 
 @triton.jit
+def _tanh(x):
+    # exp-based: libdevice's tanh does not exist under the interpreter. Saturates to +-1.
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+
+
+@triton.jit
 def _attend_block(acc, l_i, m_i, qt, k_pool, v_pool, kv_indices, kv_start, start, hi, row_limit,
-                  kv_head, qk_scale, stride_ks, stride_kh, stride_vs, stride_vh, d,
+                  kv_head, qk_scale, window, cap, stride_ks, stride_kh, stride_vs, stride_vh, d,
                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, SLIDING: tl.constexpr,
+                  SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One BLOCK_N slice of the context: scores, online-softmax update, P @ V."""
     n = start + tl.arange(0, BLOCK_N)
     if MASKED:
@@ -68,10 +80,15 @@ def _attend_block(acc, l_i, m_i, qt, k_pool, v_pool, kv_indices, kv_start, start
     else:
         vt = tl.load(v_ptr, mask=d[None, :] < HEAD_DIM, other=0.0)
     s = tl.dot(qt, kt, input_precision=DOT_PRECISION) * qk_scale
+    if SOFTCAP:
+        # qk_scale = sm_scale / c here, cap = c * log2(e): c * tanh(s / c) in the log2 domain.
+        s = _tanh(s) * cap
     if MASKED:
         ok = n[None, :] < hi
         if CAUSAL:
             ok = ok & (n[None, :] <= row_limit[:, None])
+        if SLIDING:
+            ok = ok & (n[None, :] > row_limit[:, None] - window)
         s = tl.where(ok, s, float("-inf"))
     # m_i starts at a finite -1e30 so a row whose block is fully masked gets alpha = 1, p = 0
     # instead of exp2(-inf - -inf) = nan.
@@ -85,16 +102,18 @@ def _attend_block(acc, l_i, m_i, qt, k_pool, v_pool, kv_indices, kv_start, start
 
 # Runtime sizes are not specialised on (== 1, multiple of 16): a new batch size must not
 # trigger a recompilation in the middle of serving.
-@triton.jit(do_not_specialize=["kv_per_split", "split_base", "num_req", "blocks_per_req"])
+@triton.jit(do_not_specialize=["kv_per_split", "split_base", "num_req", "blocks_per_req",
+                               "window"])
 def _paged_attention_kernel(
     q, k_pool, v_pool, out, part_out, part_lse,
     qo_indptr, kv_indptr, kv_indices,
-    qk_scale, kv_per_split, split_base, num_req, blocks_per_req,
+    qk_scale, kv_per_split, split_base, num_req, blocks_per_req, window, cap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_ks, stride_kh, stride_vs, stride_vh,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr, VARLEN_GRID: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Programs run in reverse: under causality the later query blocks see more context, and
@@ -151,21 +170,37 @@ def _paged_attention_kernel(
     lo = split * kv_per_split
     hi = tl.minimum(hi, lo + kv_per_split)
     full_end = tl.minimum(full_end, hi)
-    mid = lo + tl.maximum(full_end - lo, 0) // BLOCK_N * BLOCK_N
+    if SLIDING:
+        # Keys before the tile's first row's window are seen by no row: skipped. From there
+        # up to the last row's window start, some rows see a key and others do not: masked
+        # blocks, which end at `edge`.
+        first_seen = first_tok + shift - window + 1
+        all_seen = tl.minimum(first_tok + BLOCK_Q, q_len) - 1 + shift - window + 1
+        lo = tl.maximum(lo, first_seen)
+        edge = lo + (tl.maximum(all_seen - lo, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    else:
+        edge = lo
+    mid = edge + tl.maximum(full_end - edge, 0) // BLOCK_N * BLOCK_N
 
     m_i = tl.full([BLOCK_M], -1e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(lo, mid, BLOCK_N):
+    if SLIDING:
+        for start in range(lo, edge, BLOCK_N):
+            acc, l_i, m_i = _attend_block(
+                acc, l_i, m_i, qt, k_pool, v_pool, kv_indices, kv_start, start, hi, row_limit,
+                kv_head, qk_scale, window, cap, stride_ks, stride_kh, stride_vs, stride_vh, d,
+                HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, SLIDING, SOFTCAP, DOT_PRECISION)
+    for start in range(edge, mid, BLOCK_N):
         acc, l_i, m_i = _attend_block(
             acc, l_i, m_i, qt, k_pool, v_pool, kv_indices, kv_start, start, hi, row_limit,
-            kv_head, qk_scale, stride_ks, stride_kh, stride_vs, stride_vh, d,
-            HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, DOT_PRECISION)
+            kv_head, qk_scale, window, cap, stride_ks, stride_kh, stride_vs, stride_vh, d,
+            HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, SLIDING, SOFTCAP, DOT_PRECISION)
     for start in range(mid, hi, BLOCK_N):
         acc, l_i, m_i = _attend_block(
             acc, l_i, m_i, qt, k_pool, v_pool, kv_indices, kv_start, start, hi, row_limit,
-            kv_head, qk_scale, stride_ks, stride_kh, stride_vs, stride_vh, d,
-            HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, DOT_PRECISION)
+            kv_head, qk_scale, window, cap, stride_ks, stride_kh, stride_vs, stride_vh, d,
+            HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, SLIDING, SOFTCAP, DOT_PRECISION)
 
     has_keys = l_i > 0.0
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -224,11 +259,13 @@ def choose_num_kv_splits(programs: int, max_q_len: int, max_kv_len: int, num_sms
 def launch_paged_attention(q, k_pool, v_pool, out, qo_indptr, kv_indptr, kv_indices, *,
                            sm_scale: float, max_q_len: int, max_kv_len: int, causal: bool,
                            num_kv_splits: int, part_out=None, part_lse=None, split_base: int = 0,
-                           tile: tuple[int, int, int] | None = None):
+                           tile: tuple[int, int, int] | None = None, window: int | None = None,
+                           softcap: float | None = None):
     """Launch the kernel once. With `part_out`/`part_lse` ([T, Hq, S, D] / [T, Hq, S] fp32) it
     writes normalised partials into splits split_base .. split_base+num_kv_splits-1 instead of
     `out`; the caller merges. Shared with the shared-prefix path. `tile` = (BLOCK_N, num_warps,
-    num_stages) overrides the heuristic (benchmark sweeps)."""
+    num_stages) overrides the heuristic (benchmark sweeps). `window`: sliding window (keys a
+    query sees, itself included; None: all); `softcap`: score soft-capping (None: off)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
     assert num_q_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
@@ -259,15 +296,21 @@ def launch_paged_attention(q, k_pool, v_pool, out, qo_indptr, kv_indptr, kv_indi
     varlen_grid = varlen_blocks < batch * blocks_per_req
     num_blocks = varlen_blocks if varlen_grid else batch * blocks_per_req
     grid = (num_blocks, num_kv_heads, num_kv_splits)
+    if softcap is not None:
+        qk_scale, cap = sm_scale / softcap, softcap * LOG2E
+    else:
+        qk_scale, cap = sm_scale * LOG2E, 1.0
     _paged_attention_kernel[grid](
         q, k_pool, v_pool, out, part_out, part_lse,
         qo_indptr, kv_indptr, kv_indices,
-        sm_scale * LOG2E, kv_per_split, split_base, batch, blocks_per_req,
+        qk_scale, kv_per_split, split_base, batch, blocks_per_req,
+        window if window is not None else 0, cap,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         *pstrides,
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal, WRITE_PARTIAL=write_partial,
+        BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal, SLIDING=window is not None,
+        SOFTCAP=softcap is not None, WRITE_PARTIAL=write_partial,
         VARLEN_GRID=varlen_grid,
         # fp32 inputs would otherwise be rounded to tf32 on the GPU.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -279,7 +322,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     out: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                     kv_indices: torch.Tensor, *, sm_scale: float, max_q_len: int,
                     max_kv_len: int, causal: bool = True,
-                    num_kv_splits: int | None = None) -> torch.Tensor:
+                    num_kv_splits: int | None = None, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Attention of q [T, Hq, D] over the paged context, written into out [T, Hq, D].
 
     k_pool, v_pool: [S, Hkv, D]; qo_indptr, kv_indptr: int32 [B+1]; kv_indices: int32 or int64
@@ -287,6 +331,9 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     max_q_len / max_kv_len: upper bounds of the per-request lengths (Python ints, no device
     read). num_kv_splits: None chooses split-KV automatically (decode/verify batches too small
     to fill the GPU); an int forces it (1 = off).
+    window: sliding window, query i of a request sees positions j with
+    i + kv_len - q_len - window < j (None: no window). softcap: scores become
+    softcap * tanh(scores / softcap) (None: off).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     batch = qo_indptr.shape[0] - 1
@@ -297,7 +344,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if num_kv_splits == 1:
         launch_paged_attention(q, k_pool, v_pool, out, qo_indptr, kv_indptr, kv_indices,
                                sm_scale=sm_scale, max_q_len=max_q_len, max_kv_len=max_kv_len,
-                               causal=causal, num_kv_splits=1)
+                               causal=causal, num_kv_splits=1, window=window, softcap=softcap)
         return out
     part_out = torch.empty(num_tokens, num_q_heads, num_kv_splits, head_dim,
                            dtype=torch.float32, device=q.device)
@@ -306,14 +353,15 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     launch_paged_attention(q, k_pool, v_pool, out, qo_indptr, kv_indptr, kv_indices,
                            sm_scale=sm_scale, max_q_len=max_q_len, max_kv_len=max_kv_len,
                            causal=causal, num_kv_splits=num_kv_splits,
-                           part_out=part_out, part_lse=part_lse)
+                           part_out=part_out, part_lse=part_lse, window=window, softcap=softcap)
     return merge_states(part_out, part_lse, out)
 
 
 def paged_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                         qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                         kv_indices: torch.Tensor, sm_scale: float,
-                        causal: bool = True) -> torch.Tensor:
+                        causal: bool = True, window: int | None = None,
+                        softcap: float | None = None) -> torch.Tensor:
     """Torch reference: per request, gather the context by slot, repeat KV heads, masked
     softmax in fp32. Reads the metadata on the host; tests only."""
     num_q_heads = q.shape[1]
@@ -328,11 +376,15 @@ def paged_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
         k = k_pool[slots].float().repeat_interleave(group, dim=1)
         v = v_pool[slots].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[qs:qe].float(), k) * sm_scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        q_len, kv_len = qe - qs, ke - ks
+        i = torch.arange(q_len, device=q.device)[:, None]
+        j = torch.arange(kv_len, device=q.device)[None, :]
         if causal:
-            q_len, kv_len = qe - qs, ke - ks
-            i = torch.arange(q_len, device=q.device)[:, None]
-            j = torch.arange(kv_len, device=q.device)[None, :]
             scores = scores.masked_fill(j > i + kv_len - q_len, float("-inf"))
+        if window is not None:
+            scores = scores.masked_fill(j <= i + kv_len - q_len - window, float("-inf"))
         probs = scores.softmax(dim=-1)
         out[qs:qe] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out

@@ -24,11 +24,13 @@ def shared_prefix_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
                             prefix_indptr: torch.Tensor, prefix_indices: torch.Tensor,
                             suffix_indptr: torch.Tensor, suffix_indices: torch.Tensor, *,
                             sm_scale: float, max_group_size: int, max_prefix_len: int,
-                            max_suffix_len: int, num_prefix_splits: int | None = None
-                            ) -> torch.Tensor:
+                            max_suffix_len: int, num_prefix_splits: int | None = None,
+                            softcap: float | None = None) -> torch.Tensor:
     """q, out: [B, Hq, D] (one decode query per request); group_indptr, prefix_indptr: int32
     [G+1]; prefix_indices: slots of each group's shared prefix; suffix_indptr: int32 [B+1];
-    suffix_indices: slots of each request's private tokens (the new one included)."""
+    suffix_indices: slots of each request's private tokens (the new one included). softcap:
+    score soft-capping as in paged_attention. There is no sliding window here: the query sees
+    its whole context, so a caller with a window uses this path only when it cuts nothing."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_groups = group_indptr.shape[0] - 1
     assert suffix_indptr.shape[0] == num_tokens + 1, "one decode query per request"
@@ -47,12 +49,12 @@ def shared_prefix_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
                            sm_scale=sm_scale, max_q_len=max_group_size,
                            max_kv_len=max_prefix_len, causal=False,
                            num_kv_splits=num_prefix_splits, part_out=part_out,
-                           part_lse=part_lse, split_base=0)
+                           part_lse=part_lse, split_base=0, softcap=softcap)
     rows = torch.arange(num_tokens + 1, dtype=torch.int32, device=q.device)
     launch_paged_attention(q, k_pool, v_pool, out, rows, suffix_indptr, suffix_indices,
                            sm_scale=sm_scale, max_q_len=1, max_kv_len=max_suffix_len,
                            causal=False, num_kv_splits=1, part_out=part_out,
-                           part_lse=part_lse, split_base=num_prefix_splits)
+                           part_lse=part_lse, split_base=num_prefix_splits, softcap=softcap)
     return merge_states(part_out, part_lse, out)
 
 

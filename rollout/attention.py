@@ -5,11 +5,17 @@ of DESIGN.md): request b computes queries `qo_indptr[b]:qo_indptr[b+1]` of the f
 and attends to the pool slots `kv_indices[kv_indptr[b]:kv_indptr[b+1]]`, its whole context in
 position order with the new tokens last. Query i of a request sees context positions
 j <= i + kv_len - q_len. The same format serves prefill, chunked prefill, decode and verify.
+
+A layer with a sliding window W (the model's KV layout, given to the backend) sees only the W
+latest of those: j > i + kv_len - q_len - W. Its K/V stay in the pool all the same (the radix
+tree and the slot table keep every slot; the global layers of the same tokens need them), the
+backend just masks what lies outside the window.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
@@ -45,17 +51,32 @@ class AttentionMetadata:
 
 
 class AttentionBackend(ABC):
-    def __init__(self, pool: KVPool) -> None:
+    def __init__(self, pool: KVPool, windows: Sequence[int | None] | None = None) -> None:
+        """`windows`: each layer's sliding window (None: global), the model's
+        KVLayout.windows; omitted, every layer is global."""
         self.pool = pool
+        self.windows = tuple(windows) if windows is not None else (None,) * pool.num_layers
+        if len(self.windows) != pool.num_layers:
+            raise ValueError(f"windows: {len(self.windows)} for {pool.num_layers} layers")
 
     @abstractmethod
     def plan(self, meta: AttentionMetadata) -> Any:
         """Work done once per step for all layers (index maps, masks, split sizes)."""
 
+    def graph_plan(self, batch_size: int, max_kv_len: int) -> Any:
+        """The plan of a decode step captured in a CUDA graph: fixed for every replay, so it may
+        depend on nothing but the bucket's batch size and the longest context allowed."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be captured in CUDA graphs")
+
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Store k/v [T, Hkv, D] at meta.out_slots, attend q [T, Hq, D]; returns [T, Hq, D]."""
+                meta: AttentionMetadata, scale: float,
+                softcap: float | None = None) -> torch.Tensor:
+        """Store k/v [T, Hkv, D] at meta.out_slots, attend q [T, Hq, D]; returns [T, Hq, D].
+        `softcap`: scores become softcap * tanh(scores / softcap) before the mask (Gemma 2)."""
+
+    def distinct_windows(self) -> list[int]:
+        return sorted({w for w in self.windows if w is not None})
 
 
 def indptr(lens: list[int], device) -> torch.Tensor:
@@ -135,6 +156,9 @@ class _SharedPrefix:
 class _Plan:
     segments: list[_Segment]  # the plain path: requests outside any sharing group
     shared: _SharedPrefix | None
+    # The plan of the layers with each sliding window (this same plan where the window cuts no
+    # request's context).
+    by_window: dict[int, _Plan] = field(default_factory=dict)
 
 
 class TorchAttention(AttentionBackend):
@@ -150,11 +174,28 @@ class TorchAttention(AttentionBackend):
     outputs merge exactly by their log-sum-exp (as kernels/shared_prefix.py does on GPU).
     Slots that begin every group's prefix (a system prompt the radix tree holds once for all
     prompts) form one more tile, for all the groups' queries at once, read in place from the
-    pool when they are consecutive slots."""
+    pool when they are consecutive slots.
+
+    Sliding-window layers get a plan of their own when the window cuts into some request's
+    context: those requests take the plain path with the window in their mask (the shared
+    prefix would not be seen whole); requests whose context fits in the window keep the
+    shared-prefix path. Soft-capped scores (Gemma 2) are computed with matmuls in fp32: SDPA
+    has no soft-capping."""
 
     def plan(self, meta: AttentionMetadata) -> _Plan:
+        windows = self.distinct_windows()
+        # The plan without a window serves global layers and windows that cut nothing; a model
+        # whose every layer has a window that cuts (Mistral past its window) needs none.
+        unwindowed = None in self.windows or any(meta.max_kv_len <= w for w in windows)
+        full = self._plan(meta, None) if unwindowed else _Plan(segments=[], shared=None)
+        for window in windows:
+            cut = meta.max_kv_len > window
+            full.by_window[window] = self._plan(meta, window) if cut else full
+        return full
+
+    def _plan(self, meta: AttentionMetadata, window: int | None) -> _Plan:
         device = meta.kv_indices.device
-        members = _sharing_groups(meta)
+        members = _sharing_groups(meta, window)
         shared = {b for m in members for b in m}
         q_lens = torch.tensor(meta.q_lens)
         kv_lens = torch.tensor(meta.kv_lens)
@@ -166,11 +207,12 @@ class TorchAttention(AttentionBackend):
         for rows in ((decode & plain).nonzero().flatten(), (~decode & plain).nonzero().flatten()):
             if rows.numel():
                 segments.append(self._segment(rows, q_lens, kv_lens, q_start, kv_start,
-                                              meta.kv_indices, device))
+                                              meta.kv_indices, device, window))
         return _Plan(segments, self._shared_plan(meta, members) if members else None)
 
     @staticmethod
-    def _segment(rows, q_lens, kv_lens, q_start, kv_start, kv_indices, device) -> _Segment:
+    def _segment(rows, q_lens, kv_lens, q_start, kv_start, kv_indices, device,
+                 window: int | None = None) -> _Segment:
         ql, kl = q_lens[rows], kv_lens[rows]
         mq, mk = int(ql.max()), int(kl.max())
         qi, kj = torch.arange(mq), torch.arange(mk)
@@ -180,8 +222,10 @@ class TorchAttention(AttentionBackend):
         q_index = q_start[rows][:, None] + torch.minimum(qi[None, :], ql[:, None] - 1)
         kv_valid = kj[None, :] < kl[:, None]
         kv_pos = kv_start[rows][:, None] + torch.minimum(kj[None, :], kl[:, None] - 1)
-        causal = kj[None, None, :] <= qi[None, :, None] + (kl - ql)[:, None, None]
-        mask = kv_valid[:, None, :] & causal
+        q_pos = qi[None, :, None] + (kl - ql)[:, None, None]  # each query's position
+        mask = kv_valid[:, None, :] & (kj[None, None, :] <= q_pos)
+        if window is not None:
+            mask &= kj[None, None, :] > q_pos - window
         mask[:, :, 0] |= ~q_valid  # padded query rows attend somewhere, so no NaN
         q_index = q_index.to(device)
         q_valid = q_valid.to(device)
@@ -278,30 +322,36 @@ class TorchAttention(AttentionBackend):
         return _Part(q_index=q_index.to(device), kv_slots=kv_slots, kv_start=kv_start,
                      bias=bias, k_buf=k_buf, v_buf=v_buf)
 
-    def forward(self, q, k, v, layer, meta, scale):
+    def forward(self, q, k, v, layer, meta, scale, softcap=None):
         k_pool, v_pool = self.pool.k(layer), self.pool.v(layer)
         k_pool.index_copy_(0, meta.out_slots, k)
         v_pool.index_copy_(0, meta.out_slots, v)
         out = torch.empty_like(q)
         plan = meta.plan
+        window = self.windows[layer]
+        if window is not None:
+            plan = plan.by_window[window]
         for seg in plan.segments:
             qs = _gather(q, seg.q_index)
             ks, vs = _gather(k_pool, seg.kv_slots), _gather(v_pool, seg.kv_slots)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seg.mask, scale=scale,
-                                               enable_gqa=qs.shape[1] != ks.shape[1])
+            o = _masked_attention(qs, ks, vs, seg.mask, scale, softcap)
             out[seg.q_flat] = o.transpose(1, 2)[seg.q_valid]
         if plan.shared is not None:
-            self._shared_forward(q, k_pool, v_pool, plan.shared, out, scale)
+            if softcap is None:  # the call tests count (and replace) with six arguments
+                self._shared_forward(q, k_pool, v_pool, plan.shared, out, scale)
+            else:
+                self._shared_forward(q, k_pool, v_pool, plan.shared, out, scale, softcap)
         return out
 
     @staticmethod
-    def _shared_forward(q, k_pool, v_pool, plan: _SharedPrefix, out, scale) -> None:
+    def _shared_forward(q, k_pool, v_pool, plan: _SharedPrefix, out, scale,
+                        softcap=None) -> None:
         prefixes = []
         for part in plan.prefixes:
-            o, lse = _attend_part(q, k_pool, v_pool, part, scale)
+            o, lse = _attend_part(q, k_pool, v_pool, part, scale, softcap)
             prefixes.append((o.flatten(0, 1), lse.flatten(0, 1)))  # [b * mq, Hq(, D)]
         for suf in plan.suffixes:
-            o, lse = _attend_part(q, k_pool, v_pool, suf.part, scale)
+            o, lse = _attend_part(q, k_pool, v_pool, suf.part, scale, softcap)
             if suf.q_valid is None:
                 o, lse = o.flatten(0, 1), lse.flatten(0, 1)
             else:
@@ -325,7 +375,20 @@ def _merge(o_a, lse_a, o_b, lse_b):
     return torch.addcmul(o_a, w, o_b - o_a), torch.logaddexp(lse_a, lse_b)
 
 
-def _attend_part(q, k_pool, v_pool, part: _Part, scale):
+def _masked_attention(q, k, v, mask, scale, softcap):
+    """SDPA with a boolean mask; with soft-capping, the same in fp32 with matmuls. q [b, Hq, m,
+    D], k/v [b, Hkv, n, D]."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)
+    s = torch.tanh(s / softcap).mul_(softcap).masked_fill_(~mask, float("-inf"))
+    return torch.matmul(s.softmax(dim=-1), v.float()).to(q.dtype)
+
+
+def _attend_part(q, k_pool, v_pool, part: _Part, scale, softcap=None):
     """Attention of one _Part: (out [b, mq, Hq, D] in q's dtype or fp32, lse [b, mq, Hq] fp32),
     the output normalised over the part's keys alone."""
     b, mq = part.q_index.shape
@@ -347,7 +410,7 @@ def _attend_part(q, k_pool, v_pool, part: _Part, scale):
     bias = part.bias
     if bias is not None and rep > 1 and bias.shape[2] > 1:
         bias = bias.repeat_interleave(rep, dim=2)  # query-major rows: each query rep times
-    o, lse = _attention_with_lse(qs, ks, vs, bias, scale)
+    o, lse = _attention_with_lse(qs, ks, vs, bias, scale, softcap)
     # [b, Hkv, mq, rep, (D)] -> [b, mq, Hkv * rep, (D)]
     o = o.reshape(b, hkv, mq, rep, d).transpose(1, 2).reshape(b, mq, hq, d)
     lse = lse.reshape(b, hkv, mq, rep).transpose(1, 2).reshape(b, mq, hq)
@@ -358,17 +421,19 @@ def _attend_part(q, k_pool, v_pool, part: _Part, scale):
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def _attention_with_lse(q, k, v, bias, scale):
+def _attention_with_lse(q, k, v, bias, scale, softcap=None):
     """softmax(q k^T * scale + bias) v and the rows' natural log-sum-exp; q [b, h, m, D],
-    k/v [b, h, n, D]. On CPU the fused flash kernel (which returns the lse); elsewhere in
-    fp32 with matmuls."""
-    if q.device.type == "cpu" and _CPU_FLASH is not None:
+    k/v [b, h, n, D]. On CPU the fused flash kernel (which returns the lse); elsewhere, and
+    with soft-capping, in fp32 with matmuls."""
+    if q.device.type == "cpu" and _CPU_FLASH is not None and softcap is None:
         return _CPU_FLASH(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
-    return _attention_with_lse_matmul(q, k, v, bias, scale)
+    return _attention_with_lse_matmul(q, k, v, bias, scale, softcap)
 
 
-def _attention_with_lse_matmul(q, k, v, bias, scale):
+def _attention_with_lse_matmul(q, k, v, bias, scale, softcap=None):
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)
+    if softcap is not None:
+        s = torch.tanh(s / softcap).mul_(softcap)
     if bias is not None:
         s = s + bias.float()
     lse = torch.logsumexp(s, dim=-1)
@@ -392,16 +457,18 @@ def _common_len(kv_indices: torch.Tensor, firsts: list[int], prefix_lens: list[i
     return span if bool(same.all()) else int(same.int().argmin())
 
 
-def _sharing_groups(meta: AttentionMetadata) -> list[list[int]]:
+def _sharing_groups(meta: AttentionMetadata, window: int | None = None) -> list[list[int]]:
     """Requests of each group that hold >= 2 members with the same shared prefix, in batch
     order; only decode and verify rows (q_len <= MAX_SHARED_Q_LEN) whose queries all come
-    after the prefix (they see every prefix position)."""
+    after the prefix and see every prefix position (a sliding window that cuts into the
+    context rules a row out)."""
     if not meta.shared_lens:
         return []
     sharing: dict[tuple[str, int], list[int]] = {}
     for b, (group, shared) in enumerate(zip(meta.groups, meta.shared_lens)):
-        q_len = meta.q_lens[b]
-        if shared and q_len <= MAX_SHARED_Q_LEN and shared <= meta.kv_lens[b] - q_len:
+        q_len, kv_len = meta.q_lens[b], meta.kv_lens[b]
+        fits = window is None or kv_len <= window
+        if shared and q_len <= MAX_SHARED_Q_LEN and shared <= kv_len - q_len and fits:
             sharing.setdefault((group, shared), []).append(b)
     return [m for m in sharing.values() if len(m) > 1]
 
@@ -411,15 +478,3 @@ def _gather(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     advanced indexing)."""
     b, m = index.shape
     return rows.index_select(0, index.flatten()).view(b, m, *rows.shape[1:]).transpose(1, 2)
-
-
-def make_backend(name: str, pool: KVPool) -> AttentionBackend:
-    if name == "auto":
-        name = "triton" if pool.device.type == "cuda" else "torch"
-    if name == "torch":
-        return TorchAttention(pool)
-    from .triton_attention import (
-        TritonAttention,  # triton is imported only when asked for
-    )
-
-    return TritonAttention(pool)

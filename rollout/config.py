@@ -11,7 +11,7 @@ from .sampling_params import (INT32_MAX, SEED_LIMIT, as_bool, as_choice, as_floa
                               show)
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton")  # see rollout/backends.py
 # What the Triton kernels run and are tested in: their tile sizes and dot precision assume 2- or
 # 4-byte floats (kernels/paged_attention.py), so float64 is not among them.
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -30,7 +30,9 @@ class EngineConfig:
     schedule_policy: str = "lpm"
     lpm_max_waiting: int = 128
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"
+    # Attention, sampler and draft acceptance implementations, and CUDA-graph capability, as one
+    # choice (rollout/backends.py): "torch", "triton", or "auto" (triton on CUDA).
+    backend: str = "auto"
     # Replay decode-only steps from CUDA graphs (rollout/cuda_graph.py); needs the Triton
     # backend. Off by default until a GPU run has measured it.
     cuda_graphs: bool = False
@@ -39,6 +41,7 @@ class EngineConfig:
     seed: int | None = None  # default seed of unseeded requests; None draws one per request
     speculative: Any = None  # rollout.spec.SpeculativeConfig, off by default
     extra: dict = field(default_factory=dict)
+    attention_backend: str | None = None  # the former name of `backend`, still accepted
 
     def __post_init__(self) -> None:
         # Sizes count tokens that int32 tensors index: slot ids (in the CUDA graphs' kv_indices),
@@ -59,8 +62,13 @@ class EngineConfig:
         self.lpm_max_waiting = as_int("lpm_max_waiting", self.lpm_max_waiting, 1)
         self.schedule_policy = as_choice("schedule_policy", self.schedule_policy,
                                          SCHEDULE_POLICIES)
-        self.attention_backend = as_choice("attention_backend", self.attention_backend,
-                                           ATTENTION_BACKENDS)
+        self.backend = as_choice("backend", self.backend, BACKENDS)
+        if self.attention_backend is not None:
+            alias = as_choice("attention_backend", self.attention_backend, BACKENDS)
+            if self.backend not in ("auto", alias):
+                raise ValueError(f"attention_backend (the former name of backend) is {alias!r} "
+                                 f"but backend is {self.backend!r}: set backend only")
+            self.backend, self.attention_backend = alias, None
         self.enable_prefix_caching = as_bool("enable_prefix_caching", self.enable_prefix_caching)
         self.cuda_graphs = as_bool("cuda_graphs", self.cuda_graphs)
         if self.dtype is not None:

@@ -11,9 +11,9 @@ constant number of ops, and replays.
 - Every graph writes its logits into one shared buffer [max batch, vocab]: a logits tensor per
   graph would hold hundreds of MB across the buckets at a 150K vocabulary. The graphs' other
   intermediates share one memory pool (they never run concurrently).
-- A graph fixes launch parameters, so attention runs with max_kv_len = max_model_len (split-KV
-  sized for the longest context; programs past a row's real length exit at once) and without
-  the shared-prefix path, whose grouping changes every step.
+- A graph fixes launch parameters: the attention backend's `graph_plan` gives them (Triton:
+  max_kv_len = max_model_len, split-KV sized for the longest context, programs past a row's
+  real length exit at once; no shared-prefix path, whose grouping changes every step).
 - Graphs hold the addresses of the KV pool and the weights. Sleep frees both, so it drops the
   graphs and their buffers; each bucket is captured again on its first use after waking.
   `update_weights` copies in place and keeps them.
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import AttentionBackend, AttentionMetadata
-from .model_runner import ForwardContext
+from .forward_context import ForwardContext
 
 
 def decode_buckets(max_batch: int) -> list[int]:
@@ -137,15 +137,15 @@ class DecodeGraphs:
 
     def _forward(self, size: int):
         s, model, max_len = self.static, self.model, self.max_model_len
-        dtype = model.model.embed_tokens.weight.dtype
+        plan = self.backend.graph_plan(size, max_len)
 
         def forward() -> torch.Tensor:
             meta = AttentionMetadata(
                 qo_indptr=s.qo_indptr[:size + 1], kv_indptr=s.kv_indptr[:size + 1],
                 kv_indices=s.kv_indices, out_slots=s.out_slots[:size], q_lens=[1] * size,
-                kv_lens=[max_len] * size, plan=(1, max_len))
-            cos, sin = model.rope.lookup(s.positions[:size], dtype)
-            hidden = model(s.input_ids[:size], ForwardContext(cos, sin, meta, self.backend))
+                kv_lens=[max_len] * size, plan=plan)
+            ctx = ForwardContext(s.positions[:size], meta, self.backend)
+            hidden = model(s.input_ids[:size], ctx)
             return s.logits[:size].copy_(model.compute_logits(hidden))
 
         return forward

@@ -11,22 +11,11 @@ import torch
 
 from .attention import AttentionBackend, AttentionMetadata, indptr, ranges
 from .batch import Batch
+from .forward_context import ForwardContext
 from .slot_table import SlotTable
 
 if TYPE_CHECKING:
     from .cuda_graph import DecodeGraphs
-
-
-class ForwardContext:
-    """What every layer needs for this step: rotary cos/sin of the positions and attention."""
-
-    __slots__ = ("cos", "sin", "meta", "backend")
-
-    def __init__(self, cos, sin, meta: AttentionMetadata, backend: AttentionBackend) -> None:
-        self.cos, self.sin, self.meta, self.backend = cos, sin, meta, backend
-
-    def attend(self, q, k, v, layer: int, scale: float) -> torch.Tensor:
-        return self.backend.forward(q, k, v, layer, self.meta, scale)
 
 
 @dataclass
@@ -44,6 +33,9 @@ class ModelRunner:
         self.model, self.backend, self.table, self.device = model, backend, table, device
         self.graphs = graphs
         self.forward_seconds = 0.0
+        # What the model returned besides logits in the last eager step, per sampled row
+        # (models/base.py step_extras; empty for dense models).
+        self.extras: dict[str, torch.Tensor] = {}
 
     def prepare(self, batch: Batch) -> StepInputs:
         items, dev = batch.items, self.device
@@ -84,12 +76,12 @@ class ModelRunner:
         t0 = time.perf_counter()
         if inputs.graphed:
             logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+            self.extras = {}
         else:
-            dtype = self.model.model.embed_tokens.weight.dtype
-            cos, sin = self.model.rope.lookup(inputs.positions, dtype)
-            ctx = ForwardContext(cos, sin, inputs.meta, self.backend)
+            ctx = ForwardContext(inputs.positions, inputs.meta, self.backend)
             hidden = self.model(inputs.input_ids, ctx)
             logits = self.model.compute_logits(hidden[inputs.logits_index])
+            self.extras = self.model.step_extras(ctx, inputs.logits_index)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.forward_seconds += time.perf_counter() - t0

@@ -1,20 +1,22 @@
 """A model with the KV machinery that serves it: pool, prefix cache, slot table, KV manager,
-attention backend, runner, and the parking of its weights for sleep. The engine holds one for
-its model (and a scheduler over its KV manager); the draft-model drafter holds another for the
-draft."""
+backends (attention, sampler, acceptance: rollout/backends.py), runner, and the parking of its
+weights for sleep. The engine holds one for its model (and a scheduler over its KV manager);
+the draft-model drafter holds another for the draft. The model is used through its contract
+(rollout/models/base.py) only: KV layout, dtype, tables, forward, logits."""
 
 from __future__ import annotations
 
 import torch
 
-from .attention import make_backend
+from .backends import resolve_backends
 from .config import EngineConfig
+from .cuda_graph import DecodeGraphs
 from .journal import Journal
 from .kv_manager import KVManager
 from .kv_pool import KVPool
 from .model_runner import ModelRunner
 from .no_prefix_cache import make_prefix_cache
-from .sleep import WeightParking
+from .sleep import WeightParking, separate_host_memory
 from .slot_table import SlotTable
 
 
@@ -22,17 +24,27 @@ class ModelStack:
     def __init__(self, model, config: EngineConfig, num_slots: int, device: torch.device,
                  journal: Journal) -> None:
         self.model, self.device = model, device
-        self.pool = KVPool(model.config.num_hidden_layers, num_slots, model.num_kv_heads,
-                           model.head_dim, model.model.embed_tokens.weight.dtype, device)
+        layout = model.kv_layout
+        self.pool = KVPool(layout.num_layers, num_slots, layout.kv_heads, layout.head_dim,
+                           model.dtype, device)
         self.table = SlotTable(config.max_num_seqs, config.max_model_len, device)
+        # Page size 1 and every slot kept: sliding-window layers mask what lies outside their
+        # window, global layers need the whole context anyway.
         cache = make_prefix_cache(config.enable_prefix_caching, device)
         self.kv = KVManager(self.pool, cache, self.table, journal)
-        self.backend = make_backend(config.attention_backend, self.pool)
+        self.backends = resolve_backends(config.backend, device)
+        self.backend = self.backends.attention(self.pool, layout.windows)
         self.graphs = None
         if config.cuda_graphs:
-            self.graphs = decode_graphs(model, self.backend, config, device)
+            if not self.backends.cuda_graphs:
+                raise ValueError(f"cuda_graphs: needs the Triton attention backend (backend "
+                                 f"'triton', or 'auto' on CUDA); this engine resolved "
+                                 f"{config.backend!r} to {self.backends.name!r}")
+            self.graphs = DecodeGraphs(model, self.backend, config.max_num_seqs,
+                                       config.max_model_len, device)
         self.runner = ModelRunner(model, self.backend, self.table, device, self.graphs)
-        self.parking = WeightParking(model, device)
+        self.parking = WeightParking(model, device,
+                                     separate_host_memory(config.extra, device))
 
     def sleep(self, level: int) -> None:
         """Drop the KV pool (the tree empties with it) and park the weights (see sleep.py).
@@ -45,27 +57,15 @@ class ModelStack:
         self.pool.release()
         self.kv.reset()
         self.table.release()
-        self.model.rope.release()
+        self.model.drop_tables()
         self.parking.park(level)
 
     def wake_up(self) -> None:
         """Bring back what sleep dropped; what a failed sleep left in place is kept."""
         self.parking.restore()
-        if self.model.rope.cos_table is None:
-            self.model.rope.build(self.device)
+        self.model.build_tables(self.device)
         if not self.pool.is_allocated:
             self.kv.reset()
             self.pool.allocate()
             self.table.allocate()
 
-
-def decode_graphs(model, backend, config: EngineConfig, device: torch.device):
-    from .triton_attention import TritonAttention
-
-    if not isinstance(backend, TritonAttention):
-        raise ValueError("cuda_graphs: needs the Triton attention backend (attention_backend "
-                         f"'triton', or 'auto' on CUDA); this engine resolved "
-                         f"{config.attention_backend!r} to {type(backend).__name__}")
-    from .cuda_graph import DecodeGraphs
-
-    return DecodeGraphs(model, backend, config.max_num_seqs, config.max_model_len, device)

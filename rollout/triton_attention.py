@@ -7,6 +7,10 @@ group's prompt K/V is read once for all its samples rather than once per sample.
 wants a group's queries in contiguous rows, so the step's rows are permuted into group order
 and the output permuted back; the permutation and index tensors are built once per step in
 `plan`, not per layer.
+
+Sliding-window layers pass their window to the paged kernel. The shared-prefix kernel sees each
+query's whole context, so such a layer takes it only when the window cuts no request's context
+(the step's longest context fits in it); otherwise that layer runs the plain kernel.
 """
 
 from __future__ import annotations
@@ -36,31 +40,51 @@ class _SharedPrefixPlan:
     max_suffix_len: int
 
 
-class TritonAttention(AttentionBackend):
-    def plan(self, meta: AttentionMetadata) -> tuple[int, int] | _SharedPrefixPlan:
-        # Launch sizes come from host-side lengths, so the kernels never synchronise.
-        return _shared_prefix_plan(meta) or (meta.max_q_len, meta.max_kv_len)
+@dataclass
+class TritonPlan:
+    """Launch sizes of the plain kernel (host-side upper bounds, so the kernels never
+    synchronise) and, for a decode step whose samples share prompts, the shared-prefix
+    arguments."""
 
-    def forward(self, q, k, v, layer, meta, scale):
+    max_q_len: int
+    max_kv_len: int
+    shared: _SharedPrefixPlan | None = None
+
+
+class TritonAttention(AttentionBackend):
+    def plan(self, meta: AttentionMetadata) -> TritonPlan:
+        usable = any(w is None or w >= meta.max_kv_len for w in self.windows)
+        return TritonPlan(meta.max_q_len, meta.max_kv_len,
+                          _shared_prefix_plan(meta) if usable else None)
+
+    def graph_plan(self, batch_size: int, max_kv_len: int) -> TritonPlan:
+        # Decode only, launch sizes fixed for every replay (split-KV sized for the longest
+        # context), no shared-prefix path: its grouping changes every step.
+        return TritonPlan(1, max_kv_len)
+
+    def forward(self, q, k, v, layer, meta, scale, softcap=None):
         k_pool, v_pool = self.pool.k(layer), self.pool.v(layer)
         store_kv(k, v, k_pool, v_pool, meta.out_slots)
         out = torch.empty_like(q)
-        plan = meta.plan
-        if not isinstance(plan, _SharedPrefixPlan):
-            max_q_len, max_kv_len = plan
+        plan: TritonPlan = meta.plan
+        window = self.windows[layer]
+        if window is not None and window >= plan.max_kv_len:
+            window = None  # cuts nothing this step
+        shared = plan.shared
+        if shared is None or window is not None:
             paged_attention(q, k_pool, v_pool, out, meta.qo_indptr, meta.kv_indptr,
-                            meta.kv_indices, sm_scale=scale, max_q_len=max_q_len,
-                            max_kv_len=max_kv_len)
+                            meta.kv_indices, sm_scale=scale, max_q_len=plan.max_q_len,
+                            max_kv_len=plan.max_kv_len, window=window, softcap=softcap)
             return out
-        grouped_q = q if plan.perm is None else q.index_select(0, plan.perm)
-        grouped_out = out if plan.perm is None else torch.empty_like(q)
+        grouped_q = q if shared.perm is None else q.index_select(0, shared.perm)
+        grouped_out = out if shared.perm is None else torch.empty_like(q)
         shared_prefix_attention(
-            grouped_q, k_pool, v_pool, grouped_out, plan.group_indptr, plan.prefix_indptr,
-            plan.prefix_indices, plan.suffix_indptr, plan.suffix_indices, sm_scale=scale,
-            max_group_size=plan.max_group_size, max_prefix_len=plan.max_prefix_len,
-            max_suffix_len=plan.max_suffix_len)
-        if plan.perm is not None:
-            out.index_copy_(0, plan.perm, grouped_out)
+            grouped_q, k_pool, v_pool, grouped_out, shared.group_indptr, shared.prefix_indptr,
+            shared.prefix_indices, shared.suffix_indptr, shared.suffix_indices, sm_scale=scale,
+            max_group_size=shared.max_group_size, max_prefix_len=shared.max_prefix_len,
+            max_suffix_len=shared.max_suffix_len, softcap=softcap)
+        if shared.perm is not None:
+            out.index_copy_(0, shared.perm, grouped_out)
         return out
 
 

@@ -3,13 +3,26 @@
 from __future__ import annotations
 
 import torch
-from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config,
-                          Qwen3Config)
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig,
+                          MistralConfig, Phi3Config, Qwen2Config, Qwen3Config)
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+GEMMA = ("gemma2", "gemma3_text")
 
 _CONFIGS = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
-            "qwen3": Qwen3Config}
+            "qwen3": Qwen3Config, "gemma2": Gemma2Config, "gemma3_text": Gemma3TextConfig,
+            "phi3": Phi3Config}
+# Gemma: a sliding window shorter than most test prompts (so it matters), layers alternating
+# sliding and global, soft-capping on, query_pre_attn_scalar != head_dim; Gemma 3 with its two
+# RoPE bases, the global one linearly scaled.
+_GEMMA = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+              final_logit_softcapping=5.0, layer_types=["sliding_attention", "full_attention"])
+_EXTRA = {
+    "gemma2": dict(_GEMMA, attn_logit_softcapping=4.0),
+    "gemma3_text": dict(_GEMMA, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}}),
+}
 
 
 def tiny_config(family: str = "qwen2", vocab_size: int = 128, **overrides):
@@ -21,6 +34,7 @@ def tiny_config(family: str = "qwen2", vocab_size: int = 128, **overrides):
         kwargs["sliding_window"] = None
     if family == "qwen3":
         kwargs["head_dim"] = 32
+    kwargs.update(_EXTRA.get(family, {}))
     kwargs.update(overrides)
     return _CONFIGS[family](**kwargs)
 
@@ -35,11 +49,13 @@ def tiny_model(family: str = "qwen2", seed: int = 0, dtype=torch.float32, **over
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.2)
+            elif family in GEMMA:  # its RMSNorm weights are w - 1 (zeros at init)
+                p.normal_(0, 0.1)
     return model.to(dtype).eval()
 
 
 def char_tokenizer(alphabet: str = "abcdefghijklmnopqrstuvwxyz0123456789 +=.,\n"):
     """A character-level tokenizer built locally: ids 0..2 are <pad>, <bos>, <eos>."""
-    from recipes.tiny import char_tokenizer as build
+    from recipes.run.tiny import char_tokenizer as build
 
     return build(alphabet)

@@ -77,6 +77,7 @@ def test_other_bad_requests(model):
 def test_bad_config():
     for kwargs, field in [({"max_model_len": 0}, "max_model_len"),
                           ({"schedule_policy": "x"}, "schedule_policy"),
+                          ({"backend": "x"}, "backend"),
                           ({"attention_backend": "x"}, "attention_backend"),
                           ({"kv_memory_fraction": 0}, "kv_memory_fraction"),
                           ({"dtype": "float33"}, "dtype")]:

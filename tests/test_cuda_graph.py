@@ -20,7 +20,7 @@ PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11], [12] * 5]
 
 def engine(graphs: bool, **overrides) -> Engine:
     config = dict(kv_cache_tokens=512, max_model_len=48, max_num_seqs=16,
-                  attention_backend="triton", cuda_graphs=graphs)
+                  backend="triton", cuda_graphs=graphs)
     config.update(overrides)
     return Engine(tiny_model("qwen3").to(DEVICE), EngineConfig(**config))
 
@@ -94,7 +94,7 @@ def test_verify_steps_run_eagerly_beside_graphed_decodes(method):
 
 def test_cuda_graphs_need_the_triton_backend():
     with pytest.raises(ValueError, match="cuda_graphs: needs the Triton attention backend"):
-        engine(True, attention_backend="torch")
+        engine(True, backend="torch")
 
 
 def test_graphed_decode_with_split_kv():

@@ -22,7 +22,7 @@ def cuda_engine(model, **kw):
 def test_fp32_greedy_and_logprobs_match_transformers_on_cuda(family):
     model = tiny_model(family).cuda()
     engine = cuda_engine(model)
-    assert type(engine.backend).__name__ == "TritonAttention"
+    assert type(engine.stack.backend).__name__ == "TritonAttention"
     outs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, logprobs=True))
     engine.check_invariants()
     assert_matches_reference(model, PROMPTS, outs, margin=1e-3, atol=2e-4)

@@ -4,7 +4,9 @@ import pytest
 import torch
 from kernels_env import DEVICE
 
-from kernels import accept_drafts, accept_drafts_ref
+from kernels import accept_drafts, spec_accept
+from rollout.spec import accept as accept_ref
+from rollout.spec.accept import accept_drafts_ref
 
 pytestmark = pytest.mark.interpreter
 
@@ -73,12 +75,10 @@ def test_rule_on_a_written_out_case():
 
 
 @pytest.mark.parametrize("rule", ["coupled", "rejection"])
-def test_verify_gives_the_kernel_what_the_reference_gets(rule, monkeypatch):
+def test_verify_gives_the_kernel_what_the_reference_gets(rule):
     """verify() end to end with the kernel in the reference's place (as on CUDA): the per-row
     tensors it builds (dtypes included) must drive both to the same verdicts."""
-    from kernels import spec_accept
     from rollout.sampler import SamplingBatch
-    from rollout.spec import verify as verify_module
     from rollout.spec.verify import verify
 
     gen = torch.Generator().manual_seed(3)
@@ -91,11 +91,14 @@ def test_verify_gives_the_kernel_what_the_reference_gets(rule, monkeypatch):
                                 [b for b, _ in rows], [10 + j for _, j in rows], DEVICE)
     logits = (torch.randn(len(rows), vocab, generator=gen) * 2).to(DEVICE)
     verdicts = {}
-    for impl in (spec_accept.accept_drafts_ref, spec_accept.accept_drafts):
-        # verify() picks by device; make it use the implementation under test.
-        monkeypatch.setattr(verify_module, "_accept", lambda device, impl=impl: impl)
+    for impl in (accept_drafts_ref, accept_drafts):
         verdicts[impl] = [(v.tokens, v.logprobs, v.accepted)
-                          for v in verify(logits, batch, drafts, probs, rule)]
+                          for v in verify(logits, batch, drafts, probs, rule, accept=impl)]
     want, got = verdicts.values()
     assert got == want
     assert 0 < sum(accepted for _, _, accepted in want) < sum(lens)
+
+
+def test_kernel_and_reference_share_the_probability_floor():
+    # kernels/ imports nothing from rollout/, so the floor is written in both places.
+    assert spec_accept.Q_FLOOR == accept_ref.Q_FLOOR

@@ -10,7 +10,7 @@ from kernels import shared_prefix_attention
 from rollout import Engine, EngineConfig, SamplingParams, triton_attention
 from rollout.attention import AttentionMetadata, TorchAttention
 from rollout.kv_pool import KVPool
-from rollout.triton_attention import TritonAttention
+from rollout.triton_attention import TritonAttention, TritonPlan
 
 pytestmark = pytest.mark.interpreter
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.interpreter
 def generate_on_both_backends(prompts, params, **overrides):
     outs = {}
     for backend in ("torch", "triton"):
-        config = EngineConfig(kv_cache_tokens=512, max_model_len=64, attention_backend=backend,
+        config = EngineConfig(kv_cache_tokens=512, max_model_len=64, backend=backend,
                               **overrides)
         engine = Engine(tiny_model("qwen3").to(DEVICE), config)
         outs[backend] = engine.generate(prompts, params)
@@ -85,7 +85,7 @@ def test_shared_prefix_path_matches_torch_backend_on_interleaved_groups():
     for backend in (TorchAttention(pool), TritonAttention(pool)):
         meta.plan = backend.plan(meta)
         outs.append(backend.forward(q, k, v, 0, meta, 32 ** -0.5))
-    plan = meta.plan
+    plan = meta.plan.shared
     assert plan.perm.tolist() == [0, 2, 6, 1, 4, 3, 5]
     assert plan.group_indptr.tolist() == [0, 3, 5, 6, 7]
     # a, b, then d and c alone: all their context but the new token
@@ -99,7 +99,7 @@ def test_plain_kernel_when_nothing_is_shared():
     # Every group of one, or sharing nothing yet: the plain paged kernel's plan.
     for requests in ([("a", 5, 9), ("b", 5, 7)], [("a", 0, 9), ("a", 0, 7), ("b", 4, 6)]):
         meta, *_ = decode_step(pool, requests)
-        assert backend.plan(meta) == (1, 9)
+        assert backend.plan(meta) == TritonPlan(1, 9)
     meta, *_ = decode_step(pool, [("a", 5, 9), ("a", 5, 7)])
     meta.q_lens = [1, 2]  # a verify (or prefill) row: not decode-only
-    assert backend.plan(meta) == (2, 9)
+    assert backend.plan(meta) == TritonPlan(2, 9)

@@ -1,18 +1,13 @@
-"""Model registry keyed by Hugging Face `config.model_type`."""
+"""The model families, registered by Hugging Face `config.model_type` (see base.py for the
+contract, README "Adding a model family" for the steps)."""
 
 from __future__ import annotations
 
-from .llama import LlamaForCausalLM
-
-MODEL_REGISTRY = {
-    "llama": LlamaForCausalLM,
-    "mistral": LlamaForCausalLM,
-    "qwen2": LlamaForCausalLM,
-    "qwen3": LlamaForCausalLM,
-}
+from . import gemma2, gemma3, llama, phi3, qwen2, qwen3  # noqa: F401  (each registers itself)
+from .base import MODEL_REGISTRY, CausalLM
 
 
-def model_class(config):
+def model_class(config) -> type[CausalLM]:
     kind = getattr(config, "model_type", None)
     if kind not in MODEL_REGISTRY:
         raise ValueError(f"model_type {kind!r} is not supported; supported: "

@@ -11,6 +11,7 @@ import torch
 from ..config import EngineConfig, as_dtype
 from ..weights import is_peft, model_tensors, unwrap
 from . import model_class
+from .base import CausalLM
 
 
 def checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -29,16 +30,15 @@ def checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         yield from torch.load(f, map_location="cpu", weights_only=True).items()
 
 
-def build_model(config, max_model_len: int, dtype: torch.dtype, device: torch.device):
+def build_model(config, max_model_len: int, dtype: torch.dtype, device: torch.device) -> CausalLM:
     """Allocate the engine's modules for `config` (weights uninitialised until loaded)."""
     cls = model_class(config)
     with torch.device(device):
         model = cls(config, max_model_len)
     # Only the weights take `dtype`: the RoPE tables stay fp32 and are cast per step, as the
     # reference casts its cos/sin.
-    model.model.to(dtype=dtype)
-    if model.lm_head is not None:
-        model.lm_head.to(dtype=dtype)
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
     model.requires_grad_(False)
     return model.eval()
 

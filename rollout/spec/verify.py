@@ -17,8 +17,8 @@ Two acceptance rules, both leaving the output distributed exactly as plain sampl
 
 p and q are the filtered (top-k/p/min-p) distributions. Coins and resampling noise come from
 the counter-based streams keyed by (sample seed, position). Everything per row is computed here
-in torch; the scan along each request's drafts is `kernels/spec_accept.py` (a Triton kernel on
-CUDA, its torch reference elsewhere).
+in torch; the scan along each request's drafts is `accept`: the backend's (rollout/backends.py),
+the Triton kernel of `kernels/spec_accept.py` or its torch reference.
 """
 
 from __future__ import annotations
@@ -66,19 +66,12 @@ def draft_distributions(drafts: list[list[int]], draft_probs: list[torch.Tensor 
     return torch.cat(q_rows)
 
 
-def _accept(device: torch.device):
-    """The Triton scan on CUDA (imported only there: off CUDA rollout needs no triton)."""
-    if device.type == "cuda":
-        from kernels.spec_accept import accept_drafts
-
-        return accept_drafts
-    return accept_drafts_ref
-
-
 def verify(logits: torch.Tensor, batch: SamplingBatch, drafts: list[list[int]],
-           draft_probs: list[torch.Tensor | None], rule: str = "coupled") -> list[Verdict]:
+           draft_probs: list[torch.Tensor | None], rule: str = "coupled",
+           accept=accept_drafts_ref) -> list[Verdict]:
     """`logits` [R, V]: for each request its len(draft)+1 rows; `batch` holds one row per
-    logits row (position = the position of the token that row predicts)."""
+    logits row (position = the position of the token that row predicts). `accept`: the
+    acceptance scan (Backends.accept)."""
     device, vocab = logits.device, logits.shape[-1]
     logp, candidates = target_logprobs(logits, batch)
     target = pick(logits, candidates, batch)  # the target's own sample (argmax when greedy)
@@ -95,7 +88,7 @@ def verify(logits: torch.Tensor, batch: SamplingBatch, drafts: list[list[int]],
                     q_draft=q.gather(-1, safe_d).squeeze(-1),
                     coin=uniform_scalar(batch.seed, batch.position, ACCEPT_STREAM),
                     residual=((p - q).clamp(min=0).log() + noise).argmax(dim=-1))
-    num_accepted, last_token = _accept(device)(**rows)
+    num_accepted, last_token = accept(**rows)
     num_accepted, last_token = torch.stack([num_accepted.long(), last_token]).tolist()  # 1 sync
     verdicts, picked_rows, picked_tokens = [], [], []
     for draft, start, a, last in zip(drafts, row_indptr.tolist(), num_accepted, last_token):

@@ -1,0 +1,73 @@
+"""Which implementations a step runs: attention, sampler, draft acceptance, and whether decode
+steps can be captured in CUDA graphs. Chosen here, once per model stack, from
+`EngineConfig.backend`; nothing else in the engine looks at the name, the device or the class
+of a backend.
+
+- `torch`: the reference and the CPU default. TorchAttention (rollout/attention.py),
+  rollout.sampler.sample, rollout.spec.accept.accept_drafts_ref; no CUDA graphs.
+- `triton`: the CUDA default. TritonAttention (kernels/ paged and shared-prefix attention), the
+  fused Triton sampler and acceptance scan, CUDA graphs. Off CUDA (tests, under
+  TRITON_INTERPRET=1) attention runs its Triton kernels, but sampling and acceptance take the
+  torch versions: their results are bit-identical (tests/test_kernels_sample.py and
+  test_kernels_spec_accept.py hold the kernels to them) and the interpreter would spend about
+  0.3 s a step on them.
+- `auto`: triton on CUDA, torch elsewhere.
+
+Triton is imported only when the triton backend is built: on CPU, `rollout` needs torch alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .attention import AttentionBackend, TorchAttention
+from .kv_pool import KVPool
+from .sampler import SamplingBatch, sample
+from .spec.accept import accept_drafts_ref
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class Backends:
+    name: str  # "torch" or "triton" ("auto" resolved)
+    # (pool, per-layer sliding windows) -> the attention backend of a model stack
+    attention: Callable[[KVPool, Sequence[int | None]], AttentionBackend]
+    sample: Callable[[torch.Tensor, SamplingBatch], tuple[torch.Tensor, torch.Tensor]]
+    accept: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # spec/verify.py's scan
+    cuda_graphs: bool  # the attention backend provides graph_plan
+
+
+def resolve_backends(name: str, device: torch.device) -> Backends:
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return Backends("torch", TorchAttention, sample, accept_drafts_ref, cuda_graphs=False)
+    on_cuda = device.type == "cuda"
+    return Backends("triton", _triton_attention, _triton_sample if on_cuda else sample,
+                    _triton_accept if on_cuda else accept_drafts_ref, cuda_graphs=True)
+
+
+def _triton_attention(pool: KVPool, windows: Sequence[int | None]) -> AttentionBackend:
+    from .triton_attention import TritonAttention
+
+    return TritonAttention(pool, windows)
+
+
+def _triton_sample(logits: torch.Tensor, rows: SamplingBatch):
+    """The fused Triton sampler; same noise and filters as rollout.sampler.sample."""
+    from kernels import sample as kernel_sample
+
+    return kernel_sample(logits, rows.temperature, rows.top_k, rows.top_p, rows.min_p,
+                         rows.seed, rows.position)
+
+
+def _triton_accept(**rows):
+    from kernels.spec_accept import accept_drafts
+
+    return accept_drafts(**rows)

@@ -1,0 +1,34 @@
+"""ForwardContext: what every layer of a model needs in one step, handed to `model.forward`."""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import AttentionBackend, AttentionMetadata
+
+
+class ForwardContext:
+    """The step's positions, its attention metadata and backend, the rotary cos/sin of each
+    table (computed on first use, once per step), and what layers record besides hidden states
+    (`extras`, read back by the model's `step_extras`)."""
+
+    __slots__ = ("positions", "meta", "backend", "extras", "_rotary")
+
+    def __init__(self, positions: torch.Tensor, meta: AttentionMetadata,
+                 backend: AttentionBackend) -> None:
+        self.positions, self.meta, self.backend = positions, meta, backend
+        self.extras: dict[str, list[torch.Tensor]] = {}
+        self._rotary: dict = {}
+
+    def rotary(self, rope, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of the step's positions in table `rope` (a layers.RotaryEmbedding)."""
+        cached = self._rotary.get(rope)
+        if cached is None:
+            cached = self._rotary[rope] = rope.lookup(self.positions, dtype)
+        return cached
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
+               softcap: float | None = None) -> torch.Tensor:
+        """Store k/v [T, Hkv, D] in layer `layer`'s pool and attend q [T, Hq, D] over each
+        request's context (the layer's sliding window applied by the backend)."""
+        return self.backend.forward(q, k, v, layer, self.meta, scale, softcap)

@@ -1,0 +1,104 @@
+"""Rotary position embedding with a cos/sin table built once for max_model_len.
+
+Inverse frequencies come from transformers' own RoPE initialisers, so every scaling type it
+knows (default, linear, llama3, yarn, longrope, ...) matches the reference. Two kinds depend on
+the sequence length, which a table built once cannot follow; both are evaluated for
+max_model_len:
+- `dynamic` NTK: positions within the original context are unaffected only when max_model_len
+  does not exceed it.
+- `longrope` (Phi-3): the reference uses the short factors while a sequence is at most
+  `original_max_position_embeddings` long and the long factors (for every position) beyond. With
+  max_model_len <= that length the table holds the short factors, otherwise the long ones, so it
+  matches the reference for every sequence on the same side of the boundary as max_model_len.
+Partial rotary (`partial_rotary_factor` < 1, e.g. Phi-4-mini) rotates the first dimensions of
+each head only. Models with RoPE parameters per layer type (Gemma 3: local and global bases)
+build one table per type (`layer_type`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+# Scalings whose frequencies depend on the sequence length: evaluated at max_model_len.
+_LENGTH_DEPENDENT = ("dynamic", "longrope")
+
+
+def rope_parameters(config, layer_type: str | None = None) -> dict:
+    params = getattr(config, "rope_parameters", None) or {}
+    if layer_type is not None:
+        params = params.get(layer_type) or {}
+    return params
+
+
+def _inv_freq(config, head_dim: int, max_model_len: int,
+              layer_type: str | None) -> tuple[torch.Tensor, float]:
+    params = rope_parameters(config, layer_type)
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        factor = params.get("partial_rotary_factor",
+                            getattr(config, "partial_rotary_factor", None) or 1.0)
+        dim = int(head_dim * factor)
+        # On the CPU explicitly: built under the engine's device context, it would otherwise
+        # stay on the GPU through sleep.
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float()
+        return 1.0 / (theta ** (exponents / dim)), 1.0
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"rope_parameters.rope_type={rope_type!r} is not supported")
+    kwargs = {"seq_len": max_model_len} if rope_type in _LENGTH_DEPENDENT else {}
+    if layer_type is not None:
+        kwargs["layer_type"] = layer_type
+    return ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kwargs)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config, head_dim: int, max_model_len: int,
+                 layer_type: str | None = None) -> None:
+        super().__init__()
+        self.inv_freq, self.scaling = _inv_freq(config, head_dim, max_model_len, layer_type)
+        self.rotary_dim = 2 * self.inv_freq.numel()
+        self.max_model_len = max_model_len
+        self.register_buffer("cos_table", None, persistent=False)
+        self.register_buffer("sin_table", None, persistent=False)
+        self.build_table(torch.get_default_device())
+
+    # --- the table: dropped at sleep, rebuilt at wake (models/base.py) -----------------------
+    def build_table(self, device: torch.device) -> None:
+        """(Re)compute the fp32 cos/sin tables."""
+        positions = torch.arange(self.max_model_len, dtype=torch.int64, device=device).float()
+        freqs = positions[:, None] * self.inv_freq.to(device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos_table = emb.cos() * self.scaling
+        self.sin_table = emb.sin() * self.scaling
+
+    def drop_table(self) -> None:
+        self.cos_table = self.sin_table = None
+
+    @property
+    def has_table(self) -> bool:
+        return self.cos_table is not None
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos, sin [T, 1, rotary_dim] for the step's positions (ForwardContext.rotary calls this
+        once per step and table)."""
+        return (self.cos_table[positions].to(dtype)[:, None, :],
+                self.sin_table[positions].to(dtype)[:, None, :])
+
+    @staticmethod
+    def forward(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    d = cos.shape[-1]
+    if d == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rot, rest = x[..., :d], x[..., d:]
+    return torch.cat((rot * cos + _rotate_half(rot) * sin, rest), dim=-1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,23 @@
+"""Phi-3 (and Phi-4-mini, same model_type): Llama's layers, no biases. The checkpoint stores
+`qkv_proj` and `gate_up_proj` fused already, in our shard order (q, k, v; gate, up), so the
+weight table maps them by name, whole. LongRoPE (`rope_type` "longrope", formerly "su") and
+partial rotary come through layers/rotary.py; `sliding_window` applies to every layer."""
+
+from __future__ import annotations
+
+from .base import WeightTable, register
+from .layers import AttentionOptions
+from .llama import LlamaForCausalLM
+
+
+@register("phi3")
+class Phi3ForCausalLM(LlamaForCausalLM):
+    WEIGHTS = WeightTable()  # no split projections to fuse: every name maps to itself
+
+    @classmethod
+    def attention_options(cls, config) -> AttentionOptions:
+        return AttentionOptions()
+
+    @classmethod
+    def mlp_bias(cls, config) -> bool:
+        return False

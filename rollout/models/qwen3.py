@@ -1,0 +1,19 @@
+"""Qwen3: Llama's layers with an RMSNorm over each head's q and k before RoPE."""
+
+from __future__ import annotations
+
+from .base import register
+from .layers import AttentionOptions
+from .llama import LlamaForCausalLM
+
+
+@register("qwen3")
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def attention_options(cls, config) -> AttentionOptions:
+        bias = bool(getattr(config, "attention_bias", False))
+        return AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=True)
+
+    @classmethod
+    def mlp_bias(cls, config) -> bool:
+        return False
