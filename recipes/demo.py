@@ -21,8 +21,8 @@ CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "de
 def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_SILENT", "true")
-    from recipes.config import load_config, parse_overrides
-    from recipes.session import train
+    from recipes.run.config import load_config, parse_overrides
+    from recipes.run.session import train
 
     cfg = load_config(CONFIG, parse_overrides(sys.argv[1:] if argv is None else argv))
     result = train(cfg)

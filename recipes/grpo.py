@@ -10,7 +10,7 @@ unless mpirun is set up.)
 
 Every process builds its own engine on its own device and rolls out its own shard of prompts;
 accelerate (DDP) averages the gradients. `--trainer custom` (default) runs the loop in
-recipes/custom_loop.py (`--algo grpo|ppo`); `--trainer trl` runs TRL's GRPOTrainer through
+recipes/algo/custom_loop.py (`--algo grpo|ppo`); `--trainer trl` runs TRL's GRPOTrainer through
 trainer_hooks.trl. With no model and no dataset, the built-in task and tiny model are used.
 """
 
@@ -23,14 +23,14 @@ import sys
 if __package__ in (None, ""):  # `accelerate launch recipes/grpo.py` runs this file as a script
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from recipes.config import RecipeConfig, load_config, parse_overrides  # noqa: E402
+from recipes.run.config import RecipeConfig, load_config, parse_overrides  # noqa: E402
 
 
 def config_from_args(argv: list[str] | None = None) -> RecipeConfig:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Any other --key value overrides that key of the config "
-               "(see recipes/config.py for every key).")
+               "(see recipes/run/config.py for every key).")
     parser.add_argument("--config", help="YAML file of RecipeConfig keys")
     args, rest = parser.parse_known_args(argv)
     return load_config(args.config, parse_overrides(rest))
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def run(cfg: RecipeConfig) -> dict:
-    from recipes.session import train
+    from recipes.run.session import train
 
     return train(cfg)
 

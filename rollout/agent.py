@@ -33,7 +33,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
-from .engine import Engine, _progress
+from .engine import Engine
+from .progress import progress
 from .intake import check_request
 from .outputs import Sample
 from .sampling_params import SamplingParams, as_int
@@ -114,7 +115,7 @@ class _Runner:
         checked = [check_request(p, self.params, engine.vocab_size, engine.config.max_model_len,
                                  engine.tokenizer)[1] for p in prompts]  # every prompt first
         result: list[list[Episode]] = []
-        bar = self.bar = _progress(len(prompts) * self.params.n, use_tqdm)
+        bar = self.bar = progress(len(prompts) * self.params.n, use_tqdm, unit="episode")
         with ThreadPoolExecutor(self.workers, thread_name_prefix="rollout-env") as pool:
             self.pool = pool
             try:

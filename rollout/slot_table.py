@@ -36,6 +36,11 @@ class SlotTable:
     def num_free_rows(self) -> int:
         return len(self._free_rows)
 
+    @property
+    def free_rows(self) -> tuple[int, ...]:
+        """The free rows, the next alloc_row()'s last (a copy: for checks and tests)."""
+        return tuple(self._free_rows)
+
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         self.table[row, start:start + slots.numel()] = slots
 

@@ -198,10 +198,13 @@ def named_shapes_and_tensors(source) -> tuple[list[tuple[str, torch.Size]],
 
 
 def buckets(named: Iterable[tuple[str, torch.Tensor]], device: torch.device,
-            dtype: torch.dtype, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+            dtype: torch.dtype, bucket_bytes: int, separate_host: bool = False
+            ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group tensors that live off `device` into flat buckets moved with one copy each, so a
     whole model crosses host<->device in a few large transfers instead of one per parameter.
-    Tensors already on `device` pass through untouched (the in-place copy does the rest)."""
+    Tensors already on `device` pass through untouched (the in-place copy does the rest).
+    `separate_host`: the device's memory is not the host's (a GPU, or the CPU seam of
+    sleep.py), so host tensors are off the device even when `device` is the CPU."""
     pending: list[tuple[str, torch.Tensor]] = []
     size = 0
 
@@ -217,7 +220,7 @@ def buckets(named: Iterable[tuple[str, torch.Tensor]], device: torch.device,
         return out
 
     for name, tensor in named:
-        if tensor.device == device:
+        if tensor.device == device and not (separate_host and tensor.device.type == "cpu"):
             yield [(name, tensor)]
             continue
         pending.append((name, tensor))

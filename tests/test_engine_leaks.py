@@ -34,15 +34,15 @@ def test_sleep_wake_cycles_do_not_grow_host_memory(spec):
     although it was in use during them."""
     engine = make(spec, True)
     speculator = engine.speculator
-    # Reading Speculator._misses (private) is deliberate: it is keyed by sequence id, which
-    # grows forever in a trainer, so an entry that outlives its request is a leak that no
-    # public API shows until memory runs out. It must be emptied as requests end.
+    # The back-off state is keyed by sequence id, which grows forever in a trainer, so an
+    # entry that outlives its request is a leak that memory shows only after a long run. It
+    # must be emptied as requests end.
     in_use = []
     after_commit = speculator.after_commit
 
     def watched(batch, verdicts):
         after_commit(batch, verdicts)
-        in_use.append(len(speculator._misses))
+        in_use.append(len(speculator.backoff_sequences))
 
     speculator.after_commit = watched
     params = SamplingParams(n=1, temperature=1.0, seed=1, max_tokens=3, stop=["q."])
@@ -53,7 +53,7 @@ def test_sleep_wake_cycles_do_not_grow_host_memory(spec):
             engine.generate([f"ab {cycle}+{cycle % 7}="], params)
             engine.sleep(1)
             engine.wake_up()
-            assert not speculator._misses, f"back-off state left after cycle {cycle}"
+            assert not speculator.backoff_sequences, f"back-off state left after cycle {cycle}"
             assert not engine.kv.attached and not engine.has_unfinished
             if spec == "draft":
                 assert not speculator.drafter.shadows

@@ -268,7 +268,7 @@ class World:
             free=kv.pool.free_slots().tolist(), num_free=kv.pool.num_free,
             tree=tree_map(self.cache), evictable=self.cache.evictable_size,
             protected=self.cache.protected_size,
-            free_rows=list(kv.table._free_rows), num_free_rows=kv.table.num_free_rows,
+            free_rows=list(kv.table.free_rows), num_free_rows=kv.table.num_free_rows,
             attached=sorted(kv.attached), seqs=seqs,
             pending=[p.tolist() for p in kv.pending], hits=kv.cache_hit_tokens)
 

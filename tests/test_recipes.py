@@ -11,10 +11,10 @@ import pytest
 import torch
 import yaml
 
-from recipes.config import RecipeConfig, load_config, parse_overrides
+from recipes.algo.advantages import gae, group_advantages
 from recipes.grpo import main
-from recipes.losses import gae, group_advantages
-from recipes.rewards import REWARDS, exact_reward, math_reward
+from recipes.run.config import RecipeConfig, load_config, parse_overrides
+from recipes.tasks import REWARDS, exact_reward, math_reward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -199,6 +199,7 @@ def test_missing_dataset_file(tmp_path):
     ("value_clip", -0.5, "value_clip"), ("clip_eps", float("inf"), "clip_eps"),
     ("tiny_model", {"hidden_size": 0}, "tiny_model.hidden_size"),
     ("max_new_tokens", 64, "max_new_tokens"), ("minibatches", 1000, "minibatches"),
+    ("data_seed", -1, "data_seed"), ("data_seed", 2**32, "data_seed"),
 ])
 def test_bad_values_name_their_key(key, value, match):
     with pytest.raises(ValueError, match=match):
@@ -231,6 +232,17 @@ def test_rewards():
     assert math_reward("#### 1,234.0", "#### 1234") == 1.0
 
 
+def test_data_seed_keeps_the_held_out_set_across_seeds():
+    from recipes.tasks import load_task
+
+    def held_out(**keys):
+        return load_task(RecipeConfig(train_size=100, eval_size=50, **keys)).eval["prompt"]
+
+    fixed = held_out(seed=0)
+    assert held_out(seed=1, data_seed=0) == held_out(seed=2, data_seed=0) == fixed
+    assert held_out(seed=1) != fixed  # unset, it follows the seed
+
+
 def test_group_advantages_and_gae():
     rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0])
     group = torch.tensor([0, 0, 0, 0, 1, 1])
@@ -260,7 +272,7 @@ def test_missing_model_path(tmp_path):
 def test_named_model_and_dataset_files(tmp_path):
     """The real-model path without a download: a model directory whose tokenizer has a chat
     template, and a JSONL of GSM8K-style rows scored by the math reward."""
-    from recipes.tiny import char_tokenizer, tiny_llama
+    from recipes.run.tiny import char_tokenizer, tiny_llama
 
     tok = char_tokenizer("0123456789+=#abcdefghijklmnopqrstuvwxyz ?.\n")
     tok.chat_template = ("{% for m in messages %}{{ m['role'][0] }}={{ m['content'] }}\n"

@@ -89,7 +89,7 @@ def test_deepening_sleep_allocates_nothing_and_then_needs_weights(monkeypatch):
     assert allocations == []  # neither the target's pool nor the draft's
     assert engine.sleep_level == 2 and engine.needs_weights
     assert engine.memory_held() == 0  # on CPU level 1 kept the weights in place; now dropped
-    assert engine.stack.parking.host == {}
+    assert engine.stack.parking.host_bytes == 0
     engine.wake_up()
     with pytest.raises(RuntimeError, match="update_weights"):
         engine.generate(PROMPTS, GREEDY)
@@ -100,20 +100,21 @@ def test_deepening_sleep_allocates_nothing_and_then_needs_weights(monkeypatch):
 
 def test_parked_host_weights_are_dropped_when_deepening():
     """On a GPU level 1 parks the weights on the host; deepening must drop that copy, not bring
-    it back. The CPU parks nothing at level 1, so the parked state is set up by hand."""
-    from rollout.sleep import WeightParking
+    it back. On CPU the seam (separate_host, see rollout/sleep.py) parks them as a GPU does."""
+    from rollout.sleep import WeightParking, tensor_bytes
 
     model = tiny_model("llama")
     shapes = {n: p.shape for n, p in model.named_parameters()}
-    parking = WeightParking(model, torch.device("cpu"))
-    for name, p in model.named_parameters():  # what park(1) leaves on a GPU
-        parking.host[name] = p.detach().clone()
-        p.data = torch.empty(0, dtype=p.dtype)
+    weights = tensor_bytes(model.parameters())
+    parking = WeightParking(model, torch.device("cpu"), separate_host=True)
+    parking.park(1)
+    assert parking.host_bytes == weights and tensor_bytes(model.parameters()) == 0
     parking.park(2)
-    assert parking.host == {}
+    assert parking.host_bytes == 0 and parking.dropped_any
     assert {n: s for n, (s, _) in parking.dropped.items()} == shapes
     parking.restore()
     assert {n: p.shape for n, p in model.named_parameters()} == shapes
+    assert not parking.dropped_any
 
 
 # --- rollout.generate with a checkpoint path -------------------------------------------------

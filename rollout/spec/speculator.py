@@ -77,6 +77,12 @@ class Speculator:
                 state[1] = min(2 ** state[0], 32)
         self.drafter.rollback(verified)
 
+    @property
+    def backoff_sequences(self) -> frozenset[int]:
+        """Ids of the sequences that hold back-off state: only running ones should (ids only
+        grow in a trainer, so an entry that outlives its request is a leak)."""
+        return frozenset(self._misses)
+
     def forget(self, seqs: list[Sequence]) -> None:
         """The request ended (finished or aborted): drop its back-off state."""
         for seq in seqs:

@@ -11,11 +11,11 @@ import time
 
 import torch
 
+from ..tasks import builtin_alphabet, load_task
 from .build import build_engine, frozen_copy, load_model, load_tokenizer
 from .config import RecipeConfig
 from .evaluate import held_out_accuracy
 from .plot import reward_curve
-from .tasks import builtin_alphabet, load_task
 from .tracking import Tracker
 
 
@@ -45,7 +45,7 @@ def train(cfg: RecipeConfig) -> dict:
                       f"task: {cfg.dataset or cfg.task} ({len(task.train)} train prompts), "
                       f"{processes} process(es)")
         if cfg.trainer == "trl":
-            from .trl_loop import train_trl
+            from ..algo.trl_loop import train_trl
 
             result = train_trl(cfg, accelerator, policy, tokenizer, task, tracker)
         else:
@@ -81,9 +81,9 @@ def _leave_process_group(accelerator) -> None:
 def _train_custom(cfg, accelerator, policy, tokenizer, task, tracker) -> dict:
     from trainer_hooks.colocate import ColocatedRollout
 
-    from .custom_loop import CustomTrainer
-    from .value_head import ActorCritic
-    from .warmstart import warm_start
+    from ..algo.custom_loop import CustomTrainer
+    from ..algo.value_head import ActorCritic
+    from ..algo.warmstart import warm_start
 
     module = ActorCritic(policy) if cfg.algo == "ppo" else policy
     optimizer = torch.optim.AdamW(module.parameters(), lr=cfg.learning_rate,

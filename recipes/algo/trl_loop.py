@@ -9,9 +9,9 @@ import time
 
 from transformers import PrinterCallback, TrainerCallback
 
-from .build import engine_config, frozen_copy
-from .config import RecipeConfig
-from .evaluate import held_out_accuracy
+from ..run.build import engine_config, frozen_copy
+from ..run.config import RecipeConfig
+from ..run.evaluate import held_out_accuracy
 
 # TRL log key -> the custom loop's name for the same quantity.
 _ALIASES = {"reward": "reward/mean", "reward_std": "reward/std",

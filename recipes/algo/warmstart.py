@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .config import RecipeConfig
+from ..run.config import RecipeConfig
 
 
 def encode_examples(task, tokenizer, prompts: list[str], answers: list[str], device):

@@ -32,6 +32,9 @@ class RecipeConfig:
     dataset_config: str | None = None  # e.g. "main" for openai/gsm8k
     task: str = "addition"  # the built-in task, used when `dataset` is None
     train_size: int = 8000  # built-in task sizes (a dataset's own splits are used otherwise)
+    # Seed of the built-in task's train/held-out split and of dataset shuffles; None: `seed`.
+    # Fixed, it keeps the held-out set (and what a warm start saw) across a sweep of seeds.
+    data_seed: int | None = None
     eval_size: int = 200  # held-out prompts scored greedily before and after; 0: skip
     eval_every: int = 0  # also score every this many RL steps (custom trainer); 0: never
     train_split: str = "train"
@@ -43,7 +46,7 @@ class RecipeConfig:
     reward: str = "auto"  # exact | math; auto: exact for the built-in task, math for datasets
 
     # --- trainer --------------------------------------------------------------------------------
-    trainer: str = "custom"  # custom (the loop in recipes/custom_loop.py) | trl
+    trainer: str = "custom"  # custom (the loop in recipes/algo/custom_loop.py) | trl
     algo: str = "grpo"  # grpo | ppo (custom trainer only)
     steps: int = 100
     prompts_per_step: int = 32  # per process; each process rolls out its own shard
@@ -103,6 +106,10 @@ class RecipeConfig:
         _check_values(self)
 
     @property
+    def split_seed(self) -> int:
+        return self.seed if self.data_seed is None else self.data_seed
+
+    @property
     def reward_kind(self) -> str:
         if self.reward != "auto":
             return self.reward
@@ -134,6 +141,8 @@ def _check_values(cfg: RecipeConfig) -> None:
             raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)}")
     if not cfg.seed < 2**32:  # accelerate's set_seed seeds numpy, which takes 32 bits
         raise ValueError(f"seed must be < 2**32, got {cfg.seed}")
+    if cfg.data_seed is not None and not 0 <= cfg.data_seed < 2**32:
+        raise ValueError(f"data_seed must be in [0, 2**32) or null (seed), got {cfg.data_seed}")
     if cfg.num_threads is not None and cfg.num_threads < 1:
         raise ValueError(f"num_threads must be >= 1 or null (torch's default), "
                          f"got {cfg.num_threads}")

@@ -19,12 +19,13 @@ from tqdm.auto import tqdm
 from rollout import SamplingParams
 from trainer_hooks.colocate import ColocatedRollout
 
+from ..run.config import RecipeConfig
+from ..run.rollout_metrics import EngineMeter
+from ..run.shard import PromptSampler
+from .advantages import gae, group_advantages, whiten
 from .batch import RolloutBatch, build_batch
-from .config import RecipeConfig
 from .logprobs import policy_logprobs, token_logprobs
-from .losses import gae, group_advantages, grpo_loss, ppo_loss, whiten
-from .rollout_metrics import EngineMeter
-from .shard import PromptSampler
+from .losses import grpo_loss, ppo_loss
 
 
 class CustomTrainer:

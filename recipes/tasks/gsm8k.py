@@ -1,62 +1,56 @@
-"""Where prompts and answers come from: the built-in task generated in code, or a dataset.
-
-A Task is two `datasets.Dataset`s with a `prompt` (text given to the model) and an `answer`
-column, plus the reward that scores a completion against its answer.
+"""Math word problems from a dataset, GSM8K-style: an HF hub id (`--dataset openai/gsm8k
+--dataset_config main`), a local dataset directory, or one .json/.jsonl/.csv/.parquet file.
+Prompts come from `prompt_template` over each row (then the tokenizer's chat template, if any);
+the reward is `math` unless the config names another: the last number of the completion against
+the gold answer's number, which a GSM8K answer gives after `####`.
 """
 
 from __future__ import annotations
 
 import os
-import random
-from collections.abc import Callable
-from dataclasses import dataclass
+import re
 
 from datasets import Dataset
 
-from .config import DATA_FILE_TYPES, RecipeConfig, is_data_file
-from .rewards import REWARDS
+from ..run.config import DATA_FILE_TYPES, RecipeConfig, is_data_file
+from .base import Task
 
-ADDITION_ALPHABET = "0123456789+="
-
-
-@dataclass
-class Task:
-    train: Dataset
-    eval: Dataset | None
-    reward: Callable[[str, str], float]
-    alphabet: str | None = None  # characters of the built-in tokenizer; None for real models
-    templated: bool = False  # prompts went through the chat template (special tokens included)
-
-    def encode(self, tokenizer, prompts: list[str]) -> list[list[int]]:
-        """Prompt token ids, as the engine and the warm start both get them: a chat template
-        already wrote the special tokens (a Llama-3 BOS, say), so they are not added twice."""
-        return [tokenizer.encode(p, add_special_tokens=not self.templated) for p in prompts]
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
-def addition(train_size: int, eval_size: int, seed: int) -> tuple[Dataset, Dataset]:
-    """2-digit addition, "12+34=" -> "46": learnable by a 0.5M-parameter model in minutes,
-    and checkable exactly. Held-out pairs never appear in training."""
-    pairs = [(a, b) for a in range(100) for b in range(100)]
-    random.Random(seed).shuffle(pairs)
-    if eval_size + train_size > len(pairs):
-        raise ValueError(f"train_size + eval_size must be <= {len(pairs)} for the addition "
-                         f"task, got {train_size} + {eval_size}")
-
-    def rows(chunk):
-        return Dataset.from_dict({"prompt": [f"{a}+{b}=" for a, b in chunk],
-                                  "answer": [str(a + b) for a, b in chunk]})
-
-    return rows(pairs[eval_size:eval_size + train_size]), rows(pairs[:eval_size])
+def final_number(text: str) -> float | None:
+    """The last number in `text` (thousands separators allowed), or None."""
+    found = _NUMBER.findall(text)
+    if not found:
+        return None
+    try:
+        return float(found[-1].replace(",", ""))
+    except ValueError:
+        return None
 
 
-def load_task(cfg: RecipeConfig, tokenizer=None) -> Task:
-    reward = REWARDS[cfg.reward_kind]
-    if cfg.dataset is None:
-        train, held_out = addition(cfg.train_size, cfg.eval_size, cfg.seed)
-        return Task(train, held_out if cfg.eval_size else None, reward, ADDITION_ALPHABET)
+def gold_number(answer: str) -> float | None:
+    answer = str(answer)
+    if "####" in answer:
+        answer = answer.rsplit("####", 1)[1]
+    return final_number(answer)
+
+
+def math_reward(completion: str, answer: str) -> float:
+    # A model that keeps writing after `####` still names its answer right after it.
+    if "####" in completion:
+        tail = completion.rsplit("####", 1)[1]
+        got = final_number(tail.strip().split("\n", 1)[0]) if tail.strip() else None
+    else:
+        got = final_number(completion)
+    gold = gold_number(answer)
+    return float(got is not None and gold is not None and abs(got - gold) < 1e-6)
+
+
+def load(cfg: RecipeConfig, tokenizer, reward) -> Task:
     if is_data_file(cfg.dataset):
         # One local file: its last eval_size rows (after a seeded shuffle) are held out.
-        rows = _load_split(cfg, "train").shuffle(seed=cfg.seed)
+        rows = _load_split(cfg, "train").shuffle(seed=cfg.split_seed)
         cut = len(rows) - min(cfg.eval_size, len(rows) // 2)
         train = rows.select(range(cut))
         held_out = rows.select(range(cut, len(rows))) if cfg.eval_size else None
@@ -64,7 +58,7 @@ def load_task(cfg: RecipeConfig, tokenizer=None) -> Task:
         train = _load_split(cfg, cfg.train_split)
         held_out = _load_split(cfg, cfg.eval_split) if cfg.eval_size else None
         if held_out is not None and len(held_out) > cfg.eval_size:
-            held_out = held_out.shuffle(seed=cfg.seed).select(range(cfg.eval_size))
+            held_out = held_out.shuffle(seed=cfg.split_seed).select(range(cfg.eval_size))
     templated = _uses_chat_template(cfg, tokenizer)
     fmt = _formatter(cfg, tokenizer, templated)
     train = train.map(fmt, desc="prompts")
@@ -114,8 +108,3 @@ def _formatter(cfg: RecipeConfig, tokenizer, use_chat: bool):
         return {"prompt": text, "answer": str(row[cfg.answer_field])}
 
     return fmt
-
-
-def builtin_alphabet(cfg: RecipeConfig) -> str | None:
-    """Characters the built-in tokenizer needs; None when a real model brings its own."""
-    return {"addition": ADDITION_ALPHABET}[cfg.task] if cfg.model is None else None

@@ -1,4 +1,5 @@
-"""GRPO and PPO objectives on [N, L-1] token tensors (see batch.py for the layout).
+"""GRPO and PPO objectives on [N, L-1] token tensors (see batch.py for the layout; the
+advantages they weigh come from advantages.py).
 
 Losses are token-level sums divided by `num_tokens`, the completion tokens of the whole
 minibatch, so micro-batches add up to the minibatch's mean and long completions are not
@@ -8,20 +9,6 @@ down-weighted per token (the sample-level mean of the original GRPO paper does t
 from __future__ import annotations
 
 import torch
-
-
-def group_advantages(rewards: torch.Tensor, group: torch.Tensor, eps: float = 1e-4
-                     ) -> torch.Tensor:
-    """(r - mean) / (std + eps) within each prompt's group: a group whose samples all score the
-    same carries no signal and gets advantage 0."""
-    num_groups = int(group.max()) + 1
-    count = torch.zeros(num_groups, device=rewards.device).index_add_(0, group,
-                                                                       torch.ones_like(rewards))
-    mean = torch.zeros(num_groups, device=rewards.device).index_add_(0, group, rewards) / count
-    centred = rewards - mean[group]
-    var = torch.zeros(num_groups, device=rewards.device).index_add_(0, group, centred ** 2)
-    std = (var / (count - 1).clamp(min=1)).sqrt()
-    return centred / (std[group] + eps)
 
 
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -51,31 +38,6 @@ def grpo_loss(logprobs, old_logprobs, advantages, mask, num_tokens, clip_eps,
     loss = _sum(per_token, mask) / num_tokens
     stats |= _ratio_stats(ratio, clipped, mask)
     return loss, stats
-
-
-def gae(rewards, values, mask, gamma: float, lam: float):
-    """Generalised advantage estimation over each row's contiguous completion tokens.
-
-    `rewards`, `values`, `mask`: [N, T]. Returns (advantages, returns), zero off the mask."""
-    n, t_len = rewards.shape
-    advantages = torch.zeros_like(rewards)
-    last = torch.zeros(n, device=rewards.device)
-    for t in reversed(range(t_len)):
-        if t + 1 < t_len:
-            next_mask = mask[:, t + 1]
-            next_value = values[:, t + 1] * next_mask
-        else:
-            next_mask = next_value = torch.zeros(n, device=rewards.device)
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        last = delta + gamma * lam * next_mask * last
-        advantages[:, t] = last * mask[:, t]
-    return advantages, (advantages + values) * mask
-
-
-def whiten(x, mask, eps: float = 1e-8):
-    mean = _sum(x, mask) / mask.sum()
-    var = _sum((x - mean) ** 2, mask) / mask.sum()
-    return (x - mean) * torch.rsqrt(var + eps) * mask
 
 
 def ppo_loss(logprobs, old_logprobs, values, old_values, returns, advantages, mask, num_tokens,
