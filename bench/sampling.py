@@ -27,7 +27,7 @@ from unittest import mock
 
 import torch
 
-from rollout import sampler
+from rollout import sampler, sampling_filter
 from rollout.sampler import SamplingBatch, sample
 
 
@@ -115,7 +115,7 @@ def run(rows: int, vocab: int, kind: str, repeats: int) -> None:
         fns[(name, "old")] = old
         stats: dict[str, int] = {}
         if b.needs_filter:
-            sampler._filter_selected(logp, b.top_k, b.top_p, b.min_p, normalized=True,
+            sampling_filter.filter_by_threshold(logp, b.top_k, b.top_p, b.min_p, normalized=True,
                                      stats=stats)
         shares[name] = stats
         # Same tokens and logprobs, old and new.

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import AttentionBackend, AttentionMetadata
+from .attention import AttentionBackend
+from .attention_metadata import AttentionMetadata
 from .forward_context import ForwardContext
 
 

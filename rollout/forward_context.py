@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .attention import AttentionBackend, AttentionMetadata
+from .attention import AttentionBackend
+from .attention_metadata import AttentionMetadata
 
 
 class ForwardContext:

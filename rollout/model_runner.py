@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .attention import AttentionBackend, AttentionMetadata, indptr, ranges
+from .attention import AttentionBackend
+from .attention_metadata import AttentionMetadata, indptr, ranges
 from .batch import Batch
 from .forward_context import ForwardContext
 from .slot_table import SlotTable

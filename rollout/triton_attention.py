@@ -22,7 +22,8 @@ import torch
 
 from kernels import paged_attention, shared_prefix_attention, store_kv
 
-from .attention import AttentionBackend, AttentionMetadata, indptr, ranges
+from .attention import AttentionBackend
+from .attention_metadata import AttentionMetadata, indptr, ranges
 
 
 @dataclass

@@ -14,22 +14,18 @@ from models import tiny_model
 from scipy import stats
 
 from rollout import Engine, EngineConfig, SamplingParams
-from rollout import sampler
-from rollout.sampler import (
-    SamplingBatch,
+from rollout.counter_noise import (
     bits_to_uniform,
-    filter_logprobs,
     gumbel_noise,
     mix32,
     mix32_int,
-    pick,
     row_keys,
-    sample,
     sample_seed,
-    target_logprobs,
     to_int32,
     uniform_noise,
 )
+from rollout.sampler import SamplingBatch, pick, sample, target_logprobs
+from rollout.sampling_filter import filter_by_threshold, filter_logprobs
 from rollout.spec.verify import verify
 
 P_MIN = 1e-3
@@ -371,7 +367,7 @@ def check_filter(logp, top_k, top_p, min_p, stats=None, normalized=True):
     """normalized: logp is a log_softmax (as in target_logprobs), which lets top-p rows be
     settled from candidates."""
     want = full_sort_filter(logp, top_k, top_p, min_p)
-    got = sampler._filter_selected(logp, top_k, top_p, min_p, normalized, stats=stats)
+    got = filter_by_threshold(logp, top_k, top_p, min_p, normalized, stats=stats)
     bad = [i for i in range(len(logp)) if not same_bits(got[i], want[i])]
     assert not bad, (f"rows {bad[:8]} differ: top_k {top_k[bad[:8]].tolist()} top_p "
                      f"{top_p[bad[:8]].tolist()} min_p {min_p[bad[:8]].tolist()}, kept "

@@ -9,8 +9,10 @@ from helpers import run_checked, samples
 from models import tiny_model
 from test_parity import assert_matches_reference
 
-from rollout import Engine, EngineConfig, SamplingParams, attention
-from rollout.attention import MAX_SHARED_Q_LEN, AttentionMetadata, TorchAttention
+from rollout import Engine, EngineConfig, SamplingParams, shared_prefix_attention
+from rollout.attention import TorchAttention
+from rollout.attention_metadata import AttentionMetadata, indptr
+from rollout.shared_prefix_attention import MAX_SHARED_Q_LEN, MIN_COMMON_LEN
 from rollout.kv_pool import KVPool
 from rollout.spec import SpeculativeConfig
 
@@ -47,7 +49,7 @@ def make_step(pool, requests, num_q_heads, seed=0, dtype=torch.float32, common=0
     q_lens = [q for *_, q in requests]
     kv_lens = [kv for _, _, kv, _ in requests]
     meta = AttentionMetadata(
-        qo_indptr=attention.indptr(q_lens, "cpu"), kv_indptr=attention.indptr(kv_lens, "cpu"),
+        qo_indptr=indptr(q_lens, "cpu"), kv_indptr=indptr(kv_lens, "cpu"),
         kv_indices=torch.tensor([s for slots in kv_indices for s in slots]),
         out_slots=torch.tensor([s for slots, q in zip(kv_indices, q_lens) for s in slots[-q:]]),
         q_lens=q_lens, kv_lens=kv_lens, groups=[g for g, *_ in requests],
@@ -93,7 +95,7 @@ def test_shared_prefix_path_matches_plain_path(kv_heads, gqa, head_dim):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
     # Groups a, b, f, h (decode and verify rows) take the split; the group of one, the rows
     # with no shared prefix, the prefill and the long extend chunks keep the plain path.
-    starts = attention.indptr(meta.q_lens, "cpu").tolist()
+    starts = indptr(meta.q_lens, "cpu").tolist()
     expect = [t for b, (g, *_) in enumerate(MIXED) if g in "abfh"
               for t in range(starts[b], starts[b + 1])]
     assert shared_tokens(meta, plan) == expect
@@ -132,7 +134,7 @@ def test_prefix_common_to_all_groups_gets_one_tile(kv_heads, gqa, contiguous):
     out, ref, plan = run_both(pool, meta, q, k, v, layer=1)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
     common, own = plan.shared.prefixes
-    starts = attention.indptr(meta.q_lens, "cpu").tolist()
+    starts = indptr(meta.q_lens, "cpu").tolist()
     shared_q = [t for b, (g, *_) in enumerate(COMMON) if g != "z"
                 for t in range(starts[b], starts[b + 1])]
     assert sorted(common.q_index.flatten().tolist()) == shared_q
@@ -141,8 +143,8 @@ def test_prefix_common_to_all_groups_gets_one_tile(kv_heads, gqa, contiguous):
     assert own.kv_slots.shape == (4, 20)  # a, b, c, e: their slots after the common 20
 
 
-@pytest.mark.parametrize("common,parts", [(attention.MIN_COMMON_LEN - 1, 1),
-                                          (attention.MIN_COMMON_LEN, 2)])
+@pytest.mark.parametrize("common,parts", [(MIN_COMMON_LEN - 1, 1),
+                                          (MIN_COMMON_LEN, 2)])
 def test_short_common_run_stays_in_the_group_tiles(common, parts):
     requests = [("a", 40, 45, 1), ("a", 40, 41, 1), ("b", 30, 36, 1), ("b", 30, 33, 1)]
     pool = random_pool(1, 2, 64)
@@ -176,7 +178,8 @@ def test_grpo_step_shape():
 
 def test_matmul_fallback_matches(monkeypatch):
     """Off the CPU the split runs on plain matmuls; the same code on the CPU agrees."""
-    monkeypatch.setattr(attention, "_attention_with_lse", attention._attention_with_lse_matmul)
+    monkeypatch.setattr(shared_prefix_attention, "_attention_with_lse",
+                        shared_prefix_attention._attention_with_lse_matmul)
     pool = random_pool(1, 2, 64)
     for requests, common in ((MIXED, 0), (COMMON, 20)):
         meta, q, k, v = make_step(pool, requests, 6, seed=3, common=common)
@@ -202,13 +205,13 @@ def long_prompts(num=3, shared=70, own=12, vocab=128, seed=0):
 def counting_shared_steps(monkeypatch) -> list[tuple[int, int]]:
     """Records (query rows, prefix parts) of each shared-prefix forward (one per layer)."""
     calls = []
-    forward = TorchAttention._shared_forward
+    forward = shared_prefix_attention.attend_shared
 
-    def counted(q, k_pool, v_pool, plan, out, scale):
+    def counted(q, k_pool, v_pool, plan, out, scale, softcap):
         calls.append((sum(s.q_flat.numel() for s in plan.suffixes), len(plan.prefixes)))
-        return forward(q, k_pool, v_pool, plan, out, scale)
+        return forward(q, k_pool, v_pool, plan, out, scale, softcap)
 
-    monkeypatch.setattr(TorchAttention, "_shared_forward", staticmethod(counted))
+    monkeypatch.setattr(shared_prefix_attention, "attend_shared", counted)
     return calls
 
 

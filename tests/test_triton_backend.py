@@ -8,7 +8,8 @@ from models import tiny_model
 
 from kernels import shared_prefix_attention
 from rollout import Engine, EngineConfig, SamplingParams, triton_attention
-from rollout.attention import AttentionMetadata, TorchAttention
+from rollout.attention import TorchAttention
+from rollout.attention_metadata import AttentionMetadata
 from rollout.kv_pool import KVPool
 from rollout.triton_attention import TritonAttention, TritonPlan
 

@@ -17,7 +17,8 @@ from ..model_stack import ModelStack
 from ..models.loader import build_model, load_into, resolve_model
 from ..radix_cache import common_prefix_len
 from ..request import SeqStatus, Sequence
-from ..sampler import TOKEN_STREAM, SamplingBatch, pick, target_logprobs
+from ..counter_noise import TOKEN_STREAM
+from ..sampler import SamplingBatch, pick, target_logprobs
 from .drafter import Drafter
 
 

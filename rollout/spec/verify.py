@@ -27,15 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampler import (
-    ACCEPT_STREAM,
-    RESIDUAL_STREAM,
-    SamplingBatch,
-    gumbel_noise,
-    pick,
-    target_logprobs,
-    uniform_scalar,
-)
+from ..counter_noise import ACCEPT_STREAM, RESIDUAL_STREAM, gumbel_noise, uniform_scalar
+from ..sampler import SamplingBatch, pick, target_logprobs
 from .accept import accept_drafts_ref
 
 RULES = ("coupled", "rejection")
