@@ -34,7 +34,7 @@ def mix32(x):
 
 @triton.jit
 def row_key(seed, position):
-    """`rollout.sampler.row_keys` for stream 0 (token noise), on int32 scalars."""
+    """`rollout.counter_noise.row_keys` for stream 0 (token noise), on int32 scalars."""
     return mix32(seed.to(tl.int32) ^ mix32(position.to(tl.int32)))
 
 

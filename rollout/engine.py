@@ -33,7 +33,8 @@ from .model_stack import ModelStack
 from .models.loader import build_model, eos_token_ids, load_into, resolve_model
 from .outputs import RolloutOutput, build_output
 from .request import Sequence
-from .sampler import SamplingBatch, sample_seed
+from .counter_noise import sample_seed
+from .sampler import SamplingBatch
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .spec.speculator import Speculator
@@ -87,7 +88,7 @@ class Engine(Colocation):
             return None
         drafter = None
         if spec.method == "draft":
-            from .sampler import DRAFT_STREAM, TOKEN_STREAM
+            from .counter_noise import DRAFT_STREAM, TOKEN_STREAM
             from .spec.draft_model import DraftModelDrafter
 
             stream = TOKEN_STREAM if spec.acceptance == "coupled" else DRAFT_STREAM

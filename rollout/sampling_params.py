@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 MIN_TEMPERATURE = 1e-4
 # The sampler holds temperatures in float32: a larger one would become inf.
 MAX_TEMPERATURE = 3.4028234663852886e38
-# Seeds are hashed as two 32-bit halves (sampler.sample_seed): larger ones would alias.
+# Seeds are hashed as two 32-bit halves (counter_noise.sample_seed): larger ones would alias.
 SEED_LIMIT = 1 << 64
 # top_k, token ids and positions go to the sampler and kernels as int32.
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
