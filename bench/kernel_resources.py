@@ -38,13 +38,11 @@ from unittest import mock
 if __name__ == "__main__":
     # Compiled, not interpreted: triton and kernels/ read this when first imported.
     os.environ["TRITON_INTERPRET"] = "0"
-    # Run as a script, bench/ leads sys.path and its kernels.py would shadow the package.
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # isort: off
 # kernels/ before triton: off the GPU it turns the interpreter on unless told otherwise
 # (above), and triton's own library must be decorated in the same mode.
-import kernels  # noqa: E402, F401
+import rollout_kernels  # noqa: E402, F401
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -166,8 +164,8 @@ class Recorder:
         def run(fn, *args, **kwargs):
             return recorder.run(fn, *args, **kwargs)
 
-        pa, sp = sys.modules["kernels.paged_attention"], sys.modules["kernels.shared_prefix"]
-        sample = sys.modules["kernels.sample"]
+        pa, sp = sys.modules["rollout_kernels.paged_attention"], sys.modules["rollout_kernels.shared_prefix"]
+        sample = sys.modules["rollout_kernels.sample"]
         with mock.patch.object(JITFunction, "run", run), \
                 mock.patch.object(pa, "_num_sms", lambda device: self.target.sms), \
                 mock.patch.object(sp, "_num_sms", lambda device: self.target.sms), \
@@ -201,7 +199,7 @@ def _indptr(lengths: list[int]) -> torch.Tensor:
 def engine_cases(model: str, dtype: torch.dtype) -> list[tuple[str, Callable[[], object]]]:
     """(case name, launch) for each step kind of `model`. Nothing runs, so contexts are
     described by their lengths alone: the pool and slot tensors stay small."""
-    from kernels import (
+    from rollout_kernels import (
         accept_drafts,
         paged_attention,
         sample,
@@ -274,7 +272,7 @@ def tile_sweep_cases() -> list[tuple[str, Callable[[], object]]]:
     """The tiles bench/kernels.py sweeps on the GPU (Llama-3-8B heads, bf16), so a tile the
     GPU cannot launch is known before the device time is spent."""
     from bench.kernels import HEAD_DIM, KV_HEADS, Q_HEADS, TILE_SWEEP
-    from kernels.paged_attention import launch_paged_attention
+    from rollout_kernels.paged_attention import launch_paged_attention
 
     pool_k = torch.empty(4096, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
     slots = torch.zeros(4096, dtype=torch.int32)

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from workloads import QWEN2_25M, random_qwen2  # noqa: E402
 
-from recipes.run.tiny import char_tokenizer  # noqa: E402
+from rollout_recipes.run.tiny import char_tokenizer  # noqa: E402
 from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
 from rollout.agent import Step, run_episodes  # noqa: E402
 

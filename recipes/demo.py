@@ -7,7 +7,7 @@ the prompt's KV in the radix tree, the engine asleep at every optimizer step. He
 accuracy is printed before and after GRPO; the reward curve goes to a PNG and the run to an
 offline W&B directory.
 
-    python -m recipes.demo [--key value ...]     # overrides of recipes/configs/demo.yaml
+    python -m rollout_recipes.demo [--key value ...]     # overrides of recipes/configs/demo.yaml
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "de
 def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_SILENT", "true")
-    from recipes.run.config import load_config, parse_overrides
-    from recipes.run.session import train
+    from rollout_recipes.run.config import load_config, parse_overrides
+    from rollout_recipes.run.session import train
 
     cfg = load_config(CONFIG, parse_overrides(sys.argv[1:] if argv is None else argv))
     result = train(cfg)

@@ -2,14 +2,15 @@
 
     accelerate launch [--num_processes N] recipes/grpo.py --config CONFIG.yaml [--key value]
     accelerate launch recipes/grpo.py --config recipes/configs/gsm8k_qwen.yaml --trainer trl
-    python -m recipes.grpo --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k ...
+    python -m rollout_recipes.grpo --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k ...
     CUDA_VISIBLE_DEVICES= accelerate launch --multi_gpu --num_processes 2 recipes/grpo.py ...
 
 (The last: 2 CPU processes over gloo. accelerate's own `--cpu` flag starts a single process
 unless mpirun is set up.)
 
 Every process builds its own engine on its own device and rolls out its own shard of prompts;
-accelerate (DDP) averages the gradients. `--trainer custom` (default) runs the loop in
+accelerate (DDP) averages the gradients. With `--tensor_parallel_size k`, k consecutive
+processes share one engine (each holding 1/k of the model) and one shard of prompts. `--trainer custom` (default) runs the loop in
 recipes/algo/custom_loop.py (`--algo grpo|ppo`); `--trainer trl` runs TRL's GRPOTrainer through
 trainer_hooks.trl. With no model and no dataset, the built-in task and tiny model are used.
 """
@@ -23,7 +24,7 @@ import sys
 if __package__ in (None, ""):  # `accelerate launch recipes/grpo.py` runs this file as a script
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from recipes.run.config import RecipeConfig, load_config, parse_overrides  # noqa: E402
+from rollout_recipes.run.config import RecipeConfig, load_config, parse_overrides  # noqa: E402
 
 
 def config_from_args(argv: list[str] | None = None) -> RecipeConfig:
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def run(cfg: RecipeConfig) -> dict:
-    from recipes.run.session import train
+    from rollout_recipes.run.session import train
 
     return train(cfg)
 

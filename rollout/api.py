@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import weakref
 
+from .chat import is_conversations
 from .config import EngineConfig
 from .engine import Engine
 from .models.loader import checkpoint_tensors
@@ -16,15 +17,25 @@ _ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _PATH_ENGINES: dict[str, Engine] = {}
 
 
-def generate(model, prompts, params=None, tokenizer=None, use_tqdm: bool = False, **config):
+def generate(model, prompts, params=None, tokenizer=None, use_tqdm: bool = False,
+             chat_template_kwargs: dict | None = None, **config):
     """Generate with an engine cached for `model` (rebuilt when `config` changes).
+
+    `prompts` are strings, token-id lists, or chat conversations (lists of {"role", "content"}
+    messages), which go through `Engine.chat`: the tokenizer's chat template with the
+    generation prompt.
 
     The engine keeps its own copy of the weights and re-syncs it whenever the model's weights
     changed since the previous call. Call `engine_for(model).sleep()` to free its memory
     before an optimizer step (trainer_hooks.ColocatedRollout does all of this per step).
     """
-    return engine_for(model, tokenizer=tokenizer, **config).generate(prompts, params,
-                                                                     use_tqdm=use_tqdm)
+    chat = is_conversations(prompts)
+    if chat_template_kwargs is not None and not chat:
+        raise ValueError("chat_template_kwargs: prompts are not chat conversations")
+    engine = engine_for(model, tokenizer=tokenizer, **config)
+    if chat:
+        return engine.chat(prompts, params, use_tqdm, chat_template_kwargs)
+    return engine.generate(prompts, params, use_tqdm=use_tqdm)
 
 
 def engine_for(model, tokenizer=None, **config) -> Engine:

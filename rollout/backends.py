@@ -1,16 +1,19 @@
-"""Which implementations a step runs: attention, sampler, draft acceptance, and whether decode
-steps can be captured in CUDA graphs. Chosen here, once per model stack, from
+"""Which implementations a step runs: attention, sampler, draft acceptance, MoE experts, and
+whether decode steps can be captured in CUDA graphs. Chosen here, once per model stack, from
 `EngineConfig.backend`; nothing else in the engine looks at the name, the device or the class
 of a backend.
 
 - `torch`: the reference and the CPU default. TorchAttention (rollout/attention.py),
-  rollout.sampler.sample, rollout.spec.accept.accept_drafts_ref; no CUDA graphs.
+  rollout.sampler.sample, rollout.spec.accept.accept_drafts_ref, the experts of MoE layers one
+  matmul pair per expert (rollout/models/layers/moe.py moe_torch); no CUDA graphs.
 - `triton`: the CUDA default. TritonAttention (kernels/ paged and shared-prefix attention), the
-  fused Triton sampler and acceptance scan, CUDA graphs. Off CUDA (tests, under
-  TRITON_INTERPRET=1) attention runs its Triton kernels, but sampling and acceptance take the
-  torch versions: their results are bit-identical (tests/test_kernels_sample.py and
-  test_kernels_spec_accept.py hold the kernels to them) and the interpreter would spend about
-  0.3 s a step on them.
+  fused Triton sampler and acceptance scan, the fused MoE kernel (kernels/fused_moe.py), CUDA
+  graphs. Off CUDA (tests, under TRITON_INTERPRET=1) attention runs its Triton kernels, but
+  sampling, acceptance and the MoE experts take the torch versions: sampling and acceptance
+  are bit-identical (tests/test_kernels_sample.py and test_kernels_spec_accept.py hold the
+  kernels to them), the MoE kernel agrees with the reference to rounding
+  (tests/test_kernels_fused_moe.py), and the interpreter would spend about 0.3 s a step on
+  each.
 - `auto`: triton on CUDA, torch elsewhere.
 
 Triton is imported only when the triton backend is built: on CPU, `rollout` needs torch alone.
@@ -25,6 +28,7 @@ import torch
 
 from .attention import AttentionBackend, TorchAttention
 from .kv_pool import KVPool
+from .models.layers.moe import moe_torch
 from .sampler import SamplingBatch, sample
 from .spec.accept import accept_drafts_ref
 
@@ -38,6 +42,8 @@ class Backends:
     attention: Callable[[KVPool, Sequence[int | None]], AttentionBackend]
     sample: Callable[[torch.Tensor, SamplingBatch], tuple[torch.Tensor, torch.Tensor]]
     accept: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # spec/verify.py's scan
+    # (x, w_gate_up, w_down, topk_weights, topk_ids, activation) -> the experts' output
+    moe: Callable[..., torch.Tensor]
     cuda_graphs: bool  # the attention backend provides graph_plan
 
 
@@ -47,10 +53,12 @@ def resolve_backends(name: str, device: torch.device) -> Backends:
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
-        return Backends("torch", TorchAttention, sample, accept_drafts_ref, cuda_graphs=False)
+        return Backends("torch", TorchAttention, sample, accept_drafts_ref, moe_torch,
+                        cuda_graphs=False)
     on_cuda = device.type == "cuda"
     return Backends("triton", _triton_attention, _triton_sample if on_cuda else sample,
-                    _triton_accept if on_cuda else accept_drafts_ref, cuda_graphs=True)
+                    _triton_accept if on_cuda else accept_drafts_ref,
+                    _triton_moe if on_cuda else moe_torch, cuda_graphs=True)
 
 
 def _triton_attention(pool: KVPool, windows: Sequence[int | None]) -> AttentionBackend:
@@ -61,13 +69,22 @@ def _triton_attention(pool: KVPool, windows: Sequence[int | None]) -> AttentionB
 
 def _triton_sample(logits: torch.Tensor, rows: SamplingBatch):
     """The fused Triton sampler; same noise and filters as rollout.sampler.sample."""
-    from kernels import sample as kernel_sample
+    from rollout_kernels import sample as kernel_sample
 
     return kernel_sample(logits, rows.temperature, rows.top_k, rows.top_p, rows.min_p,
                          rows.seed, rows.position)
 
 
 def _triton_accept(**rows):
-    from kernels.spec_accept import accept_drafts
+    from rollout_kernels.spec_accept import accept_drafts
 
     return accept_drafts(**rows)
+
+
+def _triton_moe(x, w_gate_up, w_down, topk_weights, topk_ids, activation: str):
+    """The fused MoE kernel; an activation it lacks takes the torch path."""
+    from rollout_kernels.fused_moe import ACTIVATIONS, fused_moe
+
+    if activation not in ACTIVATIONS:
+        return moe_torch(x, w_gate_up, w_down, topk_weights, topk_ids, activation)
+    return fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, activation)

@@ -14,6 +14,7 @@ import time
 import torch
 
 from .journal import RollbackFailed
+from .parallel.reshard import ReshardStats, rank_parts
 from .sleep import tensor_bytes
 from .weights import buckets, named_shapes_and_tensors
 
@@ -106,13 +107,20 @@ class Colocation:
         or not) or (HF name, tensor) pairs. Clears the prefix cache, whose KV came from the
         old weights. Every name, shape and dtype is checked (and meta tensors refused) before
         the first copy, so a bad source raises ValueError and changes nothing; a copy that
-        still fails half way leaves `needs_weights` True. Returns {'bytes', 'seconds'}."""
+        still fails half way leaves `needs_weights` True.
+
+        Under tensor parallelism each rank cuts every source tensor to its part before
+        anything moves (rollout/parallel/reshard.py): a full host tensor crosses to the device
+        as that part only; DTensor (FSDP2) shards are exchanged between ranks for exactly the
+        ranges each needs, never gathered whole. Returns {'bytes' (copied into the weights),
+        'seconds', 'exchanged_bytes' (received from other ranks re-sharding DTensors),
+        'collectives' (that re-sharding issued)}."""
         with self._entered("update_weights"):
             if self.is_sleeping:
                 raise RuntimeError("update_weights: the engine is asleep: call wake_up() first")
             self._check_idle("update_weights")
             t0 = time.perf_counter()
-            shapes, named = named_shapes_and_tensors(source)
+            shapes, named = named_shapes_and_tensors(source, gather=False)
             written = self.model.check_weights(shapes)
             if self._weights_missing:
                 missing = self.model.expected_weight_names() - written
@@ -120,11 +128,13 @@ class Colocation:
                     raise ValueError(f"update_weights: after sleep(level=2) every weight is "
                                      f"needed; {len(missing)} missing, e.g. {sorted(missing)[:3]}")
             dtype = self.model.dtype
-            moved = 0
+            moved, resharding = 0, ReshardStats()
             try:
-                for bucket in buckets(named, self.device, dtype, bucket_bytes,
+                parts = rank_parts(named, self.model.rank_parts(shapes), dtype, bucket_bytes,
+                                   resharding)
+                for bucket in buckets(parts, self.device, dtype, bucket_bytes,
                                       separate_host=self.stack.parking.separate_host):
-                    self.model.load_weights(bucket)
+                    self.model.load_weights(bucket, local=True)
                     moved += sum(t.numel() * t.element_size() for _, t in bucket)
             except BaseException as e:
                 named.close()  # at once: reading a PEFT model may hold its merge open
@@ -140,11 +150,15 @@ class Colocation:
             self._weights_missing = False
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            return {"bytes": moved, "seconds": time.perf_counter() - t0}
+            return {"bytes": moved, "seconds": time.perf_counter() - t0,
+                    "exchanged_bytes": resharding.received_bytes,
+                    "collectives": resharding.collectives}
 
     def memory_held(self) -> int:
-        """Bytes of tensors the engine holds on its device (weights, KV pool, slot table)."""
+        """Bytes of tensors the engine holds on its device (weights, KV pool and its per-slot
+        extras, slot table)."""
         tensors = [*self.model.parameters(), *self.model.buffers(), self.pool.buffer,
+                   *self.pool.extras.values(),
                    self.pool.free_slots() if self.pool.is_allocated else None,
                    self.stack.table.table]
         return tensor_bytes(t for t in tensors if t is not None and t.device == self.device)

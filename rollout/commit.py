@@ -4,7 +4,8 @@ It runs inside one journal unit after the forward (see Engine._step), so it happ
 not at all. First every sampled sequence gets its verdict without changing anything: non-finite
 logprobs, or a stop check (user tokenizer code) that raises, fail the sequence's request alone.
 Then tokens are appended, K/V advanced, rejected drafts' slots freed, finished prompts cached
-for their siblings, and finished sequences retired.
+for their siblings, and finished sequences retired (with their routed experts, when asked,
+read from the KV pool while the sequence still holds its slots).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from .batch import Batch, ScheduledSeq
 from .journal import Journal
 from .kv_manager import KVManager
+from .models.base import ROUTED_EXPERTS
 from .request import Sequence
 from .scheduler import Scheduler
 from .stop import StopChecker
@@ -104,5 +106,17 @@ class Committer:
         if verdict.reason is None:
             return False
         seq.stop_text_at = verdict.stop_text_at
+        if seq.params.return_routed_experts:
+            self._read_routed_experts(seq)
         self.scheduler.finish(seq, verdict.reason)
         return True
+
+    def _read_routed_experts(self, seq: Sequence) -> None:
+        """Every position but the newest has K/V, and its slot keeps the routing of the forward
+        that computed that K/V (models/layers/moe.py), wherever it came from: this sequence's
+        own steps, the prefix cache, a verify step's accepted drafts, a recompute after
+        preemption."""
+        slots = self.kv.table.read(seq.row, 0, seq.num_computed)
+        routes = self.kv.pool.read_extra(ROUTED_EXPERTS, slots).cpu()
+        self.journal.record(lambda: setattr(seq, "routed_experts", None))
+        seq.routed_experts = routes

@@ -19,7 +19,9 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 
 @dataclass
 class EngineConfig:
-    # KV pool size in tokens; None sizes it from `kv_memory_fraction` of free memory.
+    # KV pool size in tokens; None sizes it from what max_num_seqs x max_model_len can use,
+    # capped by `kv_memory_fraction` of free memory and, on the CPU, by a build-time budget
+    # (rollout/kv_pool.py, CPU_POOL_BYTES).
     kv_cache_tokens: int | None = None
     kv_memory_fraction: float = 0.3
     max_model_len: int = 4096
@@ -40,6 +42,12 @@ class EngineConfig:
     device: torch.device | str | None = None  # None: the model's device (cuda if loading a path)
     seed: int | None = None  # default seed of unseeded requests; None draws one per request
     speculative: Any = None  # rollout.spec.SpeculativeConfig, off by default
+    # Ranks of the trainer's torch.distributed world that run one engine together, each with
+    # 1/k of the heads, MLP and vocabulary (rollout/parallel/); 1: no torch.distributed needed.
+    tensor_parallel_size: int = 1
+    # Debug: after every step the ranks of a tensor-parallel engine check (one small
+    # all-reduce) that they sampled the same tokens.
+    check_tensor_parallel: bool = False
     extra: dict = field(default_factory=dict)
     attention_backend: str | None = None  # the former name of `backend`, still accepted
 
@@ -71,6 +79,8 @@ class EngineConfig:
             self.backend, self.attention_backend = alias, None
         self.enable_prefix_caching = as_bool("enable_prefix_caching", self.enable_prefix_caching)
         self.cuda_graphs = as_bool("cuda_graphs", self.cuda_graphs)
+        self.tensor_parallel_size = as_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        self.check_tensor_parallel = as_bool("check_tensor_parallel", self.check_tensor_parallel)
         if self.dtype is not None:
             self.dtype = as_dtype(self.dtype)
         if self.device is not None:

@@ -21,19 +21,22 @@ from collections.abc import Iterator
 
 import torch
 
+from .chat import render_conversations
 from .colocation import Colocation
 from .commit import Committer, Failure
 from .config import EngineConfig
+from .counter_noise import sample_seed
 from .guard import EngineGuard
 from .intake import Group, Prompt, check_request, check_requests
 from .journal import Journal, RollbackFailed
 from .progress import progress
 from .kv_pool import kv_bytes_per_token, size_pool
 from .model_stack import ModelStack
+from .models.base import ROUTED_EXPERTS
 from .models.loader import build_model, eos_token_ids, load_into, resolve_model
 from .outputs import RolloutOutput, build_output
+from .parallel import check_same_tokens, shared_seed, tensor_parallel
 from .request import Sequence
-from .counter_noise import sample_seed
 from .sampler import SamplingBatch
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -45,19 +48,23 @@ from .stop import StopChecker
 
 class Engine(Colocation):
     def __init__(self, model, config: EngineConfig | None = None, tokenizer=None,
-                 **overrides) -> None:
+                 process_group=None, **overrides) -> None:
+        """`process_group`: the torch.distributed group of `tensor_parallel_size` ranks to run
+        on; None builds one out of the world (rollout/parallel/group.py)."""
         config = config or EngineConfig()
         if overrides:
             config = dataclasses.replace(config, **overrides)
         self.config = config
+        self.tp = tensor_parallel(config.tensor_parallel_size, process_group)
         hf_config, weights, device, dtype, tokenizer = resolve_model(model, config, tokenizer)
         self.hf_config, self.tokenizer, self.device = hf_config, tokenizer, device
-        self.model = build_model(hf_config, config.max_model_len, dtype, device)
+        self.model = build_model(hf_config, config.max_model_len, dtype, device, self.tp)
         load_into(self.model, weights)
         self.vocab_size = hf_config.vocab_size
         layers = self.model.kv_layout.num_layers
         per_token = kv_bytes_per_token(layers, self.model.kv_layout.kv_heads,
-                                       self.model.kv_layout.head_dim, dtype)
+                                       self.model.kv_layout.head_dim, dtype,
+                                       self.model.slot_extras())
         num_slots = size_pool(config.kv_cache_tokens, config.kv_memory_fraction,
                               config.max_model_len, config.max_num_seqs, per_token, device)
         self.journal = Journal()
@@ -74,7 +81,11 @@ class Engine(Colocation):
         self._ready: dict[str, Group] = {}
         self._ids = itertools.count()  # sequence ids
         self._request_ids = itertools.count()
-        self._seed_rng = random.Random(config.seed)
+        # The ranks of a tensor-parallel engine must draw the same seeds for unseeded requests.
+        seed = config.seed
+        if seed is None and self.tp.size > 1:
+            seed = shared_seed(self.tp, device)
+        self._seed_rng = random.Random(seed)
         self._stats = EngineStats()
         self.speculator = self._make_speculator(config.speculative)
         self._sample = self.stack.backends.sample
@@ -145,8 +156,12 @@ class Engine(Colocation):
 
     def _check_request(self, prompt: Prompt, params: SamplingParams | None):
         self._check_ready()
-        return check_request(prompt, params, self.vocab_size, self.config.max_model_len,
-                             self.tokenizer)
+        text, ids, params = check_request(prompt, params, self.vocab_size,
+                                          self.config.max_model_len, self.tokenizer)
+        if params.return_routed_experts and ROUTED_EXPERTS not in self.model.slot_extras():
+            raise ValueError(f"return_routed_experts: the model "
+                             f"({self.hf_config.model_type}) has no MoE layers")
+        return text, ids, params
 
     def _make_group(self, text: str | None, ids: list[int], params: SamplingParams,
                     request_id: str | None) -> Group:
@@ -272,6 +287,8 @@ class Engine(Colocation):
                 marks.append(time.perf_counter())
                 items = [it for it in batch.items if it.sample]
                 emitted, logprobs, verdicts = self._sample_items(logits, items, speculating)
+                if self.config.check_tensor_parallel and self.tp.size > 1:
+                    check_same_tokens(emitted, self.tp, self.device)
             marks.append(time.perf_counter())
             with self.journal.unit():
                 finished, failed = self.committer.commit(batch, emitted, logprobs)
@@ -374,6 +391,18 @@ class Engine(Colocation):
             finally:
                 bar.close()
             return results
+
+    def chat(self, conversations, params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = False, chat_template_kwargs: dict | None = None
+             ) -> list[RolloutOutput]:
+        """generate() over conversations (lists of {"role", "content"} messages), rendered by
+        the tokenizer's chat template with the generation prompt (rollout/chat.py). Each
+        output's `prompt` is the templated text."""
+        rendered = render_conversations(self.tokenizer, conversations, chat_template_kwargs)
+        outs = self.generate([ids for _, ids in rendered], params, use_tqdm=use_tqdm)
+        for out, (text, _) in zip(outs, rendered):
+            out.prompt = text
+        return outs
 
     def _drop(self, request_ids: list[str]) -> None:
         """Abort what still runs of these requests and forget their outputs. Their K/V goes

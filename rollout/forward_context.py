@@ -33,3 +33,9 @@ class ForwardContext:
         """Store k/v [T, Hkv, D] in layer `layer`'s pool and attend q [T, Hq, D] over each
         request's context (the layer's sliding window applied by the backend)."""
         return self.backend.forward(q, k, v, layer, self.meta, scale, softcap)
+
+    def store_slot_values(self, name: str, index: int, values: torch.Tensor) -> None:
+        """Keep values [T, ...] of the step's tokens beside their K/V: entry `index` of the
+        pool's per-slot array `name` (models/base.py slot_extras), at the tokens' out slots.
+        No host synchronisation, so it can be captured in a CUDA graph."""
+        self.backend.pool.store_extra(name, index, self.meta.out_slots, values)

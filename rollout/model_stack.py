@@ -26,13 +26,14 @@ class ModelStack:
         self.model, self.device = model, device
         layout = model.kv_layout
         self.pool = KVPool(layout.num_layers, num_slots, layout.kv_heads, layout.head_dim,
-                           model.dtype, device)
+                           model.dtype, device, model.slot_extras())
         self.table = SlotTable(config.max_num_seqs, config.max_model_len, device)
         # Page size 1 and every slot kept: sliding-window layers mask what lies outside their
         # window, global layers need the whole context anyway.
         cache = make_prefix_cache(config.enable_prefix_caching, device)
         self.kv = KVManager(self.pool, cache, self.table, journal)
         self.backends = resolve_backends(config.backend, device)
+        model.use_backends(self.backends)
         self.backend = self.backends.attention(self.pool, layout.windows)
         self.graphs = None
         if config.cuda_graphs:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass
 class Sample:
@@ -12,6 +14,13 @@ class Sample:
     logprobs: list[float] | None  # log_softmax(logits / T) of each token; None unless asked
     finish_reason: str  # "stop" | "length" | "abort"
     text: str | None = None
+    # SamplingParams.return_routed_experts (MoE models): int16 [P + N - 1, num MoE layers, k]
+    # for a prompt of P tokens and N = len(token_ids): row p holds the expert ids each MoE
+    # layer chose (in the router's top-k order) in the forward whose input was token p of
+    # prompt + completion, the forward that computed the K/V every later token attended to.
+    # The last completion token is never an input: it has no row (pad it when the trainer
+    # routes it). None unless asked, and for an aborted sample.
+    routed_experts: torch.Tensor | None = None
 
     @property
     def cumulative_logprob(self) -> float | None:
@@ -41,5 +50,6 @@ def build_output(group, decode) -> RolloutOutput:
         samples.append(Sample(
             index=seq.sample_index, token_ids=seq.output_ids,
             logprobs=list(seq.logprobs) if group.params.logprobs else None,
-            finish_reason=seq.finish_reason, text=text))
+            finish_reason=seq.finish_reason, text=text,
+            routed_experts=seq.routed_experts if group.params.return_routed_experts else None))
     return RolloutOutput(group.request_id, group.prompt_ids, samples, group.prompt, error)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import torch
+
 from .radix_cache import RadixNode
 from .sampling_params import SamplingParams
 
@@ -38,6 +40,8 @@ class Sequence:
     row: int = -1  # row of the slot table while running
     finish_reason: str | None = None
     stop_text_at: int | None = None  # where a matched stop string starts in the output text
+    # return_routed_experts: read from the KV pool when the sample finishes (commit.py)
+    routed_experts: torch.Tensor | None = None
     # Multi-turn: keep this sample's KV locked under `hold_key` when it finishes; release the
     # hold `resume_key` (the previous turn's) once this one is admitted on top of it.
     hold_key: object = None

@@ -33,6 +33,8 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: bool = False
+    # MoE models: each sample's Sample.routed_experts (outputs.py), for routing replay.
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -68,6 +70,8 @@ class SamplingParams:
             self.seed = as_int("seed", self.seed, 0, SEED_LIMIT - 1)
         self.ignore_eos = as_bool("ignore_eos", self.ignore_eos)
         self.logprobs = as_bool("logprobs", self.logprobs)
+        self.return_routed_experts = as_bool("return_routed_experts",
+                                             self.return_routed_experts)
 
     @property
     def greedy(self) -> bool:

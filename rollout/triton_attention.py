@@ -20,7 +20,7 @@ from itertools import accumulate
 
 import torch
 
-from kernels import paged_attention, shared_prefix_attention, store_kv
+from rollout_kernels import paged_attention, shared_prefix_attention, store_kv
 
 from .attention import AttentionBackend
 from .attention_metadata import AttentionMetadata, indptr, ranges

@@ -98,8 +98,10 @@ def _unmerged_adapters(module: nn.Module) -> list[str]:
     return [a for a in module.active_adapters if a in module.lora_A and a not in merged]
 
 
-def model_tensors(model: nn.Module) -> Generator[tuple[str, torch.Tensor], None, None]:
-    """HF-named parameters of a (possibly wrapped, possibly PEFT) causal LM, adapters merged.
+def model_tensors(model: nn.Module, gather: bool = True
+                  ) -> Generator[tuple[str, torch.Tensor], None, None]:
+    """HF-named parameters of a (possibly wrapped, possibly PEFT) causal LM, adapters merged
+    (`gather`: see _read).
 
     Consume it to the end or close() it: it may hold PEFT's merge open while it yields."""
     model = unwrap(model)
@@ -107,14 +109,17 @@ def model_tensors(model: nn.Module) -> Generator[tuple[str, torch.Tensor], None,
     merge = merged_adapters(model) if layers is None else contextlib.nullcontext()
     with merge:
         for name, param in _weight_params(model):
-            yield hf_name(name), _read(param, layers.get(name) if layers else None)
+            yield hf_name(name), _read(param, layers.get(name) if layers else None, gather)
 
 
 @torch.no_grad()  # per tensor: a no_grad held across the yields would disable grad in the caller
-def _read(tensor: torch.Tensor, lora: nn.Module | None = None) -> torch.Tensor:
-    """A weight, whole, with its LoRA layer's deltas added."""
+def _read(tensor: torch.Tensor, lora: nn.Module | None = None,
+          gather: bool = True) -> torch.Tensor:
+    """A weight, whole, with its LoRA layer's deltas added; with `gather` False a DTensor
+    stays one (update_weights re-shards it to its ranks' parts, rollout/parallel/reshard.py)
+    unless LoRA deltas are added to it."""
     tensor = tensor.detach()
-    if hasattr(tensor, "full_tensor"):
+    if hasattr(tensor, "full_tensor") and (gather or lora is not None):
         # FSDP2 / tensor-parallel DTensor shard: gather the whole weight (a collective: every
         # rank syncs its own engine at the same point of the step).
         tensor = tensor.full_tensor()
@@ -177,24 +182,27 @@ def check_tensor(name: str, tensor) -> None:
                          f"weights must be a floating dtype (cast to the engine's)")
 
 
-def named_shapes_and_tensors(source) -> tuple[list[tuple[str, torch.Size]],
-                                               Generator[tuple[str, torch.Tensor], None, None]]:
+def named_shapes_and_tensors(source, gather: bool = True
+                             ) -> tuple[list[tuple[str, torch.Size]],
+                                        Generator[tuple[str, torch.Tensor], None, None]]:
     """(HF name, shape) of every tensor `source` gives, each passed through check_tensor
     before any is read, and a generator of the tensors themselves (close() it when copying
     stops early: reading a model may hold PEFT's merge open). A model is checked from its
     parameters (reading its weights may merge adapters or gather shards, so that happens once,
     while copying); other sources, generators included, are collected as references (no
-    copies), and DTensor shards among them are gathered one at a time while copying."""
+    copies), and DTensor shards among them are gathered one at a time while copying (left
+    as they are with `gather` False)."""
     if isinstance(source, nn.Module):
         model = unwrap(source)
         for name, param in _read_params(model):
             check_tensor(hf_name(name), param)
-        return [(hf_name(n), p.shape) for n, p in _weight_params(model)], model_tensors(source)
+        return ([(hf_name(n), p.shape) for n, p in _weight_params(model)],
+                model_tensors(source, gather))
     named = list(source.items() if isinstance(source, dict) else source)
     for name, tensor in named:
         check_tensor(name, tensor)
     return ([(name, tensor.shape) for name, tensor in named],
-            ((name, _read(tensor)) for name, tensor in named))
+            ((name, _read(tensor, gather=gather)) for name, tensor in named))
 
 
 def buckets(named: Iterable[tuple[str, torch.Tensor]], device: torch.device,

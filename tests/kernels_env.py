@@ -12,7 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import kernels  # noqa: E402,F401  (sets the interpreter up before triton compiles anything)
+import rollout_kernels  # noqa: E402,F401  (sets the interpreter up before triton compiles anything)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"

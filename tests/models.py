@@ -4,20 +4,28 @@ from __future__ import annotations
 
 import torch
 from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig,
-                          MistralConfig, Phi3Config, Qwen2Config, Qwen3Config)
+                          MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config,
+                          Qwen3MoeConfig)
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+MOE = ("qwen3_moe", "mixtral")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", *MOE)
 GEMMA = ("gemma2", "gemma3_text")
 
 _CONFIGS = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
             "qwen3": Qwen3Config, "gemma2": Gemma2Config, "gemma3_text": Gemma3TextConfig,
-            "phi3": Phi3Config}
+            "phi3": Phi3Config, "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig}
 # Gemma: a sliding window shorter than most test prompts (so it matters), layers alternating
 # sliding and global, soft-capping on, query_pre_attn_scalar != head_dim; Gemma 3 with its two
 # RoPE bases, the global one linearly scaled.
 _GEMMA = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
               final_logit_softcapping=5.0, layer_types=["sliding_attention", "full_attention"])
+# MoE: top-2 of 8 experts, no shared expert; Qwen3-MoE with its top-k renormalised (the
+# variant off is tested on its own), Mixtral's expert size smaller than the dense default.
 _EXTRA = {
+    "qwen3_moe": dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                      norm_topk_prob=True),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48,
+                    sliding_window=None),
     "gemma2": dict(_GEMMA, attn_logit_softcapping=4.0),
     "gemma3_text": dict(_GEMMA, rope_parameters={
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -56,6 +64,31 @@ def tiny_model(family: str = "qwen2", seed: int = 0, dtype=torch.float32, **over
 
 def char_tokenizer(alphabet: str = "abcdefghijklmnopqrstuvwxyz0123456789 +=.,\n"):
     """A character-level tokenizer built locally: ids 0..2 are <pad>, <bos>, <eos>."""
-    from recipes.run.tiny import char_tokenizer as build
+    from rollout_recipes.run.tiny import char_tokenizer as build
 
     return build(alphabet)
+
+
+# Hub checkpoints name each expert's projections (transformers 5 models stack them): Qwen3-MoE
+# `mlp.experts.<e>.{gate,up,down}_proj`, Mixtral `block_sparse_moe.experts.<e>.{w1,w3,w2}`.
+_PER_EXPERT = {"qwen3_moe": (".mlp.", ("gate_proj", "up_proj", "down_proj")),
+               "mixtral": (".block_sparse_moe.", ("w1", "w3", "w2"))}
+
+
+def per_expert_tensors(model):
+    """(name, tensor) of an MoE model as its Hub checkpoints name them: the stacked experts
+    split into one tensor per expert and projection."""
+    block, (gate, up, down) = _PER_EXPERT[model.config.model_type]
+    for name, tensor in model.state_dict().items():
+        name = name.replace(".mlp.", block)
+        prefix, _, last = name.rpartition(".")
+        if not prefix.endswith(".experts"):
+            yield name, tensor
+            continue
+        for e, weight in enumerate(tensor):
+            if last == "gate_up_proj":
+                gate_w, up_w = weight.chunk(2)
+                yield f"{prefix}.{e}.{gate}.weight", gate_w
+                yield f"{prefix}.{e}.{up}.weight", up_w
+            else:
+                yield f"{prefix}.{e}.{down}.weight", weight

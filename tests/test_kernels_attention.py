@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernels_env import ATOL, DEVICE, DTYPES, indptr, poison_unused_slots, scattered_slots
 
-from kernels import choose_num_kv_splits, paged_attention, paged_attention_ref
+from rollout_kernels import choose_num_kv_splits, paged_attention, paged_attention_ref
 
 pytestmark = pytest.mark.interpreter
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from kernels_env import DEVICE, ON_GPU
 
-from kernels import gumbel_noise_triton, sample
+from rollout_kernels import gumbel_noise_triton, sample
 from rollout.counter_noise import gumbel_noise, mix32, row_keys, uniform_noise
 from rollout.sampler import SamplingBatch
 from rollout.sampler import sample as sample_ref

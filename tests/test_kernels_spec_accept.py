@@ -4,7 +4,7 @@ import pytest
 import torch
 from kernels_env import DEVICE
 
-from kernels import accept_drafts, spec_accept
+from rollout_kernels import accept_drafts, spec_accept
 from rollout.spec import accept as accept_ref
 from rollout.spec.accept import accept_drafts_ref
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernels_env import ATOL, DEVICE, DTYPES, indptr, poison_unused_slots, scattered_slots
 
-from kernels import paged_attention, paged_attention_ref, shared_prefix_attention
+from rollout_kernels import paged_attention, paged_attention_ref, shared_prefix_attention
 
 pytestmark = pytest.mark.interpreter
 

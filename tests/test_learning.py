@@ -46,11 +46,11 @@ import pytest
 import torch
 import transformers
 
-import recipes
-from recipes.grpo import main
-from recipes.run.config import RecipeConfig
+import rollout_recipes
+from rollout_recipes.grpo import main
+from rollout_recipes.run.config import RecipeConfig
 
-ROOT = os.path.dirname(os.path.abspath(recipes.__file__))
+ROOT = os.path.dirname(os.path.abspath(rollout_recipes.__file__))
 
 # The warm start: the demo's (recipes/configs/demo.yaml).
 WARM_START = dict(tiny_model=dict(hidden_size=128, num_hidden_layers=2), train_size=8000,
@@ -98,9 +98,9 @@ def build_warm_start(path: str) -> None:
     """The session's warm start (recipes/run/session.py), saved as a checkpoint."""
     from accelerate import Accelerator
 
-    from recipes.algo.warmstart import warm_start
-    from recipes.run.build import load_model, load_tokenizer
-    from recipes.tasks import builtin_alphabet, load_task
+    from rollout_recipes.algo.warmstart import warm_start
+    from rollout_recipes.run.build import load_model, load_tokenizer
+    from rollout_recipes.tasks import builtin_alphabet, load_task
 
     cfg = RecipeConfig(**WARM_START, wandb=False, plot=False, progress=False)
     tokenizer = load_tokenizer(cfg, builtin_alphabet(cfg))

@@ -11,10 +11,10 @@ import pytest
 import torch
 import yaml
 
-from recipes.algo.advantages import gae, group_advantages
-from recipes.grpo import main
-from recipes.run.config import RecipeConfig, load_config, parse_overrides
-from recipes.tasks import REWARDS, exact_reward, math_reward
+from rollout_recipes.algo.advantages import gae, group_advantages
+from rollout_recipes.grpo import main
+from rollout_recipes.run.config import RecipeConfig, load_config, parse_overrides
+from rollout_recipes.tasks import REWARDS, exact_reward, math_reward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -233,7 +233,7 @@ def test_rewards():
 
 
 def test_data_seed_keeps_the_held_out_set_across_seeds():
-    from recipes.tasks import load_task
+    from rollout_recipes.tasks import load_task
 
     def held_out(**keys):
         return load_task(RecipeConfig(train_size=100, eval_size=50, **keys)).eval["prompt"]
@@ -258,7 +258,7 @@ def test_group_advantages_and_gae():
 
 @pytest.mark.slow
 def test_demo_learns(tmp_path):
-    from recipes.demo import main as demo
+    from rollout_recipes.demo import main as demo
 
     out = demo(["--wandb", "false", "--output_dir", str(tmp_path)])
     assert out["accuracy_after"] >= out["accuracy_before"] + 0.15, out
@@ -272,7 +272,7 @@ def test_missing_model_path(tmp_path):
 def test_named_model_and_dataset_files(tmp_path):
     """The real-model path without a download: a model directory whose tokenizer has a chat
     template, and a JSONL of GSM8K-style rows scored by the math reward."""
-    from recipes.run.tiny import char_tokenizer, tiny_llama
+    from rollout_recipes.run.tiny import char_tokenizer, tiny_llama
 
     tok = char_tokenizer("0123456789+=#abcdefghijklmnopqrstuvwxyz ?.\n")
     tok.chat_template = ("{% for m in messages %}{{ m['role'][0] }}={{ m['content'] }}\n"
@@ -288,7 +288,7 @@ def test_named_model_and_dataset_files(tmp_path):
                 "--eval_size", "8", "--system_prompt", "add", "--warmstart_steps", "2"])
     check_steps(out["history"])
     assert out["accuracy_before"] is not None
-    from recipes.tasks import load_task
+    from rollout_recipes.tasks import load_task
 
     cfg = RecipeConfig(model=str(tmp_path / "model"), dataset=str(tmp_path / "data.jsonl"),
                        prompt_template="{question}", system_prompt="add", eval_size=8)

@@ -6,7 +6,7 @@ import torch
 from kernels_env import DEVICE
 from models import tiny_model
 
-from kernels import shared_prefix_attention
+from rollout_kernels import shared_prefix_attention
 from rollout import Engine, EngineConfig, SamplingParams, triton_attention
 from rollout.attention import TorchAttention
 from rollout.attention_metadata import AttentionMetadata

@@ -108,11 +108,11 @@ def fail_copies_after(engine, monkeypatch, count: int) -> None:
     have been copied."""
     load, seen = engine.model.load_weights, []
 
-    def flaky(bucket):
+    def flaky(bucket, **kwargs):
         seen.extend(bucket)
         if len(seen) > count:
             raise RuntimeError("simulated copy failure")
-        return load(bucket)
+        return load(bucket, **kwargs)
 
     monkeypatch.setattr(engine.model, "load_weights", flaky)
 

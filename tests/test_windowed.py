@@ -13,7 +13,7 @@ from models import tiny_model
 from test_parity import assert_matches_reference
 from test_torch_shared_prefix import MIXED, make_step, random_pool
 
-from kernels import paged_attention_ref
+from rollout_kernels import paged_attention_ref
 from rollout import Engine, EngineConfig, SamplingParams, triton_attention
 from rollout.attention import TorchAttention
 from rollout.spec import SpeculativeConfig

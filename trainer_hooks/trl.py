@@ -31,7 +31,14 @@ called a tool, whose histories the radix cache serves (the engine stays awake fo
 the engine's logprobs (0.0 on tool-result tokens) reach the loss and the importance ratio.
 
 Each rank runs its own engine on its own device; rollouts call no collective (a ZeRO-3 gather of
-the weights aside, which every rank enters at the same point, before generating).
+the weights aside, which every rank enters at the same point, before generating). With
+`EngineConfig(tensor_parallel_size=k)` the engine spans k consecutive ranks (built in
+RolloutGRPOTrainer.__init__, at the same point on every rank), whose requests must be the same,
+while TRL hands each rank its own slice of the batch: so each rollout gathers the k ranks' rows
+within the group (one all_gather_object), the engine generates for all of them, and each rank
+keeps its own, as TRL's vLLM colocate mode does with its tensor-parallel group. Prompts are thus
+sharded across engines, and the trainer stays data parallel over every rank. Tools and
+environments need engines of one rank: a rank's tool loop may end while another's goes on.
 FSDP-sharded models are not supported yet (their parameters would need full_tensor()).
 """
 
@@ -44,6 +51,7 @@ import weakref
 from collections.abc import Callable
 from types import SimpleNamespace
 
+import torch.distributed as dist
 import trl.trainer.grpo_trainer as _grpo_module
 from torch import nn
 from trl import GRPOTrainer
@@ -161,23 +169,26 @@ class EngineRollout:
         engine = self.setup(trainer)
         prompt_ids = tokenize_prompts(prompts, trainer)
         sampling_params(trainer, engine)  # bad settings fail before the engine wakes
-        with self.session(trainer) as session:
-            for ids in prompt_ids:
-                session.origins.setdefault(len(ids), set()).add(tuple(ids))
-            completion_ids, logprobs = self.generate_rows(trainer, prompt_ids)
+        with self.session(trainer):
+            completion_ids, logprobs = self.generate_rows(trainer, prompt_ids, first_turn=True)
         self.calls += 1
         return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
 
-    def generate_rows(self, trainer: GRPOTrainer, prompt_ids: list[list[int]]
-                      ) -> tuple[list[list[int]], list[list[float]]]:
+    def generate_rows(self, trainer: GRPOTrainer, prompt_ids: list[list[int]],
+                      first_turn: bool = False) -> tuple[list[list[int]], list[list[float]]]:
         """One completion (ids, sampler logprobs) per row, in order; equal rows are one request
         with n = their count. Call inside `session`. A row that extends a first-turn prompt of
         this session (a later turn: prompt + completion so far + tool result) gets at most what
-        is left of `max_completion_length`, the length TRL's tool loop truncates it to anyway."""
+        is left of `max_completion_length`, the length TRL's tool loop truncates it to anyway.
+        A tensor-parallel engine generates for its ranks' rows together (module docstring)."""
         session = self._session
         if session is None:
             raise RuntimeError("generate_rows: call it inside EngineRollout.session(trainer)")
         engine = self.engine
+        prompt_ids, mine = _engine_rows(engine, prompt_ids)
+        if first_turn:
+            for ids in prompt_ids:
+                session.origins.setdefault(len(ids), set()).add(tuple(ids))
         params = sampling_params(trainer, engine)
         at = (int(not trainer.model.training), trainer.state.global_step)
         self._index = self._index + 1 if at == self._at else 0
@@ -205,7 +216,7 @@ class EngineRollout:
         for key, out in zip(keys, outs):
             for row, sample in zip(groups[key], out.samples):
                 completion_ids[row], logprobs[row] = list(sample.token_ids), list(sample.logprobs)
-        return completion_ids, logprobs
+        return completion_ids[mine], logprobs[mine]
 
     @staticmethod
     def _budget(session: _Session, key: tuple[int, ...], max_tokens: int, trainer) -> int:
@@ -225,8 +236,11 @@ class EngineRollout:
             return None  # the engine draws one per request
         # Keyed by the trainer's step, not by a count of calls, so a run resumed from a
         # checkpoint samples what the uninterrupted run sampled (and evaluations in between
-        # leave training's samples alone). Ints only: hash() of str varies per process.
-        rank = trainer.accelerator.process_index
+        # leave training's samples alone). Ints only: hash() of str varies per process. Mixed
+        # with the engine's first rank, so the ranks of a tensor-parallel engine draw alike.
+        tp = self.engine.tp
+        rank = dist.get_global_rank(tp.group, 0) if tp.size > 1 else \
+            trainer.accelerator.process_index
         return hash((self.seed, rank, *self._at, self._index, group)) & ((1 << 63) - 1)
 
     def _record(self, trainer, session: _Session, sleep_seconds: float) -> None:
@@ -253,6 +267,18 @@ class EngineRollout:
             mode = "train" if trainer.model.training else "eval"
             for key, value in m.items():
                 metrics[mode][key].append(value)
+
+
+def _engine_rows(engine: Engine, rows: list[list[int]]) -> tuple[list[list[int]], slice]:
+    """The rows of every rank of `engine`'s tensor-parallel group, in rank order, and where
+    this rank's lie among them; `rows` itself on an engine of one rank."""
+    tp = engine.tp
+    if tp.size == 1:
+        return rows, slice(0, len(rows))
+    everyone: list = [None] * tp.size
+    dist.all_gather_object(everyone, rows, group=tp.group)
+    start = sum(len(r) for r in everyone[:tp.rank])
+    return [row for r in everyone for row in r], slice(start, start + len(rows))
 
 
 def _gathered(trainer: GRPOTrainer, model):
@@ -393,8 +419,13 @@ class RolloutGRPOTrainer(GRPOTrainer):
         if self._is_vlm:
             raise ValueError("processing_class: a multimodal processor (VLM); the rollout engine "
                              "serves text-only models")
-        # Built now so a bad EngineConfig fails here, not mid-training; asleep until used.
+        # Built now so a bad EngineConfig fails here, not mid-training, and, for a
+        # tensor-parallel engine, at the same point on every rank; asleep until used.
         self.engine = self.rollout.setup(self, synced=False)
+        if self.tools and self.engine.tp.size > 1:
+            raise ValueError("tools / environment_factory: need tensor_parallel_size 1 (the "
+                             "ranks of one engine must run the same turns, and each rank's "
+                             "tool loop ends on its own)")
         self.engine.sleep(sleep_level)
         self.use_vllm, self.vllm_mode = True, "colocate"
         self.vllm_generation, self._last_loaded_step = EngineGeneration(self, self.rollout), -1

@@ -4,6 +4,12 @@ Token-level tensors are in "target" space, [N, L-1]: column j scores input_ids[:
 the model predicts from position j. Only completion tokens are trained on (`mask`), and the
 engine's logprobs, log_softmax(logits / T) of each sampled token, fill `old_logprobs` there:
 they are the behaviour policy of the importance ratio, so no extra forward is needed for them.
+
+Multi-turn episodes (rollout.agent) lay out the same way, prompt + everything after it, but
+`mask` is the episode's own: 1 on the model's tokens, 0 on the environment's (tool output), which
+stay in `input_ids` as context and are never trained on. Everything downstream (losses, KL,
+values, the token counts that normalise the loss) weighs tokens by `mask`, so this is the one
+place where the environment's tokens are told apart.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from rollout import RolloutOutput
+from rollout.agent import Episode
 
 
 @dataclass
@@ -24,6 +31,7 @@ class RolloutBatch:
     rewards: torch.Tensor  # [N]
     group: torch.Tensor  # [N] index of the prompt each sample answers
     completions: list[str]
+    episodic: bool = False  # built from multi-turn episodes: `mask` has environment gaps
 
     @property
     def size(self) -> int:
@@ -41,25 +49,45 @@ class RolloutBatch:
 
 def build_batch(outputs: list[RolloutOutput], rewards: list[float], pad_id: int,
                 device: torch.device) -> RolloutBatch:
-    seqs, starts, logps, groups, texts = [], [], [], [], []
-    for g, out in enumerate(outputs):
-        for s in out.samples:
-            seqs.append(list(out.prompt_token_ids) + list(s.token_ids))
-            starts.append(len(out.prompt_token_ids))
-            logps.append(s.logprobs)
-            groups.append(g)
-            texts.append(s.text or "")
-    n, length = len(seqs), max(map(len, seqs))
+    rows = [(out.prompt_token_ids, s.token_ids, [1] * len(s.token_ids), s.logprobs)
+            for out in outputs for s in out.samples]
+    groups = [g for g, out in enumerate(outputs) for _ in out.samples]
+    texts = [s.text or "" for out in outputs for s in out.samples]
+    return _pack(rows, rewards, groups, texts, pad_id, device)
+
+
+def build_episode_batch(episodes: list[list[Episode]], rewards: list[float], pad_id: int,
+                        device: torch.device, completions: list[str]) -> RolloutBatch:
+    """`episodes[i]`: the n episodes of prompt i (one GRPO group); `rewards` and `completions`
+    (their texts): one per episode, in that order. Targets are masked by each episode's mask,
+    and `old_logprobs` holds the engine's logprobs at model tokens only (0 at environment
+    tokens, whatever the episode says there)."""
+    rows = [(ep.prompt_ids, ep.token_ids, ep.mask, ep.logprobs) for row in episodes for ep in row]
+    groups = [g for g, row in enumerate(episodes) for _ in row]
+    return _pack(rows, rewards, groups, completions, pad_id, device, episodic=True)
+
+
+def _pack(rows, rewards, groups, texts, pad_id, device, episodic: bool = False) -> RolloutBatch:
+    """(prompt ids, ids after it, their mask, their logprobs) per sample -> right-padded tensors
+    in target space: the first token after the prompt is predicted from its last position."""
+    n, length = len(rows), max(len(p) + len(t) for p, t, _, _ in rows)
     input_ids = torch.full((n, length), pad_id, dtype=torch.long)
     attention = torch.zeros(n, length, dtype=torch.long)
     mask = torch.zeros(n, length - 1)
     old = torch.zeros(n, length - 1)
-    for i, (ids, start, lp) in enumerate(zip(seqs, starts, logps)):
+    for i, (prompt, tokens, m, lp) in enumerate(rows):
+        ids = list(prompt) + list(tokens)
         input_ids[i, :len(ids)] = torch.tensor(ids)
         attention[i, :len(ids)] = 1
-        # The first completion token is predicted from the last prompt position.
-        mask[i, start - 1:len(ids) - 1] = 1
-        old[i, start - 1:len(ids) - 1] = torch.tensor(lp, dtype=torch.float32)
+        targets = slice(len(prompt) - 1, len(ids) - 1)
+        mask[i, targets] = torch.tensor(m, dtype=torch.float32)
+        trained = mask[i, targets] > 0
+        old[i, targets] = torch.where(trained, torch.tensor(lp, dtype=torch.float32), 0.0)
     return RolloutBatch(input_ids.to(device), attention.to(device), mask.to(device),
                         old.to(device), torch.tensor(rewards, device=device),
-                        torch.tensor(groups, device=device), texts)
+                        torch.tensor(groups, device=device), texts, episodic)
+
+
+def episode_text(tokenizer, episode: Episode) -> str:
+    """An episode's text after the prompt, model and environment tokens (specials skipped)."""
+    return tokenizer.decode(episode.token_ids, skip_special_tokens=True)

@@ -6,26 +6,38 @@ their own. One step:
                                      (leaving the block puts the engine to sleep)
     rewards -> advantages            group-normalised (grpo) or GAE on a value head (ppo)
     loss / backward / step           importance ratio against the engine's logprobs
+
+A task with an environment (Task.environment: a tool, a game) rolls out multi-turn episodes
+instead (rollout.agent.run_episodes: n episodes per prompt, each turn's prompt the episode so
+far, served by the radix cache) and trains on their mask, built once in batch.py: the loss, the
+KL and PPO's value loss count model tokens only, the environment's tokens are context; the
+engine's logprobs are the behaviour policy at model tokens; GRPO normalises episode rewards
+within a prompt's n episodes, PPO runs GAE over model tokens with the environment's skipped
+(advantages.episode_gae). The single-turn path is unchanged.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import random
 import time
 
 import torch
 from tqdm.auto import tqdm
 
 from rollout import SamplingParams
+from rollout.agent import run_episodes
 from trainer_hooks.colocate import ColocatedRollout
 
 from ..run.config import RecipeConfig
 from ..run.rollout_metrics import EngineMeter
-from ..run.shard import PromptSampler
-from .advantages import gae, group_advantages, whiten
-from .batch import RolloutBatch, build_batch
+from ..run.shard import PromptSampler, engine_slot
+from .advantages import episode_gae, gae, group_advantages, whiten
+from .batch import RolloutBatch, build_batch, build_episode_batch, episode_text
 from .logprobs import policy_logprobs, token_logprobs
 from .losses import grpo_loss, ppo_loss
+from .routing_replay import FlipCount, moe_routers, routed_expert_batch, routing_replay
 
 
 class CustomTrainer:
@@ -35,15 +47,36 @@ class CustomTrainer:
         self.rollout, self.engine, self.tokenizer = rollout, rollout.engine, tokenizer
         self.task, self.tracker, self.ref = task, tracker, ref_model
         self.meter = EngineMeter(self.engine)
-        self.sampler = PromptSampler(len(task.train), cfg.prompts_per_step,
-                                     accelerator.process_index, accelerator.num_processes,
-                                     cfg.seed)
-        # Seeds differ per rank (engine seed) and per request, so samples are independent.
+        # Everything below is seeded per engine, not per process: the k ranks of a
+        # tensor-parallel engine must run the same requests with the same seeds. They then also
+        # train on the same batch in the same order, replicas of one data-parallel worker: DDP
+        # averages k equal gradients per engine, so the update is that of W / k data-parallel
+        # workers. Splitting the batch across them instead would save training compute but
+        # change every per-rank normalisation (tokens per minibatch, PPO's whitening, GRPO's
+        # groups) and leave ranks with empty minibatches.
+        slot = engine_slot(accelerator.process_index, accelerator.num_processes,
+                           cfg.tensor_parallel_size)
+        self.sampler = PromptSampler(len(task.train), cfg.prompts_per_step, slot.index,
+                                     slot.count, cfg.seed)
+        # Seeds differ per engine (engine seed) and per request, so samples are independent.
         self.params = SamplingParams(n=cfg.num_generations, temperature=cfg.temperature,
                                      max_tokens=cfg.max_new_tokens, logprobs=True)
-        self.generator = torch.Generator().manual_seed(cfg.seed + accelerator.process_index)
+        self.generator = torch.Generator().manual_seed(cfg.seed + slot.index)
+        self.episodic = task.environment is not None
+        if self.episodic:
+            # Turns end at the task's stop strings (a tool call's end tag). run_episodes seeds
+            # each turn from params.seed, so draw one per step, per engine: left to
+            # run_episodes, it would come from the global `random`, seeded alike on every rank.
+            self.episode_params = dataclasses.replace(self.params, stop=list(task.stop or []))
+            self.episode_seeds = random.Random(cfg.seed * 7907 + slot.index)
         self._awake_steps = 0  # this step's optimizer steps taken while the engine was awake
         self._optimizer_steps = 0
+        # MoE policies: the engine returns each sample's experts, so every step logs
+        # moe/routing_flip_rate, and cfg.routing_replay forces them (_replay). Not for episodes:
+        # an Episode keeps no routes for its turns.
+        self.routes = None
+        if not self.episodic and moe_routers(module):
+            self.params = dataclasses.replace(self.params, return_routed_experts=True)
 
     # --- one RL step ------------------------------------------------------------------------
     def train(self, evaluate=None) -> float | None:
@@ -69,20 +102,31 @@ class CustomTrainer:
 
     def step(self) -> dict:
         self._awake_steps = self._optimizer_steps = 0
+        self.flips = FlipCount()
         rows = self.task.train[self.sampler.next()]
         prompts, answers = rows["prompt"], rows["answer"]
         self.meter.start()
         t0 = time.perf_counter()
+        episodes, episode_metrics = None, {}
         with self.rollout:
             mem_awake = self.engine.memory_held()
             t_gen = time.perf_counter()
-            outs = self.rollout.generate(self.task.encode(self.tokenizer, prompts), self.params)
+            if self.episodic:
+                episodes = self._run_episodes(self.task.encode(self.tokenizer, prompts))
+            else:
+                outs = self.rollout.generate(self.task.encode(self.tokenizer, prompts),
+                                             self.params)
             gen_seconds = time.perf_counter() - t_gen
         rollout_seconds = time.perf_counter() - t0
         mem_asleep = self.engine.memory_held()
-        rewards = [self.task.reward(s.text or "", answer)
-                   for out, answer in zip(outs, answers) for s in out.samples]
-        batch = build_batch(outs, rewards, self.tokenizer.pad_token_id, self.acc.device)
+        if episodes is not None:
+            batch, episode_metrics = self._episode_batch(episodes, answers)
+        else:
+            rewards = [self.task.reward(s.text or "", answer)
+                       for out, answer in zip(outs, answers) for s in out.samples]
+            batch = build_batch(outs, rewards, self.tokenizer.pad_token_id, self.acc.device)
+            if self.params.return_routed_experts:
+                self.routes = routed_expert_batch(outs, batch.input_ids.shape[1], self.acc.device)
         t1 = time.perf_counter()
         self.module.train()
         update = self.grpo_update(batch) if self.cfg.algo == "grpo" else self.ppo_update(batch)
@@ -94,7 +138,10 @@ class CustomTrainer:
             "reward/std": batch.rewards.std().item() if batch.size > 1 else 0.0,
             "completion/mean_length": lengths.mean().item(),
             "completion/max_length": lengths.max().item(),
+            **episode_metrics,
             **update,
+            **({"moe/routing_flip_rate": self.flips.rate} if self.params.return_routed_experts
+               else {}),
             **self.meter.finish(gen_seconds),
             "time/rollout": gen_seconds,
             "time/weight_sync": timings.get("sync", 0.0),
@@ -107,6 +154,32 @@ class CustomTrainer:
             "engine/asleep_at_optimizer_step": float(self._awake_steps == 0
                                                      and self._optimizer_steps > 0),
             "engine/optimizer_steps": self._optimizer_steps,
+        }
+
+    # --- multi-turn episodes -----------------------------------------------------------------
+    def _run_episodes(self, prompt_ids: list[list[int]]):
+        params = dataclasses.replace(self.episode_params,
+                                     seed=self.episode_seeds.getrandbits(63))
+        return run_episodes(self.engine, prompt_ids, self.task.environment, params,
+                            max_turns=self.cfg.max_turns,
+                            max_episode_tokens=self.cfg.max_episode_tokens)
+
+    def _episode_batch(self, episodes, answers) -> tuple[RolloutBatch, dict]:
+        """Each episode scored by the task's reward on its text after the prompt; the batch's
+        mask is the episodes' own (model tokens 1, environment tokens 0)."""
+        texts = [episode_text(self.tokenizer, ep) for row in episodes for ep in row]
+        rewards = [self.task.reward(text, answer) for text, answer in
+                   zip(texts, (a for row, a in zip(episodes, answers) for _ in row))]
+        batch = build_episode_batch(episodes, rewards, self.tokenizer.pad_token_id,
+                                    self.acc.device, texts)
+        flat = [ep for row in episodes for ep in row]
+        count = len(flat)
+        return batch, {
+            "episode/turns": sum(ep.turns for ep in flat) / count,
+            "episode/length": sum(len(ep.token_ids) for ep in flat) / count,
+            "episode/env_tokens": sum(len(ep.mask) - sum(ep.mask) for ep in flat) / count,
+            "episode/done": sum(ep.finish_reason == "done" for ep in flat) / count,
+            "episode/aborted": sum(ep.finish_reason == "abort" for ep in flat) / count,
         }
 
     # --- updates ----------------------------------------------------------------------------
@@ -141,8 +214,9 @@ class CustomTrainer:
             kl = (batch.old_logprobs - self._reference_logprobs(batch)) * batch.mask
             token_rewards = token_rewards - self.cfg.beta * kl
             out["kl"] = (kl.sum() / batch.mask.sum()).item()
-        advantages, returns = gae(token_rewards, old_values, batch.mask, self.cfg.gamma,
-                                  self.cfg.lam)
+        # Episodes: GAE over model tokens, the environment's skipped (not time steps).
+        advantages, returns = (episode_gae if batch.episodic else gae)(
+            token_rewards, old_values, batch.mask, self.cfg.gamma, self.cfg.lam)
         advantages = whiten(advantages, batch.mask)
         totals: dict[str, float] = {}
 
@@ -172,7 +246,9 @@ class CustomTrainer:
                 minibatch_loss = 0.0
                 for k, index in enumerate(micro):
                     sync = k == len(micro) - 1
-                    with contextlib.nullcontext() if sync else self.acc.no_sync(self.module):
+                    # backward too under the replay: a checkpointed recompute must route alike
+                    with (contextlib.nullcontext() if sync else self.acc.no_sync(self.module),
+                          self._replay(index)):
                         loss, stats = loss_fn(index, batch.rows(index), num_tokens)
                         self.acc.backward(loss)
                     minibatch_loss += loss.item()
@@ -195,6 +271,14 @@ class CustomTrainer:
         self.optimizer.zero_grad(set_to_none=True)
 
     # --- helpers ----------------------------------------------------------------------------
+    def _replay(self, index: torch.Tensor):
+        """A micro-batch's routing replay (forced when cfg.routing_replay; its flips counted in
+        self.flips either way); nothing for a dense policy or episodes."""
+        if self.routes is None:
+            return contextlib.nullcontext()
+        return routing_replay(self.module, self.routes[index], self.cfg.routing_replay,
+                              self.flips)
+
     def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         with torch.no_grad():
             return self._chunked(batch, lambda rows: policy_logprobs(
@@ -205,6 +289,7 @@ class CustomTrainer:
         return torch.cat([fn(batch.rows(i)) for i in index.split(self.cfg.micro_batch_size)])
 
     def _mean_over_ranks(self, metrics: dict) -> dict:
+        """Each engine's k ranks count alike (k times each), so this is the mean over engines."""
         if self.acc.num_processes == 1:
             return metrics
         keys = sorted(metrics)

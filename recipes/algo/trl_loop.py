@@ -12,6 +12,7 @@ from transformers import PrinterCallback, TrainerCallback
 from ..run.build import engine_config, frozen_copy
 from ..run.config import RecipeConfig
 from ..run.evaluate import held_out_accuracy
+from ..run.shard import engine_slot
 
 # TRL log key -> the custom loop's name for the same quantity.
 _ALIASES = {"reward": "reward/mean", "reward_std": "reward/std",
@@ -110,11 +111,13 @@ def train_trl(cfg: RecipeConfig, accelerator, policy, tokenizer, task, tracker) 
         # stay equal without a DDP wrapper of our own.
         out["warmstart_loss"] = warm_start(cfg, policy, tokenizer, task, accelerator,
                                            same_batches_on_every_rank=True)
-    rank = accelerator.process_index  # read before GRPOConfig resets the accelerate state
+    # Read before GRPOConfig resets the accelerate state.
+    slot = engine_slot(accelerator.process_index, accelerator.num_processes,
+                       cfg.tensor_parallel_size)
     trainer = RolloutGRPOTrainer(
         policy, reward_funcs=[correctness_reward(task.reward)], args=grpo_args(cfg, accelerator),
         train_dataset=task.train, processing_class=tokenizer,
-        engine_config=engine_config(cfg, rank), sleep_level=cfg.sleep_level,
+        engine_config=engine_config(cfg, slot.index), sleep_level=cfg.sleep_level,
         # The KL reference is the policy RL starts from (after the warm start), as in the
         # custom loop; left to TRL it would reload the model's path (none for the tiny model).
         ref_model=frozen_copy(policy) if cfg.beta > 0 else None)

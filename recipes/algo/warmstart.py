@@ -1,5 +1,8 @@
 """Supervised warm start: a few steps of teacher forcing on prompt -> answer, so a fresh model
-earns some reward and GRPO has a signal. Kept short on purpose: RL has to do the rest."""
+earns some reward and GRPO has a signal. Kept short on purpose: RL has to do the rest.
+
+A multi-turn task demonstrates whole episodes instead (`Task.demonstration`): the model's turns
+are trained on, the environment's text in between is context only, as in RL (batch.py)."""
 
 from __future__ import annotations
 
@@ -16,10 +19,19 @@ def encode_examples(task, tokenizer, prompts: list[str], answers: list[str], dev
     """prompt + answer + eos, right-padded: (ids, attention mask, loss mask over answer + eos).
     Prompts are encoded as the engine will see them (Task.encode)."""
     rows, masks = [], []
-    for p, answer in zip(task.encode(tokenizer, prompts), answers):
-        a = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
-        rows.append(p + a)
-        masks.append([0] * len(p) + [1] * len(a))
+    for text, p, answer in zip(prompts, task.encode(tokenizer, prompts), answers):
+        if task.demonstration is None:
+            a = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+            rows.append(p + a)
+            masks.append([0] * len(p) + [1] * len(a))
+            continue
+        row, mask = list(p), [0] * len(p)
+        for segment, by_model in task.demonstration(text, answer):
+            ids = tokenizer.encode(segment, add_special_tokens=False)
+            row += ids
+            mask += [int(by_model)] * len(ids)
+        rows.append(row + [tokenizer.eos_token_id])
+        masks.append(mask + [1])
     length = max(map(len, rows))
     ids = torch.full((len(rows), length), tokenizer.pad_token_id, dtype=torch.long)
     attention = torch.zeros(len(rows), length, dtype=torch.long)
@@ -43,9 +55,13 @@ def warm_start(cfg: RecipeConfig, module, tokenizer, task, accelerator,
     plain model that every rank trains alike (`same_batches_on_every_rank`). Returns the last
     loss."""
     optimizer = accelerator.prepare(torch.optim.AdamW(module.parameters(), lr=cfg.warmstart_lr))
+    # Per process, not per engine as rollouts are: no engine runs here, and data parallelism
+    # over every rank wants each rank's own batches, whatever tensor_parallel_size is.
     rank = 0 if same_batches_on_every_rank else accelerator.process_index
     rng = random.Random(cfg.seed * 7919 + rank)
     prompts, answers = task.train["prompt"], task.train["answer"]
+    if cfg.warmstart_examples is not None:  # a few demonstrations, seen again and again
+        prompts, answers = prompts[:cfg.warmstart_examples], answers[:cfg.warmstart_examples]
     bar = tqdm(range(cfg.warmstart_steps), desc="warm start (supervised)", unit="step",
                disable=not (cfg.progress and accelerator.is_main_process))
     module.train()

@@ -7,6 +7,7 @@ import torch
 from rollout import Engine, EngineConfig
 
 from .config import RecipeConfig, speculative_config
+from .smollm2 import resolve
 from .tiny import char_tokenizer, tiny_llama
 
 
@@ -15,7 +16,7 @@ def load_tokenizer(cfg: RecipeConfig, alphabet: str | None):
         return char_tokenizer(alphabet)
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(cfg.model)
+    tok = AutoTokenizer.from_pretrained(resolve(cfg.model))
     if tok.pad_token is None:  # right-padding of training batches needs some pad id
         tok.pad_token = tok.eos_token
     return tok
@@ -28,7 +29,7 @@ def load_model(cfg: RecipeConfig, tokenizer, device: torch.device):
     else:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(cfg.model,
+        model = AutoModelForCausalLM.from_pretrained(resolve(cfg.model),
                                                      dtype=getattr(torch, cfg.model_dtype))
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
@@ -46,16 +47,20 @@ def frozen_copy(model):
     return ref
 
 
-def build_engine(cfg: RecipeConfig, model, tokenizer, rank: int = 0) -> Engine:
-    """The engine copies the weights it starts from; ColocatedRollout keeps them in sync."""
-    return Engine(model, engine_config(cfg, rank), tokenizer=tokenizer)
+def build_engine(cfg: RecipeConfig, model, tokenizer, engine_index: int = 0) -> Engine:
+    """The engine copies the weights it starts from; ColocatedRollout keeps them in sync. With
+    tensor_parallel_size > 1 a collective: every rank builds its engine at the same point."""
+    return Engine(model, engine_config(cfg, engine_index), tokenizer=tokenizer)
 
 
-def engine_config(cfg: RecipeConfig, rank: int = 0) -> EngineConfig:
-    # Seeded per rank: unseeded requests draw their seeds from it, so ranks sample differently.
+def engine_config(cfg: RecipeConfig, engine_index: int = 0) -> EngineConfig:
+    # Seeded per engine: unseeded requests draw their seeds from it, so engines sample
+    # differently while the ranks of one draw alike, as they must.
     return EngineConfig(kv_cache_tokens=cfg.kv_cache_tokens,
                         kv_memory_fraction=cfg.kv_memory_fraction,
                         max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
                         dtype=cfg.dtype, enable_prefix_caching=cfg.prefix_caching,
                         cuda_graphs=cfg.cuda_graphs,
-                        speculative=speculative_config(cfg), seed=cfg.seed + 1009 * rank)
+                        speculative=speculative_config(cfg),
+                        tensor_parallel_size=cfg.tensor_parallel_size,
+                        seed=cfg.seed + 1009 * engine_index)

@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 import torch
 import yaml
 
+from . import smollm2
+
 TRAINERS = ("custom", "trl")
 ALGOS = ("grpo", "ppo")
 REWARDS = ("auto", "exact", "math")
-TASKS = ("addition",)
+TASKS = ("addition", "calculator")
 
 
 @dataclass
@@ -30,7 +32,7 @@ class RecipeConfig:
     tiny_model: dict = field(default_factory=lambda: dict(hidden_size=128, num_hidden_layers=2))
     dataset: str | None = None  # HF id, local dir or .json/.jsonl/.csv/.parquet; None: built-in
     dataset_config: str | None = None  # e.g. "main" for openai/gsm8k
-    task: str = "addition"  # the built-in task, used when `dataset` is None
+    task: str = "addition"  # the built-in task (addition | calculator), when `dataset` is None
     train_size: int = 8000  # built-in task sizes (a dataset's own splits are used otherwise)
     # Seed of the built-in task's train/held-out split and of dataset shuffles; None: `seed`.
     # Fixed, it keeps the held-out set (and what a warm start saw) across a sweep of seeds.
@@ -49,7 +51,7 @@ class RecipeConfig:
     trainer: str = "custom"  # custom (the loop in recipes/algo/custom_loop.py) | trl
     algo: str = "grpo"  # grpo | ppo (custom trainer only)
     steps: int = 100
-    prompts_per_step: int = 32  # per process; each process rolls out its own shard
+    prompts_per_step: int = 32  # per engine; each engine rolls out its own shard
     num_generations: int = 8  # samples per prompt (the GRPO group)
     temperature: float = 1.0
     max_new_tokens: int | None = None  # None: auto (see _AUTO below)
@@ -66,14 +68,24 @@ class RecipeConfig:
     vf_coef: float = 0.5  # PPO: value loss weight
     value_clip: float = 0.2  # PPO: clip of the value update
     gradient_checkpointing: bool = False
+    # MoE policies (single-turn): force the experts the rollout chose in the training forwards
+    # (recipes/algo/routing_replay.py). moe/routing_flip_rate is logged either way.
+    routing_replay: bool = False
     # Trained weights' dtype; keep float32 and let `accelerate launch --mixed_precision bf16`
     # autocast, since AdamW on bf16 weights loses small updates.
     model_dtype: str = "float32"
+
+    # --- multi-turn episodes (tasks with an environment: calculator) ---------------------------
+    tools: bool = True  # roll out episodes with the task's environment; false: single-turn
+    max_turns: int = 4  # model turns per episode
+    max_episode_tokens: int | None = None  # model + env tokens after the prompt; None: model len
+    # (`max_new_tokens` bounds each model turn)
 
     # --- supervised warm start (so rewards are not all zero on a fresh model) ------------------
     warmstart_steps: int | None = None
     warmstart_lr: float = 1e-3
     warmstart_batch_size: int = 64
+    warmstart_examples: int | None = None  # train only on the first this many rows; None: all
 
     # --- engine -----------------------------------------------------------------------------
     kv_cache_tokens: int | None = None  # None: a share of free device memory
@@ -86,6 +98,10 @@ class RecipeConfig:
     cuda_graphs: bool = False  # replay decode steps from CUDA graphs (GPU, Triton backend)
     # rollout.spec.SpeculativeConfig keys, e.g. {method: ngram, num_speculative_tokens: 4}
     speculative: dict | None = None
+    # Ranks per engine: `accelerate launch --num_processes W` runs W / k engines of k ranks,
+    # each holding 1/k of the model (rollout/parallel/); prompts are sharded across the
+    # engines. Must divide W (checked at launch, when W is known).
+    tensor_parallel_size: int = 1
 
     # --- run --------------------------------------------------------------------------------
     seed: int = 0
@@ -123,7 +139,7 @@ _AUTO = {"max_new_tokens": (8, 256), "max_model_len": (64, 1024), "learning_rate
 
 _POSITIVE = ("steps", "prompts_per_step", "num_generations", "max_new_tokens", "epochs",
              "minibatches", "micro_batch_size", "warmstart_batch_size", "max_model_len",
-             "max_num_seqs", "train_size")
+             "max_num_seqs", "train_size", "max_turns", "tensor_parallel_size")
 _NON_NEGATIVE = ("eval_size", "eval_every", "warmstart_steps", "beta", "weight_decay",
                  "max_grad_norm", "seed")
 
@@ -177,6 +193,17 @@ def _check_values(cfg: RecipeConfig) -> None:
     if cfg.algo == "grpo" and cfg.num_generations < 2:
         raise ValueError("num_generations must be >= 2 for grpo: advantages are normalised "
                          "within each prompt's group")
+    for name in ("max_episode_tokens", "warmstart_examples"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
+            raise ValueError(f"{name} must be >= 1 or null, got {getattr(cfg, name)}")
+    if cfg.trainer == "trl" and _has_environment(cfg):
+        raise ValueError("trainer: the calculator task's episodes run in the custom trainer "
+                         "(--trainer custom); TRL's own tool loop is trainer_hooks.trl's tools=")
+    if cfg.tensor_parallel_size > 1 and _has_environment(cfg):
+        # rollout.agent's environments answer in a different order on each rank, so the ranks
+        # of one engine would admit different observations (README, tensor parallelism).
+        raise ValueError("tensor_parallel_size: the calculator task's episodes run on engines "
+                         "of one rank only; set --tools false or tensor_parallel_size 1")
     if cfg.trainer == "trl" and cfg.algo != "grpo":
         raise ValueError(f"algo: the trl trainer runs grpo only, got {cfg.algo!r}")
     if cfg.model is None and cfg.dataset is not None:
@@ -193,14 +220,27 @@ def _check_values(cfg: RecipeConfig) -> None:
     if cfg.max_new_tokens >= cfg.max_model_len:
         raise ValueError(f"max_new_tokens must be < max_model_len ({cfg.max_model_len}): a "
                          f"prompt and its completion share it, got {cfg.max_new_tokens}")
-    if cfg.model is not None and not _looks_like_hub_id(cfg.model) and not os.path.exists(
-            cfg.model):
+    if cfg.model == smollm2.NAME and smollm2.missing():  # the packaged real model
+        raise ValueError(f"model: {smollm2.missing()}")
+    if cfg.model not in (None, smollm2.NAME) and not _looks_like_hub_id(cfg.model) and \
+            not os.path.exists(cfg.model):
         raise ValueError(f"model: {cfg.model!r} is neither an existing path nor a hub id")
     if cfg.dataset is not None and is_data_file(cfg.dataset) and not os.path.isfile(cfg.dataset):
         raise ValueError(f"dataset: file not found: {cfg.dataset!r}")
     if "{" not in cfg.prompt_template or "}" not in cfg.prompt_template:
         raise ValueError(f"prompt_template must name a dataset field in braces, e.g. "
                          f"'{{question}}', got {cfg.prompt_template!r}")
+
+
+def _has_environment(cfg: RecipeConfig) -> bool:
+    return cfg.task == "calculator" and cfg.dataset is None and cfg.tools
+
+
+def check_world(cfg: RecipeConfig, processes: int) -> None:
+    """The checks that need the number of processes, known once the launcher started them."""
+    if processes % cfg.tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size: {cfg.tensor_parallel_size} must divide the "
+                         f"number of processes, {processes}")
 
 
 _TINY_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",

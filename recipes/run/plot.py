@@ -37,17 +37,9 @@ def reward_curve(history: list[dict], path: str, title: str, accuracy: dict | No
                     xytext=(4, -12), color="tab:green", fontsize=8)
         ax.annotate(f"{evals[-1][1]:.0%}", evals[-1], textcoords="offset points",
                     xytext=(-10, 6), color="tab:green", fontsize=8)
-    ax.set_xlabel("RL step")
-    ax.set_ylabel("reward / accuracy")
-    ax.set_ylim(-0.02, 1.02)
     ax.set_title(title)
-    ax.grid(alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path)
 
 
 def moving_mean(xs: list[float], window: int) -> list[float]:
@@ -56,3 +48,46 @@ def moving_mean(xs: list[float], window: int) -> list[float]:
         chunk = xs[max(0, i - window + 1):i + 1]
         out.append(sum(chunk) / len(chunk))
     return out
+
+
+def accuracy_curves(runs: dict[str, tuple[list[dict], float | None]], path: str,
+                    title: str) -> str:
+    """Held-out accuracy of several runs on one axis: label -> (history, accuracy before RL);
+    with each run's sampled reward per step, faint."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    for k, (label, (history, before)) in enumerate(runs.items()):
+        color = f"C{k}"
+        rows = [r for r in history if "reward/mean" in r]
+        ax.plot([r["step"] for r in rows], [r["reward/mean"] for r in rows], color=color,
+                alpha=0.25, label=f"{label}: reward per step (sampled)")
+        evals = [(0, before)] if before is not None else []
+        evals += [(r["step"], r["eval/accuracy"]) for r in history if "eval/accuracy" in r]
+        if evals:
+            ax.plot(*zip(*evals), color=color, marker="o", markersize=4,
+                    label=f"{label}: held-out accuracy (greedy)")
+            ax.annotate(f"{evals[-1][1]:.0%}", evals[-1], textcoords="offset points",
+                        xytext=(-10, 6), color=color, fontsize=8)
+    ax.set_title(title, fontsize=10)
+    ax.legend(loc="center right", fontsize=7)
+    return _save(fig, ax, path)
+
+
+def _save(fig, ax, path: str) -> str:
+    """The axes every recipe plot shares (RL steps against a 0-1 reward or accuracy), then the
+    PNG."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("reward / accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

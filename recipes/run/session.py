@@ -13,9 +13,10 @@ import torch
 
 from ..tasks import builtin_alphabet, load_task
 from .build import build_engine, frozen_copy, load_model, load_tokenizer
-from .config import RecipeConfig
-from .evaluate import held_out_accuracy
+from .config import RecipeConfig, check_world
+from .evaluate import held_out_accuracy, held_out_episode_accuracy, later_turn_cache
 from .plot import reward_curve
+from .shard import engine_slot
 from .tracking import Tracker
 
 
@@ -33,6 +34,7 @@ def train(cfg: RecipeConfig) -> dict:
     # Read now: TRL's Trainer builds its own Accelerator, which resets the shared state ours
     # reads from.
     is_main, processes = accelerator.is_main_process, accelerator.num_processes
+    check_world(cfg, processes)  # before the tracker creates files or any model is built
     tracker = Tracker(cfg, is_main)
     started = time.perf_counter()
     try:
@@ -43,7 +45,8 @@ def train(cfg: RecipeConfig) -> dict:
         tracker.print(f"model: {cfg.model or 'built-in tiny Llama'} "
                       f"({sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters), "
                       f"task: {cfg.dataset or cfg.task} ({len(task.train)} train prompts), "
-                      f"{processes} process(es)")
+                      f"{processes} process(es), {processes // cfg.tensor_parallel_size} "
+                      f"engine(s) of {cfg.tensor_parallel_size} rank(s)")
         if cfg.trainer == "trl":
             from ..algo.trl_loop import train_trl
 
@@ -89,7 +92,9 @@ def _train_custom(cfg, accelerator, policy, tokenizer, task, tracker) -> dict:
     optimizer = torch.optim.AdamW(module.parameters(), lr=cfg.learning_rate,
                                   weight_decay=cfg.weight_decay)
     module, optimizer = accelerator.prepare(module, optimizer)
-    engine = build_engine(cfg, policy, tokenizer, accelerator.process_index)
+    slot = engine_slot(accelerator.process_index, accelerator.num_processes,
+                       cfg.tensor_parallel_size)
+    engine = build_engine(cfg, policy, tokenizer, slot.index)
     engine.sleep(cfg.sleep_level)  # asleep until the first rollout: warm start needs no engine
     # synced=False: DDP broadcast rank 0's weights into `policy` without bumping versions.
     rollout = ColocatedRollout(engine, policy, cfg.sleep_level, synced=False)
@@ -102,20 +107,28 @@ def _train_custom(cfg, accelerator, policy, tokenizer, task, tracker) -> dict:
                             tracker, ref)
 
     def evaluate() -> float:
-        return held_out_accuracy(rollout, task, tokenizer, cfg.max_new_tokens, accelerator)
+        return _accuracy(cfg, rollout, task, tokenizer, accelerator)
 
     out["accuracy_after"] = trainer.train(evaluate if task.eval is not None else None)
     if out["accuracy_after"] is not None:
         tracker.print(f"held-out accuracy after RL: {out['accuracy_after']:.1%} "
                       f"({len(task.eval)} prompts, greedy)")
     out["engine_stats"] = engine.stats.as_dict()
+    if task.environment is not None and task.eval is not None:
+        out["later_turn_cache"] = later_turn_cache(rollout, task, tokenizer, cfg, accelerator)
     return out
 
 
 def _score(cfg, rollout, task, tokenizer, accelerator, tracker) -> float | None:
     if task.eval is None:
         return None
-    acc = held_out_accuracy(rollout, task, tokenizer, cfg.max_new_tokens, accelerator,
-                            progress=cfg.progress)
+    acc = _accuracy(cfg, rollout, task, tokenizer, accelerator, progress=cfg.progress)
     tracker.print(f"held-out accuracy before RL: {acc:.1%} ({len(task.eval)} prompts, greedy)")
     return acc
+
+
+def _accuracy(cfg, rollout, task, tokenizer, accelerator, progress: bool = False) -> float:
+    if task.environment is not None:  # greedy multi-turn episodes with the environment
+        return held_out_episode_accuracy(rollout, task, tokenizer, cfg, accelerator, progress)
+    return held_out_accuracy(rollout, task, tokenizer, cfg.max_new_tokens, accelerator,
+                             progress)

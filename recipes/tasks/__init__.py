@@ -3,9 +3,11 @@ task, each with a `load(...) -> Task` (base.py):
 
     addition.py   the built-in task, generated in code: 2-digit sums, exact-match reward
     gsm8k.py      a dataset (HF id, local dir or file) of GSM8K-style problems, math reward
+    calculator.py 3-4 digit sums with a calculator tool: multi-turn episodes (an environment),
+                  or single-turn without the tool (`tools: false`)
 
-A new task (a tool-use task for multi-turn episodes, say) is a new file here with its data,
-its reward (and its environment), named in BUILTIN below and in TASKS of recipes/run/config.py.
+A new task is a new file here with its data, its reward (and, for multi-turn episodes, its
+environment: see base.py), named in BUILTIN below and in TASKS of recipes/run/config.py.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..run.config import RecipeConfig
-from . import addition, gsm8k
+from . import addition, calculator, gsm8k
 from .addition import exact_reward
 from .base import Task
 from .gsm8k import math_reward
@@ -24,7 +26,7 @@ __all__ = ["REWARDS", "Task", "builtin_alphabet", "exact_reward", "load_task", "
 REWARDS: dict[str, Callable[[str, str], float]] = {"exact": exact_reward, "math": math_reward}
 
 # The built-in tasks (`task:` in a config, used when `dataset` is None) and their alphabets.
-BUILTIN = {"addition": addition}
+BUILTIN = {"addition": addition, "calculator": calculator}
 
 
 def load_task(cfg: RecipeConfig, tokenizer=None) -> Task:

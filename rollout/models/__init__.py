@@ -3,7 +3,8 @@ contract, README "Adding a model family" for the steps)."""
 
 from __future__ import annotations
 
-from . import gemma2, gemma3, llama, phi3, qwen2, qwen3  # noqa: F401  (each registers itself)
+from . import (  # noqa: F401  (each registers itself)
+    gemma2, gemma3, llama, mixtral, phi3, qwen2, qwen3, qwen3_moe)
 from .base import MODEL_REGISTRY, CausalLM
 
 

@@ -15,8 +15,12 @@ Hugging Face `config.model_type`(s) it serves. It provides:
 - `WEIGHTS`: how checkpoint tensor names map onto its parameters, declaratively (`WeightTable`).
   `check_weights`, `load_weights` and `expected_weight_names` are derived here from that table
   and from the shard sizes its fused linears hold (layers/linear.py).
-- optionally `step_extras(ctx, rows)`: what a forward returns besides logits (MoE layers'
-  routed experts), recorded by layers into `ctx.extras`.
+- optionally `step_extras(ctx, rows)`: what a forward returns besides logits for the sampled
+  rows, recorded by layers into `ctx.extras`.
+- optionally `slot_extras()`: what the KV pool keeps per slot beside K/V, written by layers
+  with `ctx.store_slot_values` (MoE: each MoE layer's routed experts, ROUTED_EXPERTS), and
+  `use_backends(backends)`: layers with a choice of implementation (the MoE experts) take the
+  engine's (rollout/backends.py).
 
 The base class gives `config`, `vocab_size`, `dtype` (the weights') and `drop_tables` /
 `build_tables` (derived tables such as RoPE cos/sin, dropped at sleep and rebuilt at wake).
@@ -24,12 +28,19 @@ The base class gives `config`, `vocab_size`, `dtype` (the weights') and `drop_ta
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from torch import nn
+
+from ..parallel import Concat, Slice
+
+# The per-slot extra (CausalLM.slot_extras) of MoE models: the expert ids each MoE layer chose
+# for the token in the forward that computed its K/V, int16 [num MoE layers, top_k].
+ROUTED_EXPERTS = "routed_experts"
 
 # --- registry -------------------------------------------------------------------------------
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {}
@@ -117,16 +128,62 @@ SPLIT_GATE_UP = Fused("gate_up_proj", ("gate_proj", "up_proj"))
 
 
 @dataclass(frozen=True)
+class Stacked:
+    """MoE experts stored stacked: our parameter `<module>.<ours>` is [E, ...], and checkpoints
+    that name each expert (`<module>.<e>.<theirs>.weight`) fill slice e of it in place, or,
+    with `shard`, that shard of slice e along its dim 0 (sizes from the module's
+    `shard_sizes[ours]`). A checkpoint holding the stacked tensor (transformers 5) maps by name."""
+
+    module: str  # "experts"
+    theirs: str  # "gate_proj", Mixtral's "w1"
+    ours: str  # "gate_up_proj"
+    shard: int | None = None
+
+    @property
+    def pattern(self) -> re.Pattern:
+        module, theirs = re.escape(self.module), re.escape(self.theirs)
+        return re.compile(rf"\.{module}\.(\d+)\.{theirs}\.weight$")
+
+
+@dataclass(frozen=True)
 class WeightTable:
     """Checkpoint name -> our parameter. A name goes to the parameter of the same name, except
-    that a module named in `fused` goes to its shard of the fused module, and names containing
-    an `ignored` piece have no counterpart (derived buffers some checkpoints carry)."""
+    that pieces in `renamed` are replaced first (Mixtral's `.block_sparse_moe.` -> `.mlp.`), a
+    per-expert name in `stacked` goes to its expert's slice of the stacked parameter, a module
+    named in `fused` goes to its shard of the fused module, and names containing an `ignored`
+    piece have no counterpart (derived buffers some checkpoints carry)."""
 
     fused: tuple[Fused, ...] = ()
     ignored: tuple[str, ...] = ("rotary_emb.",)
+    stacked: tuple[Stacked, ...] = ()
+    renamed: tuple[tuple[str, str], ...] = ()
+
+    def _renamed(self, name: str) -> str:
+        for old, new in self.renamed:
+            name = name.replace(old, new)
+        return name
+
+    def expert(self, name: str) -> tuple[str, int, int | None] | None:
+        """(our stacked parameter, expert index, shard or None) for a per-expert checkpoint
+        name; None for any other name."""
+        name = self._renamed(name)
+        for s in self.stacked:
+            found = s.pattern.search(name)
+            if found:
+                return (f"{name[:found.start()]}.{s.module}.{s.ours}", int(found.group(1)),
+                        s.shard)
+        return None
+
+    def stacked_shards(self, param_name: str) -> list[int | None] | None:
+        """The shards per expert of a stacked parameter ([None]: each expert's slice is one
+        tensor), or None when the parameter is not stacked."""
+        shards = [s.shard for s in self.stacked if param_name.endswith(f".{s.module}.{s.ours}")]
+        return sorted(shards, key=lambda s: -1 if s is None else s) if shards else None
 
     def target(self, name: str) -> tuple[str, int | None]:
-        """(our parameter name, shard index or None for the whole parameter)."""
+        """(our parameter name, shard index or None for the whole parameter); per-expert names
+        are `expert`'s."""
+        name = self._renamed(name)
         for f in self.fused:
             for shard, theirs in enumerate(f.theirs):
                 piece = f".{theirs}."
@@ -165,6 +222,20 @@ class CausalLM(nn.Module):
         layers recorded in ctx.extras); dense models have none."""
         return {}
 
+    def slot_extras(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Name -> (shape, dtype) of what the KV pool keeps per slot beside K/V, written in the
+        forward by `ctx.store_slot_values` at the tokens' slots, so it lives exactly as long as
+        their K/V (prefix cache, preemption, speculation). MoE models: ROUTED_EXPERTS, the
+        expert ids [num MoE layers, top_k] each MoE layer chose for the token. Dense: none."""
+        return {}
+
+    def use_backends(self, backends) -> None:
+        """Layers with a choice of implementation take the engine's (rollout/backends.py):
+        the MoE blocks their experts' `backends.moe`."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "use_backends"):
+                module.use_backends(backends)
+
     @property
     def dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype
@@ -193,49 +264,113 @@ class CausalLM(nn.Module):
         for name, shape in named_shapes:
             dest = self._destination(params, name, shape)
             if dest is not None:
-                written.add(dest[1])
+                written.update(dest[1])
         return written
 
+    def rank_parts(self, named_shapes: Iterable[tuple[str, torch.Size]]
+                   ) -> dict[str, Slice | Concat | None]:
+        """HF name -> the part of that full tensor this rank keeps under tensor parallelism
+        (None: all of it); names the model does not keep are left out. update_weights cuts its
+        sources with it before any host-to-device copy or DTensor exchange
+        (rollout/parallel/reshard.py)."""
+        params = dict(self.named_parameters())
+        parts = {}
+        for name, shape in named_shapes:
+            dest = self._destination(params, name, shape)
+            if dest is not None:
+                parts[name] = dest[2]
+        return parts
+
     @torch.no_grad()
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                     local: bool = False) -> set[str]:
         """Copy HF-named tensors into our (fused) parameters in place, so tensor addresses (and
         CUDA graphs captured against them) stay valid; returns the names written (a fused
-        shard as `name[i]`). An unknown name or a wrong shape raises ValueError when reached:
-        check_weights first to refuse before anything is copied."""
+        shard as `name[i]`, an expert's slice of a stacked parameter as `name[e]`, a shard of it
+        as `name[e][i]`; a whole stacked tensor counts as all of them). `local`: the tensors
+        are this rank's parts already (`rank_parts`), not full ones. An unknown name or a
+        wrong shape raises ValueError when reached: check_weights first to refuse before
+        anything is copied."""
         params = dict(self.named_parameters())
         written: set[str] = set()
         for name, tensor in named_tensors:
-            dest = self._destination(params, name, tensor.shape)
+            dest = self._destination(params, name, tensor.shape, local)
             if dest is not None:
-                dest[0].copy_(tensor)
-                written.add(dest[1])
+                dst, pieces, cut = dest
+                dst.copy_(tensor if cut is None or local else cut.take(tensor))
+                written.update(pieces)
         return written
 
     def expected_weight_names(self) -> set[str]:
         """What a complete load writes (for checking that a checkpoint covered everything)."""
         names = set()
-        for name, _ in self.named_parameters():
-            shards = self.WEIGHTS.num_shards(name)
-            names.update([name] if shards is None else [f"{name}[{i}]" for i in range(shards)])
+        for name, param in self.named_parameters():
+            names.update(self._pieces(name, param))
         return names
 
-    def _destination(self, params: dict[str, nn.Parameter], name: str,
-                     shape: torch.Size) -> tuple[torch.Tensor, str] | None:
-        """The parameter (or fused shard of one) that the HF tensor `name` goes to, and the
-        name it counts as written; None for tensors we do not keep."""
+    def _pieces(self, name: str, param: torch.Tensor) -> list[str]:
+        """The names a write of the whole parameter counts as: the finest pieces a checkpoint
+        may fill it by (shards of a fused parameter, experts' slices of a stacked one)."""
+        stacked = self.WEIGHTS.stacked_shards(name)
+        if stacked is not None:
+            return [f"{name}[{e}]" if s is None else f"{name}[{e}][{s}]"
+                    for e in range(param.shape[0]) for s in stacked]
+        shards = self.WEIGHTS.num_shards(name)
+        return [name] if shards is None else [f"{name}[{i}]" for i in range(shards)]
+
+    def _destination(self, params: dict[str, nn.Parameter], name: str, shape: torch.Size,
+                     local: bool = False
+                     ) -> tuple[torch.Tensor, list[str], Slice | Concat | None] | None:
+        """The parameter (or the fused shard, or the expert's slice, of one) that the HF tensor
+        `name` goes to, the names it counts as written, and the part of the tensor this rank
+        keeps under tensor parallelism (None: all of it); None for tensors we do not keep.
+        `shape` is the full tensor's, or with `local` the rank's part's."""
         if any(piece in name for piece in self.WEIGHTS.ignored):
             return None
         if name == "lm_head.weight" and self.tie_word_embeddings:
             return None  # tied: the embedding carries it
-        target, shard = self.WEIGHTS.target(name)
+        located = self.WEIGHTS.expert(name)
+        if located is not None:
+            target, expert, shard = located
+            dst = self._parameter(params, name, target)
+            if expert >= dst.shape[0]:
+                raise ValueError(f"weight {name!r}: expert {expert}, but this model has "
+                                 f"{dst.shape[0]}")
+            dst, written = dst[expert], f"{target}[{expert}]"
+            if shard is not None:
+                module, attr = target.rsplit(".", 1)
+                sizes = self.get_submodule(module).shard_sizes[attr]
+                dst, written = dst.narrow(0, sum(sizes[:shard]), sizes[shard]), \
+                    f"{written}[{shard}]"
+            pieces = [written]
+        else:
+            target, shard = self.WEIGHTS.target(name)
+            dst = self._parameter(params, name, target)
+            if shard is not None:
+                sizes = self.get_submodule(target.rsplit(".", 1)[0]).shard_sizes
+                dst = dst.narrow(0, sum(sizes[:shard]), sizes[shard])
+            pieces = (self._pieces(target, dst) if shard is None
+                      else [f"{target}[{shard}]"])
+        cut = self._tp_slice(target, shard)
+        if cut is not None:
+            # The last rank's vocabulary rows past V are padding that no checkpoint fills.
+            dst = dst.narrow(cut.dim, 0, cut.length)
+        expected = dst.shape if cut is None or local else cut.full_shape(dst.shape)
+        if expected != shape:
+            raise ValueError(f"weight {name!r}: shape {tuple(shape)}, expected "
+                             f"{tuple(expected)}")
+        return dst, pieces, cut
+
+    def _tp_slice(self, target: str, shard: int | None) -> Slice | Concat | None:
+        """How this rank's part of parameter `target` (shard `shard` of it) is cut from the
+        checkpoint's tensor (rollout/parallel/shard.py); None when it keeps the tensor whole."""
+        module, attr = target.rsplit(".", 1)
+        tp_slice = getattr(self.get_submodule(module), "tp_slice", None)
+        return None if tp_slice is None else tp_slice(attr, shard)
+
+    def _parameter(self, params: dict[str, nn.Parameter], name: str,
+                   target: str) -> nn.Parameter:
         if target not in params:
             raise ValueError(f"weight {name!r}: no such parameter in this "
                              f"{self.config.model_type} model")
-        dst = params[target]
-        if shard is not None:
-            sizes = self.get_submodule(target.rsplit(".", 1)[0]).shard_sizes
-            dst = dst.narrow(0, sum(sizes[:shard]), sizes[shard])
-        if dst.shape != shape:
-            raise ValueError(f"weight {name!r}: shape {tuple(shape)}, expected "
-                             f"{tuple(dst.shape)}")
-        return dst, target if shard is None else f"{target}[{shard}]"
+        return params[target]

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from .base import SPLIT_GATE_UP, SPLIT_QKV, CausalLM, WeightTable, register, sliding_windows
-from .layers import Attention, AttentionOptions, Decoder, GatedMLP, RMSNorm, RotaryEmbedding
+from .layers import (Attention, AttentionOptions, Decoder, GatedMLP, RMSNorm, RotaryEmbedding,
+                     VocabParallelEmbedding, lm_head)
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -52,16 +53,15 @@ class Gemma2ForCausalLM(CausalLM):
         options = self.attention_options(config)
         self.model = Decoder(config, lambda i: GemmaDecoderLayer(config, i, options),
                              norm_offset=True)
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(
-            config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = lm_head(config)
         head_dim = self.model.layers[0].self_attn.head_dim
         self._ropes = self.layer_ropes(config, head_dim, max_model_len)  # a list: not registered
         self.kv_layout = self.model.kv_layout(sliding_windows(config, max_model_len))
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
 
     @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+    def head(self) -> VocabParallelEmbedding:
+        return self.model.embed_tokens if self.lm_head is None else self.lm_head
 
     def forward(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
@@ -72,7 +72,4 @@ class Gemma2ForCausalLM(CausalLM):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = hidden @ self.lm_head_weight.t()
-        if self.final_softcap is not None:  # in the weights' dtype, as the reference
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-        return logits.float()
+        return self.head.logits(hidden, self.final_softcap)

@@ -11,21 +11,26 @@ import torch
 from torch import nn
 
 from .base import SPLIT_GATE_UP, SPLIT_QKV, CausalLM, WeightTable, register, sliding_windows
-from .layers import Attention, AttentionOptions, Decoder, GatedMLP, RMSNorm, RotaryEmbedding
+from .layers import (Attention, AttentionOptions, Decoder, GatedMLP, RMSNorm, RotaryEmbedding,
+                     VocabParallelEmbedding, lm_head)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer: int, options: AttentionOptions, mlp_bias: bool) -> None:
+    """`mlp`: the layer's MLP, from the family's `mlp(config, layer)`. One with `takes_ctx`
+    (the MoE block, layers/moe.py) is also given ctx, where it records its routing."""
+
+    def __init__(self, config, layer: int, options: AttentionOptions, mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer, options)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
-                            mlp_bias)
+        self.mlp = mlp
+        self.mlp_takes_ctx = getattr(mlp, "takes_ctx", False)
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, ctx) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, ctx) if self.mlp_takes_ctx else self.mlp(h))
 
 
 @register("llama", "mistral")
@@ -41,19 +46,25 @@ class LlamaForCausalLM(CausalLM):
     def mlp_bias(cls, config) -> bool:
         return bool(getattr(config, "mlp_bias", False))
 
+    def mlp(self, config, layer: int) -> nn.Module:
+        """Layer `layer`'s MLP: the gated MLP; the MoE families (moe.py) put a sparse block on
+        the layers they say."""
+        return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                        self.mlp_bias(config))
+
     def __init__(self, config, max_model_len: int) -> None:
         super().__init__(config)
-        options, mlp_bias = self.attention_options(config), self.mlp_bias(config)
-        self.model = Decoder(config, lambda i: DecoderLayer(config, i, options, mlp_bias))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(
-            config.hidden_size, config.vocab_size, bias=False)
+        options = self.attention_options(config)
+        self.model = Decoder(config,
+                             lambda i: DecoderLayer(config, i, options, self.mlp(config, i)))
+        self.lm_head = lm_head(config)
         head_dim = self.model.layers[0].self_attn.head_dim
         self.rope = RotaryEmbedding(config, head_dim, max_model_len)
         self.kv_layout = self.model.kv_layout(sliding_windows(config, max_model_len))
 
     @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+    def head(self) -> VocabParallelEmbedding:
+        return self.model.embed_tokens if self.lm_head is None else self.lm_head
 
     def forward(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
@@ -62,4 +73,4 @@ class LlamaForCausalLM(CausalLM):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return (hidden @ self.lm_head_weight.t()).float()
+        return self.head.logits(hidden)

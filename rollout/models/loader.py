@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import torch
 
 from ..config import EngineConfig, as_dtype
+from ..parallel import SINGLE, TensorParallel, building_for
 from ..weights import is_peft, model_tensors, unwrap
 from . import model_class
 from .base import CausalLM
@@ -30,10 +31,12 @@ def checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         yield from torch.load(f, map_location="cpu", weights_only=True).items()
 
 
-def build_model(config, max_model_len: int, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    """Allocate the engine's modules for `config` (weights uninitialised until loaded)."""
+def build_model(config, max_model_len: int, dtype: torch.dtype, device: torch.device,
+                tp: TensorParallel = SINGLE) -> CausalLM:
+    """Allocate the engine's modules for `config` (weights uninitialised until loaded), this
+    rank's part of them under tensor parallelism `tp`."""
     cls = model_class(config)
-    with torch.device(device):
+    with torch.device(device), building_for(tp):
         model = cls(config, max_model_len)
     # Only the weights take `dtype`: the RoPE tables stay fp32 and are cast per step, as the
     # reference casts its cos/sin.

@@ -2,10 +2,13 @@
 
 from .attention import Attention, AttentionOptions
 from .decoder import Decoder
-from .linear import MergedLinear
+from .embedding import VocabParallelEmbedding, lm_head
+from .linear import MergedLinear, RowParallelLinear
 from .mlp import GatedMLP
+from .moe import SparseMoE
 from .norm import RMSNorm
 from .rotary import RotaryEmbedding
 
 __all__ = ["Attention", "AttentionOptions", "Decoder", "GatedMLP", "MergedLinear", "RMSNorm",
-           "RotaryEmbedding"]
+           "RotaryEmbedding", "RowParallelLinear", "SparseMoE", "VocabParallelEmbedding",
+           "lm_head"]

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .linear import MergedLinear
+from ...parallel import Slice, current, split_heads
+from .linear import MergedLinear, RowParallelLinear, row_sources
 from .norm import RMSNorm
 from .rotary import RotaryEmbedding
 
@@ -28,19 +29,30 @@ class AttentionOptions:
 
 
 class Attention(nn.Module):
+    """Under tensor parallelism (rollout/parallel/shard.py split_heads) a rank holds its query
+    heads and the KV heads they read: `num_heads` and `num_kv_heads` are this rank's, and so is
+    the KV pool it writes. QKV is column-parallel, o_proj row-parallel (one all-reduce)."""
+
     def __init__(self, config, layer: int, options: AttentionOptions) -> None:
         super().__init__()
+        tp = current()
+        heads = split_heads(config.num_attention_heads, config.num_key_value_heads, tp)
         self.layer = layer
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = head_dim_of(config)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = options.scale if options.scale is not None else self.head_dim ** -0.5
+        self.num_heads, self.num_kv_heads = heads.q_heads, heads.kv_heads
+        self.head_dim = d = head_dim_of(config)
+        self.q_size = self.num_heads * d
+        self.kv_size = self.num_kv_heads * d
+        self.scale = options.scale if options.scale is not None else d ** -0.5
         self.softcap = options.softcap
+        q_full, kv_full = config.num_attention_heads * d, config.num_key_value_heads * d
+        q_rows = row_sources(heads.q_start * d, self.q_size, q_full, tp)
+        kv_rows = row_sources(heads.kv_start * d, self.kv_size, kv_full, tp)
         self.qkv_proj = MergedLinear(config.hidden_size, (self.q_size, self.kv_size, self.kv_size),
-                                     bias=options.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=options.o_bias)
+                                     bias=options.qkv_bias,
+                                     sources=None if q_rows is None else (q_rows, kv_rows, kv_rows))
+        o_cols = None if q_rows is None else Slice(1, q_rows.start, q_rows.length, q_full)
+        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, options.o_bias, tp,
+                                        o_cols)
         if options.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, options.norm_offset)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, options.norm_offset)

@@ -1,4 +1,6 @@
-"""The gated MLP of every dense family: down(act(gate(x)) * up(x)), gate and up fused."""
+"""The gated MLP of every dense family: down(act(gate(x)) * up(x)), gate and up fused. Under
+tensor parallelism a rank holds 1/k of the intermediate dimension: gate-up column-parallel,
+down row-parallel (one all-reduce)."""
 
 from __future__ import annotations
 
@@ -6,16 +8,22 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from .linear import MergedLinear
+from ...parallel import Slice, current, even_split
+from .linear import MergedLinear, RowParallelLinear, row_sources
 
 
 class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, act: str,
                  bias: bool = False) -> None:
         super().__init__()
-        self.intermediate = intermediate_size
-        self.gate_up_proj = MergedLinear(hidden_size, (intermediate_size, intermediate_size), bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        tp = current()
+        start, local = even_split(intermediate_size, tp, "intermediate_size")
+        self.intermediate = local
+        rows = row_sources(start, local, intermediate_size, tp)
+        self.gate_up_proj = MergedLinear(hidden_size, (local, local), bias,
+                                         sources=None if rows is None else (rows, rows))
+        cols = None if rows is None else Slice(1, start, local, intermediate_size)
+        self.down_proj = RowParallelLinear(local, hidden_size, bias, tp, cols)
         self.act = ACT2FN[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

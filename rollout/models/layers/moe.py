@@ -1,0 +1,130 @@
+"""The sparse MoE block (Qwen3-MoE, Mixtral): a router and stacked experts, no shared expert.
+
+- `gate`: the router, a bias-free linear [E, H] (checkpoint name `mlp.gate.weight`).
+- `experts`: every expert's weights stacked, as transformers 5 keeps them: `gate_up_proj`
+  [E, 2I, H] (gate rows, then up rows) and `down_proj` [E, H, I]. Checkpoints that name each
+  expert (`experts.<e>.gate_proj.weight`, Mixtral's `w1`/`w3`/`w2`) are loaded into slices of
+  these in place (models/base.py `Stacked`).
+- routing as transformers does it: router logits in the model dtype, softmax in fp32, top-k;
+  `normalize` rescales the top-k probabilities to sum to one (Mixtral always, i.e. a softmax
+  over the top-k logits; Qwen3-MoE when `norm_topk_prob`); Qwen3-MoE rounds the weights to the
+  model dtype before they scale the experts' outputs, Mixtral keeps them in fp32.
+- each MoE layer's top-k expert ids are kept beside the step's K/V
+  (`ctx.store_slot_values`), the routing a trainer replays (models/base.py ROUTED_EXPERTS,
+  rollout/outputs.py Sample.routed_experts).
+- the experts themselves run through `fused_moe`, chosen by the engine's backends
+  (rollout/backends.py): `moe_torch` below (CPU, and the reference) or the Triton kernel
+  (kernels/fused_moe.py, on CUDA).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers.activations import ACT2FN
+
+from ...parallel import Concat, Slice, all_reduce, current, even_split
+from ..base import ROUTED_EXPERTS
+
+
+@dataclass(frozen=True)
+class RouterOptions:
+    num_experts: int
+    top_k: int
+    normalize: bool  # top-k probabilities rescaled to sum to 1
+    weights_in_model_dtype: bool  # rounded to the model dtype before they scale the experts
+
+
+def route(logits: torch.Tensor, options: RouterOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights fp32 [T, k], expert ids [T, k]) from router logits [T, E]."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, options.top_k, dim=-1)
+    if options.normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if options.weights_in_model_dtype:
+        weights = weights.to(logits.dtype).float()
+    return weights, ids
+
+
+def moe_torch(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              activation: str = "silu") -> torch.Tensor:
+    """The experts in torch, one batched matmul pair per expert that any token chose (as
+    transformers' eager experts): x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I],
+    topk_weights [T, k] fp32, topk_ids [T, k]. Same rounding points as kernels/fused_moe.py."""
+    num_tokens, top_k = topk_ids.shape
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w_down.shape[0]).tolist()
+    weights = topk_weights.reshape(-1)
+    act = ACT2FN[activation]
+    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start:start + count]
+        start += count
+        tokens = pairs // top_k
+        gate, up = F.linear(x[tokens], w_gate_up[expert]).chunk(2, dim=-1)
+        down = F.linear(act(gate) * up, w_down[expert])
+        out.index_add_(0, tokens, (down.float() * weights[pairs, None]).to(x.dtype).float())
+    return out.to(x.dtype)
+
+
+class StackedExperts(nn.Module):
+    """Under tensor parallelism every rank holds every expert, 1/k of each one's intermediate
+    dimension (gate-up rows, down columns), like a dense MLP: the block then needs the one
+    all-reduce a dense MLP needs, no token exchange, and every rank routes, computes and
+    records the same experts. Expert parallelism (E/k whole experts per rank) would cost two
+    all-to-alls per layer and leave ranks waiting on the one whose experts drew the most tokens;
+    it pays off at batch sizes where 1/k-thin expert matmuls lose efficiency, not yet here."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.tp = current()
+        start, local = even_split(intermediate_size, self.tp, "the experts' intermediate size")
+        self.num_experts, self.intermediate = num_experts, local
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * local, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, local))
+        # Along dim 0 of one expert's slice: what the per-expert gate and up tensors fill.
+        self.shard_sizes = {"gate_up_proj": (local, local)}
+        # Negative dims: the same cut for one expert's tensor and for all of them stacked.
+        self._rows = Slice(-2, start, local, intermediate_size)
+        self._cols = Slice(-1, start, local, intermediate_size)
+
+    def tp_slice(self, attr: str, shard: int | None) -> Slice | Concat | None:
+        if self.tp.size == 1:
+            return None
+        if attr == "down_proj":
+            return self._cols
+        return self._rows if shard is not None else Concat((self._rows, self._rows), dim=-2)
+
+
+class SparseMoE(nn.Module):
+    """`moe_index`: this block's place among the model's MoE layers (the layer axis of the
+    routed experts)."""
+
+    takes_ctx = True  # the decoder layer passes ctx: the block records its routing there
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str,
+                 options: RouterOptions, moe_index: int) -> None:
+        super().__init__()
+        self.options, self.activation, self.moe_index = options, act, moe_index
+        self.gate = nn.Linear(hidden_size, options.num_experts, bias=False)
+        self.experts = StackedExperts(options.num_experts, hidden_size, intermediate_size)
+        self.fused_moe: Callable[..., torch.Tensor] = moe_torch
+
+    def use_backends(self, backends) -> None:
+        self.fused_moe = backends.moe
+
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        weights, ids = route(F.linear(x, self.gate.weight), self.options)
+        ctx.store_slot_values(ROUTED_EXPERTS, self.moe_index, ids)
+        out = self.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
+                             self.activation)
+        return all_reduce(out, self.experts.tp)  # each rank's part of every expert's down

@@ -1,0 +1,56 @@
+"""The base of the sparse-MoE families (Qwen3-MoE, Mixtral): Llama's model with a sparse MoE
+block (layers/moe.py) as the MLP of the layers a family says, and the routed experts of those
+layers kept per KV slot (`slot_extras`).
+
+A family file says which layers are sparse (`is_sparse`), how its router normalises
+(`router_options`), its expert size (`expert_intermediate_size`) and its weight table.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .base import ROUTED_EXPERTS
+from .layers.moe import RouterOptions, SparseMoE
+from .llama import LlamaForCausalLM
+
+
+class MoECausalLM(LlamaForCausalLM):
+    """Everything but the MLP of the sparse layers is Llama's."""
+
+    @classmethod
+    def is_sparse(cls, config, layer: int) -> bool:
+        return True
+
+    @classmethod
+    def router_options(cls, config) -> RouterOptions:
+        raise NotImplementedError
+
+    @classmethod
+    def expert_intermediate_size(cls, config) -> int:
+        raise NotImplementedError
+
+    @classmethod
+    def mlp_bias(cls, config) -> bool:
+        return False  # the dense layers' MLP has none in either family
+
+    def mlp(self, config, layer: int) -> nn.Module:
+        if not self.is_sparse(config, layer):
+            return super().mlp(config, layer)
+        # Its place among the sparse layers: its row of the routed experts.
+        moe_index = sum(self.is_sparse(config, i) for i in range(layer))
+        return SparseMoE(config.hidden_size, self.expert_intermediate_size(config),
+                         config.hidden_act, self.router_options(config), moe_index)
+
+    def __init__(self, config, max_model_len: int) -> None:
+        super().__init__(config, max_model_len)
+        self.moe_layers = tuple(i for i in range(config.num_hidden_layers)
+                                if self.is_sparse(config, i))
+        self.top_k = self.router_options(config).top_k
+
+    def slot_extras(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        if not self.moe_layers:
+            return {}
+        # int16: expert ids below 2**15 (128 experts in Qwen3-30B-A3B, 8 in Mixtral).
+        return {ROUTED_EXPERTS: ((len(self.moe_layers), self.top_k), torch.int16)}

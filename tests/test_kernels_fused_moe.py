@@ -1,0 +1,80 @@
+"""fused_moe (kernels/fused_moe.py) against the engine's torch experts (moe_torch), which the
+model tests hold to transformers: uneven expert loads, experts no token chose, every token on
+one expert, k = 1, 2 and 8 (= E), one token (decode), sizes that are not multiples of the
+tiles."""
+
+import pytest
+import torch
+from kernels_env import ATOL, DEVICE, DTYPES
+
+from rollout_kernels.fused_moe import align, fused_moe
+from rollout.models.layers.moe import moe_torch
+
+pytestmark = pytest.mark.interpreter
+
+
+def routing(num_tokens: int, num_experts: int, top_k: int, gen: torch.Generator,
+            experts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k ids over `experts` (default all) with skewed loads, and normalised weights."""
+    pool = torch.tensor(experts if experts is not None else range(num_experts))
+    # Skewed logits: low experts are chosen far more often than high ones.
+    logits = torch.randn(num_tokens, len(pool), generator=gen) - torch.arange(len(pool)) * 0.7
+    weights, picks = torch.softmax(logits, -1).topk(top_k, dim=-1)
+    return (weights / weights.sum(-1, keepdim=True)).to(DEVICE), pool[picks].to(DEVICE)
+
+
+def check(num_tokens, num_experts, top_k, hidden, inter, dtype, experts=None,
+          activation="silu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(DEVICE, dtype)
+    w_gate_up = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5)
+    w_down = (torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5)
+    w_gate_up, w_down = w_gate_up.to(DEVICE, dtype), w_down.to(DEVICE, dtype)
+    weights, ids = routing(num_tokens, num_experts, top_k, gen, experts)
+    got = fused_moe(x, w_gate_up, w_down, weights, ids, activation)
+    ref = moe_torch(x, w_gate_up, w_down, weights, ids, activation)
+    assert got.dtype == dtype and got.shape == x.shape
+    torch.testing.assert_close(got.float(), ref.float(), atol=ATOL[dtype], rtol=ATOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,hidden,inter", [
+    (1, 8, 2, 64, 48),  # decode: one token, two blocks of padding rows
+    (37, 8, 2, 48, 40),  # uneven loads across several blocks, tails in H and I
+    (13, 4, 1, 32, 64),  # k = 1
+    (6, 8, 8, 32, 24),  # k = E: every expert gets every token
+])
+def test_matches_torch_experts(dtype, num_tokens, num_experts, top_k, hidden, inter):
+    check(num_tokens, num_experts, top_k, hidden, inter, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_experts_never_chosen_and_all_tokens_on_one_expert(dtype):
+    # Experts 0, 2, 5 and 7 of 8 get no token (their weights hold garbage that must not leak).
+    check(21, 8, 2, 32, 32, dtype, experts=[1, 3, 4, 6], seed=1)
+    check(19, 8, 1, 32, 32, dtype, experts=[5], seed=2)
+
+
+def test_gelu_activation_and_no_tokens():
+    check(9, 4, 2, 32, 32, torch.float32, activation="gelu_pytorch_tanh")
+    x = torch.zeros(0, 32, device=DEVICE)
+    w_gate_up, w_down = torch.zeros(4, 64, 32, device=DEVICE), torch.zeros(4, 32, 32,
+                                                                          device=DEVICE)
+    empty = torch.zeros(0, 2, device=DEVICE)
+    assert fused_moe(x, w_gate_up, w_down, empty, empty.long()).shape == (0, 32)
+    with pytest.raises(ValueError, match="activation"):
+        fused_moe(x, w_gate_up, w_down, empty, empty.long(), "relu")
+
+
+def test_align_pads_each_experts_run_to_whole_blocks():
+    ids = torch.tensor([[3, 0], [3, 1], [0, 3], [3, 2], [3, 0]], device=DEVICE)
+    sorted_pairs, block_expert = align(ids, num_experts=6, block_m=4)
+    pad = ids.numel()
+    runs = sorted_pairs.view(-1, 4).tolist()
+    # Pair t*k + j. Expert 0: pairs 1, 4, 9; 1: 3; 2: 7; 3: 0, 2, 5, 6, 8 (two blocks); 4, 5:
+    # none (no block).
+    assert runs[:5] == [[1, 4, 9, pad], [3, pad, pad, pad], [7, pad, pad, pad],
+                        [0, 2, 5, 6], [8, pad, pad, pad]]
+    assert block_expert.tolist()[:5] == [0, 1, 2, 3, 3]
+    assert all(e == -1 for e in block_expert.tolist()[5:])
+    assert all(p == pad for row in runs[5:] for p in row)

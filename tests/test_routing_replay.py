@@ -1,0 +1,175 @@
+"""rollout_recipes.algo.routing_replay: the training forward routes as the rollout did, and the flip
+rate counts where it would not have (tiny fp32 MoE models, engine rollouts)."""
+
+import copy
+
+import pytest
+import torch
+from helpers import run_checked
+from models import tiny_model
+
+from rollout_recipes.algo.batch import build_batch
+from rollout_recipes.algo.routing_replay import moe_routers, routed_expert_batch, routing_replay
+from rollout import Engine, EngineConfig, SamplingParams
+
+PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 40)), [5, 99, 3, 100, 6, 7]]
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def rollout(request):
+    """(model, batch, routes): n=2 samples per prompt, the batch right-padded."""
+    if request.param == "qwen3_moe":  # a dense layer first, top-k not renormalised
+        model = tiny_model("qwen3_moe", num_hidden_layers=3, mlp_only_layers=[0],
+                           norm_topk_prob=False)
+    else:
+        model = tiny_model("mixtral")
+    engine = Engine(model, EngineConfig(kv_cache_tokens=512, max_model_len=64))
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=1, logprobs=True,
+                            return_routed_experts=True)
+    outs = run_checked(engine, PROMPTS, params)
+    batch = build_batch(outs, [0.0] * 2 * len(PROMPTS), 0, torch.device("cpu"))
+    return model, batch, routed_expert_batch(outs, batch.input_ids.shape[1])
+
+
+def forward(model, batch):
+    return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                 use_cache=False).logits
+
+
+def perturbed(model):
+    """A copy whose routers route differently (the trainer a few steps past the rollout)."""
+    other = copy.deepcopy(model)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for router in moe_routers(other):
+            router.weight.add_(torch.randn_like(router.weight))
+    return other
+
+
+def own_routes(model, batch) -> torch.Tensor:
+    """[N, L, MoE layers, k] ids the model's routers pick in a plain forward."""
+    ids = []
+    hooks = [r.register_forward_hook(lambda m, a, out: ids.append(out[2]))
+             for r in moe_routers(model)]
+    try:
+        with torch.no_grad():
+            forward(model, batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.stack(ids, 1).view(*batch.input_ids.shape, len(ids), -1)
+
+
+def test_forced_experts_are_the_rollouts(rollout):
+    model, batch, routes = rollout
+    other = perturbed(model)
+    used = []  # what each MoE block hands its experts: (hidden, top-k ids, top-k weights)
+    experts = [m for name, m in other.named_modules() if name.endswith("mlp.experts")]
+    hooks = [e.register_forward_pre_hook(lambda m, args: used.append(args[1])) for e in experts]
+    with torch.no_grad(), routing_replay(other, routes) as count:
+        forward(other, batch)
+    for h in hooks:
+        h.remove()
+    used = torch.stack(used, 1).view(routes.shape)
+    given = routes >= 0
+    assert given.any() and (~given).any()  # padding and last tokens left alone
+    assert torch.equal(used[given], routes[given])
+    assert count.rate > 0.05  # the perturbed routers would have routed apart
+
+
+def test_flip_rate_matches_a_naive_count(rollout):
+    model, batch, routes = rollout
+    with torch.no_grad(), routing_replay(model, routes, force=False) as count:
+        forward(model, batch)
+    assert count.rate == 0.0 and int(count.total) > 0
+
+    other = perturbed(model)
+    with torch.no_grad(), routing_replay(other, routes, force=False) as count:
+        forward(other, batch)
+    own = own_routes(other, batch)
+    flipped = total = 0
+    for n, l, layer in (routes[..., 0] >= 0).nonzero().tolist():
+        total += 1
+        flipped += set(own[n, l, layer].tolist()) != set(routes[n, l, layer].tolist())
+    assert count.rate > 0 and int(count.total) == total
+    assert int(count.flipped) == flipped
+
+
+def test_replay_of_the_models_own_routes_changes_nothing(rollout):
+    model, batch, routes = rollout
+    with torch.no_grad():
+        plain = forward(model, batch)
+        with routing_replay(model, routes):
+            replayed = forward(model, batch)
+    valid = batch.attention_mask.bool()
+    torch.testing.assert_close(replayed[valid], plain[valid], atol=1e-5, rtol=0)
+
+
+def test_gradients_reach_the_routers(rollout):
+    model, batch, routes = rollout
+    other = perturbed(model)
+    with routing_replay(other, routes):
+        logits = forward(other, batch)
+        (logits.log_softmax(-1)[..., 0] * batch.attention_mask).sum().backward()
+    for router in moe_routers(other):
+        assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+        assert router.weight.grad.isfinite().all()
+
+
+def test_hooks_are_removed_on_exit_and_on_error(rollout):
+    model, batch, routes = rollout
+    routers = moe_routers(model)
+    with routing_replay(model, routes):
+        assert all(len(r._forward_hooks) == 1 for r in routers)
+    assert all(not r._forward_hooks for r in routers)
+    with pytest.raises(ValueError, match="not laid out like this batch"):
+        with routing_replay(model, routes[:1]):
+            forward(model, batch)
+    assert all(not r._forward_hooks for r in routers)
+    with pytest.raises(ValueError, match="MoE layers"):
+        routing_replay(model, routes[:, :, :1]).__enter__()
+
+
+def test_custom_loop_logs_the_flip_rate_and_replays(tmp_path, monkeypatch):
+    """The recipe's custom loop on a saved tiny Qwen3-MoE: moe/routing_flip_rate is 0 while
+    the trainer still is the rollout's policy (one optimizer step per rollout) and turns
+    positive once later minibatches train a moved policy; replay on or off."""
+    from rollout_recipes.algo import custom_loop
+    from rollout_recipes.grpo import main
+    from rollout_recipes.run.tiny import char_tokenizer
+    from rollout_recipes.tasks import REWARDS
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.setitem(REWARDS, "math", lambda completion, answer: float(len(set(completion)) > 5))
+    forced = []  # the loop's replays: forced or only counted
+
+    def recorded(model, routes, force, count):
+        forced.append(force)
+        return routing_replay(model, routes, force, count)
+
+    monkeypatch.setattr(custom_loop, "routing_replay", recorded)
+    threads = torch.get_num_threads()
+    tok = char_tokenizer("0123456789+=#abcdefghijklmnopqrstuvwxyz ?.\n")
+    tiny_model("qwen3_moe", vocab_size=len(tok)).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    with open(tmp_path / "data.jsonl", "w") as f:
+        f.writelines(f'{{"question": "what is {a}+{a}?", "answer": "{2 * a}"}}\n'
+                     for a in range(40))
+    args = ["--model", str(tmp_path / "model"), "--dataset", str(tmp_path / "data.jsonl"),
+            "--prompt_template", "{question}", "--eval_size", "0", "--warmstart_steps", "0",
+            "--steps", "2", "--prompts_per_step", "4", "--num_generations", "4",
+            "--max_new_tokens", "8", "--kv_cache_tokens", "1024", "--max_model_len", "64",
+            "--micro_batch_size", "8", "--num_threads", "1", "--wandb", "false",
+            "--plot", "false", "--progress", "false", "--output_dir", str(tmp_path / "run")]
+    try:
+        on_policy = main(args + ["--routing_replay", "true"])["history"]
+        assert [row["moe/routing_flip_rate"] for row in on_policy] == [0.0, 0.0]
+        assert forced and all(forced)
+        for replay in ("true", "false"):
+            forced.clear()
+            moved = main(args + ["--routing_replay", replay, "--minibatches", "2", "--epochs",
+                                 "2", "--learning_rate", "1e-3"])["history"]
+            assert all(row["moe/routing_flip_rate"] > 0 for row in moved)
+            assert set(forced) == {replay == "true"}
+    finally:
+        torch.set_num_threads(threads)
