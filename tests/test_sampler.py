@@ -294,6 +294,36 @@ def test_mixed_batch_logprobs_are_unfiltered_log_softmax_at_the_token():
     assert int(ranks[k3].max()) < 3
 
 
+
+def test_noise_drawn_in_blocks_of_rows_picks_the_tokens_of_the_whole_batch(monkeypatch):
+    """On the CPU `pick` draws the noise a block of rows at a time (sampler.py): the tokens are
+    those of the definition, argmax(candidates + noise of the whole batch), across block
+    edges, with greedy rows and -inf candidates."""
+    rows, vocab = 23, 50
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(3)) * 3
+    temperature = [0.0 if i % 6 == 2 else 1.0 for i in range(rows)]
+    b = batch(rows, temperature=temperature, top_k=[5 if i % 2 else 0 for i in range(rows)],
+              seed=4)
+    _, candidates = target_logprobs(logits, b)
+    noise = gumbel_noise(b.seed, b.position, vocab, stream=2)
+    want = torch.where(b.temperature == 0, logits.argmax(-1), (candidates + noise).argmax(-1))
+    for block_rows in (1, 4, rows, 2 * rows):
+        monkeypatch.setattr("rollout.sampler._NOISE_BLOCK_ELEMENTS", block_rows * vocab)
+        assert torch.equal(pick(logits, candidates, b, stream=2), want), block_rows
+
+
+def test_unit_temperatures_skip_the_division_bit_for_bit():
+    """Rows at temperature 0 or 1 skip dividing the logits by 1: the same log-probabilities,
+    non-finite logits included."""
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(5)) * 3
+    logits[0, 3], logits[1, 4], logits[2] = float("inf"), float("nan"), float("-inf")
+    b = batch(6, temperature=[1.0, 0.0, 1.0, 1.0, 0.0, 1.0])
+    assert b.unit_temperature and not batch(6, temperature=0.7).unit_temperature
+    logp, _ = target_logprobs(logits, b)
+    want = (logits / torch.ones(6)[:, None]).log_softmax(-1)
+    assert torch.equal(logp.nan_to_num(), want.nan_to_num())
+    assert torch.equal(logp.isnan(), want.isnan())
+
 # --- the filter against the full sort it replaced -----------------------------------------
 def full_sort_filter(logp, top_k, top_p, min_p):
     """filter_logprobs as it was (a sort of every row with indices), verbatim: the definition
