@@ -31,29 +31,13 @@ from rollout import sampler, sampling_filter
 from rollout.sampler import SamplingBatch, sample
 
 
-def filter_full_sort(logp, top_k, top_p, min_p):
-    """The filter as it was before the partial-selection paths (the reference)."""
-    vocab = logp.shape[-1]
-    sorted_logp, order = logp.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=logp.device)
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).to(torch.int64)
-    drop_sorted = ranks[None, :] >= k[:, None]
-    probs = sorted_logp.masked_fill(drop_sorted, float("-inf")).softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop_sorted |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
-    drop_sorted[:, 0] = False
-    drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
-    drop |= logp < (sorted_logp[:, :1] + torch.log(min_p)[:, None])
-    return logp.masked_fill(drop, float("-inf"))
-
-
 def old_target_logprobs(logits, batch):
     """target_logprobs as it was: every row filtered by the full sort."""
     logits = logits.float()
     temperature = torch.where(batch.temperature == 0, 1.0, batch.temperature)
     logp = (logits / temperature[:, None]).log_softmax(dim=-1)
     if batch.needs_filter:
-        return logp, filter_full_sort(logp, batch.top_k, batch.top_p, batch.min_p)
+        return logp, sampling_filter.filter_by_sort(logp, batch.top_k, batch.top_p, batch.min_p)
     return logp, logp
 
 

@@ -9,17 +9,17 @@ from .attention_metadata import AttentionMetadata
 
 
 class ForwardContext:
-    """The step's positions, its attention metadata and backend, the rotary cos/sin of each
-    table (computed on first use, once per step), and what layers record besides hidden states
-    (`extras`, read back by the model's `step_extras`)."""
+    """The step's positions, its attention metadata and backend, and what every layer would
+    otherwise recompute: the rotary cos/sin of each table and the pool rows of the step's
+    tokens' per-slot values (each computed on first use, once per step)."""
 
-    __slots__ = ("positions", "meta", "backend", "extras", "_rotary")
+    __slots__ = ("positions", "meta", "backend", "_rotary", "_slot_rows")
 
     def __init__(self, positions: torch.Tensor, meta: AttentionMetadata,
                  backend: AttentionBackend) -> None:
         self.positions, self.meta, self.backend = positions, meta, backend
-        self.extras: dict[str, list[torch.Tensor]] = {}
         self._rotary: dict = {}
+        self._slot_rows: torch.Tensor | None = None
 
     def rotary(self, rope, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of the step's positions in table `rope` (a layers.RotaryEmbedding)."""
@@ -38,4 +38,7 @@ class ForwardContext:
         """Keep values [T, ...] of the step's tokens beside their K/V: entry `index` of the
         pool's per-slot array `name` (models/base.py slot_extras), at the tokens' out slots.
         No host synchronisation, so it can be captured in a CUDA graph."""
-        self.backend.pool.store_extra(name, index, self.meta.out_slots, values)
+        pool = self.backend.pool
+        if self._slot_rows is None:
+            self._slot_rows = pool.extra_rows(self.meta.out_slots)
+        pool.store_extra(name, index, self._slot_rows, values)

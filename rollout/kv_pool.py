@@ -109,11 +109,15 @@ class KVPool:
     def v(self, layer: int) -> torch.Tensor:
         return self.buffer[1, layer]
 
-    def store_extra(self, name: str, index: int, slots: torch.Tensor,
+    def extra_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """The rows of the per-slot arrays that `slots` write: padding (negative slots) goes to
+        the spare last row."""
+        return torch.where(slots >= 0, slots, self.num_slots)
+
+    def store_extra(self, name: str, index: int, rows: torch.Tensor,
                     values: torch.Tensor) -> None:
-        """extras[name][slots[t], index] = values[t]; negative slots (padding) are dropped."""
+        """extras[name][rows[t], index] = values[t], `rows` from `extra_rows`."""
         extra = self.extras[name]
-        rows = torch.where(slots >= 0, slots, self.num_slots)
         extra[rows, index] = values.to(extra.dtype)
 
     def read_extra(self, name: str, slots: torch.Tensor) -> torch.Tensor:

@@ -34,9 +34,6 @@ class ModelRunner:
         self.model, self.backend, self.table, self.device = model, backend, table, device
         self.graphs = graphs
         self.forward_seconds = 0.0
-        # What the model returned besides logits in the last eager step, per sampled row
-        # (models/base.py step_extras; empty for dense models).
-        self.extras: dict[str, torch.Tensor] = {}
 
     def prepare(self, batch: Batch) -> StepInputs:
         items, dev = batch.items, self.device
@@ -77,12 +74,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         if inputs.graphed:
             logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
-            self.extras = {}
         else:
             ctx = ForwardContext(inputs.positions, inputs.meta, self.backend)
             hidden = self.model(inputs.input_ids, ctx)
             logits = self.model.compute_logits(hidden[inputs.logits_index])
-            self.extras = self.model.step_extras(ctx, inputs.logits_index)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.forward_seconds += time.perf_counter() - t0

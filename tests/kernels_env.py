@@ -39,3 +39,29 @@ def poison_unused_slots(k_pool: torch.Tensor, v_pool: torch.Tensor, used: torch.
     unused[used.long()] = False
     k_pool[unused] = float("nan")
     v_pool[unused] = float("nan")
+
+
+def paged_case(q_lens, kv_lens, q_heads, kv_heads, head_dim, dtype, *, causal=True, splits=None,
+               seed=0, index_dtype=torch.int32, window=None, softcap=None, q_scale=1.0):
+    """paged_attention against paged_attention_ref on a pool with scattered slots (unused ones
+    NaN); returns the reference output."""
+    from rollout_kernels import paged_attention, paged_attention_ref
+
+    gen = torch.Generator().manual_seed(seed)
+    num_slots = sum(kv_lens) + 13
+    k_pool = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    v_pool = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    kv_indices = scattered_slots(num_slots, sum(kv_lens), gen)
+    poison_unused_slots(k_pool, v_pool, kv_indices)
+    q = (q_scale * torch.randn(sum(q_lens), q_heads, head_dim, generator=gen)).to(DEVICE, dtype)
+    qo_indptr, kv_indptr = indptr(q_lens), indptr(kv_lens)
+    out = torch.full_like(q, float("nan"))
+    scale = head_dim ** -0.5
+    kv_indices = kv_indices.to(index_dtype)
+    paged_attention(q, k_pool, v_pool, out, qo_indptr, kv_indptr, kv_indices, sm_scale=scale,
+                    max_q_len=max(q_lens), max_kv_len=max(kv_lens), causal=causal,
+                    num_kv_splits=splits, window=window, softcap=softcap)
+    ref = paged_attention_ref(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, scale,
+                              causal, window=window, softcap=softcap)
+    torch.testing.assert_close(out.float(), ref.float(), atol=ATOL[dtype], rtol=0)
+    return ref

@@ -307,3 +307,106 @@ def test_check_invariants_on_a_sleeping_engine():
     engine.check_invariants()
     engine.wake_up()
     engine.check_invariants()
+
+
+# --- KV holds of multi-turn episodes -------------------------------------------------------------
+# Turn 1 holds each finished sample's KV; turn 2 resumes every hold (released once admitted on
+# top of it) and holds again; the small pool drops holds and preempts. A fault at a step point
+# of turn 2 must leave holds, their locks and the stepping exact.
+HOLD_CASES = [case for case in STEP_CASES if case.values[1] == "plain"
+              and case.values[0] != "tokenizer"]  # a failing stop check fails its request
+TURN1 = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=8, logprobs=True, stop=["q."])
+OBSERVATION = TOK.encode(" ok=")
+
+
+def drain(engine: Engine, fault_kind=None, monkeypatch=None) -> dict:
+    """Step until nothing runs; a step that raises `fault_kind` (at most once) is checked to have
+    left the invariants and is stepped past, as a caller catching it would."""
+    done, raised = {}, False
+    while engine.has_unfinished:
+        try:
+            outs = engine.step()
+        except BaseException as e:  # noqa: BLE001  (the injected fault, of either kind)
+            assert fault_kind is not None and isinstance(e, fault_kind) and not raised
+            raised = True
+            monkeypatch.undo()
+            engine.check_invariants()
+            continue
+        done.update({o.request_id: o for o in outs})
+    assert raised == (fault_kind is not None)
+    return done
+
+
+def held_turns(engine: Engine, arm=None) -> tuple[list, list]:
+    """Both turns' samples (view, logprobs) in request order, and turn 2's hold keys;
+    `arm(engine)` installs the fault before turn 2 and returns the kind it raises."""
+    first = [engine.add_request(p, TURN1, hold_kv=True) for p in PROMPTS[:3]]
+    done = drain(engine)
+    assert len(engine.kv.holds) + engine.stats.holds_dropped == 6
+    second = []
+    for rid in first:
+        out = done[rid]
+        for s in out.samples:
+            params = SamplingParams(temperature=1.0, seed=11 + s.index, max_tokens=14,
+                                    logprobs=True)
+            ids = list(out.prompt_token_ids) + list(s.token_ids) + OBSERVATION
+            second.append(engine.add_request(ids, params, hold_kv=True, resume=(rid, s.index)))
+    kind, monkeypatch = arm(engine) if arm else (None, None)
+    done.update(drain(engine, kind, monkeypatch))
+    outs = [done[rid] for rid in first + second]
+    return (view(outs), logprobs(outs)), [(rid, 0) for rid in second]
+
+
+@functools.cache
+def held_reference():
+    return held_turns(make("plain", True))[0]
+
+
+class FaultOnHold(Fault):
+    """Raises `kind` right after the first call during which a sample took its hold: the
+    step's rollback has a hold to undo."""
+
+    def __init__(self, kind: type[BaseException], engine: Engine) -> None:
+        super().__init__(kind, at=0, after=True)
+        self.engine = engine
+
+    def wrap(self, fn):
+        @functools.wraps(fn)
+        def faulty(*args, **kwargs):
+            before = set(self.engine.kv.holds)
+            result = fn(*args, **kwargs)
+            if not self.calls and set(self.engine.kv.holds) - before:
+                self.calls = 1
+                raise self.kind("injected fault")
+            return result
+        return faulty
+
+
+@pytest.mark.parametrize("kind", [RuntimeError, KeyboardInterrupt], ids=["error", "interrupt"])
+@pytest.mark.parametrize("point,spec,after,moment", [
+    *[pytest.param(*case.values, "first", id=f"{case.id}-first") for case in HOLD_CASES],
+    # Holds are taken in the commit; turn 2's first schedule releases the resumed ones.
+    pytest.param("commit", "plain", True, "on-hold", id="commit-on-hold")])
+def test_fault_beside_kv_holds_leaves_holds_exact(point, spec, after, moment, kind,
+                                                  monkeypatch):
+    engine = make(spec, True)
+    # "first": turn 2's first call of the point (turn 2 preempts once); "on-hold": right after
+    # the call in which a turn-2 sample took its hold.
+    fault = Fault(kind, at=1, after=after) if moment == "first" else FaultOnHold(kind, engine)
+
+    def arm(e):
+        fault.install(monkeypatch, *STEP_POINTS[point][0](e))
+        return kind, monkeypatch
+
+    samples, turn2_keys = held_turns(engine, arm)
+    assert fault.fired
+    want = held_reference()
+    assert samples[0] == want[0]
+    assert samples[1] == pytest.approx(want[1], abs=1e-5)
+    engine.check_invariants()
+    # Every turn-1 hold was resumed (released) or dropped; what is held is turn 2's, and
+    # releasing it leaves no lock behind.
+    assert set(engine.kv.holds) <= set(turn2_keys)
+    for key in list(engine.kv.holds):
+        assert engine.release_hold(key)
+    assert_clean(engine)

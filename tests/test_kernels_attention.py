@@ -4,35 +4,13 @@ verify, GQA, head dims, scattered slots, dtypes. Shapes stay tiny: the CPU inter
 
 import pytest
 import torch
-from kernels_env import ATOL, DEVICE, DTYPES, indptr, poison_unused_slots, scattered_slots
+from kernels_env import DTYPES, paged_case
 
-from rollout_kernels import choose_num_kv_splits, paged_attention, paged_attention_ref
+from rollout_kernels import choose_num_kv_splits
 
 pytestmark = pytest.mark.interpreter
 
 GQA = [(4, 4), (8, 2), (8, 1)]  # (q heads, kv heads): ratios 1, 4, 8
-
-
-def run_case(q_lens, kv_lens, q_heads, kv_heads, head_dim, dtype, *, causal=True, splits=None,
-             seed=0, index_dtype=torch.int32):
-    """Build a pool with scattered slots, run the kernel and the reference, compare."""
-    gen = torch.Generator().manual_seed(seed)
-    num_slots = sum(kv_lens) + 13
-    k_pool = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
-    v_pool = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
-    kv_indices = scattered_slots(num_slots, sum(kv_lens), gen)
-    poison_unused_slots(k_pool, v_pool, kv_indices)
-    q = torch.randn(sum(q_lens), q_heads, head_dim, generator=gen).to(DEVICE, dtype)
-    qo_indptr, kv_indptr = indptr(q_lens), indptr(kv_lens)
-    out = torch.full_like(q, float("nan"))
-    scale = head_dim ** -0.5
-    kv_indices = kv_indices.to(index_dtype)
-    paged_attention(q, k_pool, v_pool, out, qo_indptr, kv_indptr, kv_indices, sm_scale=scale,
-                    max_q_len=max(q_lens), max_kv_len=max(kv_lens), causal=causal,
-                    num_kv_splits=splits)
-    ref = paged_attention_ref(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, scale,
-                              causal)
-    torch.testing.assert_close(out.float(), ref.float(), atol=ATOL[dtype], rtol=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -40,7 +18,7 @@ def run_case(q_lens, kv_lens, q_heads, kv_heads, head_dim, dtype, *, causal=True
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_prefill(dtype, q_heads, kv_heads, head_dim):
     lens = [1, 7, 19]
-    run_case(lens, lens, q_heads, kv_heads, head_dim, dtype)
+    paged_case(lens, lens, q_heads, kv_heads, head_dim, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -50,12 +28,12 @@ def test_extend_over_cached_prefix(dtype, q_heads, kv_heads):
     prefixes = list(range(7))
     q_lens = [1 + (i * 3) % 5 for i in range(len(prefixes))]
     kv_lens = [p + n for p, n in zip(prefixes, q_lens)]
-    run_case(q_lens, kv_lens, q_heads, kv_heads, 64, dtype, seed=1)
+    paged_case(q_lens, kv_lens, q_heads, kv_heads, 64, dtype, seed=1)
 
 
 def test_extend_longer_prefix_crosses_blocks():
     """A chunk whose causal diagonal cuts several KV tiles and query blocks."""
-    run_case([23, 9], [23 + 41, 9 + 16], 4, 2, 64, torch.float32, seed=2)
+    paged_case([23, 9], [23 + 41, 9 + 16], 4, 2, 64, torch.float32, seed=2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -65,13 +43,13 @@ def test_extend_longer_prefix_crosses_blocks():
 def test_decode(dtype, q_heads, kv_heads, head_dim, splits):
     """q_len 1; split-KV off (1), forced (3) and automatic (None)."""
     kv_lens = [1, 17, 40, 33]
-    run_case([1] * len(kv_lens), kv_lens, q_heads, kv_heads, head_dim, dtype, splits=splits,
+    paged_case([1] * len(kv_lens), kv_lens, q_heads, kv_heads, head_dim, dtype, splits=splits,
              seed=3)
 
 
 def test_decode_more_splits_than_tiles():
     """Some splits start past a request's context and must contribute nothing."""
-    run_case([1, 1], [3, 70], 8, 2, 64, torch.float32, splits=4, seed=4)
+    paged_case([1, 1], [3, 70], 8, 2, 64, torch.float32, splits=4, seed=4)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -80,7 +58,7 @@ def test_decode_more_splits_than_tiles():
 def test_verify(dtype, q_heads, kv_heads, splits):
     """Speculative verify: k + 1 = 4 queries per request at the end of the context."""
     kv_lens = [4, 12, 37]
-    run_case([4] * len(kv_lens), kv_lens, q_heads, kv_heads, 64, dtype, splits=splits, seed=5)
+    paged_case([4] * len(kv_lens), kv_lens, q_heads, kv_heads, 64, dtype, splits=splits, seed=5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -88,8 +66,8 @@ def test_mixed_batch(dtype):
     """Decode, verify, extend and a fresh prefill in one launch, as the scheduler builds it."""
     q_lens = [1, 4, 6, 11, 1]
     kv_lens = [30, 20, 15, 11, 2]
-    run_case(q_lens, kv_lens, 8, 2, 64, dtype, seed=6)
-    run_case(q_lens, kv_lens, 8, 2, 64, dtype, seed=6, index_dtype=torch.int64)  # engine's
+    paged_case(q_lens, kv_lens, 8, 2, 64, dtype, seed=6)
+    paged_case(q_lens, kv_lens, 8, 2, 64, dtype, seed=6, index_dtype=torch.int64)  # engine's
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -99,29 +77,29 @@ def test_mixed_batch_varlen_grid(dtype, q_heads, kv_heads):
     program finds its request by binary search (empty requests included)."""
     q_lens = [1, 1, 45, 1, 3, 0, 1, 2, 1, 17, 1]
     kv_lens = [9, 30, 50, 2, 3, 4, 20, 2, 40, 17, 1]
-    run_case(q_lens, kv_lens, q_heads, kv_heads, 32, dtype, seed=12)
+    paged_case(q_lens, kv_lens, q_heads, kv_heads, 32, dtype, seed=12)
 
 
 @pytest.mark.parametrize("head_dim", [16, 32, 48, 80])
 def test_small_and_non_power_of_two_head_dims(head_dim):
-    run_case([5, 1], [9, 21], 4, 2, head_dim, torch.float32, seed=7)
-    run_case([1, 1], [9, 21], 4, 2, head_dim, torch.float16, splits=2, seed=7)
+    paged_case([5, 1], [9, 21], 4, 2, head_dim, torch.float32, seed=7)
+    paged_case([1, 1], [9, 21], 4, 2, head_dim, torch.float16, splits=2, seed=7)
 
 
 def test_non_power_of_two_gqa_group():
     """Qwen2-7B style: 28 query heads over 4 KV heads (group of 7)."""
-    run_case([3, 1], [10, 25], 28, 4, 32, torch.float32, seed=8)
-    run_case([1, 1], [10, 25], 28, 4, 32, torch.float32, splits=2, seed=8)
+    paged_case([3, 1], [10, 25], 28, 4, 32, torch.float32, seed=8)
+    paged_case([1, 1], [10, 25], 28, 4, 32, torch.float32, splits=2, seed=8)
 
 
 @pytest.mark.parametrize("splits", [1, 2])
 def test_non_causal(splits):
-    run_case([3, 5], [8, 5], 4, 2, 32, torch.float32, causal=False, splits=splits, seed=9)
+    paged_case([3, 5], [8, 5], 4, 2, 32, torch.float32, causal=False, splits=splits, seed=9)
 
 
 def test_empty_request_in_batch():
     """A request contributing no query rows (q_len 0) leaves the others untouched."""
-    run_case([2, 0, 3], [5, 4, 3], 4, 2, 32, torch.float32, seed=10)
+    paged_case([2, 0, 3], [5, 4, 3], 4, 2, 32, torch.float32, seed=10)
 
 
 def test_choose_num_kv_splits():
@@ -135,4 +113,4 @@ def test_choose_num_kv_splits():
 def test_decode_automatic_split_on_long_context():
     """Long enough that the automatic choice splits (one request, one KV head)."""
     assert choose_num_kv_splits(1, 1, 600, 8) > 1
-    run_case([1], [600], 4, 1, 32, torch.float16, seed=11)
+    paged_case([1], [600], 4, 1, 32, torch.float16, seed=11)

@@ -4,32 +4,16 @@ split-KV, verify, windows shorter and longer than the contexts, a tile wider tha
 
 import pytest
 import torch
-from kernels_env import ATOL, DEVICE, DTYPES, indptr, poison_unused_slots, scattered_slots
+from kernels_env import DEVICE, DTYPES, indptr, paged_case
 
-from rollout_kernels import paged_attention, paged_attention_ref, shared_prefix_attention
+from rollout_kernels import paged_attention_ref, shared_prefix_attention
 
 pytestmark = pytest.mark.interpreter
 
 
-def run_case(q_lens, kv_lens, q_heads, kv_heads, head_dim, dtype, *, window=None, softcap=None,
-             splits=None, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    num_slots = sum(kv_lens) + 13
-    k_pool = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
-    v_pool = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
-    kv_indices = scattered_slots(num_slots, sum(kv_lens), gen)
-    poison_unused_slots(k_pool, v_pool, kv_indices)
-    q = (3 * torch.randn(sum(q_lens), q_heads, head_dim, generator=gen)).to(DEVICE, dtype)
-    qo_indptr, kv_indptr = indptr(q_lens), indptr(kv_lens)
-    out = torch.full_like(q, float("nan"))
-    scale = head_dim ** -0.5
-    paged_attention(q, k_pool, v_pool, out, qo_indptr, kv_indptr, kv_indices, sm_scale=scale,
-                    max_q_len=max(q_lens), max_kv_len=max(kv_lens), num_kv_splits=splits,
-                    window=window, softcap=softcap)
-    ref = paged_attention_ref(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, scale,
-                              window=window, softcap=softcap)
-    torch.testing.assert_close(out.float(), ref.float(), atol=ATOL[dtype], rtol=0)
-    return ref
+def run_case(*args, **kwargs):
+    """paged_case with queries scaled by 3, so soft-capping bites."""
+    return paged_case(*args, q_scale=3, **kwargs)
 
 
 @pytest.mark.parametrize("window", [1, 5, 16, 37])

@@ -25,7 +25,7 @@ from rollout.counter_noise import (
     uniform_noise,
 )
 from rollout.sampler import SamplingBatch, pick, sample, target_logprobs
-from rollout.sampling_filter import filter_by_threshold, filter_logprobs
+from rollout.sampling_filter import filter_by_sort, filter_by_threshold, filter_logprobs
 from rollout.spec.verify import verify
 
 P_MIN = 1e-3
@@ -325,31 +325,16 @@ def test_unit_temperatures_skip_the_division_bit_for_bit():
     assert torch.equal(logp.isnan(), want.isnan())
 
 # --- the filter against the full sort it replaced -----------------------------------------
-def full_sort_filter(logp, top_k, top_p, min_p):
-    """filter_logprobs as it was (a sort of every row with indices), verbatim: the definition
-    the faster filter must reproduce bit for bit."""
-    vocab = logp.shape[-1]
-    sorted_logp, order = logp.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=logp.device)
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).to(torch.int64)
-    drop_sorted = ranks[None, :] >= k[:, None]
-    probs = sorted_logp.masked_fill(drop_sorted, float("-inf")).softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    # top_p == 1 means off: in fp32 the mass before the tail can round to exactly 1.0.
-    drop_sorted |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
-    drop_sorted[:, 0] = False  # the most likely token always survives
-    drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
-    drop |= logp < (sorted_logp[:, :1] + torch.log(min_p)[:, None])
-    return logp.masked_fill(drop, float("-inf"))
-
-
+# filter_by_sort, the path off the CPU, is the definition: a sort of every row with indices. The
+# CPU filter must reproduce it bit for bit; the statistical tests above hold the CPU path to
+# the exact distribution.
 def full_sort_target_logprobs(logits, batch):
     """target_logprobs as it was: every row (greedy ones too) through the full sort."""
     logits = logits.float()
     temperature = torch.where(batch.temperature == 0, 1.0, batch.temperature)
     logp = (logits / temperature[:, None]).log_softmax(dim=-1)
     if batch.needs_filter:
-        return logp, full_sort_filter(logp, batch.top_k, batch.top_p, batch.min_p)
+        return logp, filter_by_sort(logp, batch.top_k, batch.top_p, batch.min_p)
     return logp, logp
 
 
@@ -396,7 +381,7 @@ def mixed_params(rows: int, vocab: int, seed: int, with_greedy: bool = True) -> 
 def check_filter(logp, top_k, top_p, min_p, stats=None, normalized=True):
     """normalized: logp is a log_softmax (as in target_logprobs), which lets top-p rows be
     settled from candidates."""
-    want = full_sort_filter(logp, top_k, top_p, min_p)
+    want = filter_by_sort(logp, top_k, top_p, min_p)
     got = filter_by_threshold(logp, top_k, top_p, min_p, normalized, stats=stats)
     bad = [i for i in range(len(logp)) if not same_bits(got[i], want[i])]
     assert not bad, (f"rows {bad[:8]} differ: top_k {top_k[bad[:8]].tolist()} top_p "

@@ -15,8 +15,6 @@ Hugging Face `config.model_type`(s) it serves. It provides:
 - `WEIGHTS`: how checkpoint tensor names map onto its parameters, declaratively (`WeightTable`).
   `check_weights`, `load_weights` and `expected_weight_names` are derived here from that table
   and from the shard sizes its fused linears hold (layers/linear.py).
-- optionally `step_extras(ctx, rows)`: what a forward returns besides logits for the sampled
-  rows, recorded by layers into `ctx.extras`.
 - optionally `slot_extras()`: what the KV pool keeps per slot beside K/V, written by layers
   with `ctx.store_slot_values` (MoE: each MoE layer's routed experts, ROUTED_EXPERTS), and
   `use_backends(backends)`: layers with a choice of implementation (the MoE experts) take the
@@ -216,11 +214,6 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
-
-    def step_extras(self, ctx, rows: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Per-row outputs besides logits for the flat rows `rows` of the last forward (what
-        layers recorded in ctx.extras); dense models have none."""
-        return {}
 
     def slot_extras(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Name -> (shape, dtype) of what the KV pool keeps per slot beside K/V, written in the
