@@ -112,7 +112,7 @@ def replay(runner, inputs, switch: PathSwitch, mode: str) -> float:
 @torch.inference_mode()
 def matmul_seconds(model, batch: int) -> float:
     """The step's linear layers alone on a [batch, hidden] input."""
-    dtype = model.lm_head_weight.dtype
+    dtype = model.dtype
     attn0, mlp0 = model.model.layers[0].self_attn, model.model.layers[0].mlp
     x = torch.randn(batch, model.config.hidden_size, dtype=dtype)
     x_attn = torch.randn(batch, attn0.q_size, dtype=dtype)

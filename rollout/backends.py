@@ -16,6 +16,10 @@ of a backend.
   each.
 - `auto`: triton on CUDA, torch elsewhere.
 
+On CPU either backend's projections multiply by weights packed for oneDNN where it has a
+kernel for their dtype (rollout/models/layers/packed_linear.py), unless
+`EngineConfig.pack_cpu_weights` is off.
+
 Triton is imported only when the triton backend is built: on CPU, `rollout` needs torch alone.
 """
 
@@ -29,6 +33,7 @@ import torch
 from .attention import AttentionBackend, TorchAttention
 from .kv_pool import KVPool
 from .models.layers.moe import moe_torch
+from .models.layers.packed_linear import can_pack
 from .sampler import SamplingBatch, sample
 from .spec.accept import accept_drafts_ref
 
@@ -45,20 +50,27 @@ class Backends:
     # (x, w_gate_up, w_down, topk_weights, topk_ids, activation) -> the experts' output
     moe: Callable[..., torch.Tensor]
     cuda_graphs: bool  # the attention backend provides graph_plan
+    pack_cpu_weights: bool = False  # EngineConfig.pack_cpu_weights
+
+    def pack_weights(self, weight: torch.Tensor) -> bool:
+        """Whether a projection multiplies by a packed copy of `weight` (CPU, oneDNN)."""
+        return self.pack_cpu_weights and can_pack(weight.device, weight.dtype)
 
 
-def resolve_backends(name: str, device: torch.device) -> Backends:
+def resolve_backends(name: str, device: torch.device,
+                     pack_cpu_weights: bool = True) -> Backends:
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
         return Backends("torch", TorchAttention, sample, accept_drafts_ref, moe_torch,
-                        cuda_graphs=False)
+                        cuda_graphs=False, pack_cpu_weights=pack_cpu_weights)
     on_cuda = device.type == "cuda"
     return Backends("triton", _triton_attention, _triton_sample if on_cuda else sample,
                     _triton_accept if on_cuda else accept_drafts_ref,
-                    _triton_moe if on_cuda else moe_torch, cuda_graphs=True)
+                    _triton_moe if on_cuda else moe_torch, cuda_graphs=True,
+                    pack_cpu_weights=pack_cpu_weights)
 
 
 def _triton_attention(pool: KVPool, windows: Sequence[int | None]) -> AttentionBackend:

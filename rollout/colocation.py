@@ -148,6 +148,7 @@ class Colocation:
                 # KV computed by the old weights goes, even when a copy failed half way.
                 self.kv.clear_cache()
             self._weights_missing = False
+            self.model.pack_weights()  # an interrupt here leaves the rest to pack at first use
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             return {"bytes": moved, "seconds": time.perf_counter() - t0,
@@ -155,11 +156,12 @@ class Colocation:
                     "collectives": resharding.collectives}
 
     def memory_held(self) -> int:
-        """Bytes of tensors the engine holds on its device (weights, KV pool and its per-slot
-        extras, slot table)."""
+        """Bytes of tensors the engine holds on its device (weights and their packed copies,
+        KV pool and its per-slot extras, slot table)."""
         tensors = [*self.model.parameters(), *self.model.buffers(), self.pool.buffer,
                    *self.pool.extras.values(),
                    self.pool.free_slots() if self.pool.is_allocated else None,
                    self.stack.table.table]
-        return tensor_bytes(t for t in tensors if t is not None and t.device == self.device)
+        return (tensor_bytes(t for t in tensors if t is not None and t.device == self.device)
+                + self.model.derived_bytes())
 

@@ -32,8 +32,9 @@ class ModelStack:
         # window, global layers need the whole context anyway.
         cache = make_prefix_cache(config.enable_prefix_caching, device)
         self.kv = KVManager(self.pool, cache, self.table, journal)
-        self.backends = resolve_backends(config.backend, device)
+        self.backends = resolve_backends(config.backend, device, config.pack_cpu_weights)
         model.use_backends(self.backends)
+        model.pack_weights()
         self.backend = self.backends.attention(self.pool, layout.windows)
         self.graphs = None
         if config.cuda_graphs:
@@ -63,8 +64,12 @@ class ModelStack:
 
     def wake_up(self) -> None:
         """Bring back what sleep dropped; what a failed sleep left in place is kept."""
+        # Weights a level-2 sleep dropped come back uninitialised: packed after update_weights.
+        weights_kept = not self.parking.dropped_any
         self.parking.restore()
         self.model.build_tables(self.device)
+        if weights_kept:
+            self.model.pack_weights()
         if not self.pool.is_allocated:
             self.kv.reset()
             self.pool.allocate()

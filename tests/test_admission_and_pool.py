@@ -199,8 +199,9 @@ def test_moe_slot_costs_its_kv_and_its_routed_experts(monkeypatch):
     # The ids have a row more than the slots: padded CUDA-graph tokens write there.
     assert engine.pool.nbytes == 300 * kv + 301 * ids
 
-    def model_bytes() -> int:  # weights and RoPE tables
-        return tensor_bytes([*engine.model.parameters(), *engine.model.buffers()])
+    def model_bytes() -> int:  # weights, RoPE tables and the CPU's packed weights (awake)
+        return (tensor_bytes([*engine.model.parameters(), *engine.model.buffers()])
+                + engine.model.derived_bytes())
 
     free_stack, table = 300 * 8, tensor_bytes([engine.stack.table.table])
     assert engine.memory_held() == model_bytes() + engine.pool.nbytes + free_stack + table

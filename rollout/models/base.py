@@ -21,7 +21,8 @@ Hugging Face `config.model_type`(s) it serves. It provides:
   engine's (rollout/backends.py).
 
 The base class gives `config`, `vocab_size`, `dtype` (the weights') and `drop_tables` /
-`build_tables` (derived tables such as RoPE cos/sin, dropped at sleep and rebuilt at wake).
+`build_tables` (derived tables such as RoPE cos/sin, dropped at sleep and rebuilt at wake; the
+CPU projections' packed weights, dropped at sleep and packed again at first use).
 """
 
 from __future__ import annotations
@@ -233,13 +234,28 @@ class CausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype
 
-    # --- derived tables (RoPE cos/sin): cheap to rebuild, so sleep drops them ----------------
+    # --- derived tables (RoPE cos/sin, packed weights): cheap to rebuild, so sleep drops them -
     def _tables(self):
         return [m for m in self.modules() if hasattr(m, "build_table")]
+
+    def _projections(self):
+        """Modules that may hold packed weights (layers/packed_linear.py Projection)."""
+        return [m for m in self.modules() if hasattr(m, "drop_derived")]
 
     def drop_tables(self) -> None:
         for m in self._tables():
             m.drop_table()
+        for m in self._projections():  # packed again at their next use, from the weights then
+            m.drop_derived()
+
+    def pack_weights(self) -> None:
+        """Pack every projection's weight as it is now (CPU; see drop_tables)."""
+        for m in self._projections():
+            m.pack()
+
+    def derived_bytes(self) -> int:
+        """Bytes of the packed weights (CPU projections; packed_linear.py) held now."""
+        return sum(m.derived_bytes() for m in self._projections())
 
     def build_tables(self, device: torch.device) -> None:
         """Rebuild the tables sleep dropped (those still there are kept)."""

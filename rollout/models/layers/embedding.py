@@ -4,7 +4,8 @@
 Lookup: a rank embeds the ids in its rows and zeros for the others; one all-reduce sums the
 ranks' rows into the full embedding. Logits: each rank multiplies by its rows, one all-gather
 assembles the full vocabulary row on every rank, so every rank samples from the same logits.
-On one rank both are the plain embedding and matmul.
+On one rank both are the plain embedding and matmul. The logits multiply through
+`Projection.project` (packed_linear.py: a oneDNN-packed copy of the table on CPU).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from ...parallel import Slice, all_reduce, current, gather_vocab, split_vocab
+from .packed_linear import Projection
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(Projection, nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
         self.tp, self.vocab_size = current(), vocab_size
@@ -35,7 +37,7 @@ class VocabParallelEmbedding(nn.Module):
     def logits(self, hidden: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
         """fp32 logits [N, V] of hidden [N, H] against this table; `softcap` (Gemma 2):
         cap * tanh(x / cap) in the weights' dtype, as the reference applies it."""
-        logits = hidden @ self.weight.t()
+        logits = self.project(hidden, None)
         if softcap is not None:  # elementwise: the same before or after the gather
             logits = torch.tanh(logits / softcap) * softcap
         return gather_vocab(logits, self.tp, self.vocab_size).float()

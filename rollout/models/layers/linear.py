@@ -9,23 +9,29 @@ Tensor parallel (rollout/parallel/): a `MergedLinear` is column-parallel, each r
 rows of every shard (`sources`: where each shard's rows come from in the checkpoint's tensor),
 so its output needs no communication; the `RowParallelLinear` after it holds the matching
 input columns and sums the ranks' partial outputs with one all-reduce.
+
+Both multiply through `Projection.project` (packed_linear.py): by a oneDNN-packed copy of the
+weight on CPU, by the weight itself elsewhere.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from ...parallel import Concat, Slice, TensorParallel, all_reduce
+from .packed_linear import Projection
 
 
-class MergedLinear(nn.Linear):
+class MergedLinear(Projection, nn.Linear):
     def __init__(self, in_features: int, shard_sizes: tuple[int, ...], bias: bool,
                  sources: tuple[Slice, ...] | None = None) -> None:
         super().__init__(in_features, sum(shard_sizes), bias=bias)
         self.shard_sizes = tuple(shard_sizes)
         self.sources = sources  # None: every shard is its checkpoint tensor whole
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(x, self.bias)
 
     def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self(x).split(self.shard_sizes, dim=-1)
@@ -38,7 +44,7 @@ class MergedLinear(nn.Linear):
         return Concat(self.sources) if shard is None else self.sources[shard]
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Projection, nn.Linear):
     """Holds the input columns `source` of the checkpoint's weight; the bias is whole and added
     once, after the all-reduce."""
 
@@ -49,8 +55,8 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return super().forward(x)
-        out = all_reduce(F.linear(x, self.weight), self.tp)
+            return self.project(x, self.bias)
+        out = all_reduce(self.project(x, None), self.tp)
         return out if self.bias is None else out + self.bias
 
     def tp_slice(self, attr: str, shard: int | None) -> Slice | None:

@@ -1,0 +1,105 @@
+"""CPU projections on oneDNN-packed weights (rollout/models/layers/packed_linear.py): F.linear's
+results to fp32 rounding, each row independent of the others, a copy that follows every change
+of its weight, dropped at sleep and counted in memory_held; the engine's outputs the same with
+packing off, and transformers' within the parity tests' bounds (those run packed: it is the CPU
+default)."""
+
+import pytest
+import torch
+from models import tiny_model
+from torch.nn import functional as F
+
+from rollout import Engine, EngineConfig, SamplingParams
+from rollout.models.layers.packed_linear import PackedWeight, can_pack
+
+pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32),
+                                reason="this torch build has no oneDNN")
+
+CONFIG = dict(kv_cache_tokens=512, max_model_len=96, max_num_seqs=16)
+PROMPTS = [[1, 2, 3, 4, 5, 6], [7, 8, 9], [1, 2, 3, 4, 5, 6, 10, 11]]
+SAMPLED = SamplingParams(n=3, temperature=0.9, top_p=0.95, max_tokens=12, logprobs=True, seed=7)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 7, 16, 130])
+@pytest.mark.parametrize("bias", [False, True])
+def test_equals_f_linear_to_rounding(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(300, 96, generator=g)
+    b = torch.randn(300, generator=g) if bias else None
+    x = torch.randn(rows, 96, generator=g)
+    got = PackedWeight().linear(x, w, b)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_a_row_does_not_depend_on_the_others():
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(576, 96, generator=g), torch.randn(64, 96, generator=g)
+    packed = PackedWeight()
+    whole = packed.linear(x, w, None)
+    for r in (0, 13, 63):
+        assert torch.equal(packed.linear(x[r:r + 1], w, None), whole[r:r + 1])
+    assert torch.equal(packed.linear(x[5:21], w, None), whole[5:21])
+
+
+def test_follows_in_place_changes_and_swapped_storage():
+    w = torch.nn.Parameter(torch.randn(64, 32))
+    x = torch.randn(4, 32)
+    packed = PackedWeight()
+    packed.linear(x, w, None)
+    with torch.no_grad():
+        w.mul_(-2)  # in place: same storage, a new version
+    torch.testing.assert_close(packed.linear(x, w, None), F.linear(x, w.detach()))
+    w.data = torch.randn(64, 32)  # a new storage, as sleep/wake swaps it
+    torch.testing.assert_close(packed.linear(x, w, None), F.linear(x, w.detach()))
+
+
+def run(engine):
+    return [[(s.token_ids, s.logprobs) for s in o.samples]
+            for o in engine.generate(PROMPTS, SAMPLED)]
+
+
+def close(a, b):
+    """Same tokens, logprobs to fp32 rounding of a differently ordered matmul."""
+    for ga, gb in zip(a, b, strict=True):
+        for (ta, la), (tb, lb) in zip(ga, gb, strict=True):
+            assert ta == tb
+            torch.testing.assert_close(torch.tensor(la), torch.tensor(lb), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
+def test_engine_packed_matches_unpacked(family):
+    model = tiny_model(family)
+    packed = Engine(model, EngineConfig(**CONFIG))
+    plain = Engine(model, EngineConfig(**CONFIG, pack_cpu_weights=False))
+    assert packed.model.derived_bytes() > 0 and plain.model.derived_bytes() == 0
+    close(run(packed), run(plain))
+
+
+def test_packs_follow_sleep_wake_and_update_weights():
+    model = tiny_model("qwen2")
+    engine = Engine(model, EngineConfig(**CONFIG))
+    held = engine.memory_held()
+    # Every matrix is packed (the tied embedding for the LM head), the norms' vectors not.
+    matrices = sum(p.numel() * 4 for p in engine.model.parameters() if p.dim() == 2)
+    assert engine.model.derived_bytes() >= matrices
+    before = run(engine)
+    assert engine.memory_held() == held  # packed when built, not at the first step
+    engine.sleep(1)
+    assert engine.model.derived_bytes() == 0
+    engine.wake_up()
+    assert engine.memory_held() == held
+    assert run(engine) == before
+    # New weights: the engine must follow them, packed again, not keep the old copies.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.1)
+    engine.sleep(2)
+    engine.wake_up()
+    engine.update_weights(model)
+    assert engine.memory_held() == held
+    close(run(engine), run(Engine(model, EngineConfig(**CONFIG, pack_cpu_weights=False))))
+
+
+def test_pack_cpu_weights_must_be_a_bool():
+    with pytest.raises(ValueError, match="pack_cpu_weights"):
+        EngineConfig(pack_cpu_weights="maybe")
