@@ -11,13 +11,14 @@ then replayed:
   shared-prefix path ("new") and with the plain path ("old": the same metadata without
   shared_lens, which is what the backend does for groups that share nothing);
 - matmul: the same step's linear layers alone (QKV, O, gate-up, down of every layer and the
-  LM head on a [128, hidden] input), the floor the issue measures against;
+  LM head on a [128, hidden] input), the floor the issue measures against; through the
+  engine's own projections, so on packed weights unless --no-pack;
 - engine: whole engine steps (schedule, prepare, forward, sample, commit), alternating paths.
 
 Best of --repeat, paths interleaved. At --profile-at, the torch profiler's top ops of one step
 each way. Nothing is asserted but that both paths' logits agree (printed).
 
-    python bench/decode_step.py [--threads 2] [--decoded 8 64 192] [--repeat 10]
+    python bench/decode_step.py [--threads 2] [--decoded 8 64 192] [--repeat 10] [--no-pack]
 """
 
 from __future__ import annotations
@@ -161,13 +162,16 @@ def main() -> None:
     ap.add_argument("--engine-steps", type=int, default=5, help="per path; 0 skips")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (smoke runs)")
     ap.add_argument("--profile-rows", type=int, default=12)
+    ap.add_argument("--no-pack", action="store_true",
+                    help="EngineConfig(pack_cpu_weights=False): plain F.linear projections")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
     model = random_llama(SMOLLM2_135M, args.layers)
     engine = Engine(model, EngineConfig(kv_cache_tokens=65536, max_model_len=1024,
-                                        max_num_seqs=max(256, args.prompts * args.n)))
+                                        max_num_seqs=max(256, args.prompts * args.n),
+                                        pack_cpu_weights=not args.no_pack))
     runner = engine.runner
     switch = PathSwitch(runner.backend)
     prompts = prompts_sharing(args.prompts, args.prefix_len, args.prompt_len,

@@ -45,7 +45,7 @@ class Suffix:
     part: Part
     q_valid: torch.Tensor | None  # bool [b, mq]; None: all valid (decode)
     q_flat: torch.Tensor
-    prefix_rows: list[tuple[torch.Tensor | None, torch.Tensor]]
+    prefix_rows: list[tuple[torch.Tensor | None, torch.Tensor] | None]  # None: covers none
 
 
 @dataclass
@@ -65,10 +65,12 @@ def plan_shared(meta: AttentionMetadata, members: list[list[int]], pool: KVPool)
     q_starts = [0, *accumulate(meta.q_lens)]
     kv_starts = [0, *accumulate(meta.kv_lens)]
     group_q = [[t for b in m for t in range(q_starts[b], q_starts[b + 1])] for m in members]
-    prefix_lens = [meta.shared_lens[m[0]] for m in members]
     firsts = [kv_starts[m[0]] for m in members]
-    common = _common_len(meta.kv_indices, firsts, prefix_lens)
-    common = common if common >= MIN_COMMON_LEN else 0
+    common = _common_run(meta, members, kv_starts)
+    # A request alone in its group shares only the common run: the rest of its prompt is as
+    # private as its suffix, so it is read with the suffix (one tile fewer, one merge fewer).
+    prefix_lens = [meta.shared_lens[m[0]] if len(m) > 1 else common for m in members]
+    skip = {b: p for m, p in zip(members, prefix_lens) for b in m}
     prefixes, rows = [], []  # rows[i]: flat token -> its row among prefixes[i]'s queries
     if common:
         tokens = [t for qs in group_q for t in qs]
@@ -95,15 +97,17 @@ def plan_shared(meta: AttentionMetadata, members: list[list[int]], pool: KVPool)
     for part_rows in ([b for b in shared_rows if meta.q_lens[b] == 1],
                       [b for b in shared_rows if meta.q_lens[b] > 1]):
         if part_rows:
-            suffixes.append(_suffix(pool, part_rows, meta, q_starts, kv_starts, rows,
-                                         device))
+            suffixes.append(_suffix(pool, part_rows, meta, q_starts, kv_starts, skip, rows,
+                                    device))
     return SharedPrefix(prefixes=prefixes, suffixes=suffixes)
 
 
-def _suffix(pool: KVPool, rows, meta, q_starts, kv_starts, prefix_rows, device) -> Suffix:
-    """Each request's context after its prefix, its new tokens last (so >= q_len long)."""
+def _suffix(pool: KVPool, rows, meta, q_starts, kv_starts, prefix_lens, prefix_rows,
+            device) -> Suffix:
+    """Each request's context after its prefix (prefix_lens[b] slots), its new tokens last
+    (so >= q_len long)."""
     ql = torch.tensor([meta.q_lens[b] for b in rows])
-    skip = torch.tensor([meta.shared_lens[b] for b in rows])
+    skip = torch.tensor([prefix_lens[b] for b in rows])
     kl = torch.tensor([meta.kv_lens[b] for b in rows]) - skip
     mq, mk = int(ql.max()), int(kl.max())
     q_index = _padded_ranges(torch.tensor([q_starts[b] for b in rows]), ql, mq)
@@ -121,6 +125,9 @@ def _suffix(pool: KVPool, rows, meta, q_starts, kv_starts, prefix_rows, device) 
     covered = []
     for row_of in prefix_rows:
         sel = [j for j, t in enumerate(q_flat) if t in row_of]
+        if not sel:  # a part of other groups only (their own prefixes): nothing to merge
+            covered.append(None)
+            continue
         covered.append((None if len(sel) == len(q_flat) else torch.tensor(sel, device=device),
                         torch.tensor([row_of[q_flat[j]] for j in sel], device=device)))
     return Suffix(part=_part(pool, q_index, kv_pos, bias, meta, device),
@@ -167,7 +174,10 @@ def attend_shared(q, k_pool, v_pool, plan: SharedPrefix, out, scale, softcap=Non
         else:
             o, lse = o[suf.q_valid], lse[suf.q_valid]
         o = o.float()
-        for (o_pre, lse_pre), (sel, row) in zip(prefixes, suf.prefix_rows):
+        for (o_pre, lse_pre), covered in zip(prefixes, suf.prefix_rows):
+            if covered is None:
+                continue
+            sel, row = covered
             o_p, lse_p = o_pre.index_select(0, row).float(), lse_pre.index_select(0, row)
             if sel is None:
                 o, lse = _merge(o, lse, o_p, lse_p)
@@ -243,6 +253,13 @@ def _padded_ranges(starts: torch.Tensor, lens: torch.Tensor, width: int) -> torc
     return starts[:, None] + torch.minimum(torch.arange(width)[None, :], lens[:, None] - 1)
 
 
+def _common_run(meta: AttentionMetadata, members: list[list[int]], kv_starts: list[int]) -> int:
+    """Slots every group's prefix begins with, when at least MIN_COMMON_LEN; else 0."""
+    common = _common_len(meta.kv_indices, [kv_starts[m[0]] for m in members],
+                         [meta.shared_lens[m[0]] for m in members])
+    return common if common >= MIN_COMMON_LEN else 0
+
+
 def _common_len(kv_indices: torch.Tensor, firsts: list[int], prefix_lens: list[int]) -> int:
     """How many leading slots every group's prefix holds in common (0 for a single group):
     firsts[g] is where group g's context begins in kv_indices."""
@@ -255,10 +272,12 @@ def _common_len(kv_indices: torch.Tensor, firsts: list[int], prefix_lens: list[i
 
 
 def sharing_groups(meta: AttentionMetadata, window: int | None = None) -> list[list[int]]:
-    """Requests of each group that hold >= 2 members with the same shared prefix, in batch
-    order; only decode and verify rows (q_len <= MAX_SHARED_Q_LEN) whose queries all come
-    after the prefix and see every prefix position (a sliding window that cuts into the
-    context rules a row out)."""
+    """Requests of each group with the same shared prefix, in batch order: groups of >= 2
+    members, and requests alone in theirs too when every group's prefix begins with the same
+    run of >= MIN_COMMON_LEN slots (a system prompt the radix tree holds once: n = 1 requests,
+    multi-turn conversations). Only decode and verify rows (q_len <= MAX_SHARED_Q_LEN) whose
+    queries all come after the prefix and see every prefix position (a sliding window that
+    cuts into the context rules a row out)."""
     if not meta.shared_lens:
         return []
     sharing: dict[tuple[str, int], list[int]] = {}
@@ -267,4 +286,7 @@ def sharing_groups(meta: AttentionMetadata, window: int | None = None) -> list[l
         fits = window is None or kv_len <= window
         if shared and q_len <= MAX_SHARED_Q_LEN and shared <= kv_len - q_len and fits:
             sharing.setdefault((group, shared), []).append(b)
-    return [m for m in sharing.values() if len(m) > 1]
+    groups = list(sharing.values())
+    if len(groups) > 1 and _common_run(meta, groups, [0, *accumulate(meta.kv_lens)]):
+        return groups
+    return [m for m in groups if len(m) > 1]

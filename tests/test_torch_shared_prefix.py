@@ -165,6 +165,35 @@ def test_prefixes_that_are_all_common():
     assert [p.kv_slots.shape for p in plan.shared.prefixes] == [(1, 20)]
 
 
+# n = 1 requests (multi-turn conversations) after the same 20-slot system prompt: each alone
+# in its group, with more prompt of its own (s1, s2, s4) or none (s3); a pair p; z shares nothing.
+ALONE = [("s1", 30, 41, 1), ("p", 28, 30, 1), ("s2", 45, 46, 1), ("z", 0, 12, 1),
+         ("s3", 20, 27, 1), ("p", 28, 35, 1), ("s4", 24, 31, 3)]
+
+
+@pytest.mark.parametrize("contiguous", [False, True])
+def test_requests_alone_in_their_group_share_the_common_run(contiguous):
+    pool = random_pool(2, 3, 64)
+    meta, q, k, v = make_step(pool, ALONE, 9, seed=5, common=20, contiguous=contiguous)
+    out, ref, plan = run_both(pool, meta, q, k, v, layer=1)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    starts = indptr(meta.q_lens, "cpu").tolist()
+    assert shared_tokens(meta, plan) == [t for b, (g, *_) in enumerate(ALONE) if g != "z"
+                                         for t in range(starts[b], starts[b + 1])]
+    # The common run is one tile for all; only the pair has a tile of its own prefix (the
+    # lone requests read the rest of their prompt with their suffix).
+    assert [p.kv_slots.shape for p in plan.shared.prefixes] == [(1, 20), (1, 8)]
+
+
+def test_requests_alone_without_a_common_run_stay_plain():
+    requests = [(g, MIN_COMMON_LEN + 4, MIN_COMMON_LEN + 9, 1) for g in ("s1", "s2", "s3")]
+    pool = random_pool(1, 3, 64)
+    meta, q, k, v = make_step(pool, requests, 9, seed=6, common=MIN_COMMON_LEN - 1)
+    out, ref, plan = run_both(pool, meta, q, k, v)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    assert plan.shared is None
+
+
 def test_grpo_step_shape():
     """The benchmark's step: 16 prompts x 8 samples, 314-token prompts of which 282 (a system
     prompt in consecutive slots) are common to all; SmolLM2's heads."""
