@@ -112,7 +112,7 @@ class TorchAttention(AttentionBackend):
 
     def _plan(self, meta: AttentionMetadata, window: int | None) -> _Plan:
         device = meta.kv_indices.device
-        members = sharing_groups(meta, window)
+        members, common = sharing_groups(meta, window)
         shared = {b for m in members for b in m}
         q_lens = torch.tensor(meta.q_lens)
         kv_lens = torch.tensor(meta.kv_lens)
@@ -125,7 +125,8 @@ class TorchAttention(AttentionBackend):
             if rows.numel():
                 segments.append(self._segment(rows, q_lens, kv_lens, q_start, kv_start,
                                               meta.kv_indices, device, window))
-        return _Plan(segments, plan_shared(meta, members, self.pool) if members else None)
+        return _Plan(segments,
+                     plan_shared(meta, members, common, self.pool) if members else None)
 
     @staticmethod
     def _segment(rows, q_lens, kv_lens, q_start, kv_start, kv_indices, device,

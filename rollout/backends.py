@@ -50,15 +50,14 @@ class Backends:
     # (x, w_gate_up, w_down, topk_weights, topk_ids, activation) -> the experts' output
     moe: Callable[..., torch.Tensor]
     cuda_graphs: bool  # the attention backend provides graph_plan
-    pack_cpu_weights: bool = False  # EngineConfig.pack_cpu_weights
+    pack_cpu_weights: bool  # EngineConfig.pack_cpu_weights
 
     def pack_weights(self, weight: torch.Tensor) -> bool:
         """Whether a projection multiplies by a packed copy of `weight` (CPU, oneDNN)."""
         return self.pack_cpu_weights and can_pack(weight.device, weight.dtype)
 
 
-def resolve_backends(name: str, device: torch.device,
-                     pack_cpu_weights: bool = True) -> Backends:
+def resolve_backends(name: str, device: torch.device, pack_cpu_weights: bool) -> Backends:
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     if name == "auto":

@@ -59,14 +59,14 @@ class SharedPrefix:
     suffixes: list[Suffix]
 
 
-def plan_shared(meta: AttentionMetadata, members: list[list[int]], pool: KVPool) -> SharedPrefix:
-    """The shared-prefix split of these requests (`sharing_groups`)."""
+def plan_shared(meta: AttentionMetadata, members: list[list[int]], common: int,
+                pool: KVPool) -> SharedPrefix:
+    """The shared-prefix split of these requests and their common run (`sharing_groups`)."""
     device = meta.kv_indices.device
     q_starts = [0, *accumulate(meta.q_lens)]
     kv_starts = [0, *accumulate(meta.kv_lens)]
     group_q = [[t for b in m for t in range(q_starts[b], q_starts[b + 1])] for m in members]
     firsts = [kv_starts[m[0]] for m in members]
-    common = _common_run(meta, members, kv_starts)
     # A request alone in its group shares only the common run: the rest of its prompt is as
     # private as its suffix, so it is read with the suffix (one tile fewer, one merge fewer).
     prefix_lens = [meta.shared_lens[m[0]] if len(m) > 1 else common for m in members]
@@ -271,15 +271,17 @@ def _common_len(kv_indices: torch.Tensor, firsts: list[int], prefix_lens: list[i
     return span if bool(same.all()) else int(same.int().argmin())
 
 
-def sharing_groups(meta: AttentionMetadata, window: int | None = None) -> list[list[int]]:
-    """Requests of each group with the same shared prefix, in batch order: groups of >= 2
+def sharing_groups(meta: AttentionMetadata,
+                   window: int | None = None) -> tuple[list[list[int]], int]:
+    """Requests of each group with the same shared prefix, in batch order, and the run of slots
+    every one of those groups' prefixes begins with (0 when under MIN_COMMON_LEN): groups of >= 2
     members, and requests alone in theirs too when every group's prefix begins with the same
     run of >= MIN_COMMON_LEN slots (a system prompt the radix tree holds once: n = 1 requests,
     multi-turn conversations). Only decode and verify rows (q_len <= MAX_SHARED_Q_LEN) whose
     queries all come after the prefix and see every prefix position (a sliding window that
     cuts into the context rules a row out)."""
     if not meta.shared_lens:
-        return []
+        return [], 0
     sharing: dict[tuple[str, int], list[int]] = {}
     for b, (group, shared) in enumerate(zip(meta.groups, meta.shared_lens)):
         q_len, kv_len = meta.q_lens[b], meta.kv_lens[b]
@@ -287,6 +289,10 @@ def sharing_groups(meta: AttentionMetadata, window: int | None = None) -> list[l
         if shared and q_len <= MAX_SHARED_Q_LEN and shared <= kv_len - q_len and fits:
             sharing.setdefault((group, shared), []).append(b)
     groups = list(sharing.values())
-    if len(groups) > 1 and _common_run(meta, groups, [0, *accumulate(meta.kv_lens)]):
-        return groups
-    return [m for m in groups if len(m) > 1]
+    starts = [0, *accumulate(meta.kv_lens)]
+    common = _common_run(meta, groups, starts)
+    pairs = [m for m in groups if len(m) > 1]
+    if common or len(pairs) == len(groups):
+        return (groups if common else pairs), common
+    # Nothing common to all: the lone requests keep the plain path; the pairs may share a run.
+    return pairs, _common_run(meta, pairs, starts)

@@ -17,6 +17,7 @@ from models import char_tokenizer, tiny_model
 
 import rollout.engine
 from rollout import Engine, EngineConfig, SamplingParams
+from rollout.models.layers.packed_linear import Projection
 from rollout.spec import SpeculativeConfig
 
 TOK = char_tokenizer()
@@ -38,13 +39,13 @@ def draft():
     return tiny_model("qwen2", seed=3, num_hidden_layers=1, vocab_size=len(TOK))
 
 
-def make(spec: str, caching: bool) -> Engine:
+def make(spec: str, caching: bool, model=None) -> Engine:
     speculative = {"plain": None,
                    "ngram": SpeculativeConfig("ngram", num_speculative_tokens=3),
                    "draft": SpeculativeConfig("draft", num_speculative_tokens=3,
                                               draft_model=draft())}[spec]
     # 64 slots for 10 sequences of up to ~25 tokens: admission waits, decodes preempt.
-    return Engine(target(), EngineConfig(kv_cache_tokens=64, max_model_len=40,
+    return Engine(model or target(), EngineConfig(kv_cache_tokens=64, max_model_len=40,
                                          max_num_batched_tokens=16, max_num_seqs=8,
                                          enable_prefix_caching=caching,
                                          speculative=speculative), tokenizer=TOK)
@@ -198,6 +199,7 @@ WAKE_POINTS = {
     "restore": (lambda e: (e.stack.parking, "restore"), SPECS),
     "pool_allocate": (lambda e: (e.pool, "allocate"), SPECS),
     "draft_wake": (lambda e: (e.speculator.drafter, "wake_up"), ("draft",)),
+    "pack": (lambda e: (e.model, "pack_weights"), SPECS),  # CPU: the oneDNN-packed copies
 }
 
 
@@ -268,6 +270,27 @@ def test_update_weights_failing_half_way_is_refused_until_complete(spec, kind, m
     engine.update_weights(target())
     assert not engine.needs_weights
     assert_exact(engine, spec, True)
+
+
+@pytest.mark.parametrize("kind", [RuntimeError, KeyboardInterrupt], ids=["error", "interrupt"])
+@pytest.mark.parametrize("after", [False, True], ids=["before", "after"])
+def test_update_weights_interrupted_while_packing_generates_from_the_new_weights(
+        kind, after, monkeypatch):
+    """The weights are all copied when the packed copies are made: a fault at the third of
+    them leaves some packed from the old weights, which their next use must notice."""
+    engine = make("plain", True)
+    engine.generate(PROMPTS[:2], PARAMS[:2])
+    other = tiny_model("qwen2", seed=11, vocab_size=len(TOK))
+    Fault(kind, at=3, after=after).install(monkeypatch, Projection, "pack")
+    with pytest.raises(kind, match="injected"):
+        engine.update_weights(other)
+    monkeypatch.undo()
+    assert not engine.needs_weights
+    assert_clean(engine)
+    outs, want = engine.generate(PROMPTS, PARAMS), make("plain", True, other).generate(PROMPTS,
+                                                                                        PARAMS)
+    assert view(outs) == view(want)
+    assert logprobs(outs) == pytest.approx(logprobs(want), abs=1e-5)
 
 
 def test_rollback_of_a_step_that_preempted_keeps_the_preemption_only():
