@@ -31,22 +31,11 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from workloads import SMOLLM2_135M, random_llama  # noqa: E402
+
 from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
-
-SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                    tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=1e-5)
-
-
-def random_llama(shape: dict, layers: int | None, seed: int = 0):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(seed)
-    shape = dict(shape, num_hidden_layers=layers or shape["num_hidden_layers"])
-    config = LlamaConfig(**shape, max_position_embeddings=2048, eos_token_id=None,
-                         bos_token_id=None, pad_token_id=None)
-    return AutoModelForCausalLM.from_config(config).eval()
 
 
 def prompts_sharing(num_prompts: int, prefix_len: int, prompt_len: int, vocab: int, seed=0):
@@ -168,7 +157,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    model = random_llama(SMOLLM2_135M, args.layers)
+    layers = args.layers or SMOLLM2_135M["num_hidden_layers"]
+    model = random_llama(dict(SMOLLM2_135M, num_hidden_layers=layers))
     engine = Engine(model, EngineConfig(kv_cache_tokens=65536, max_model_len=1024,
                                         max_num_seqs=max(256, args.prompts * args.n),
                                         pack_cpu_weights=not args.no_pack))

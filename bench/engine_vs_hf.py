@@ -8,7 +8,8 @@ profiler: kernels launched per step and the share of wall time the GPU spends in
 share means steps are bound by the host, launches and scheduling, which CUDA graphs address).
 Nothing is asserted.
 
-    python bench/engine_vs_hf.py [--device cuda --model-shape 0.5b --dtype bfloat16] [--cuda-graphs]
+    python bench/engine_vs_hf.py [--device cuda --model-shape 0.5b|smollm2 --dtype bfloat16]
+        [--cuda-graphs off|on|both] [--skip-hf]
 """
 
 from __future__ import annotations
@@ -47,11 +48,11 @@ def run_hf(model, prompts, n, max_new, device):
     return generated, seconds, ids.numel() * n  # HF expands prompts n times before prefill
 
 
-def run_engine(model, prompts, n, max_new, args):
+def run_engine(model, prompts, n, max_new, args, cuda_graphs: bool):
     config = EngineConfig(kv_cache_tokens=args.kv_tokens, max_model_len=1024,
                           max_num_seqs=max(256, len(prompts) * n),
                           max_num_batched_tokens=args.batched_tokens,
-                          cuda_graphs=args.cuda_graphs)
+                          cuda_graphs=cuda_graphs)
     engine = Engine(model, config)
     params = SamplingParams(n=n, temperature=1.0, max_tokens=max_new, ignore_eos=True, seed=0)
     # Warm-up (kernel compilation on GPU) on other prompts, so nothing of the run is cached.
@@ -102,39 +103,48 @@ def main() -> None:
     ap.add_argument("--kv-tokens", type=int, default=65536)
     ap.add_argument("--batched-tokens", type=int, default=8192)
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--cuda-graphs", action="store_true", help="replay decode steps from graphs")
+    ap.add_argument("--cuda-graphs", choices=["off", "on", "both"], default="off",
+                    help="replay decode steps from graphs; both: one engine each way, one model")
     args = ap.parse_args()
 
     shape, model = model_from_args(args)
     params_m = sum(p.numel() for p in model.parameters()) / 1e6
     prompts = grpo_prompts(args.prompts, args.prompt_len, args.prefix_len, shape["vocab_size"])
-    print(f"model: Qwen2-style {params_m:.1f}M params, {args.dtype} on {args.device}, "
-          f"{torch.get_num_threads()} threads, cuda_graphs={args.cuda_graphs}")
+    print(f"model: {model.config.model_type} {params_m:.1f}M params (random weights, "
+          f"{args.model_shape} shapes), {args.dtype} on {args.device}, "
+          f"{torch.get_num_threads()} threads")
     print(f"workload: {args.prompts} prompts x {args.prompt_len} tokens "
           f"({args.prefix_len} shared), n={args.n}, {args.max_new} new tokens, temperature 1")
 
-    gen, secs, d, engine = run_engine(model, prompts, args.n, args.max_new, args)
-    engine_tps = gen / secs
-    overhead = 1 - d["forward_seconds"] / d["step_seconds"]
-    print(f"engine:       {engine_tps:9.1f} tok/s  ({gen} tokens in {secs:.2f} s, "
-          f"{d['steps']} steps), prompt tokens computed {d['prompt_tokens_computed']}, "
-          f"time outside the model forward {overhead:.1%}")
-    per_step = ", ".join(f"{name.removesuffix('_seconds')} {d[name] / d['steps'] * 1e3:.2f}"
-                         for name in STEP_PHASES)
-    print(f"engine ms per step: {per_step}")
+    graphs = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graphs]
+    rates = {}
+    for cuda_graphs in graphs:
+        gen, secs, d, engine = run_engine(model, prompts, args.n, args.max_new, args, cuda_graphs)
+        rates[cuda_graphs] = gen / secs
+        overhead = 1 - d["forward_seconds"] / d["step_seconds"]
+        print(f"engine (cuda_graphs={cuda_graphs}): {gen / secs:9.1f} tok/s  ({gen} tokens in "
+              f"{secs:.2f} s, {d['steps']} steps), prompt tokens computed "
+              f"{d['prompt_tokens_computed']}, time outside the model forward {overhead:.1%}")
+        per_step = ", ".join(f"{name.removesuffix('_seconds')} "
+                             f"{d[name] / d['steps'] * 1e3:.2f}" for name in STEP_PHASES)
+        print(f"engine ms per step: {per_step}")
+        if args.device.startswith("cuda"):
+            gpu_busy(engine, prompts, args.n)
+        del engine  # its KV pool goes before the next one is built
+    if len(rates) == 2:
+        print(f"cuda graphs on / off: {rates[True] / rates[False]:.2f}x")
     if not args.skip_hf:
-        compare_hf(model, prompts, args, engine_tps)
-    if args.device.startswith("cuda"):
-        gpu_busy(engine, prompts, args.n)
+        compare_hf(model, prompts, args, rates)
 
 
-def compare_hf(model, prompts, args, engine_tps: float) -> None:
+def compare_hf(model, prompts, args, engine_rates: dict) -> None:
     gen_hf, secs_hf, prompt_hf = run_hf(model, prompts, args.n, args.max_new, args.device)
     hf_tps = gen_hf / secs_hf
     print(f"transformers: {hf_tps:9.1f} tok/s  ({gen_hf} tokens in {secs_hf:.2f} s), "
           f"prompt tokens computed {prompt_hf}")
-    print(f"ratio engine / transformers: {engine_tps / hf_tps:.2f}x   (goal >= 2x; "
-          f"overhead goal <= 10%)")
+    for cuda_graphs, tps in engine_rates.items():
+        print(f"ratio engine (cuda_graphs={cuda_graphs}) / transformers: {tps / hf_tps:.2f}x   "
+              f"(goal >= 2x; overhead goal <= 10%)")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 # ~25M parameters: the CPU benchmark model of the engine-core issue.
 QWEN2_25M = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
@@ -14,25 +14,42 @@ QWEN2_25M = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_h
 QWEN2_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
                  num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                  tie_word_embeddings=True)
+# SmolLM2-135M-Instruct's shapes (Llama, GQA 9/3). The real checkpoint is the CPU benchmarks'
+# model; random weights of its shapes stand in where it cannot go (the GPU machine takes 64 MiB
+# of files, the smallest shipped checkpoint is 93 MB) and where weights do not change the cost.
+SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                    tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=1e-5)
+SHAPES = {"25m": QWEN2_25M, "0.5b": QWEN2_05B, "smollm2": SMOLLM2_135M}
 
 
 def add_model_args(ap) -> None:
     """--device, --dtype, --model-shape: the random-weight model a benchmark runs."""
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--model-shape", choices=["25m", "0.5b"], default="25m")
+    ap.add_argument("--model-shape", choices=sorted(SHAPES), default="25m",
+                    help="smollm2: a Llama of SmolLM2-135M's shapes, random weights")
 
 
 def model_from_args(args) -> tuple[dict, torch.nn.Module]:
     """(shape, model) chosen by add_model_args' options."""
-    shape = QWEN2_25M if args.model_shape == "25m" else QWEN2_05B
-    return shape, random_qwen2(shape, getattr(torch, args.dtype), args.device)
+    shape = SHAPES[args.model_shape]
+    build = random_llama if shape is SMOLLM2_135M else random_qwen2
+    return shape, build(shape, getattr(torch, args.dtype), args.device)
 
 
 def random_qwen2(shape: dict, dtype=torch.float32, device="cpu", seed=0):
+    return _random(Qwen2Config, shape, dtype, device, seed)
+
+
+def random_llama(shape: dict, dtype=torch.float32, device="cpu", seed=0):
+    return _random(LlamaConfig, shape, dtype, device, seed)
+
+
+def _random(config_class, shape: dict, dtype, device, seed: int):
     torch.manual_seed(seed)
-    config = Qwen2Config(**shape, max_position_embeddings=4096, eos_token_id=None,
-                         bos_token_id=None, pad_token_id=None)
+    config = config_class(**shape, max_position_embeddings=4096, eos_token_id=None,
+                          bos_token_id=None, pad_token_id=None)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.to(device).eval()
 
