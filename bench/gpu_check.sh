@@ -14,7 +14,12 @@
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=offline
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # nothing is pip-installed on that machine
+# Nothing is pip-installed on that machine: the packages pyproject maps from other folders
+# (rollout_kernels <- kernels, rollout_recipes <- recipes) are linked under their import names.
+links=$(mktemp -d)
+ln -s "$PWD/kernels" "$links/rollout_kernels"
+ln -s "$PWD/recipes" "$links/rollout_recipes"
+export PYTHONPATH="$PWD:$links${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PY:-python3}
 O=${OUT:-/tmp/gpu_check}
 mkdir -p "$O"

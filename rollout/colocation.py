@@ -15,7 +15,7 @@ import torch
 
 from .journal import RollbackFailed
 from .parallel.reshard import ReshardStats, rank_parts
-from .sleep import tensor_bytes
+from .sleep import release_cuda_cache, tensor_bytes
 from .weights import buckets, named_shapes_and_tensors
 
 
@@ -67,8 +67,7 @@ class Colocation:
                     self.sleep_level = 2
                 raise
             if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-                torch.cuda.empty_cache()
+                release_cuda_cache(self.device)
             self.sleep_level = level
             self._weights_missing = self._weights_missing or level == 2
 

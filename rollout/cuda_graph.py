@@ -30,6 +30,7 @@ import torch
 from .attention import AttentionBackend
 from .attention_metadata import AttentionMetadata
 from .forward_context import ForwardContext
+from .sleep import clear_cublas_workspaces
 
 
 def decode_buckets(max_batch: int) -> list[int]:
@@ -68,14 +69,20 @@ class _StaticInputs:
 class _CudaGraph:
     def __init__(self, forward, pool) -> None:
         # Warm-up outside the capture: Triton compiles, cuBLAS chooses its kernels.
+        # cuBLAS workspaces are cleared around both (as torch's inductor does): the warm-up
+        # stream's would stay allocated for good; the capture's is then made inside the graphs'
+        # pool, which its replays keep, instead of a cached one that outlives the graphs.
+        clear_cublas_workspaces()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             forward()
         torch.cuda.current_stream().wait_stream(side)
+        clear_cublas_workspaces()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
             self.out = forward()
+        clear_cublas_workspaces()
 
     def replay(self) -> torch.Tensor:
         self.graph.replay()

@@ -24,6 +24,24 @@ from .sampling_params import as_bool
 SEPARATE_HOST_MEMORY = "separate_host_memory"  # the EngineConfig.extra key (see above)
 
 
+def clear_cublas_workspaces() -> None:
+    """Drop cuBLAS's cached workspaces. torch keeps one per (handle, stream), allocated through
+    the caching allocator and never freed (32 MiB each on Hopper): a new stream (a CUDA graph's
+    warm-up, its capture) leaves one behind for good, and one made during a capture pins that
+    graph's private pool. The next matmul on a stream allocates its workspace again."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # private, hence the guard
+    if clear is not None:
+        clear()
+
+
+def release_cuda_cache(device: torch.device) -> None:
+    """After sleep freed the pool and weights: hand the cached blocks and cuBLAS workspaces back
+    to the driver, so the trainer sees the memory free."""
+    torch.cuda.synchronize(device)
+    clear_cublas_workspaces()
+    torch.cuda.empty_cache()
+
+
 def separate_host_memory(extra: dict, device: torch.device) -> bool:
     """Whether the device's memory is not the host's: on a GPU, or on CPU when `extra` asks."""
     asked = as_bool(f"extra[{SEPARATE_HOST_MEMORY!r}]", extra.get(SEPARATE_HOST_MEMORY, False))
