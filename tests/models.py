@@ -69,6 +69,20 @@ def char_tokenizer(alphabet: str = "abcdefghijklmnopqrstuvwxyz0123456789 +=.,\n"
     return build(alphabet)
 
 
+def bos_chat_tokenizer(chat_template: str | None,
+                       alphabet: str = "abcdefghijklmnopqrstuvwxyz0123456789 +=.,\n<>"):
+    """char_tokenizer whose plain encodes prepend <bos>, as Llama's do, with `chat_template`: a
+    template that writes the BOS itself shows up as a doubled BOS wherever its text is encoded
+    with special tokens added."""
+    from tokenizers.processors import TemplateProcessing
+
+    tok = char_tokenizer(alphabet)
+    tok.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", tok.bos_token_id)])
+    tok.chat_template = chat_template
+    return tok
+
+
 # Hub checkpoints name each expert's projections (transformers 5 models stack them): Qwen3-MoE
 # `mlp.experts.<e>.{gate,up,down}_proj`, Mixtral `block_sparse_moe.experts.<e>.{w1,w3,w2}`.
 _PER_EXPERT = {"qwen3_moe": (".mlp.", ("gate_proj", "up_proj", "down_proj")),

@@ -8,8 +8,7 @@ special tokens added would show up as a doubled BOS.
 """
 
 import pytest
-from models import char_tokenizer, tiny_model
-from tokenizers.processors import TemplateProcessing
+from models import bos_chat_tokenizer, tiny_model
 
 import rollout
 from rollout import Engine, EngineConfig, SamplingParams
@@ -29,11 +28,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
 def chat_tokenizer():
-    tok = char_tokenizer("abcdefghijklmnopqrstuvwxyz0123456789 +=.,\n<>")
-    tok.backend_tokenizer.post_processor = TemplateProcessing(
-        single="<bos> $A", special_tokens=[("<bos>", tok.bos_token_id)])
-    tok.chat_template = TEMPLATE
-    return tok
+    return bos_chat_tokenizer(TEMPLATE)
 
 
 @pytest.fixture(scope="module")

@@ -269,9 +269,11 @@ def test_missing_model_path(tmp_path):
         main(["--config", write_config(tmp_path), "--model", str(tmp_path / "no-such-model")])
 
 
-def test_named_model_and_dataset_files(tmp_path):
+@pytest.mark.parametrize("trainer", ["custom", "trl"])
+def test_named_model_and_dataset_files(tmp_path, trainer):
     """The real-model path without a download: a model directory whose tokenizer has a chat
-    template, and a JSONL of GSM8K-style rows scored by the math reward."""
+    template, and a JSONL of GSM8K-style rows scored by the math reward. Both trainers: TRL
+    takes the prompts as conversations and scores completions as assistant messages."""
     from rollout_recipes.run.tiny import char_tokenizer, tiny_llama
 
     tok = char_tokenizer("0123456789+=#abcdefghijklmnopqrstuvwxyz ?.\n")
@@ -285,14 +287,16 @@ def test_named_model_and_dataset_files(tmp_path):
             f.write(json.dumps({"question": f"what is {a}+{a}?", "answer": f"#### {2 * a}"}) + "\n")
     out = main(["--config", write_config(tmp_path), "--model", str(tmp_path / "model"),
                 "--dataset", str(tmp_path / "data.jsonl"), "--prompt_template", "{question}",
-                "--eval_size", "8", "--system_prompt", "add", "--warmstart_steps", "2"])
+                "--eval_size", "8", "--system_prompt", "add", "--warmstart_steps", "2",
+                "--trainer", trainer])
     check_steps(out["history"])
     assert out["accuracy_before"] is not None
+    from rollout.chat import render_conversations
     from rollout_recipes.tasks import load_task
 
     cfg = RecipeConfig(model=str(tmp_path / "model"), dataset=str(tmp_path / "data.jsonl"),
                        prompt_template="{question}", system_prompt="add", eval_size=8)
     task = load_task(cfg, tok)
-    assert task.templated and len(task.train) == 32 and len(task.eval) == 8
-    assert task.train[0]["prompt"].startswith("s=add\nu=what is ")
-    assert task.train[0]["prompt"].endswith("?\na=")
+    assert task.chat and len(task.train) == 32 and len(task.eval) == 8
+    [(text, _)] = render_conversations(tok, [task.train[0]["prompt"]])
+    assert text.startswith("s=add\nu=what is ") and text.endswith("?\na=")

@@ -15,9 +15,10 @@ from tqdm.auto import tqdm
 from ..run.config import RecipeConfig
 
 
-def encode_examples(task, tokenizer, prompts: list[str], answers: list[str], device):
+def encode_examples(task, tokenizer, prompts: list, answers: list[str], device):
     """prompt + answer + eos, right-padded: (ids, attention mask, loss mask over answer + eos).
-    Prompts are encoded as the engine will see them (Task.encode)."""
+    Prompts (text, or a chat task's conversations) are encoded as the engine will see them
+    (Task.encode)."""
     rows, masks = [], []
     for text, p, answer in zip(prompts, task.encode(tokenizer, prompts), answers):
         if task.demonstration is None:

@@ -90,7 +90,7 @@ def _slot(accelerator, engine):
     return engine_slot(accelerator.process_index, accelerator.num_processes, engine.tp.size)
 
 
-def _rank_share(task, accelerator, engine) -> tuple[list[str], list[str]]:
+def _rank_share(task, accelerator, engine) -> tuple[list, list[str]]:
     """This rank's engine's slice of the held-out prompts and answers."""
     slot = _slot(accelerator, engine)
     return (rank_slice(task.eval["prompt"], slot.index, slot.count),

@@ -1,8 +1,10 @@
 """Math word problems from a dataset, GSM8K-style: an HF hub id (`--dataset openai/gsm8k
 --dataset_config main`), a local dataset directory, or one .json/.jsonl/.csv/.parquet file.
-Prompts come from `prompt_template` over each row (then the tokenizer's chat template, if any);
-the reward is `math` unless the config names another: the last number of the completion against
-the gold answer's number, which a GSM8K answer gives after `####`.
+Prompts come from `prompt_template` over each row: with the tokenizer's chat template (if any),
+a conversation (`system_prompt`, then that text as the user's message) that rollout/chat.py
+renders (tasks/base.py); otherwise plain text, after `system_prompt` if one is given. The reward
+is `math` unless the config names another: the last number of the completion against the gold
+answer's number, which a GSM8K answer gives after `####`.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import os
 import re
 
 from datasets import Dataset
+
+from rollout.chat import render_conversations
 
 from ..run.config import DATA_FILE_TYPES, RecipeConfig, is_data_file
 from .base import Task
@@ -59,11 +63,11 @@ def load(cfg: RecipeConfig, tokenizer, reward) -> Task:
         held_out = _load_split(cfg, cfg.eval_split) if cfg.eval_size else None
         if held_out is not None and len(held_out) > cfg.eval_size:
             held_out = held_out.shuffle(seed=cfg.split_seed).select(range(cfg.eval_size))
-    templated = _uses_chat_template(cfg, tokenizer)
-    fmt = _formatter(cfg, tokenizer, templated)
+    chat = _uses_chat_template(cfg, tokenizer)
+    fmt = _formatter(cfg, tokenizer, chat)
     train = train.map(fmt, desc="prompts")
     held_out = held_out.map(fmt, desc="prompts") if held_out is not None else None
-    return Task(train, held_out, reward, templated=templated)
+    return Task(train, held_out, reward, chat=chat)
 
 
 def _load_split(cfg: RecipeConfig, split: str) -> Dataset:
@@ -89,7 +93,8 @@ def _uses_chat_template(cfg: RecipeConfig, tokenizer) -> bool:
 
 
 def _formatter(cfg: RecipeConfig, tokenizer, use_chat: bool):
-    """Row -> {prompt, answer}: the template over the row, then the chat template if any."""
+    """Row -> {prompt, answer}: the template over the row, as a conversation when the chat
+    template is used, else as text."""
 
     def fmt(row: dict) -> dict:
         try:
@@ -98,13 +103,23 @@ def _formatter(cfg: RecipeConfig, tokenizer, use_chat: bool):
             raise ValueError(f"prompt_template: field {e.args[0]!r} is not a column "
                              f"(columns: {sorted(row)})") from None
         if use_chat:
-            messages = [{"role": "user", "content": text}]
+            prompt = [{"role": "user", "content": text}]
             if cfg.system_prompt:
-                messages.insert(0, {"role": "system", "content": cfg.system_prompt})
-            text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                                 add_generation_prompt=True)
-        elif cfg.system_prompt:
-            text = f"{cfg.system_prompt}\n{text}"
-        return {"prompt": text, "answer": str(row[cfg.answer_field])}
+                prompt.insert(0, {"role": "system", "content": cfg.system_prompt})
+            _check_renders(tokenizer, prompt)
+        else:
+            prompt = f"{cfg.system_prompt}\n{text}" if cfg.system_prompt else text
+        return {"prompt": prompt, "answer": str(row[cfg.answer_field])}
 
     return fmt
+
+
+def _check_renders(tokenizer, conversation: list[dict]) -> None:
+    # Rendered (and dropped) at load only so that a template that fails, e.g. one refusing a
+    # system message, fails here naming the config's field, not mid-run in Task.encode.
+    try:
+        render_conversations(tokenizer, [conversation])
+    except ValueError as e:
+        raise ValueError(f"chat_template: the tokenizer's chat template fails on the prompt "
+                         f"{conversation[-1]['content']!r:.80} ({e}); fix the template, or set "
+                         f"chat_template: false for plain-text prompts") from e
