@@ -7,8 +7,9 @@ n = 8, so 128 samples decode side by side once the prompts are cached. The engin
 every sample has generated --decoded tokens (several points, one run); that step's inputs are
 then replayed:
 
-- step: the step's attention plan + model forward (+ logits of the 128 sampled rows), with the
-  shared-prefix path ("new") and with the plain path ("old": the same metadata without
+- step: the step's attention plan + model forward (+ logits of the 128 sampled rows) on three
+  paths: "native" (the C kernel of rollout/native reading the pool in place, the CPU default),
+  "shared" (the torch shared-prefix split) and "plain" (torch gathers: the same metadata without
   shared_lens, which is what the backend does for groups that share nothing);
 - matmul: the same step's linear layers alone (QKV, O, gate-up, down of every layer and the
   LM head on a [128, hidden] input), the floor the issue measures against; through the
@@ -46,15 +47,20 @@ def prompts_sharing(num_prompts: int, prefix_len: int, prompt_len: int, vocab: i
 
 
 class PathSwitch:
-    """Wraps the backend's plan: "old" drops the shared lengths, so every request takes the
+    """Wraps the backend's plan: "plain" drops the shared lengths, so every request takes the
     plain gather path (the bench's switch; the product has none)."""
 
     def __init__(self, backend) -> None:
-        self.backend, self.plan, self.mode = backend, backend.plan, "new"
+        self.backend, self.plan, self.mode = backend, backend.plan, "native"
+        self.has_native = backend.native
         backend.plan = self
 
+    def modes(self) -> tuple[str, ...]:
+        return ("native", "shared", "plain") if self.has_native else ("shared", "plain")
+
     def __call__(self, meta):
-        if self.mode == "old":
+        self.backend.native = self.has_native and self.mode == "native"
+        if self.mode == "plain":
             meta.groups, meta.shared_lens = [], []
         return self.plan(meta)
 
@@ -118,14 +124,14 @@ def matmul_seconds(model, batch: int) -> float:
 
 
 def engine_steps(engine: Engine, switch: PathSwitch, steps: int) -> dict[str, list[float]]:
-    times = {"old": [], "new": []}
+    times = {mode: [] for mode in switch.modes()}
     for i in range(2 * steps):
-        mode = ("new", "old")[i % 2]
+        mode = switch.modes()[i % len(switch.modes())]
         switch.mode = mode
         t0 = time.perf_counter()
         engine.step()
         times[mode].append(time.perf_counter() - t0)
-    switch.mode = "new"
+    switch.mode = switch.modes()[0]
     return times
 
 
@@ -186,38 +192,37 @@ def measure(engine, inputs, switch, args, profile_it: bool) -> None:
           f"{min(meta.shared_lens)}..{max(meta.shared_lens)} in {len(set(meta.groups))} groups")
     # Both paths give the same logits.
     logits = {}
-    for mode in ("old", "new"):
+    for mode in switch.modes():
         switch.mode = mode
         m = dataclasses.replace(meta, plan=None, groups=list(meta.groups),
                                 shared_lens=list(meta.shared_lens))
         m.plan = runner.backend.plan(m)
         logits[mode] = runner.run(dataclasses.replace(inputs, meta=m))
-    diff = (logits["old"] - logits["new"]).abs().max().item()
-    print(f"max |logits old - new| = {diff:.2e}")
+    diff = max((logits[mode] - logits["plain"]).abs().max().item() for mode in logits)
+    print(f"max |logits - plain path's| = {diff:.2e}")
 
-    best = {"old": float("inf"), "new": float("inf"), "matmul": float("inf")}
+    best = {mode: float("inf") for mode in (*switch.modes(), "matmul")}
     for _ in range(args.repeat):
-        for mode in ("old", "new"):
+        for mode in switch.modes():
             best[mode] = min(best[mode], replay(runner, inputs, switch, mode))
         best["matmul"] = min(best["matmul"], matmul_seconds(runner.model, batch))
     mm = best["matmul"]
     print(f"best of {args.repeat}, interleaved (plan + forward + logits of the step):")
     print(f"  matmul only        {mm * 1e3:8.1f} ms")
-    for mode in ("old", "new"):
-        print(f"  step, {mode} path     {best[mode] * 1e3:8.1f} ms   "
+    for mode in switch.modes():
+        print(f"  step, {mode:6} path {best[mode] * 1e3:8.1f} ms   "
               f"= {best[mode] / mm:.2f}x matmul")
-    print(f"  old / new          {best['old'] / best['new']:.2f}x")
 
     if args.engine_steps:
         times = engine_steps(engine, switch, args.engine_steps)
         print(f"whole engine steps (schedule..commit, sampling included), best of "
               f"{args.engine_steps} each, alternating:")
-        for mode in ("old", "new"):
-            print(f"  {mode} path         {min(times[mode]) * 1e3:8.1f} ms   "
+        for mode in switch.modes():
+            print(f"  {mode:6} path       {min(times[mode]) * 1e3:8.1f} ms   "
                   f"= {min(times[mode]) / mm:.2f}x matmul")
 
     if profile_it:
-        for mode in ("old", "new"):
+        for mode in switch.modes():
             print(f"\ntorch profiler, one decode step, {mode} path (top ops by self CPU time):")
             print(profile(runner, inputs, switch, mode, args.profile_rows))
 

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from . import shared_prefix_attention
 from .attention_metadata import AttentionMetadata
 from .kv_pool import KVPool
-from .shared_prefix_attention import SharedPrefix, plan_shared, sharing_groups
+from .native import paged_attention as native_attention
+from .shared_prefix_attention import MAX_SHARED_Q_LEN, SharedPrefix, plan_shared, sharing_groups
 
 
 class AttentionBackend(ABC):
@@ -73,6 +74,7 @@ class _Segment:
 class _Plan:
     segments: list[_Segment]  # the plain path: requests outside any sharing group
     shared: SharedPrefix | None
+    native: native_attention.NativeRows | None = None  # rows the C kernel serves
     # The plan of the layers with each sliding window (this same plan where the window cuts no
     # request's context).
     by_window: dict[int, _Plan] = field(default_factory=dict)
@@ -97,7 +99,17 @@ class TorchAttention(AttentionBackend):
     context: those requests take the plain path with the window in their mask (the shared
     prefix would not be seen whole); requests whose context fits in the window keep the
     shared-prefix path. Soft-capped scores (Gemma 2) are computed with matmuls in fp32: SDPA
-    has no soft-capping."""
+    has no soft-capping.
+
+    `native` (fp32 on the CPU, where rollout/native could build its C kernel): decode and
+    verify rows skip all of the above and attend in one call per layer that reads the pool in
+    place (siblings, adjacent in the batch, find their shared prompt's K/V in cache, so reading
+    it per sample costs no memory traffic); longer rows keep the padded SDPA path."""
+
+    def __init__(self, pool: KVPool, windows: Sequence[int | None] | None = None,
+                 native: bool = False) -> None:
+        super().__init__(pool, windows)
+        self.native = native and native_attention.supported(pool.device, pool.dtype)
 
     def plan(self, meta: AttentionMetadata) -> _Plan:
         windows = self.distinct_windows()
@@ -112,21 +124,32 @@ class TorchAttention(AttentionBackend):
 
     def _plan(self, meta: AttentionMetadata, window: int | None) -> _Plan:
         device = meta.kv_indices.device
-        members, common = sharing_groups(meta, window)
-        shared = {b for m in members for b in m}
+        q_starts = [0, *accumulate(meta.q_lens)][:-1]
+        kv_starts = [0, *accumulate(meta.kv_lens)][:-1]
+        native = None
+        if self.native:  # the kernel applies each layer's window itself
+            members, common = [], 0
+            rows = [b for b, n in enumerate(meta.q_lens) if n <= MAX_SHARED_Q_LEN]
+            taken = set(rows)
+            if rows:
+                native = native_attention.NativeRows.of(rows, q_starts, meta.q_lens, kv_starts,
+                                                        meta.kv_lens, meta.kv_indices)
+        else:
+            members, common = sharing_groups(meta, window)
+            taken = {b for m in members for b in m}
         q_lens = torch.tensor(meta.q_lens)
         kv_lens = torch.tensor(meta.kv_lens)
-        q_start = torch.tensor([0, *accumulate(meta.q_lens)][:-1])
-        kv_start = torch.tensor([0, *accumulate(meta.kv_lens)][:-1])
+        q_start = torch.tensor(q_starts)
+        kv_start = torch.tensor(kv_starts)
         segments = []
-        plain = torch.tensor([b not in shared for b in range(len(meta.q_lens))], dtype=torch.bool)
+        plain = torch.tensor([b not in taken for b in range(len(meta.q_lens))], dtype=torch.bool)
         decode = q_lens == 1
         for rows in ((decode & plain).nonzero().flatten(), (~decode & plain).nonzero().flatten()):
             if rows.numel():
                 segments.append(self._segment(rows, q_lens, kv_lens, q_start, kv_start,
                                               meta.kv_indices, device, window))
         return _Plan(segments,
-                     plan_shared(meta, members, common, self.pool) if members else None)
+                     plan_shared(meta, members, common, self.pool) if members else None, native)
 
     @staticmethod
     def _segment(rows, q_lens, kv_lens, q_start, kv_start, kv_indices, device,
@@ -155,11 +178,14 @@ class TorchAttention(AttentionBackend):
         k_pool, v_pool = self.pool.k(layer), self.pool.v(layer)
         k_pool.index_copy_(0, meta.out_slots, k)
         v_pool.index_copy_(0, meta.out_slots, v)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         plan = meta.plan
         window = self.windows[layer]
         if window is not None:
             plan = plan.by_window[window]
+        if plan.native is not None:
+            native_attention.paged_attention(q, k_pool, v_pool, out, plan.native, scale, window,
+                                             softcap)
         for seg in plan.segments:
             qs = _gather(q, seg.q_index)
             ks, vs = _gather(k_pool, seg.kv_slots), _gather(v_pool, seg.kv_slots)

@@ -18,7 +18,8 @@ of a backend.
 
 On CPU either backend's projections multiply by weights packed for oneDNN where it has a
 kernel for their dtype (rollout/models/layers/packed_linear.py), unless
-`EngineConfig.pack_cpu_weights` is off.
+`EngineConfig.pack_cpu_weights` is off; and the torch backend's decode and verify rows attend
+through the C kernel of rollout/native (fp32), unless `EngineConfig.native_cpu_kernels` is off.
 
 Triton is imported only when the triton backend is built: on CPU, `rollout` needs torch alone.
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -57,13 +59,14 @@ class Backends:
         return self.pack_cpu_weights and can_pack(weight.device, weight.dtype)
 
 
-def resolve_backends(name: str, device: torch.device, pack_cpu_weights: bool) -> Backends:
+def resolve_backends(name: str, device: torch.device, pack_cpu_weights: bool,
+                     native_cpu_kernels: bool) -> Backends:
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
-        return Backends("torch", TorchAttention, sample, accept_drafts_ref, moe_torch,
+        return Backends("torch", partial(TorchAttention, native=native_cpu_kernels), sample, accept_drafts_ref, moe_torch,
                         cuda_graphs=False, pack_cpu_weights=pack_cpu_weights)
     on_cuda = device.type == "cuda"
     return Backends("triton", _triton_attention, _triton_sample if on_cuda else sample,

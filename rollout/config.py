@@ -42,6 +42,10 @@ class EngineConfig:
     # speed of F.linear at decode batch sizes; rollout/models/layers/packed_linear.py), which
     # doubles the weights' memory. False: F.linear on the weights themselves.
     pack_cpu_weights: bool = True
+    # CPU, fp32, torch backend: decode and verify rows attend through a C kernel that reads the
+    # KV pool in place (rollout/native, compiled at first use; without a C compiler the torch
+    # path runs). False: the torch path always.
+    native_cpu_kernels: bool = True
     dtype: torch.dtype | str | None = None  # None: the model's dtype
     device: torch.device | str | None = None  # None: the model's device (cuda if loading a path)
     seed: int | None = None  # default seed of unseeded requests; None draws one per request
@@ -84,6 +88,7 @@ class EngineConfig:
         self.enable_prefix_caching = as_bool("enable_prefix_caching", self.enable_prefix_caching)
         self.cuda_graphs = as_bool("cuda_graphs", self.cuda_graphs)
         self.pack_cpu_weights = as_bool("pack_cpu_weights", self.pack_cpu_weights)
+        self.native_cpu_kernels = as_bool("native_cpu_kernels", self.native_cpu_kernels)
         self.tensor_parallel_size = as_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         self.check_tensor_parallel = as_bool("check_tensor_parallel", self.check_tensor_parallel)
         if self.dtype is not None:

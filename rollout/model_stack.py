@@ -32,7 +32,8 @@ class ModelStack:
         # window, global layers need the whole context anyway.
         cache = make_prefix_cache(config.enable_prefix_caching, device)
         self.kv = KVManager(self.pool, cache, self.table, journal)
-        self.backends = resolve_backends(config.backend, device, config.pack_cpu_weights)
+        self.backends = resolve_backends(config.backend, device, config.pack_cpu_weights,
+                                         config.native_cpu_kernels)
         model.use_backends(self.backends)
         model.pack_weights()
         self.backend = self.backends.attention(self.pool, layout.windows)

@@ -245,12 +245,15 @@ def counting_shared_steps(monkeypatch) -> list[tuple[int, int]]:
 
 
 def generate_cached_and_not(prompts, params, family="llama", **overrides):
+    """The engine on the torch split (the C kernel, the CPU default, off), with prefix caching
+    and without."""
     outs = []
     for caching in (True, False):
         engine = Engine(tiny_model(family, num_attention_heads=6, num_key_value_heads=2,
                                    hidden_size=96),
                         EngineConfig(kv_cache_tokens=4096, max_model_len=256,
-                                     enable_prefix_caching=caching, **overrides))
+                                     enable_prefix_caching=caching, native_cpu_kernels=False,
+                                     **overrides))
         outs.append(run_checked(engine, prompts, params))
     return outs
 
@@ -272,7 +275,8 @@ def test_engine_n8_same_outputs_as_prefix_caching_off(monkeypatch, temperature):
 def test_engine_n8_greedy_matches_transformers():
     model = tiny_model("qwen3")
     prompts = long_prompts(num=2, shared=60, own=8)
-    engine = Engine(model, EngineConfig(kv_cache_tokens=2048, max_model_len=256))
+    engine = Engine(model, EngineConfig(kv_cache_tokens=2048, max_model_len=256,
+                                        native_cpu_kernels=False))
     outs = engine.generate(prompts, SamplingParams(n=8, temperature=0, max_tokens=16,
                                                    logprobs=True))
     assert_matches_reference(model, prompts, outs)

@@ -1,0 +1,85 @@
+"""Native CPU kernels: C sources beside this file, compiled at first use with the machine's C
+compiler (`cc`, or $CC) for this CPU, cached, and loaded with ctypes.
+
+Torch's CPU ops leave a decode step's attention to gathers, padded tiles and many small ops;
+rollout/native/paged_attention.c reads the KV pool in place instead. Plain C with no torch
+headers builds in about a second. OpenMP: the library asks for `libgomp.so.1`, which the
+loader resolves to the one torch already loaded, so both share one thread pool (two runtimes
+would each keep threads spinning on the same cores).
+
+No compiler, or a build that fails, leaves `library()` None (said once in a warning): the
+torch paths run instead. ROLLOUT_NATIVE=0 turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from functools import cache
+from pathlib import Path
+
+SOURCES = ("paged_attention.c",)
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
+         "-shared", "-fPIC")
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("ROLLOUT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                           "rollout")
+    return Path(root) / "native"
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    if os.environ.get("ROLLOUT_NATIVE", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        warnings.warn("rollout.native: no C compiler found; CPU attention runs on torch ops",
+                      stacklevel=2)
+        return None
+    here = Path(__file__).parent
+    sources = [here / name for name in SOURCES]
+    try:
+        return ctypes.CDLL(str(_build(compiler, sources)))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", None) or e
+        warnings.warn(f"rollout.native: building the CPU kernels failed ({detail}); CPU "
+                      f"attention runs on torch ops", stacklevel=2)
+        return None
+
+
+def _build(compiler: str, sources: list[Path]) -> Path:
+    # -march=native code is for this CPU only: the key holds the CPU's flags as well.
+    key = hashlib.sha256()
+    for part in (compiler, *FLAGS, _cpu_flags(), *(s.read_bytes() for s in sources)):
+        key.update(part if isinstance(part, bytes) else part.encode())
+    target = cache_dir() / f"rollout_native_{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built under a temporary name and renamed: processes building at once never load half a
+    # file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, *map(str, sources), "-o", tmp, "-lm"], check=True,
+                       capture_output=True, text=True)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""

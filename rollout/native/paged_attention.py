@@ -1,0 +1,66 @@
+"""The CPU paged-attention kernel (paged_attention.c) for TorchAttention: decode and verify
+rows attend to their context read in place from the pool, fp32."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from . import library
+
+_I64, _F32, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+@dataclass
+class NativeRows:
+    """Requests the kernel serves in one step: int32 [R] each; kv_start indexes kv_indices."""
+
+    q_start: torch.Tensor
+    q_len: torch.Tensor
+    kv_start: torch.Tensor
+    kv_len: torch.Tensor
+    kv_indices: torch.Tensor  # int32, the step's whole kv_indices
+
+    @classmethod
+    def of(cls, rows: list[int], q_starts: list[int], q_lens: list[int], kv_starts: list[int],
+           kv_lens: list[int], kv_indices: torch.Tensor) -> NativeRows:
+        def ints(values):
+            return torch.tensor([values[b] for b in rows], dtype=torch.int32)
+
+        return cls(ints(q_starts), ints(q_lens), ints(kv_starts), ints(kv_lens),
+                   kv_indices.to(torch.int32).contiguous())
+
+
+def supported(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.float32 and _kernel() is not None
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                    out: torch.Tensor, rows: NativeRows, scale: float, window: int | None,
+                    softcap: float | None) -> None:
+    """Write into `out` [T, Hq, D] (contiguous) the rows' attention; q [T, Hq, D] with its
+    heads contiguous, k_pool/v_pool [slots, Hkv, D] contiguous."""
+    t, hq, d = q.shape
+    hkv = k_pool.shape[1]
+    if q.stride(2) != 1 or q.stride(1) != d:
+        q = q.contiguous()
+    assert out.is_contiguous() and k_pool.is_contiguous() and v_pool.is_contiguous()
+    assert q.dtype == k_pool.dtype == out.dtype == torch.float32
+    _kernel()(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(),
+              rows.q_start.data_ptr(), rows.q_len.data_ptr(), rows.kv_start.data_ptr(),
+              rows.kv_len.data_ptr(), rows.kv_indices.data_ptr(), rows.q_start.numel(), hq,
+              hkv, d, scale, window or 0, softcap or 0.0, torch.get_num_threads())
+
+
+def _kernel():
+    lib = library()
+    if lib is None:
+        return None
+    fn = lib.paged_attention_f32
+    if fn.argtypes is None:
+        fn.argtypes = [_P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _F32,
+                       _I64, _F32, ctypes.c_int]
+        fn.restype = None
+    return fn

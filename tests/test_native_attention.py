@@ -1,0 +1,155 @@
+"""The C paged-attention kernel of rollout/native (the CPU default for decode and verify rows)
+against a float64 reference and the torch backend's paths, and the engine with it against the
+engine without it."""
+
+import dataclasses
+
+import pytest
+import torch
+from models import tiny_model
+from test_parity import PROMPTS, assert_matches_reference
+from test_torch_shared_prefix import MIXED, make_step, random_pool
+
+from rollout import Engine, EngineConfig, SamplingParams, native
+from rollout.attention import TorchAttention
+from rollout.native import paged_attention as native_attention
+from rollout.spec import SpeculativeConfig
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler here")
+GREEDY = SamplingParams(temperature=0, max_tokens=12, logprobs=True)
+
+
+def reference(pool, meta, q, layer, scale, window=None, softcap=None):
+    """Every request's rows from its whole context, in float64: [T, Hq, D]."""
+    k_pool, v_pool = pool.k(layer).double(), pool.v(layer).double()
+    rep = q.shape[1] // pool.kv_heads
+    out = torch.full(q.shape, float("nan"), dtype=torch.float64)
+    for b, (q_len, kv_len) in enumerate(zip(meta.q_lens, meta.kv_lens)):
+        q0, kv0 = int(meta.qo_indptr[b]), int(meta.kv_indptr[b])
+        slots = meta.kv_indices[kv0:kv0 + kv_len]
+        k = k_pool[slots].repeat_interleave(rep, 1)
+        v = v_pool[slots].repeat_interleave(rep, 1)
+        s = torch.einsum("qhd,khd->hqk", q[q0:q0 + q_len].double(), k) * scale
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        pos = torch.arange(q_len)[:, None] + kv_len - q_len
+        j = torch.arange(kv_len)[None]
+        visible = j <= pos
+        if window is not None:
+            visible &= j > pos - window
+        s = s.masked_fill(~visible, float("-inf"))
+        out[q0:q0 + q_len] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+    return out
+
+
+def native_forward(pool, meta, q, k, v, layer=0, window=None, softcap=None):
+    backend = TorchAttention(pool, [window] * pool.num_layers, native=True)
+    assert backend.native
+    meta = dataclasses.replace(meta, plan=None)
+    meta.plan = backend.plan(meta)
+    return backend.forward(q, k, v, layer, meta, pool.head_dim ** -0.5, softcap), meta.plan
+
+
+@pytest.mark.parametrize("kv_heads, q_heads, head_dim", [
+    (2, 4, 64), (3, 9, 64), (1, 8, 128), (4, 4, 32), (2, 6, 40),  # 40: no 8-wide fast path
+])
+@pytest.mark.parametrize("window, softcap", [(None, None), (7, None), (None, 20.0), (5, 3.0)])
+def test_kernel_matches_float64_reference(kv_heads, q_heads, head_dim, window, softcap):
+    # MIXED: decode rows in and out of sharing groups, verify rows, a prefill and extend chunks
+    # (the torch path's), contexts of 2..70 slots over 1..2 key blocks, slots scattered.
+    pool = random_pool(1, kv_heads, head_dim)
+    meta, q, k, v = make_step(pool, MIXED, q_heads, seed=kv_heads + head_dim)
+    out, plan = native_forward(pool, meta, q, k, v, window=window, softcap=softcap)
+    served = plan.native.q_start.numel() if window is None else \
+        plan.by_window[window].native.q_start.numel()
+    assert served == sum(q <= 17 for q in meta.q_lens)  # every decode and verify row
+    ref = reference(pool, meta, q, 0, head_dim ** -0.5, window, softcap)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
+
+
+def test_long_contexts_and_a_strided_query():
+    # Contexts across many blocks (the online softmax rescales), q a view of a fused QKV
+    # projection's output (token stride past the heads), as the models hand it over.
+    pool = random_pool(1, 3, 64, slots=8192)
+    requests = [("a", 700, 1500, 1), ("a", 700, 900, 1), ("b", 0, 129, 1), ("c", 0, 64, 1),
+                ("c", 0, 65, 3)]
+    meta, q, k, v = make_step(pool, requests, 9, seed=3)
+    qkv = torch.cat([q.flatten(1), torch.randn(q.shape[0], 2 * 3 * 64)], dim=1)
+    q_view = qkv[:, :9 * 64].view(q.shape)
+    assert not q_view.is_contiguous()
+    out, _ = native_forward(pool, meta, q_view, k, v)
+    torch.testing.assert_close(out.double(), reference(pool, meta, q, 0, 64 ** -0.5),
+                               atol=2e-6, rtol=1e-5)
+
+
+def test_agrees_with_the_torch_paths_on_every_layer():
+    # The layer's K/V are stored before attending (the new tokens see themselves).
+    pool = random_pool(3, 2, 64)
+    meta, q, k, v = make_step(pool, MIXED, 8, seed=5, common=24)
+    torch_backend = TorchAttention(pool)
+    for layer in range(3):
+        out, _ = native_forward(pool, meta, q, k, v, layer)
+        m = dataclasses.replace(meta, plan=None)
+        m.plan = torch_backend.plan(m)
+        torch.testing.assert_close(out, torch_backend.forward(q, k, v, layer, m, 0.125),
+                                   atol=2e-6, rtol=1e-5)
+
+
+def test_off_where_it_cannot_run(monkeypatch):
+    pool = random_pool(1, 2, 64)
+    assert not TorchAttention(pool, native=False).native
+    assert not TorchAttention(random_pool(1, 2, 64, dtype=torch.bfloat16), native=True).native
+    monkeypatch.setattr(native_attention, "_kernel", lambda: None)  # no compiler, a failed build
+    assert not TorchAttention(pool, native=True).native
+    with pytest.raises(ValueError, match="native_cpu_kernels"):
+        EngineConfig(native_cpu_kernels="sometimes")
+
+
+def test_a_failed_build_leaves_the_torch_path(monkeypatch, tmp_path):
+    monkeypatch.setenv("ROLLOUT_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    native.library.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="building the CPU kernels failed"):
+            assert native.library() is None
+        model = tiny_model("llama")
+        engine = Engine(model, EngineConfig(kv_cache_tokens=512, max_model_len=64))
+        assert not engine.runner.backend.native
+        assert_matches_reference(model, PROMPTS[:2], engine.generate(PROMPTS[:2], GREEDY))
+    finally:
+        monkeypatch.undo()
+        native.library.cache_clear()
+    assert native.library() is not None  # the cached build, found again
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "mistral"])
+def test_engine_matches_transformers_and_the_torch_path(family):
+    # gemma2: soft-capping and alternating sliding windows; mistral: a window cutting the
+    # context. n = 3 siblings decode beside each other.
+    model = tiny_model(family)
+    engine = Engine(model, EngineConfig(kv_cache_tokens=2048, max_model_len=128))
+    assert engine.runner.backend.native
+    assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, GREEDY))
+    params = SamplingParams(n=3, temperature=0.9, max_tokens=16, logprobs=True, seed=4)
+    torch_engine = Engine(model, EngineConfig(kv_cache_tokens=2048, max_model_len=128,
+                                              native_cpu_kernels=False))
+    assert not torch_engine.runner.backend.native
+    for a, b in zip(engine.generate(PROMPTS, params), torch_engine.generate(PROMPTS, params)):
+        for sa, sb in zip(a.samples, b.samples):
+            assert sa.token_ids == sb.token_ids
+            assert max(abs(x - y) for x, y in zip(sa.logprobs, sb.logprobs)) < 1e-4
+
+
+def test_speculative_verify_rows():
+    model = tiny_model("qwen2")
+    greedy = SamplingParams(temperature=0, max_tokens=20)
+    plain = Engine(model, EngineConfig(kv_cache_tokens=2048, max_model_len=128))
+    spec = Engine(model, EngineConfig(kv_cache_tokens=2048, max_model_len=128,
+                                      speculative=SpeculativeConfig("ngram",
+                                                                    num_speculative_tokens=4)))
+    assert spec.runner.backend.native
+    outs = spec.generate(PROMPTS, greedy)
+    assert [o.samples[0].token_ids for o in outs] == \
+        [o.samples[0].token_ids for o in plain.generate(PROMPTS, greedy)]
+    assert spec.stats.spec_proposed > 0
