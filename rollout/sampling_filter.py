@@ -4,6 +4,8 @@ the same result computed on the CPU without sorting indices (see the notes below
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -22,29 +24,42 @@ import torch
 #   keep logp >= max(r-th value, max + log(min_p)). When they are equal (a tie straddling the
 #   boundary), which tied tokens the unstable sort put first is unspecified, so the row goes
 #   through `filter_by_sort` itself.
-# - top-k alone: r = k; the k-th and (k+1)-th values come from torch.topk (no sort). min-p alone
-#   needs only the max.
+# - top-k alone: r = k; the k-th and (k+1)-th values come from `_top_values` (no sort). min-p
+#   alone needs only the max.
 # - top-p: the float32 probabilities depend on the softmax's float32 sum over the whole sorted
 #   row, whose rounding depends on the order of every element. They are not recomputed. Instead,
-#   on the top candidates (torch.topk), the exact probabilities are bounded: every rounding the
+#   on the top candidates (`_top_values`), the exact probabilities are bounded: every rounding the
 #   reference can make (sum, exp, cumsum, the two casts) moves a mass-before by at most
 #   rho * mass + 2**-20, with rho derived from the vocabulary (or k) size alone, whatever the
 #   summation order. Rows where each candidate is surely kept up to one that is surely dropped
 #   are decided (masses only grow down the sorted row, so every later token is dropped too).
 #   With a small top-k the bound is tight (k terms); undecided rows then run the reference
 #   softmax on the exact top-k values (the rest of the reference row is -inf anyway).
+#   Without top-k, only rows whose top CANDIDATES can hold top_p are worth it: the largest
+#   CANDIDATES block maxima (below) are that many distinct tokens, so their mass is a lower
+#   bound on the top CANDIDATES' mass.
+# - The largest values (top-k, candidates) are read from a few blocks of columns, not the whole
+#   row: the pass that finds each row's maximum also keeps the maxima of ~BLOCKS blocks, and
+#   the k largest values lie in the k blocks with the largest maxima (`_top_values`); a topk
+#   over those costs about half of one over the row.
 # - Other top-p rows (flat distributions, large top-k) need the sorted values of the whole row:
 #   a numpy sort of the values only (no indices; the sorted values are unique whatever the
 #   algorithm) fed to the same torch softmax and cumsum as the reference, so their floats are
 #   the reference's bit for bit; only the first PREFIX positions are examined when the mass
 #   there already passes top_p by more than rounding can undo. This sort (values only, SIMD)
 #   is the floor of an exact top-p on a flat row: the reference's float32 sum, hence every
-#   probability's last bits, depends on where each of the vocabulary's values sits.
+#   probability's last bits, depends on where each of the vocabulary's values sits. Without
+#   the order that sum's rounding is only bounded by ~(vocab / 8) * 2**-24 of it (torch sums
+#   in 8 float32 lanes, each sequentially), ~4e-4 at 49,152 tokens, while a token at a boundary
+#   in the bulk of the row holds ~4e-5 (N(0, 9) logits): such rows all need the sort, which
+#   then makes most of their cost. numpy's sort runs on one thread and releases the GIL: the
+#   rows are split over torch's number of threads.
 # - Rows with a NaN (or without a finite maximum) are left to `filter_by_sort`.
 
 _U = 2.0 ** -24  # float32 unit roundoff
-TOPK_MAX = 1024  # top-k up to this many: torch.topk; beyond, a sort of the values
+TOPK_MAX = 1024  # top-k up to this many: `_top_values`; beyond, a sort of the values
 CANDIDATES = 64  # top-p without a small top-k: candidates bounded before sorting the values
+BLOCKS = 512  # blocks of columns whose maxima are kept with each row's maximum
 PREFIX = 4096  # top-p on sorted values: positions examined before the whole row
 _DROP_SLACK = 2.0 ** -22  # see _prefix_exact
 
@@ -139,23 +154,75 @@ def _take(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return x if rows.numel() == x.shape[0] else x[rows]
 
 
+_pool: tuple[int, ThreadPoolExecutor] | None = None  # (the pid it was made in, the pool)
+
+
+def _in_threads(fn, rows: int) -> None:
+    """fn(lo, hi) over row ranges covering `rows`, one per torch thread, the first in this
+    one (fn is meant to release the GIL)."""
+    global _pool
+    parts = max(1, min(torch.get_num_threads(), rows))
+    edges = np.linspace(0, rows, parts + 1).astype(int).tolist()
+    if parts > 1 and (_pool is None or _pool[0] != os.getpid()):  # a forked child: a new one
+        _pool = os.getpid(), ThreadPoolExecutor(os.cpu_count(), thread_name_prefix="top_p")
+    others = [_pool[1].submit(fn, lo, hi) for lo, hi in zip(edges[1:-1], edges[2:])]
+    fn(edges[0], edges[1])
+    for job in others:
+        job.result()  # wait, and raise what failed
+
+
 def _sorted_values(logp: torch.Tensor, rows: torch.Tensor, nonpositive: bool) -> torch.Tensor:
     """The rows' values sorted in descending order (the values logp.sort(descending=True)
     gives), by numpy's vectorised sort of the values alone. nonpositive: every value is <= 0
     or -0.0 (log-probabilities), whose bit patterns as uint32 sort ascending exactly as the
     floats sort descending (+0.0 first, -inf last), which spares a reversal."""
     a = logp.detach().numpy()
-    if rows.numel() != a.shape[0]:
-        a = a[rows.numpy()]  # a copy: sort it in place
-    elif nonpositive:
-        return torch.from_numpy(np.sort(a.view(np.uint32), axis=-1).view(np.float32))
-    else:
-        a = a.copy()
-    if nonpositive:
-        a.view(np.uint32).sort(axis=-1)
-        return torch.from_numpy(a)
-    a.sort(axis=-1)
-    return torch.from_numpy(a).flip(-1)
+    index = rows.numpy() if rows.numel() != a.shape[0] else None
+    out = np.empty((rows.numel(), a.shape[1]), dtype=np.float32)
+    keys = out.view(np.uint32) if nonpositive else out
+
+    def copy_and_sort(lo: int, hi: int) -> None:
+        out[lo:hi] = a[lo:hi] if index is None else a[index[lo:hi]]
+        keys[lo:hi].sort(axis=-1)
+
+    _in_threads(copy_and_sort, rows.numel())
+    return torch.from_numpy(out) if nonpositive else torch.from_numpy(out).flip(-1)
+
+
+def _block_width(vocab: int) -> int:
+    """Columns per block: a row holds vocab // width >= min(BLOCKS, vocab) whole blocks."""
+    return max(1, vocab // BLOCKS)
+
+
+def _row_maxima(logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max, block maxima): each row's maximum (NaN if it holds one), and the maxima of its
+    whole blocks of `_block_width` columns, [n, blocks] (the remainder, fewer columns than a
+    block, is in none), in one pass."""
+    width = _block_width(logp.shape[-1])
+    maxima = logp.unfold(-1, width, width).amax(dim=-1)
+    m = maxima.amax(dim=-1)
+    rest = maxima.shape[-1] * width
+    if rest < logp.shape[-1]:
+        m = torch.maximum(m, logp[:, rest:].amax(dim=-1))
+    return m, maxima
+
+
+def _top_values(logp: torch.Tensor, rows: torch.Tensor, maxima: torch.Tensor,
+                k: int) -> torch.Tensor:
+    """logp[rows].topk(k).values, from `_row_maxima`'s block maxima when k is small next to
+    the number of blocks: the k largest values of the k blocks with the largest maxima and of
+    the remainder columns. They are the row's: with t the k-th largest block maximum, every
+    value above t lies in a block whose maximum is above t (all chosen) or in the remainder,
+    and the chosen maxima are k values >= t, so the k largest are those above t, then t."""
+    n, blocks = rows.numel(), maxima.shape[-1]
+    if 4 * k > blocks:  # the blocks would hold most of the row
+        return _take(logp, rows).topk(k, dim=-1).values
+    width = _block_width(logp.shape[-1])
+    chosen = maxima[rows].topk(k, dim=-1).indices
+    pool = logp.unfold(-1, width, width)[rows[:, None], chosen].reshape(n, k * width)
+    if blocks * width < logp.shape[-1]:
+        pool = torch.cat([pool, logp[rows, blocks * width:]], dim=-1)
+    return pool.topk(k, dim=-1).values
 
 
 def filter_by_threshold(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -176,7 +243,7 @@ def filter_by_threshold(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     active = [i for i in range(batch) if ks[i] < vocab or ps[i] < 1 or mps[i] > 0]
     if not active:
         return logp.clone() if copy else logp
-    m = logp.amax(dim=-1)  # = the first sorted value; NaN if the row has one
+    m, maxima = _row_maxima(logp)  # m = the first sorted value; NaN if the row has one
     ms = m.tolist()
     # NaN, or nothing finite (or +inf) to rank: the reference.
     reference = [i for i in active if not math.isfinite(ms[i])]
@@ -216,7 +283,7 @@ def filter_by_threshold(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
                or ks[i] == vocab and ps[i] < 1]
     if small_k:
         width = min(vocab, max(ks[i] for i in small_k) + 1)
-        vals = _take(logp, rows_of(small_k)).topk(width, dim=-1).values
+        vals = _top_values(logp, rows_of(small_k), maxima, width)
         kk = torch.tensor([ks[i] for i in small_k], dtype=torch.int64)
         rr = kk.clone()
         with_p = [j for j, i in enumerate(small_k) if ps[i] < 1]
@@ -237,13 +304,17 @@ def filter_by_threshold(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
         count("top_k", len(small_k) - n_open)
         count("top_k_softmax", n_open)
         reference += settle(small_k, rr, vals)
+    # Candidates for top-p rows without top-k where the `cand` largest block maxima (distinct
+    # tokens) already hold top_p: the top `cand` tokens hold at least as much, and the boundary
+    # is likely decided among them. Elsewhere they would only delay the sort.
     cand = min(CANDIDATES, vocab)
-    # Candidates for top-p rows without top-k, unless even `cand` tokens of the top token's
-    # probability cannot reach top_p.
-    bound = [i for i in by_sort if normalized and ks[i] == vocab
-             and math.exp(ms[i]) * cand * 1.01 >= ps[i]] if by_sort else []
+    bound = [i for i in by_sort if normalized and ks[i] == vocab]
     if bound:
-        vals = _take(logp, rows_of(bound)).topk(cand, dim=-1).values
+        head = maxima[rows_of(bound)].topk(cand, dim=-1).values
+        head_mass = torch.exp(head.double()).sum(dim=-1).tolist()
+        bound = [i for i, mass in zip(bound, head_mass) if mass >= ps[i]]
+    if bound:
+        vals = _top_values(logp, rows_of(bound), maxima, cand)
         rr = _prefix_by_bounds(vals, vals[:, 0], torch.full((len(bound),), vocab),
                                top_p[rows_of(bound)], False, vocab)
         settle(bound, rr, vals)  # what is left (undecided, or a tie) goes on to the sort

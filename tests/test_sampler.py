@@ -7,6 +7,9 @@ Distribution tests draw one token from each of many rows that share logits and d
 
 from __future__ import annotations
 
+import os
+import signal
+
 import numpy as np
 import pytest
 import torch
@@ -25,7 +28,14 @@ from rollout.counter_noise import (
     uniform_noise,
 )
 from rollout.sampler import SamplingBatch, pick, sample, target_logprobs
-from rollout.sampling_filter import filter_by_sort, filter_by_threshold, filter_logprobs
+from rollout.sampling_filter import (
+    _row_maxima,
+    _sorted_values,
+    _top_values,
+    filter_by_sort,
+    filter_by_threshold,
+    filter_logprobs,
+)
 from rollout.spec.verify import verify
 
 P_MIN = 1e-3
@@ -479,6 +489,77 @@ def test_filter_input_that_is_not_log_probabilities():
     top_p = torch.tensor([0.9, 1.0, 0.5] * 4)
     min_p = torch.tensor([0.0, 0.1] * 6)
     check_filter(logits, top_k, top_p, min_p, normalized=False)
+
+
+TOP_PS = (0.01, 0.5, 0.9, 0.999, 1.0)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 64, 127, 128, 130])
+def test_top_p_equals_the_full_sort_at_any_batch_size(rows):
+    """Rows of every kind (flat, normal, peaked, bf16 and integer ties, -inf masked) at each
+    top_p of TOP_PS, some with top-k or min-p as well, at batch sizes 1 to 130: the kept tokens
+    and values of the definition bit for bit, and the same sampled tokens. Which rows try the
+    candidates, the blocks their values come from and the split of the sort over threads all
+    depend on the batch."""
+    vocab = 4099  # not a multiple of the block width: columns past the last block
+    kinds = [mixed_logits(22, vocab, kind, seed=rows + j) for j, kind in enumerate(KINDS)]
+    pick_rows = torch.randperm(22 * len(KINDS), generator=torch.Generator().manual_seed(rows))
+    logits = torch.cat(kinds)[pick_rows[:rows]]
+    b = batch(rows, seed=rows, top_p=[TOP_PS[i % len(TOP_PS)] for i in range(rows)],
+              top_k=[50 if i % 7 == 3 else 0 for i in range(rows)],
+              min_p=[0.05 if i % 11 == 4 else 0.0 for i in range(rows)])
+    check_filter(logits.log_softmax(dim=-1), b.top_k, b.top_p, b.min_p)
+    _, want_cand = full_sort_target_logprobs(logits, b)
+    assert torch.equal(sample(logits, b)[0], pick(logits, want_cand, b))
+
+
+def test_top_values_from_blocks_are_topk():
+    """`_top_values` reads the k largest values from the k blocks with the largest maxima (and
+    the columns past the last block): torch.topk's values bit for bit, with ties and -inf, on
+    any subset of rows; `_row_maxima`'s maximum is amax's, NaN included."""
+    for vocab in (12, 1001, 4099, 49152):
+        logp = torch.cat([mixed_logits(4, vocab, kind, seed=vocab) for kind in KINDS])
+        logp = logp.log_softmax(dim=-1)
+        with_nan = logp.clone()
+        with_nan[2, vocab - 1] = float("nan")  # the last column: past the last block at 4099
+        m, _ = _row_maxima(with_nan)
+        want = with_nan.amax(dim=-1)
+        assert torch.equal(m.isnan(), want.isnan()) and same_bits(m[~m.isnan()],
+                                                                  want[~want.isnan()])
+        _, maxima = _row_maxima(logp)
+        for rows in (torch.arange(len(logp)), torch.arange(1, len(logp), 3)):
+            for k in (1, 2, 3, 50, 64, 128, 300):
+                if k <= vocab:
+                    assert same_bits(_top_values(logp, rows, maxima, k),
+                                     logp[rows].topk(k, dim=-1).values), (vocab, k)
+
+
+@pytest.mark.parametrize("threads", [1, 3, 8])
+def test_sorted_values_split_over_threads(threads, monkeypatch):
+    """The values sort is split over torch's number of threads: the rows logp.sort gives
+    whatever the split, with fewer rows than threads, on log-probabilities and on any floats."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    logits = mixed_logits(5, 3001, "bf16", seed=threads)
+    for x, nonpositive in ((logits.log_softmax(dim=-1), True), (logits, False)):
+        for rows in (torch.arange(5), torch.tensor([0, 3]), torch.tensor([4])):
+            assert same_bits(_sorted_values(x, rows, nonpositive),
+                             x[rows].sort(dim=-1, descending=True).values)
+
+
+def test_sorted_values_in_a_forked_child(monkeypatch):
+    """The sort's thread pool does not survive a fork: a child makes its own rather than
+    waiting on the parent's threads."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    logp = mixed_logits(4, 3001, "normal", seed=3).log_softmax(dim=-1)
+    rows = torch.arange(4)
+    want = logp.sort(dim=-1, descending=True).values
+    assert same_bits(_sorted_values(logp, rows, True), want)  # the parent's pool is running
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if the sort returns, and right
+        signal.alarm(20)
+        os._exit(0 if same_bits(_sorted_values(logp, rows, True), want) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def test_filter_rows_do_not_depend_on_their_batch():
