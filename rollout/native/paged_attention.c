@@ -45,62 +45,108 @@ static inline float dot(const float *a, const float *b, int64_t d) {
     return acc;
 }
 
-/* out[j] = q . k[j] for 8 keys. With AVX2 and d a multiple of 8: eight accumulators, then one
- * transposing reduction (hadd tree) instead of a horizontal sum per key. */
-static inline void dot8(const float *q, const float *const k[8], int64_t d, float *out) {
+/* Rows are taken ROWS at a time (query heads of one KV head): each key or value vector loaded
+ * serves them all. With AVX2 that is 3 rows x 4 keys of score accumulators, or 3 rows x 32
+ * dimensions of output accumulators: 12 of the 16 vector registers. */
+#define ROWS 3
+
 #ifdef __AVX2__
-    if (d % 8 == 0) {
-        __m256 a[8];
-        for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < d; i += 8) {
-            __m256 qv = _mm256_loadu_ps(q + i);
-            for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j] + i), a[j]);
-        }
-        __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-        __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-        _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
-                                            _mm256_permute2f128_ps(u0, u1, 0x31)));
-        return;
-    }
-#endif
-    for (int j = 0; j < 8; j++) out[j] = dot(q, k[j], d);
+/* Sum of each of 4 vectors, as one 4-lane vector. */
+static inline __m128 sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-/* o = o * alpha + sum_j p[j] v[j] over n keys. With AVX2, 64 dimensions at a time held in
- * eight registers across all the keys (a plain loop keeps o in memory: a load and a store per
- * element per key, 4x the time of the scores). */
-static inline void add_values(float *o, float alpha, const float *p, const float *const v[],
-                              int64_t n, int64_t d) {
-#ifdef __AVX2__
-    if (d % 64 == 0) {
-        const __m256 scale = _mm256_set1_ps(alpha);
-        for (int64_t c = 0; c < d; c += 64) {
-            __m256 a[8];
-            for (int t = 0; t < 8; t++) a[t] = _mm256_mul_ps(_mm256_loadu_ps(o + c + 8 * t), scale);
-            for (int64_t j = 0; j < n; j++) {
-                const __m256 pj = _mm256_set1_ps(p[j]);
-                const float *vj = v[j] + c;
-                for (int t = 0; t < 8; t++)
-                    a[t] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * t), a[t]);
-            }
-            for (int t = 0; t < 8; t++) _mm256_storeu_ps(o + c + 8 * t, a[t]);
+/* s[r * BLOCK + j] = q[r] . k[j] for R rows (a constant after inlining) and 4 keys. */
+static inline __attribute__((always_inline)) void scores_4keys(
+        const float *q, const int R, const float *const k[4], int64_t d, float *s) {
+    __m256 a[ROWS][4];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < 4; t++) a[r][t] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) {
+        __m256 kv[4];
+        for (int t = 0; t < 4; t++) kv[t] = _mm256_loadu_ps(k[t] + i);
+        for (int r = 0; r < R; r++) {
+            __m256 qv = _mm256_loadu_ps(q + r * d + i);
+            for (int t = 0; t < 4; t++) a[r][t] = _mm256_fmadd_ps(qv, kv[t], a[r][t]);
         }
-        return;
+    }
+    for (int r = 0; r < R; r++) _mm_storeu_ps(s + r * BLOCK, sum4(a[r][0], a[r][1], a[r][2], a[r][3]));
+}
+
+/* o[r] = o[r] * alpha[r] + sum_j p[r * BLOCK + j] v[j] for R rows, 32 dimensions at a time
+ * held in registers across all n keys. */
+static inline __attribute__((always_inline)) void values_32dims(
+        float *o, const float *alpha, const float *p, const float *const v[], int64_t n,
+        int64_t d, const int R) {
+    for (int64_t c = 0; c < d; c += 32) {
+        __m256 a[ROWS][4];
+        for (int r = 0; r < R; r++) {
+            __m256 scale = _mm256_set1_ps(alpha[r]);
+            for (int t = 0; t < 4; t++)
+                a[r][t] = _mm256_mul_ps(_mm256_loadu_ps(o + r * d + c + 8 * t), scale);
+        }
+        for (int64_t j = 0; j < n; j++) {
+            __m256 vv[4];
+            for (int t = 0; t < 4; t++) vv[t] = _mm256_loadu_ps(v[j] + c + 8 * t);
+            for (int r = 0; r < R; r++) {
+                __m256 pj = _mm256_set1_ps(p[r * BLOCK + j]);
+                for (int t = 0; t < 4; t++) a[r][t] = _mm256_fmadd_ps(pj, vv[t], a[r][t]);
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < 4; t++) _mm256_storeu_ps(o + r * d + c + 8 * t, a[r][t]);
+    }
+}
+#endif
+
+/* Scores of R <= ROWS rows against the block's n keys, into s (row stride BLOCK). */
+static inline void block_scores(const float *q, int R, const float *const k[], int64_t n,
+                                int64_t d, float *s) {
+    int64_t j = 0;
+#ifdef __AVX2__
+    if (d % 8 == 0) {
+        for (; j + 4 <= n; j += 4) {
+            switch (R) {  /* a constant R per call keeps the accumulators in registers */
+                case 3: scores_4keys(q, 3, k + j, d, s + j); break;
+                case 2: scores_4keys(q, 2, k + j, d, s + j); break;
+                default: scores_4keys(q, 1, k + j, d, s + j);
+            }
+        }
     }
 #endif
-    for (int64_t i = 0; i < d; i++) o[i] *= alpha;
-    for (int64_t j = 0; j < n; j++)
-        for (int64_t i = 0; i < d; i++) o[i] += p[j] * v[j][i];
+    for (; j < n; j++)
+        for (int r = 0; r < R; r++) s[r * BLOCK + j] = dot(q + r * d, k[j], d);
+}
+
+/* o[r] = o[r] * alpha[r] + sum_j p[r][j] v[j] for R <= ROWS rows over the block's n keys. */
+static inline void block_values(float *o, const float *alpha, const float *p,
+                                const float *const v[], int64_t n, int64_t d, int R) {
+#ifdef __AVX2__
+    if (d % 32 == 0) {
+        switch (R) {
+            case 3: values_32dims(o, alpha, p, v, n, d, 3); return;
+            case 2: values_32dims(o, alpha, p, v, n, d, 2); return;
+            default: values_32dims(o, alpha, p, v, n, d, 1); return;
+        }
+    }
+#endif
+    for (int r = 0; r < R; r++) {
+        float *orow = o + r * d;
+        for (int64_t i = 0; i < d; i++) orow[i] *= alpha[r];
+        for (int64_t j = 0; j < n; j++)
+            for (int64_t i = 0; i < d; i++) orow[i] += p[r * BLOCK + j] * v[j][i];
+    }
 }
 
 /* The rep rows of one query position over keys [lo, hi) of one request's slots, in blocks of
- * BLOCK keys: scores (8 keys at a time), each row's online softmax, then its values. The
- * block's keys stay in L1 for the rep rows. always_inline with a constant d (see below) lets
- * the compiler unroll every d-loop. */
+ * BLOCK keys: scores, each row's online softmax (running max m and sum l), values. The
+ * block's keys and values stay in L1 for all rep rows. */
 static inline __attribute__((always_inline)) void attend_rows(
         const float *q, float scale, float softcap, const float *k_pool, const float *v_pool,
         const int32_t *slots, int64_t lo, int64_t hi, int64_t kv_row, int64_t rep,
-        const int64_t d, float *out, float *qs, float *o, float *s, float *m, float *l) {
+        const int64_t d, float *out, float *qs, float *o, float *s, float *m, float *l,
+        float *alpha) {
     for (int64_t r = 0; r < rep; r++) {
         for (int64_t i = 0; i < d; i++) qs[r * d + i] = q[r * d + i] * scale;
         memset(o + r * d, 0, sizeof(float) * d);
@@ -114,28 +160,28 @@ static inline __attribute__((always_inline)) void attend_rows(
             k[j] = k_pool + (int64_t)slots[j0 + j] * kv_row;
             v[j] = v_pool + (int64_t)slots[j0 + j] * kv_row;
         }
+        for (int64_t r = 0; r < rep; r += ROWS)
+            block_scores(qs + r * d, rep - r < ROWS ? rep - r : ROWS, k, n, d, s + r * BLOCK);
         for (int64_t r = 0; r < rep; r++) {
             float *sr = s + r * BLOCK;
-            const float *qr = qs + r * d;
-            int64_t j = 0;
-            for (; j + 8 <= n; j += 8) dot8(qr, k + j, d, sr + j);
-            for (; j < n; j++) sr[j] = dot(qr, k[j], d);
             if (softcap > 0.0f)  /* Gemma 2: scores (scale included) squashed before softmax */
-                for (j = 0; j < n; j++) sr[j] = softcap * tanhf(sr[j] / softcap);
+                for (int64_t j = 0; j < n; j++) sr[j] = softcap * tanhf(sr[j] / softcap);
             float mx = m[r];
-            for (j = 0; j < n; j++) mx = sr[j] > mx ? sr[j] : mx;
-            float alpha = m[r] == -INFINITY ? 0.0f : exp_nonpositive(m[r] - mx);
+            for (int64_t j = 0; j < n; j++) mx = sr[j] > mx ? sr[j] : mx;
+            alpha[r] = m[r] == -INFINITY ? 0.0f : exp_nonpositive(m[r] - mx);
             float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-            for (j = 0; j < n; j++) {
+            for (int64_t j = 0; j < n; j++) {
                 float p = exp_nonpositive(sr[j] - mx);
                 sr[j] = p;
                 sum += p;
             }
             m[r] = mx;
-            l[r] = l[r] * alpha + sum;
-            add_values(o + r * d, alpha, sr, v, n, d);
+            l[r] = l[r] * alpha[r] + sum;
         }
+        for (int64_t r = 0; r < rep; r += ROWS)
+            block_values(o + r * d, alpha + r, s + r * BLOCK, v, n, d,
+                         rep - r < ROWS ? rep - r : ROWS);
     }
     for (int64_t r = 0; r < rep; r++) {
         float inv = 1.0f / l[r];
@@ -147,9 +193,10 @@ static inline __attribute__((always_inline)) void attend_rows(
 static void attend(const float *q, float scale, float softcap, const float *k_pool,
                    const float *v_pool, const int32_t *slots, int64_t lo, int64_t hi,
                    int64_t kv_row, int64_t rep, int64_t d, float *out, float *work) {
-    float *qs = work, *o = qs + rep * d, *s = o + rep * d, *m = s + rep * BLOCK, *l = m + rep;
+    float *qs = work, *o = qs + rep * d, *s = o + rep * d, *m = s + rep * BLOCK, *l = m + rep,
+          *alpha = l + rep;
 #define ATTEND(D) attend_rows(q, scale, softcap, k_pool, v_pool, slots, lo, hi, kv_row, rep, \
-                              D, out, qs, o, s, m, l)
+                              D, out, qs, o, s, m, l, alpha)
     switch (d) {
         case 64: ATTEND(64); break;
         case 128: ATTEND(128); break;
@@ -171,8 +218,9 @@ void paged_attention_f32(const float *q, int64_t q_stride, const float *k_pool,
     const int64_t rep = hq / hkv, items = num_requests * hkv;
 #pragma omp parallel num_threads(num_threads)
     {
-        /* Per thread: scaled queries, accumulators, a block of scores, max and sum per row. */
-        float work[rep * d * 2 + rep * BLOCK + rep * 2];
+        /* Per thread: scaled queries, accumulators, a block of scores; max, sum and rescale
+         * factor per row. */
+        float work[rep * d * 2 + rep * BLOCK + rep * 3];
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < items; item++) {
             int64_t req = item / hkv, h = item % hkv;
