@@ -3,7 +3,7 @@ compiler (`cc`, or $CC) for this CPU, cached, and loaded with ctypes.
 
 Torch's CPU ops leave a decode step's attention to gathers, padded tiles and many small ops;
 rollout/native/paged_attention.c reads the KV pool in place instead. Plain C with no torch
-headers builds in about a second. OpenMP: the library asks for `libgomp.so.1`, which the
+headers builds in a few seconds. OpenMP: the library asks for `libgomp.so.1`, which the
 loader resolves to the one torch already loaded, so both share one thread pool (two runtimes
 would each keep threads spinning on the same cores).
 
