@@ -116,31 +116,36 @@ class TorchAttention(AttentionBackend):
         # The plan without a window serves global layers and windows that cut nothing; a model
         # whose every layer has a window that cuts (Mistral past its window) needs none.
         unwindowed = None in self.windows or any(meta.max_kv_len <= w for w in windows)
-        full = self._plan(meta, None) if unwindowed else _Plan(segments=[], shared=None)
+        # The kernel applies each layer's window itself: one set of its rows serves every plan.
+        native = self._native_rows(meta) if self.native else None
+        full = self._plan(meta, None, native) if unwindowed else _Plan(segments=[], shared=None)
         for window in windows:
             cut = meta.max_kv_len > window
-            full.by_window[window] = self._plan(meta, window) if cut else full
+            full.by_window[window] = self._plan(meta, window, native) if cut else full
         return full
 
-    def _plan(self, meta: AttentionMetadata, window: int | None) -> _Plan:
+    @staticmethod
+    def _native_rows(meta: AttentionMetadata) -> native_attention.NativeRows | None:
+        rows = [b for b, n in enumerate(meta.q_lens) if n <= MAX_SHARED_Q_LEN]
+        if not rows:
+            return None
+        return native_attention.NativeRows.of(
+            rows, [0, *accumulate(meta.q_lens)], meta.q_lens, [0, *accumulate(meta.kv_lens)],
+            meta.kv_lens, meta.kv_indices)
+
+    def _plan(self, meta: AttentionMetadata, window: int | None,
+              native: native_attention.NativeRows | None) -> _Plan:
         device = meta.kv_indices.device
-        q_starts = [0, *accumulate(meta.q_lens)][:-1]
-        kv_starts = [0, *accumulate(meta.kv_lens)][:-1]
-        native = None
-        if self.native:  # the kernel applies each layer's window itself
+        if self.native:  # decode and verify rows are the kernel's (`native`)
             members, common = [], 0
-            rows = [b for b, n in enumerate(meta.q_lens) if n <= MAX_SHARED_Q_LEN]
-            taken = set(rows)
-            if rows:
-                native = native_attention.NativeRows.of(rows, q_starts, meta.q_lens, kv_starts,
-                                                        meta.kv_lens, meta.kv_indices)
+            taken = {b for b, n in enumerate(meta.q_lens) if n <= MAX_SHARED_Q_LEN}
         else:
             members, common = sharing_groups(meta, window)
             taken = {b for m in members for b in m}
         q_lens = torch.tensor(meta.q_lens)
         kv_lens = torch.tensor(meta.kv_lens)
-        q_start = torch.tensor(q_starts)
-        kv_start = torch.tensor(kv_starts)
+        q_start = torch.tensor([0, *accumulate(meta.q_lens)][:-1])
+        kv_start = torch.tensor([0, *accumulate(meta.kv_lens)][:-1])
         segments = []
         plain = torch.tensor([b not in taken for b in range(len(meta.q_lens))], dtype=torch.bool)
         decode = q_lens == 1

@@ -66,8 +66,9 @@ def resolve_backends(name: str, device: torch.device, pack_cpu_weights: bool,
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
-        return Backends("torch", partial(TorchAttention, native=native_cpu_kernels), sample, accept_drafts_ref, moe_torch,
-                        cuda_graphs=False, pack_cpu_weights=pack_cpu_weights)
+        return Backends("torch", partial(TorchAttention, native=native_cpu_kernels), sample,
+                        accept_drafts_ref, moe_torch, cuda_graphs=False,
+                        pack_cpu_weights=pack_cpu_weights)
     on_cuda = device.type == "cuda"
     return Backends("triton", _triton_attention, _triton_sample if on_cuda else sample,
                     _triton_accept if on_cuda else accept_drafts_ref,

@@ -29,6 +29,7 @@ class NativeRows:
         def ints(values):
             return torch.tensor([values[b] for b in rows], dtype=torch.int32)
 
+        # The step's kv_indices are int64; the kernel's slot reads are half as wide.
         return cls(ints(q_starts), ints(q_lens), ints(kv_starts), ints(kv_lens),
                    kv_indices.to(torch.int32).contiguous())
 
@@ -42,7 +43,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     softcap: float | None) -> None:
     """Write into `out` [T, Hq, D] (contiguous) the rows' attention; q [T, Hq, D] with its
     heads contiguous, k_pool/v_pool [slots, Hkv, D] contiguous."""
-    t, hq, d = q.shape
+    hq, d = q.shape[1:]
     hkv = k_pool.shape[1]
     if q.stride(2) != 1 or q.stride(1) != d:
         q = q.contiguous()
