@@ -1,6 +1,7 @@
 """Logits -> tokens + logprobs: Gumbel-max over the filtered log-probabilities with counter
-noise (rollout/counter_noise.py), the Triton sampler in `kernels/sample.py` reproducing it bit
-for bit; the logprob returned is log_softmax(logits / T) at the chosen token."""
+noise (rollout/counter_noise.py), the Triton sampler in `kernels/sample.py` and on the CPU the
+C one in `rollout/native/gumbel.c` reproducing it bit for bit; the logprob returned is
+log_softmax(logits / T) at the chosen token."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from .counter_noise import TOKEN_STREAM, gumbel_noise
+from .native import gumbel as native_gumbel
 from .sampling_filter import filter_by_threshold, filter_by_sort
 
 # Elements of [B, V] noise drawn at once on the CPU: 4 MB per int32/fp32 temporary, so the
@@ -95,7 +97,9 @@ def pick(logits: torch.Tensor, candidates: torch.Tensor, batch: SamplingBatch,
     if batch.all_greedy:
         return logits.argmax(dim=-1)
     vocab = logits.shape[-1]
-    if candidates.device.type == "cpu":
+    if native_gumbel.supported(candidates):
+        tokens = native_gumbel.gumbel_argmax(candidates, batch.seed, batch.position, stream)
+    elif candidates.device.type == "cpu":
         # The noise takes some twenty elementwise passes over [B, V]: drawn for all rows at
         # once, each pass streams tens of MB through memory at batch 128; in blocks of rows
         # whose temporaries fit in the cache it runs about 2x faster. Each row's noise and

@@ -153,3 +153,54 @@ def test_speculative_verify_rows():
     assert [o.samples[0].token_ids for o in outs] == \
         [o.samples[0].token_ids for o in plain.generate(PROMPTS, greedy)]
     assert spec.stats.spec_proposed > 0
+
+
+def test_chunks_share_the_longest_common_run_of_slots(monkeypatch):
+    """plan_chunks: consecutive requests with leading slots in common attend together over
+    them (what every member holds and sees), within the row and request budgets; a request
+    with nothing in common starts a new chunk."""
+    system, a, b = [50, 51, 52, 53], [60, 61], [70, 71, 72]
+    contexts = [  # (slots, q_len)
+        (system + a + [1, 2], 1), (system + a + [3], 1), (system + b + [4, 5, 6], 2),
+        ([90, 91, 92], 1),  # shares nothing: its own chunk
+        (system + a + [7], 1), (system + a + [8, 9], 1),
+        (system[:2] + [99], 1),  # sees only 2 of the system slots
+    ]
+    kv = [s for slots, _ in contexts for s in slots]
+    starts = [sum(len(c) for c, _ in contexts[:i]) for i in range(len(contexts))]
+    rows = native_attention.NativeRows.of(
+        list(range(len(contexts))), list(range(len(contexts))), [q for _, q in contexts], starts,
+        [len(c) for c, _ in contexts], torch.tensor(kv))
+    monkeypatch.setattr(native_attention, "ITEMS_PER_THREAD", 1)
+    chunks = rows.chunks(rep=3, threads=1)
+    # members: [0, 1, 2] (system only, request 2 being of another prompt), [3], [4, 5, 6]
+    # (the last sees 2 slots of the system prompt: its query sits at position 2)
+    assert chunks.first.tolist() == [0, 3, 4]
+    assert chunks.count.tolist() == [3, 1, 3]
+    assert chunks.prefix.tolist() == [4, 0, 2]
+    # 4 threads want a chunk each at least: 2 requests a chunk at most
+    assert rows.chunks(3, 4).count.tolist() == [2, 1, 1, 2, 1]
+    assert rows.chunks(3, 4).prefix.tolist() == [6, 0, 0, 6, 0]
+    # rows: 48 a chunk at most, so 16 decode rows of 3 query heads
+    many = native_attention.NativeRows.of(list(range(40)), list(range(40)), [1] * 40,
+                                          [i * 6 for i in range(40)], [6] * 40,
+                                          torch.tensor((system + a) * 40))
+    assert many.chunks(3, 1).count.tolist() == [16, 16, 8]
+    assert many.chunks(3, 1).prefix.tolist() == [5, 5, 5]
+
+
+@pytest.mark.parametrize("window", [None, 30, 200])
+def test_siblings_in_one_chunk_match_float64_reference(monkeypatch, window):
+    """Twelve samples of a prompt (a 70-slot prefix: two key blocks) decoding and verifying side
+    by side, every one in one chunk: the prefix read once for all their rows, each suffix
+    after it; a window of 30 cuts into every context (each row then reads its own range)."""
+    monkeypatch.setattr(native_attention, "ITEMS_PER_THREAD", 1)
+    requests = [("a", 70, 71 + 3 * i, 1 + (i % 3 == 2) * 3) for i in range(12)]
+    pool = random_pool(1, 2, 64)
+    meta, q, k, v = make_step(pool, requests, 6, seed=11)
+    out, plan = native_forward(pool, meta, q, k, v, window=window)
+    native = plan.native if window is None else plan.by_window[window].native
+    chunks = native.chunks(rep=3, threads=torch.get_num_threads())
+    assert chunks.count.tolist()[0] >= 8 and chunks.prefix.tolist()[0] == 70
+    ref = reference(pool, meta, q, 0, 64 ** -0.5, window)
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)

@@ -306,9 +306,9 @@ def test_mixed_batch_logprobs_are_unfiltered_log_softmax_at_the_token():
 
 
 def test_noise_drawn_in_blocks_of_rows_picks_the_tokens_of_the_whole_batch(monkeypatch):
-    """On the CPU `pick` draws the noise a block of rows at a time (sampler.py): the tokens are
-    those of the definition, argmax(candidates + noise of the whole batch), across block
-    edges, with greedy rows and -inf candidates."""
+    """On the CPU without the native sampler `pick` draws the noise a block of rows at a time
+    (sampler.py): the tokens are those of the definition, argmax(candidates + noise of the
+    whole batch), across block edges, with greedy rows and -inf candidates."""
     rows, vocab = 23, 50
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(3)) * 3
     temperature = [0.0 if i % 6 == 2 else 1.0 for i in range(rows)]
@@ -317,6 +317,7 @@ def test_noise_drawn_in_blocks_of_rows_picks_the_tokens_of_the_whole_batch(monke
     _, candidates = target_logprobs(logits, b)
     noise = gumbel_noise(b.seed, b.position, vocab, stream=2)
     want = torch.where(b.temperature == 0, logits.argmax(-1), (candidates + noise).argmax(-1))
+    monkeypatch.setattr("rollout.native.gumbel.supported", lambda candidates: False)
     for block_rows in (1, 4, rows, 2 * rows):
         monkeypatch.setattr("rollout.sampler._NOISE_BLOCK_ELEMENTS", block_rows * vocab)
         assert torch.equal(pick(logits, candidates, b, stream=2), want), block_rows

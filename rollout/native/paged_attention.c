@@ -2,16 +2,18 @@
  * place from the KV pool through kv_indices, with no gathered copy of K/V and no padding.
  *
  * Layouts (rollout/attention.py's metadata): a request's queries are consecutive tokens of the
- * flat axis, its context pool slots of kv_indices in position order, the new tokens last. Query i of a
- * request of q_len queries and kv_len keys sits at position p = kv_len - q_len + i and sees
- * keys [max(0, p - window + 1), p] (window 0: all): one contiguous range, so no mask exists.
+ * flat axis, its context pool slots of kv_indices in position order, the new tokens last. Query
+ * i of a request of q_len queries and kv_len keys sits at position p = kv_len - q_len + i and
+ * sees keys [max(0, p - window + 1), p] (window 0: all): one contiguous range, so no mask.
  *
- * One work item is (request, KV head): its rep = Hq / Hkv query heads read each key once (GQA),
- * and items of sibling samples, adjacent in the batch, run on the same thread one after the
- * other, so the prompt's K/V they share is read from cache rather than memory. Keys go in
- * blocks of BLOCK: scores, an online softmax (running max and sum per row), values. */
+ * One work item is a chunk of consecutive requests (plan_chunks): the slots they all begin
+ * with (a prompt its samples share, a system prompt every request starts with) are read once
+ * per KV head for all their rows, so each key loaded serves the query heads of every query of
+ * the chunk (GQA x siblings); then each query goes on alone over the rest of its context. Keys go in blocks of BLOCK: scores, an online softmax (running max and sum per
+ * row), values. */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -139,20 +141,14 @@ static inline void block_values(float *o, const float *alpha, const float *p,
     }
 }
 
-/* The rep rows of one query position over keys [lo, hi) of one request's slots, in blocks of
- * BLOCK keys: scores, each row's online softmax (running max m and sum l), values. The
- * block's keys and values stay in L1 for all rep rows. */
-static inline __attribute__((always_inline)) void attend_rows(
-        const float *q, float scale, float softcap, const float *k_pool, const float *v_pool,
-        const int32_t *slots, int64_t lo, int64_t hi, int64_t kv_row, int64_t rep,
-        const int64_t d, float *out, float *qs, float *o, float *s, float *m, float *l,
-        float *alpha) {
-    for (int64_t r = 0; r < rep; r++) {
-        for (int64_t i = 0; i < d; i++) qs[r * d + i] = q[r * d + i] * scale;
-        memset(o + r * d, 0, sizeof(float) * d);
-        m[r] = -INFINITY;
-        l[r] = 0.0f;
-    }
+/* Rows r < R (scaled queries qs, accumulators o, running max m and sum l) over keys [lo, hi)
+ * of `slots`, in blocks of BLOCK keys: scores, each row's online softmax, values. The block's
+ * keys and values stay in L1 for all R rows: R is the query heads of a KV head of one query,
+ * or of every query of a chunk of requests over the prefix they share. */
+static inline __attribute__((always_inline)) void attend_range(
+        const float *qs, int64_t R, float softcap, const float *k_pool, const float *v_pool,
+        const int32_t *slots, int64_t lo, int64_t hi, int64_t kv_row, const int64_t d,
+        float *o, float *s, float *m, float *l, float *alpha) {
     for (int64_t j0 = lo; j0 < hi; j0 += BLOCK) {
         const int64_t n = hi - j0 < BLOCK ? hi - j0 : BLOCK;
         const float *k[BLOCK], *v[BLOCK];
@@ -160,13 +156,14 @@ static inline __attribute__((always_inline)) void attend_rows(
             k[j] = k_pool + (int64_t)slots[j0 + j] * kv_row;
             v[j] = v_pool + (int64_t)slots[j0 + j] * kv_row;
         }
-        for (int64_t r = 0; r < rep; r += ROWS)
-            block_scores(qs + r * d, rep - r < ROWS ? rep - r : ROWS, k, n, d, s + r * BLOCK);
-        for (int64_t r = 0; r < rep; r++) {
+        for (int64_t r = 0; r < R; r += ROWS)
+            block_scores(qs + r * d, R - r < ROWS ? R - r : ROWS, k, n, d, s + r * BLOCK);
+        for (int64_t r = 0; r < R; r++) {
             float *sr = s + r * BLOCK;
             if (softcap > 0.0f)  /* Gemma 2: scores (scale included) squashed before softmax */
                 for (int64_t j = 0; j < n; j++) sr[j] = softcap * tanhf(sr[j] / softcap);
             float mx = m[r];
+#pragma omp simd reduction(max : mx)
             for (int64_t j = 0; j < n; j++) mx = sr[j] > mx ? sr[j] : mx;
             alpha[r] = m[r] == -INFINITY ? 0.0f : exp_nonpositive(m[r] - mx);
             float sum = 0.0f;
@@ -179,60 +176,145 @@ static inline __attribute__((always_inline)) void attend_rows(
             m[r] = mx;
             l[r] = l[r] * alpha[r] + sum;
         }
-        for (int64_t r = 0; r < rep; r += ROWS)
+        for (int64_t r = 0; r < R; r += ROWS)
             block_values(o + r * d, alpha + r, s + r * BLOCK, v, n, d,
-                         rep - r < ROWS ? rep - r : ROWS);
-    }
-    for (int64_t r = 0; r < rep; r++) {
-        float inv = 1.0f / l[r];
-        for (int64_t i = 0; i < d; i++) out[r * d + i] = o[r * d + i] * inv;
+                         R - r < ROWS ? R - r : ROWS);
     }
 }
 
-/* attend_rows with d a constant for the common head sizes (fully unrolled d-loops). */
-static void attend(const float *q, float scale, float softcap, const float *k_pool,
-                   const float *v_pool, const int32_t *slots, int64_t lo, int64_t hi,
-                   int64_t kv_row, int64_t rep, int64_t d, float *out, float *work) {
-    float *qs = work, *o = qs + rep * d, *s = o + rep * d, *m = s + rep * BLOCK, *l = m + rep,
-          *alpha = l + rep;
-#define ATTEND(D) attend_rows(q, scale, softcap, k_pool, v_pool, slots, lo, hi, kv_row, rep, \
-                              D, out, qs, o, s, m, l, alpha)
-    switch (d) {
-        case 64: ATTEND(64); break;
-        case 128: ATTEND(128); break;
-        default: ATTEND(d);
+/* Per-request arguments of a step (see paged_attention_f32). */
+typedef struct {
+    const int32_t *q_start, *q_len, *kv_start, *kv_len, *kv_indices;
+} Requests;
+
+/* Requests first .. first + count of one chunk: every query's Hq rows, KV-head-major, then
+ * member-major, query-major. The chunk's `prefix` slots, the same for all of them and seen
+ * whole by every row, are read once per KV head for all its rows; then each query's rows go
+ * on over the rest of its own context (keys [max(lo, prefix), pos], lo the window's first),
+ * their running softmax state carried over, every KV head of a key read one after the other
+ * (one pool row). */
+static inline __attribute__((always_inline)) void attend_chunk(
+        const float *q, int64_t q_stride, float scale, float softcap, const float *k_pool,
+        const float *v_pool, float *out, Requests rq, int64_t first, int64_t count,
+        int64_t prefix, int64_t hq, int64_t hkv, const int64_t d, int64_t window, float *work,
+        int64_t max_rows) {
+    const int64_t rep = hq / hkv, kv_row = hkv * d;
+    float *qs = work, *o = qs + max_rows * d, *s = o + max_rows * d, *m = s + max_rows * BLOCK,
+          *l = m + max_rows, *alpha = l + max_rows;
+    int64_t R = 0;  /* rows per KV head */
+    for (int64_t req = first; req < first + count; req++) {
+        R += rq.q_len[req] * rep;
+        /* A window that starts past the first key leaves the prefix to each row. */
+        if (window > 0 && rq.kv_len[req] > window) prefix = 0;
     }
-#undef ATTEND
+    for (int64_t h = 0, row = 0; h < hkv; h++) {
+        for (int64_t req = first; req < first + count; req++) {
+            for (int64_t i = 0; i < rq.q_len[req]; i++, row += rep) {
+                const float *qi = q + (rq.q_start[req] + i) * q_stride + h * rep * d;
+                for (int64_t r = 0; r < rep; r++) {
+                    for (int64_t x = 0; x < d; x++) qs[(row + r) * d + x] = qi[r * d + x] * scale;
+                    memset(o + (row + r) * d, 0, sizeof(float) * d);
+                    m[row + r] = -INFINITY;
+                    l[row + r] = 0.0f;
+                }
+            }
+        }
+        if (prefix > 0)
+            attend_range(qs + h * R * d, R, softcap, k_pool + h * d, v_pool + h * d,
+                         rq.kv_indices + rq.kv_start[first], 0, prefix, kv_row, d,
+                         o + h * R * d, s, m + h * R, l + h * R, alpha);
+    }
+    for (int64_t req = first, row = 0; req < first + count; req++) {
+        const int64_t nq = rq.q_len[req], nk = rq.kv_len[req];
+        for (int64_t i = 0; i < nq; i++, row += rep) {
+            const int64_t pos = nk - nq + i;
+            int64_t lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+            lo = lo > prefix ? lo : prefix;
+            for (int64_t h = 0; h < hkv; h++) {
+                const int64_t at = h * R + row;
+                attend_range(qs + at * d, rep, softcap, k_pool + h * d, v_pool + h * d,
+                             rq.kv_indices + rq.kv_start[req], lo, pos + 1, kv_row, d,
+                             o + at * d, s, m + at, l + at, alpha);
+                float *dst = out + ((rq.q_start[req] + i) * hq + h * rep) * d;
+                for (int64_t r = 0; r < rep; r++) {
+                    const float inv = 1.0f / l[at + r];
+                    for (int64_t x = 0; x < d; x++) dst[r * d + x] = o[(at + r) * d + x] * inv;
+                }
+            }
+        }
+    }
+}
+
+/* Chunks of consecutive requests that attend together, written to first/count/prefix (room for
+ * num_requests each); returns how many. A chunk takes requests while its rows (queries x rep)
+ * stay within max_rows and its requests within max_requests; its prefix is the longest run of
+ * leading slots all its members hold and every query of theirs sees (the shared system prompt,
+ * a prompt's samples). */
+int64_t plan_chunks(const int32_t *q_len, const int32_t *kv_start, const int32_t *kv_len,
+                    const int32_t *kv_indices, int64_t num_requests, int64_t rep,
+                    int64_t max_rows, int64_t max_requests, int32_t *first, int32_t *count,
+                    int32_t *prefix) {
+    int64_t chunks = 0;
+    for (int64_t req = 0; req < num_requests;) {
+        const int32_t *lead = kv_indices + kv_start[req];
+        int64_t rows = q_len[req] * rep, common = kv_len[req] - q_len[req], n = 1;
+        while (req + n < num_requests && n < max_requests &&
+               rows + q_len[req + n] * rep <= max_rows) {
+            const int64_t b = req + n;
+            const int32_t *slots = kv_indices + kv_start[b];
+            const int64_t seen = kv_len[b] - q_len[b];
+            int64_t j = 0;
+            while (j < common && j < seen && slots[j] == lead[j]) j++;
+            if (j == 0) break;  /* nothing in common: a new chunk */
+            common = j;
+            rows += q_len[b] * rep;
+            n++;
+        }
+        first[chunks] = (int32_t)req;
+        count[chunks] = (int32_t)n;
+        prefix[chunks] = (int32_t)(n > 1 ? common : 0);
+        chunks++;
+        req += n;
+    }
+    return chunks;
 }
 
 /* Requests r < num_requests: queries q_start[r] .. + q_len[r] of the flat token axis, context
- * the slots kv_indices[kv_start[r] .. + kv_len[r]]. q [T, Hq, D] with token stride q_stride
- * (heads contiguous), out [T, Hq, D] contiguous (only the requests' rows written), k_pool and
- * v_pool [slots, Hkv, D] contiguous. */
+ * the slots kv_indices[kv_start[r] .. + kv_len[r]], in the chunks of plan_chunks. q [T, Hq, D] with token stride q_stride (heads
+ * contiguous), out [T, Hq, D] contiguous (only the requests' rows written), k_pool and v_pool
+ * [slots, Hkv, D] contiguous. */
 void paged_attention_f32(const float *q, int64_t q_stride, const float *k_pool,
                          const float *v_pool, float *out, const int32_t *q_start,
                          const int32_t *q_len, const int32_t *kv_start, const int32_t *kv_len,
-                         const int32_t *kv_indices, int64_t num_requests, int64_t hq,
-                         int64_t hkv, int64_t d, float scale, int64_t window, float softcap,
-                         int num_threads) {
-    const int64_t rep = hq / hkv, items = num_requests * hkv;
+                         const int32_t *kv_indices, const int32_t *chunk_first,
+                         const int32_t *chunk_count, const int32_t *chunk_prefix,
+                         int64_t num_chunks, int64_t hq, int64_t hkv, int64_t d, float scale,
+                         int64_t window, float softcap, int num_threads) {
+    const Requests rq = {q_start, q_len, kv_start, kv_len, kv_indices};
+    int64_t max_rows = 0;  /* of a chunk, every KV head's */
+    for (int64_t c = 0; c < num_chunks; c++) {
+        int64_t rows = 0;
+        for (int64_t req = chunk_first[c]; req < chunk_first[c] + chunk_count[c]; req++)
+            rows += q_len[req] * hq;
+        max_rows = rows > max_rows ? rows : max_rows;
+    }
 #pragma omp parallel num_threads(num_threads)
     {
-        /* Per thread: scaled queries, accumulators, a block of scores; max, sum and rescale
-         * factor per row. */
-        float work[rep * d * 2 + rep * BLOCK + rep * 3];
+        /* Per thread: scaled queries and accumulators, a block of scores, and each row's max,
+         * sum and rescale factor. */
+        float *work = malloc(sizeof(float) * max_rows * (2 * d + BLOCK + 3));
 #pragma omp for schedule(static)
-        for (int64_t item = 0; item < items; item++) {
-            int64_t req = item / hkv, h = item % hkv;
-            int64_t q0 = q_start[req], nq = q_len[req], nk = kv_len[req];
-            const int32_t *slots = kv_indices + kv_start[req];
-            for (int64_t i = 0; i < nq; i++) {
-                int64_t pos = nk - nq + i;
-                int64_t lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
-                attend(q + (q0 + i) * q_stride + h * rep * d, scale, softcap, k_pool + h * d,
-                       v_pool + h * d, slots, lo, pos + 1, hkv * d, rep, d,
-                       out + ((q0 + i) * hq + h * rep) * d, work);
+        for (int64_t c = 0; c < num_chunks; c++) {
+#define CHUNK(D) attend_chunk(q, q_stride, scale, softcap, k_pool, v_pool, out, rq,         \
+                              chunk_first[c], chunk_count[c], chunk_prefix[c], hq, hkv, D, \
+                              window, work, max_rows)
+            switch (d) {  /* a constant d for the common head sizes (unrolled d-loops) */
+                case 64: CHUNK(64); break;
+                case 128: CHUNK(128); break;
+                default: CHUNK(d);
             }
+#undef CHUNK
         }
+        free(work);
     }
 }

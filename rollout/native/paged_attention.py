@@ -4,13 +4,27 @@ rows attend to their context read in place from the pool, fp32."""
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from . import library
 
 _I64, _F32, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+# A chunk's rows of one KV head (queries x its query heads) share each key block in L1: its
+# scores (BLOCK floats a row), queries and accumulators stay within it up to about this many.
+MAX_CHUNK_ROWS = 48
+# Chunks (the work items) per thread at least, so that threads end together.
+ITEMS_PER_THREAD = 4
+
+
+@dataclass
+class Chunks:
+    first: torch.Tensor  # int32 [C]: each chunk's first request
+    count: torch.Tensor  # int32 [C]: its number of requests
+    prefix: torch.Tensor  # int32 [C]: the slots its requests share, read once for all
 
 
 @dataclass
@@ -22,6 +36,20 @@ class NativeRows:
     kv_start: torch.Tensor
     kv_len: torch.Tensor
     kv_indices: torch.Tensor  # int32, the step's whole kv_indices
+    _chunks: dict = field(default_factory=dict)  # (rep, threads) -> Chunks, built once a step
+
+    def chunks(self, rep: int, threads: int) -> Chunks:
+        key = (rep, threads)
+        if key not in self._chunks:
+            n = self.q_start.numel()
+            first, count, prefix = (torch.empty(n, dtype=torch.int32) for _ in range(3))
+            max_requests = max(1, -(-n // (ITEMS_PER_THREAD * threads)))
+            c = library().plan_chunks(self.q_len.data_ptr(), self.kv_start.data_ptr(),
+                                self.kv_len.data_ptr(), self.kv_indices.data_ptr(), n, rep,
+                                MAX_CHUNK_ROWS, max_requests, first.data_ptr(),
+                                count.data_ptr(), prefix.data_ptr())
+            self._chunks[key] = Chunks(first[:c], count[:c], prefix[:c])
+        return self._chunks[key]
 
     @classmethod
     def of(cls, rows: list[int], q_starts: list[int], q_lens: list[int], kv_starts: list[int],
@@ -49,10 +77,13 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         q = q.contiguous()
     assert out.is_contiguous() and k_pool.is_contiguous() and v_pool.is_contiguous()
     assert q.dtype == k_pool.dtype == out.dtype == torch.float32
-    _kernel()(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(),
+    kernel, threads = _kernel(), torch.get_num_threads()
+    chunks = rows.chunks(hq // hkv, threads)
+    kernel(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(),
               rows.q_start.data_ptr(), rows.q_len.data_ptr(), rows.kv_start.data_ptr(),
-              rows.kv_len.data_ptr(), rows.kv_indices.data_ptr(), rows.q_start.numel(), hq,
-              hkv, d, scale, window or 0, softcap or 0.0, torch.get_num_threads())
+              rows.kv_len.data_ptr(), rows.kv_indices.data_ptr(), chunks.first.data_ptr(),
+              chunks.count.data_ptr(), chunks.prefix.data_ptr(), chunks.first.numel(), hq,
+              hkv, d, scale, window or 0, softcap or 0.0, threads)
 
 
 def _kernel():
@@ -61,7 +92,9 @@ def _kernel():
         return None
     fn = lib.paged_attention_f32
     if fn.argtypes is None:
-        fn.argtypes = [_P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _F32,
-                       _I64, _F32, ctypes.c_int]
+        fn.argtypes = [_P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64,
+                       _I64, _F32, _I64, _F32, ctypes.c_int]
         fn.restype = None
+        lib.plan_chunks.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P]
+        lib.plan_chunks.restype = _I64
     return fn
