@@ -18,8 +18,10 @@ of a backend.
 
 On CPU either backend's projections multiply by weights packed for oneDNN where it has a
 kernel for their dtype (rollout/models/layers/packed_linear.py), unless
-`EngineConfig.pack_cpu_weights` is off; and the torch backend's decode and verify rows attend
-through the C kernel of rollout/native (fp32), unless `EngineConfig.native_cpu_kernels` is off.
+`EngineConfig.pack_cpu_weights` is off; in fp32 either backend's RMSNorm and rotary embedding,
+and the torch backend's decode and verify attention, run in the C of rollout/native, unless
+`EngineConfig.native_cpu_kernels` is off. (The sampler's Gumbel noise runs there too whenever
+it builds: it gives torch's bits, so it is not a choice.)
 
 Triton is imported only when the triton backend is built: on CPU, `rollout` needs torch alone.
 """
@@ -36,6 +38,7 @@ from .attention import AttentionBackend, TorchAttention
 from .kv_pool import KVPool
 from .models.layers.moe import moe_torch
 from .models.layers.packed_linear import can_pack
+from .native import norm_rope
 from .sampler import SamplingBatch, sample
 from .spec.accept import accept_drafts_ref
 
@@ -53,10 +56,16 @@ class Backends:
     moe: Callable[..., torch.Tensor]
     cuda_graphs: bool  # the attention backend provides graph_plan
     pack_cpu_weights: bool  # EngineConfig.pack_cpu_weights
+    native_cpu_kernels: bool = False  # EngineConfig.native_cpu_kernels
 
     def pack_weights(self, weight: torch.Tensor) -> bool:
         """Whether a projection multiplies by a packed copy of `weight` (CPU, oneDNN)."""
         return self.pack_cpu_weights and can_pack(weight.device, weight.dtype)
+
+    def native_layer_ops(self, weight: torch.Tensor) -> bool:
+        """Whether RMSNorm and rotary embedding of a model with this weight's device and dtype
+        run in rollout/native's C (CPU, fp32)."""
+        return self.native_cpu_kernels and norm_rope.supported(weight.device, weight.dtype)
 
 
 def resolve_backends(name: str, device: torch.device, pack_cpu_weights: bool,
@@ -68,12 +77,12 @@ def resolve_backends(name: str, device: torch.device, pack_cpu_weights: bool,
     if name == "torch":
         return Backends("torch", partial(TorchAttention, native=native_cpu_kernels), sample,
                         accept_drafts_ref, moe_torch, cuda_graphs=False,
-                        pack_cpu_weights=pack_cpu_weights)
+                        pack_cpu_weights=pack_cpu_weights, native_cpu_kernels=native_cpu_kernels)
     on_cuda = device.type == "cuda"
     return Backends("triton", _triton_attention, _triton_sample if on_cuda else sample,
                     _triton_accept if on_cuda else accept_drafts_ref,
                     _triton_moe if on_cuda else moe_torch, cuda_graphs=True,
-                    pack_cpu_weights=pack_cpu_weights)
+                    pack_cpu_weights=pack_cpu_weights, native_cpu_kernels=native_cpu_kernels)
 
 
 def _triton_attention(pool: KVPool, windows: Sequence[int | None]) -> AttentionBackend:

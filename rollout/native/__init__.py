@@ -23,7 +23,7 @@ import warnings
 from functools import cache
 from pathlib import Path
 
-SOURCES = ("paged_attention.c", "gumbel.c")
+SOURCES = ("paged_attention.c", "gumbel.c", "norm_rope.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
          "-shared", "-fPIC")
 

@@ -5,18 +5,28 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ...native import norm_rope
+
 
 class RMSNorm(nn.Module):
     """Normalised in fp32. `offset=False` (Llama, Qwen, Phi-3): cast back to the input dtype,
     then times the weight. `offset=True` (Gemma): times (1 + weight) still in fp32, then cast;
     Gemma checkpoints store the weight minus one."""
 
+    native = False  # use_backends: rollout/native's C (CPU, fp32)
+
     def __init__(self, dim: int, eps: float, offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
         self.eps, self.offset = eps, offset
 
+    def use_backends(self, backends) -> None:
+        self.native = backends.native_layer_ops(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native and x.dtype == torch.float32 and x.device.type == "cpu":
+            return norm_rope.rms_norm(x, 1.0 + self.weight if self.offset else self.weight,
+                                      self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:

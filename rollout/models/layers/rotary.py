@@ -21,6 +21,8 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from ...native import norm_rope
+
 # Scalings whose frequencies depend on the sequence length: evaluated at max_model_len.
 _LENGTH_DEPENDENT = ("dynamic", "longrope")
 
@@ -54,6 +56,8 @@ def _inv_freq(config, head_dim: int, max_model_len: int,
 
 
 class RotaryEmbedding(nn.Module):
+    native = False  # use_backends: rollout/native's C, the same bits (CPU, fp32)
+
     def __init__(self, config, head_dim: int, max_model_len: int,
                  layer_type: str | None = None) -> None:
         super().__init__()
@@ -86,8 +90,15 @@ class RotaryEmbedding(nn.Module):
         return (self.cos_table[positions].to(dtype)[:, None, :],
                 self.sin_table[positions].to(dtype)[:, None, :])
 
-    @staticmethod
-    def forward(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def use_backends(self, backends) -> None:
+        self.native = backends.native_layer_ops(self.inv_freq)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        if (self.native and q.dtype == k.dtype == cos.dtype == torch.float32
+                and q.device.type == "cpu" and q.stride(2) == k.stride(2) == 1
+                and q.stride(1) == k.stride(1) == q.shape[2] and k.shape[2] == q.shape[2]):
+            norm_rope.rotary_(q, k, cos, sin)  # in place: the step's q and k are its own
+            return q, k
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

@@ -1,0 +1,76 @@
+"""RMSNorm and rotary embedding in rollout/native's C against the torch layers they replace on
+the CPU in fp32: rotary bit for bit, RMSNorm to a float32 rounding; and the engine's layers take
+them exactly when EngineConfig.native_cpu_kernels says."""
+
+import pytest
+import torch
+from models import tiny_model
+
+from rollout import Engine, EngineConfig
+from rollout.models.layers.norm import RMSNorm
+from rollout.models.layers.rotary import _rotate
+from rollout.native import norm_rope
+
+pytestmark = pytest.mark.skipif(not norm_rope.supported(torch.device("cpu"), torch.float32),
+                                reason="no C compiler here")
+
+
+def cos_sin(tokens, rot, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen).float()
+    inv = 1.0 / 10000 ** (torch.arange(0, rot, 2).float() / rot)
+    emb = torch.cat([positions[:, None] * inv] * 2, dim=-1)
+    return emb.cos()[:, None, :] * 1.5, emb.sin()[:, None, :] * 1.5  # a scaled table
+
+
+@pytest.mark.parametrize("tokens, q_heads, k_heads, head_dim, rot",
+                         [(1, 1, 1, 8, 8), (37, 9, 3, 64, 64), (130, 14, 2, 64, 64),
+                          (5, 4, 2, 96, 48), (300, 8, 8, 128, 128)])
+def test_rotary_is_the_torch_rotation_bit_for_bit(tokens, q_heads, k_heads, head_dim, rot):
+    """q and k as the QKV projection leaves them: views of one [T, (Hq + 2 Hk) D] output, so
+    their token stride is not their width; rot < head_dim: partial rotary (Phi-4-mini)."""
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (q_heads + 2 * k_heads) * head_dim, generator=gen) * 4
+    q, k, _ = qkv.split([q_heads * head_dim, k_heads * head_dim, k_heads * head_dim], dim=-1)
+    q, k = q.view(tokens, q_heads, head_dim), k.view(tokens, k_heads, head_dim)
+    cos, sin = cos_sin(tokens, rot)
+    want_q, want_k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    v_before = qkv[:, (q_heads + k_heads) * head_dim:].clone()
+    norm_rope.rotary_(q, k, cos, sin)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(qkv[:, (q_heads + k_heads) * head_dim:], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (128, 576), (3, 7, 64), (1000, 896)])
+@pytest.mark.parametrize("offset", [False, True])
+def test_rms_norm_matches_the_torch_layer(shape, offset):
+    gen = torch.Generator().manual_seed(shape[-1])
+    x = torch.randn(shape, generator=gen) * 5
+    layer = RMSNorm(shape[-1], 1e-6, offset)
+    layer.weight.data = torch.randn(shape[-1], generator=gen)
+    want = layer(x)
+    layer.native = True
+    got = layer(x)
+    assert got.shape == x.shape
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+
+
+def test_rms_norm_of_a_strided_view():
+    x = torch.randn(10, 3, 64)
+    view = x[:, 1]  # rows 192 floats apart
+    layer = RMSNorm(64, 1e-5)
+    layer.weight.data = torch.randn(64)
+    want = layer(view)
+    layer.native = True
+    torch.testing.assert_close(layer(view), want, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_engine_layers_follow_the_config(native):
+    model = tiny_model("llama")
+    engine = Engine(model, EngineConfig(kv_cache_tokens=256, max_model_len=64,
+                                        native_cpu_kernels=native))
+    stack = engine.runner.model
+    norms = [m for m in stack.modules() if isinstance(m, RMSNorm)]
+    assert norms and all(m.native == native for m in norms)
+    assert stack.rope.native == native
