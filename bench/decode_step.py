@@ -14,12 +14,15 @@ then replayed:
 - matmul: the same step's linear layers alone (QKV, O, gate-up, down of every layer and the
   LM head on a [128, hidden] input), the floor the issue measures against; through the
   engine's own projections, so on packed weights unless --no-pack;
-- engine: whole engine steps (schedule, prepare, forward, sample, commit), alternating paths.
+- engine: whole engine steps (schedule, prepare, forward, sample, commit), alternating paths;
+  with --top-p, also native steps whose samples all filter by that top_p (the issue's "a
+  top-p=0.9 step against a step without it").
 
 Best of --repeat, paths interleaved. At --profile-at, the torch profiler's top ops of one step
 each way. Nothing is asserted but that both paths' logits agree (printed).
 
     python bench/decode_step.py [--threads 2] [--decoded 8 64 192] [--repeat 10] [--no-pack]
+                                [--top-p 0.9] [--real]
 """
 
 from __future__ import annotations
@@ -123,11 +126,19 @@ def matmul_seconds(model, batch: int) -> float:
     return time.perf_counter() - t0
 
 
-def engine_steps(engine: Engine, switch: PathSwitch, steps: int) -> dict[str, list[float]]:
-    times = {mode: [] for mode in switch.modes()}
-    for i in range(2 * steps):
-        mode = switch.modes()[i % len(switch.modes())]
-        switch.mode = mode
+def engine_steps(engine: Engine, switch: PathSwitch, steps: int,
+                 top_p: float | None) -> dict[str, list[float]]:
+    """Whole steps, the paths alternating; with `top_p`, native steps alternate with native
+    steps whose every sample filters by top_p (the bench's switch: the running samples'
+    params are swapped between steps)."""
+    modes = (*switch.modes(), *(("native+top_p",) if top_p is not None else ()))
+    times = {mode: [] for mode in modes}
+    for i in range(len(modes) * steps):
+        mode = modes[i % len(modes)]
+        switch.mode = mode.split("+")[0]
+        for seq in engine.scheduler.running:
+            seq.params = dataclasses.replace(seq.params,
+                                             top_p=top_p if mode.endswith("top_p") else 1.0)
         t0 = time.perf_counter()
         engine.step()
         times[mode].append(time.perf_counter() - t0)
@@ -157,25 +168,40 @@ def main() -> None:
     ap.add_argument("--engine-steps", type=int, default=5, help="per path; 0 skips")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (smoke runs)")
     ap.add_argument("--profile-rows", type=int, default=12)
+    ap.add_argument("--real", action="store_true",
+                    help="the SmolLM2-135M-Instruct checkpoint and chat prompts (bench/peers.py's "
+                         "system prompt and questions) instead of random weights and tokens")
+    ap.add_argument("--top-p", type=float, default=None,
+                    help="also time whole steps with every sample at this top_p")
     ap.add_argument("--no-pack", action="store_true",
                     help="EngineConfig(pack_cpu_weights=False): plain F.linear projections")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    layers = args.layers or SMOLLM2_135M["num_hidden_layers"]
-    model = random_llama(dict(SMOLLM2_135M, num_hidden_layers=layers))
+    if args.real:  # the checkpoint, chat prompts sharing the peers' system prompt
+        from peers import SYSTEM, questions, render
+        from rollout_recipes.run import smollm2
+
+        model, tok = smollm2.load()
+        prompts = [render(tok, [{"role": "system", "content": SYSTEM},
+                                {"role": "user", "content": q}])
+                   for q in questions(args.prompts, seed=0)]
+    else:
+        layers = args.layers or SMOLLM2_135M["num_hidden_layers"]
+        model = random_llama(dict(SMOLLM2_135M, num_hidden_layers=layers))
+        prompts = prompts_sharing(args.prompts, args.prefix_len, args.prompt_len,
+                                  model.config.vocab_size)
     engine = Engine(model, EngineConfig(kv_cache_tokens=65536, max_model_len=1024,
                                         max_num_seqs=max(256, args.prompts * args.n),
                                         pack_cpu_weights=not args.no_pack))
     runner = engine.runner
     switch = PathSwitch(runner.backend)
-    prompts = prompts_sharing(args.prompts, args.prefix_len, args.prompt_len,
-                              model.config.vocab_size)
     num_samples = args.prompts * args.n
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"{model.config.num_hidden_layers} layers; {args.prompts} prompts of "
-          f"{args.prompt_len} tokens sharing {args.prefix_len}, n = {args.n}")
+          f"{model.config.num_hidden_layers} layers{' (SmolLM2-135M-Instruct)' * args.real}; "
+          f"{args.prompts} prompts of {min(map(len, prompts))}..{max(map(len, prompts))} "
+          f"tokens, n = {args.n}")
     start(engine, prompts, args.n)
     for decoded in sorted(args.decoded):
         inputs = capture_decode_step(engine, num_samples, decoded)
@@ -214,12 +240,14 @@ def measure(engine, inputs, switch, args, profile_it: bool) -> None:
               f"= {best[mode] / mm:.2f}x matmul")
 
     if args.engine_steps:
-        times = engine_steps(engine, switch, args.engine_steps)
+        times = engine_steps(engine, switch, args.engine_steps, args.top_p)
         print(f"whole engine steps (schedule..commit, sampling included), best of "
               f"{args.engine_steps} each, alternating:")
-        for mode in switch.modes():
-            print(f"  {mode:6} path       {min(times[mode]) * 1e3:8.1f} ms   "
-                  f"= {min(times[mode]) / mm:.2f}x matmul")
+        for mode in times:
+            extra = (f", {min(times[mode]) / min(times['native']):.3f}x the native step"
+                     if mode.endswith("top_p") else "")
+            print(f"  {mode:12} {min(times[mode]) * 1e3:8.1f} ms   "
+                  f"= {min(times[mode]) / mm:.2f}x matmul{extra}")
 
     if profile_it:
         for mode in switch.modes():
