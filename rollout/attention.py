@@ -27,7 +27,7 @@ from . import shared_prefix_attention
 from .attention_metadata import AttentionMetadata
 from .kv_pool import KVPool
 from .native import paged_attention as native_attention
-from .shared_prefix_attention import MAX_SHARED_Q_LEN, SharedPrefix, plan_shared, sharing_groups
+from .shared_prefix_attention import SharedPrefix, plan_shared, sharing_groups
 
 
 class AttentionBackend(ABC):
@@ -102,9 +102,11 @@ class TorchAttention(AttentionBackend):
     has no soft-capping.
 
     `native` (fp32 on the CPU, where rollout/native could build its C kernel): decode and
-    verify rows skip all of the above and attend in one call per layer that reads the pool in
-    place (siblings, adjacent in the batch, find their shared prompt's K/V in cache, so reading
-    it per sample costs no memory traffic); longer rows keep the padded SDPA path."""
+    verify rows, and extend chunks over a context at least twice their length (later turns),
+    skip all of the above and attend in one call per layer that reads the pool in place
+    (consecutive requests with leading slots in common, siblings or a shared system prompt,
+    read them once for all their rows; an extend chunk's queries its context once for all);
+    prefills keep the padded SDPA path (`native_attention.serves`)."""
 
     def __init__(self, pool: KVPool, windows: Sequence[int | None] | None = None,
                  native: bool = False) -> None:
@@ -126,7 +128,8 @@ class TorchAttention(AttentionBackend):
 
     @staticmethod
     def _native_rows(meta: AttentionMetadata) -> native_attention.NativeRows | None:
-        rows = [b for b, n in enumerate(meta.q_lens) if n <= MAX_SHARED_Q_LEN]
+        rows = [b for b, (q, kv) in enumerate(zip(meta.q_lens, meta.kv_lens))
+                if native_attention.serves(q, kv)]
         if not rows:
             return None
         return native_attention.NativeRows.of(
@@ -136,9 +139,10 @@ class TorchAttention(AttentionBackend):
     def _plan(self, meta: AttentionMetadata, window: int | None,
               native: native_attention.NativeRows | None) -> _Plan:
         device = meta.kv_indices.device
-        if self.native:  # decode and verify rows are the kernel's (`native`)
+        if self.native:  # decode, verify and extend rows over a context are the kernel's
             members, common = [], 0
-            taken = {b for b, n in enumerate(meta.q_lens) if n <= MAX_SHARED_Q_LEN}
+            taken = {b for b, (q, kv) in enumerate(zip(meta.q_lens, meta.kv_lens))
+                     if native_attention.serves(q, kv)}
         else:
             members, common = sharing_groups(meta, window)
             taken = {b for m in members for b in m}

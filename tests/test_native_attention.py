@@ -55,14 +55,16 @@ def native_forward(pool, meta, q, k, v, layer=0, window=None, softcap=None):
 ])
 @pytest.mark.parametrize("window, softcap", [(None, None), (7, None), (None, 20.0), (5, 3.0)])
 def test_kernel_matches_float64_reference(kv_heads, q_heads, head_dim, window, softcap):
-    # MIXED: decode rows in and out of sharing groups, verify rows, a prefill and extend chunks
+    # MIXED: decode rows in and out of sharing groups, verify rows, extend chunks, a prefill
     # (the torch path's), contexts of 2..70 slots over 1..2 key blocks, slots scattered.
     pool = random_pool(1, kv_heads, head_dim)
     meta, q, k, v = make_step(pool, MIXED, q_heads, seed=kv_heads + head_dim)
     out, plan = native_forward(pool, meta, q, k, v, window=window, softcap=softcap)
     served = plan.native.q_start.numel() if window is None else \
         plan.by_window[window].native.q_start.numel()
-    assert served == sum(q <= 17 for q in meta.q_lens)  # every decode and verify row
+    # every decode and verify row, and the extend chunks over a context twice their length
+    assert served == sum(q <= 17 or (q <= 512 and kv >= 2 * q)
+                         for q, kv in zip(meta.q_lens, meta.kv_lens)) == len(meta.q_lens) - 1
     ref = reference(pool, meta, q, 0, head_dim ** -0.5, window, softcap)
     assert not out.isnan().any()
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
@@ -178,9 +180,10 @@ def test_chunks_share_the_longest_common_run_of_slots(monkeypatch):
     assert chunks.first.tolist() == [0, 3, 4]
     assert chunks.count.tolist() == [3, 1, 3]
     assert chunks.prefix.tolist() == [4, 0, 2]
-    # 4 threads want a chunk each at least: 2 requests a chunk at most
+    # 4 threads want a chunk each at least: 2 requests a chunk at most; request 2 alone, its
+    # 2 queries share the 8 slots before them
     assert rows.chunks(3, 4).count.tolist() == [2, 1, 1, 2, 1]
-    assert rows.chunks(3, 4).prefix.tolist() == [6, 0, 0, 6, 0]
+    assert rows.chunks(3, 4).prefix.tolist() == [6, 8, 0, 6, 0]
     # rows: 48 a chunk at most, so 16 decode rows of 3 query heads
     many = native_attention.NativeRows.of(list(range(40)), list(range(40)), [1] * 40,
                                           [i * 6 for i in range(40)], [6] * 40,
@@ -203,4 +206,17 @@ def test_siblings_in_one_chunk_match_float64_reference(monkeypatch, window):
     chunks = native.chunks(rep=3, threads=torch.get_num_threads())
     assert chunks.count.tolist()[0] >= 8 and chunks.prefix.tolist()[0] == 70
     ref = reference(pool, meta, q, 0, 64 ** -0.5, window)
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
+
+
+def test_extend_chunks_over_a_context_match_float64_reference():
+    """Later turns of conversations: 100 and 37 new tokens after 300 and 80 of context (each
+    chunk's context read once for all its queries, the new tokens among themselves query by
+    query), beside decode rows; a prefill (no context) stays with SDPA."""
+    requests = [("x", 0, 400, 100), ("y", 0, 117, 37), ("z", 0, 50, 1), ("w", 0, 60, 60)]
+    pool = random_pool(1, 2, 64)
+    meta, q, k, v = make_step(pool, requests, 6, seed=12)
+    out, plan = native_forward(pool, meta, q, k, v)
+    assert plan.native.q_len.tolist() == [100, 37, 1]
+    ref = reference(pool, meta, q, 0, 64 ** -0.5)
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)

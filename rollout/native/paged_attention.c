@@ -249,7 +249,7 @@ static inline __attribute__((always_inline)) void attend_chunk(
  * num_requests each); returns how many. A chunk takes requests while its rows (queries x rep)
  * stay within max_rows and its requests within max_requests; its prefix is the longest run of
  * leading slots all its members hold and every query of theirs sees (the shared system prompt,
- * a prompt's samples). */
+ * a prompt's samples, an extend chunk's earlier context). */
 int64_t plan_chunks(const int32_t *q_len, const int32_t *kv_start, const int32_t *kv_len,
                     const int32_t *kv_indices, int64_t num_requests, int64_t rep,
                     int64_t max_rows, int64_t max_requests, int32_t *first, int32_t *count,
@@ -272,7 +272,8 @@ int64_t plan_chunks(const int32_t *q_len, const int32_t *kv_start, const int32_t
         }
         first[chunks] = (int32_t)req;
         count[chunks] = (int32_t)n;
-        prefix[chunks] = (int32_t)(n > 1 ? common : 0);
+        /* one request's several queries share its context before them, too */
+        prefix[chunks] = (int32_t)(n > 1 || q_len[req] > 1 ? common : 0);
         chunks++;
         req += n;
     }

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..shared_prefix_attention import MAX_SHARED_Q_LEN
 from . import library
 
 _I64, _F32, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -44,6 +45,7 @@ class NativeRows:
             n = self.q_start.numel()
             first, count, prefix = (torch.empty(n, dtype=torch.int32) for _ in range(3))
             max_requests = max(1, -(-n // (ITEMS_PER_THREAD * threads)))
+            _kernel()  # the argument types
             c = library().plan_chunks(self.q_len.data_ptr(), self.kv_start.data_ptr(),
                                 self.kv_len.data_ptr(), self.kv_indices.data_ptr(), n, rep,
                                 MAX_CHUNK_ROWS, max_requests, first.data_ptr(),
@@ -60,6 +62,17 @@ class NativeRows:
         # The step's kv_indices are int64; the kernel's slot reads are half as wide.
         return cls(ints(q_starts), ints(q_lens), ints(kv_starts), ints(kv_lens),
                    kv_indices.to(torch.int32).contiguous())
+
+
+# Rows the kernel serves: decode and verify rows, and extend chunks (a later turn's new tokens)
+# whose earlier context is at least as long as they are: all of the chunk's queries read that
+# context once per block as one chunk prefix, and the part among themselves query by query.
+# A prefill, whose queries see mostly one another, is a causal matrix product: SDPA's.
+MAX_EXTEND_Q_LEN = 512  # bounds the per-thread rows (queries x heads) a chunk keeps
+
+
+def serves(q_len: int, kv_len: int) -> bool:
+    return q_len <= MAX_SHARED_Q_LEN or (q_len <= MAX_EXTEND_Q_LEN and kv_len >= 2 * q_len)
 
 
 def supported(device: torch.device, dtype: torch.dtype) -> bool:
