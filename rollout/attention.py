@@ -141,8 +141,7 @@ class TorchAttention(AttentionBackend):
         device = meta.kv_indices.device
         if self.native:  # decode, verify and extend rows over a context are the kernel's
             members, common = [], 0
-            taken = {b for b, (q, kv) in enumerate(zip(meta.q_lens, meta.kv_lens))
-                     if native_attention.serves(q, kv)}
+            taken = set(native.rows) if native is not None else set()
         else:
             members, common = sharing_groups(meta, window)
             taken = {b for m in members for b in m}

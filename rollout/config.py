@@ -42,9 +42,10 @@ class EngineConfig:
     # speed of F.linear at decode batch sizes; rollout/models/layers/packed_linear.py), which
     # doubles the weights' memory. False: F.linear on the weights themselves.
     pack_cpu_weights: bool = True
-    # CPU, fp32, torch backend: decode and verify rows attend through a C kernel that reads the
-    # KV pool in place (rollout/native, compiled at first use; without a C compiler the torch
-    # path runs). False: the torch path always.
+    # CPU, fp32: RMSNorm, rotary and (torch backend) decode, verify and later-turn extend
+    # attention run in C (rollout/native, compiled at first use; without a C compiler the torch
+    # paths run). False: the torch paths always. (The sampler's C Gumbel-max gives torch's
+    # bits, so it runs either way; ROLLOUT_NATIVE=0 turns every C kernel off.)
     native_cpu_kernels: bool = True
     dtype: torch.dtype | str | None = None  # None: the model's dtype
     device: torch.device | str | None = None  # None: the model's device (cuda if loading a path)

@@ -1,9 +1,10 @@
 """Native CPU kernels: C sources beside this file, compiled at first use with the machine's C
 compiler (`cc`, or $CC) for this CPU, cached, and loaded with ctypes.
 
-Torch's CPU ops leave a decode step's attention to gathers, padded tiles and many small ops;
-rollout/native/paged_attention.c reads the KV pool in place instead. Plain C with no torch
-headers builds in a few seconds. OpenMP: the library asks for `libgomp.so.1`, which the
+Torch's CPU ops leave a decode step to gathers, padded tiles and many small ops:
+paged_attention.c reads the KV pool in place, norm_rope.c does RMSNorm and rotary in one pass
+each, gumbel.c draws the sampler's tokens. Plain C with no torch headers builds in a few
+seconds. OpenMP: the library asks for `libgomp.so.1`, which the
 loader resolves to the one torch already loaded, so both share one thread pool (two runtimes
 would each keep threads spinning on the same cores).
 
@@ -24,6 +25,19 @@ from functools import cache
 from pathlib import Path
 
 SOURCES = ("paged_attention.c", "gumbel.c", "norm_rope.c")
+_P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+# Every entry point's argument and result types, set once when the library loads: without them
+# ctypes passes Python ints as C ints, truncating 64-bit pointers and sizes.
+SIGNATURES = {
+    "paged_attention_f32": ([_P, _I64, *[_P] * 11, _I64, _I64, _I64, _I64, _F32, _I64, _F32,
+                             _INT], None),
+    "plan_chunks": ([_P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P], _I64),
+    "gumbel_argmax_f32": ([_P, _I64, _I64, _I64, _P, _F32, _P, _P, _I64, _INT], None),
+    "gumbel_all_uniforms": ([_P, _P, _P, _I64], None),
+    "gumbel_supported": ([], _INT),
+    "rms_norm_f32": ([_P, _I64, _P, _P, _I64, _I64, _F32, _INT], None),
+    "rotary_f32": ([_P, _I64, _I64, _P, _I64, _I64, _I64, _P, _P, _I64, _I64, _INT], None),
+}
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
          "-shared", "-fPIC")
 
@@ -40,17 +54,21 @@ def library() -> ctypes.CDLL | None:
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        warnings.warn("rollout.native: no C compiler found; CPU attention runs on torch ops",
+        warnings.warn("rollout.native: no C compiler found; the CPU kernels' torch paths run",
                       stacklevel=2)
         return None
     here = Path(__file__).parent
     sources = [here / name for name in SOURCES]
     try:
-        return ctypes.CDLL(str(_build(compiler, sources)))
-    except (OSError, subprocess.CalledProcessError) as e:
+        lib = ctypes.CDLL(str(_build(compiler, sources)))
+        for name, (argtypes, restype) in SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
+        return lib
+    except (OSError, AttributeError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", None) or e
-        warnings.warn(f"rollout.native: building the CPU kernels failed ({detail}); CPU "
-                      f"attention runs on torch ops", stacklevel=2)
+        warnings.warn(f"rollout.native: building the CPU kernels failed ({detail}); their "
+                      f"torch paths run", stacklevel=2)
         return None
 
 

@@ -20,7 +20,6 @@ import torch
 from ..counter_noise import row_keys
 from . import library
 
-_I64, _P = ctypes.c_int64, ctypes.c_void_p
 # What torch passes to vmsLn (aten/src/ATen/cpu/vml.h): VML_HA | VML_FTZDAZ_OFF |
 # VML_ERRMODE_IGNORE.
 _VML_MODE = 0x2 | 0x140000 | 0x100
@@ -51,8 +50,6 @@ def _kernel():
     if lib is None or vlog is None or not lib.gumbel_supported():
         return None
     fn = lib.gumbel_argmax_f32
-    fn.argtypes = [_P, _I64, _I64, _I64, _P, ctypes.c_float, _P, _P, _I64, ctypes.c_int]
-    fn.restype = None
     bound = _noise_bound(lib, vlog)
     if bound is None:
         warnings.warn("rollout.native: torch's CPU log is not MKL's vmsLn here; sampling "
@@ -66,7 +63,6 @@ def _noise_bound(lib, vlog) -> float | None:
     be torch's (None if not). ~0.2 s."""
     n = 1 << 23
     approx, exact = torch.empty(n), torch.empty(n)
-    lib.gumbel_all_uniforms.argtypes = [_P, _P, _P, _I64]
     lib.gumbel_all_uniforms(approx.data_ptr(), exact.data_ptr(), vlog, _VML_MODE)
     u = (torch.arange(n, dtype=torch.int32).to(torch.float32) + 0.5) * (1.0 / n)
     if not torch.equal(exact, u.log_().neg_().log_().neg_()):  # counter_noise's own ops

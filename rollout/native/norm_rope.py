@@ -4,17 +4,12 @@ RMSNorm sums its squares in another order (a float32 rounding apart)."""
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from . import library
 
-_I64, _F32, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-
-
 def supported(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and _lib() is not None
+    return device.type == "cpu" and dtype == torch.float32 and library() is not None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -22,7 +17,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dim = x.shape[-1]
     rows = x if x.dim() == 2 and x.stride(1) == 1 else x.reshape(-1, dim)
     out = torch.empty(x.shape, dtype=x.dtype)
-    _lib().rms_norm_f32(rows.data_ptr(), rows.stride(0), weight.contiguous().data_ptr(),
+    library().rms_norm_f32(rows.data_ptr(), rows.stride(0), weight.contiguous().data_ptr(),
                         out.data_ptr(), rows.shape[0], dim, eps, torch.get_num_threads())
     return out
 
@@ -33,17 +28,6 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     for x in (q, k):
         assert x.stride(2) == 1 and x.stride(1) == x.shape[2]
     assert cos.is_contiguous() and sin.is_contiguous()
-    _lib().rotary_f32(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0),
-                      k.shape[1], q.shape[2], cos.data_ptr(), sin.data_ptr(), q.shape[0],
-                      cos.shape[-1], torch.get_num_threads())
-
-
-def _lib():
-    lib = library()
-    if lib is not None and lib.rms_norm_f32.argtypes is None:
-        lib.rms_norm_f32.argtypes = [_P, _I64, _P, _P, _I64, _I64, _F32, ctypes.c_int]
-        lib.rms_norm_f32.restype = None
-        lib.rotary_f32.argtypes = [_P, _I64, _I64, _P, _I64, _I64, _I64, _P, _P, _I64, _I64,
-                                   ctypes.c_int]
-        lib.rotary_f32.restype = None
-    return lib
+    library().rotary_f32(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0),
+                         k.shape[1], q.shape[2], cos.data_ptr(), sin.data_ptr(), q.shape[0],
+                         cos.shape[-1], torch.get_num_threads())

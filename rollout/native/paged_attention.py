@@ -3,15 +3,12 @@ rows attend to their context read in place from the pool, fp32."""
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass, field
 
 import torch
 
 from ..shared_prefix_attention import MAX_SHARED_Q_LEN
 from . import library
-
-_I64, _F32, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
 # A chunk's rows of one KV head (queries x its query heads) share each key block in L1: its
@@ -37,6 +34,7 @@ class NativeRows:
     kv_start: torch.Tensor
     kv_len: torch.Tensor
     kv_indices: torch.Tensor  # int32, the step's whole kv_indices
+    rows: list[int] = field(default_factory=list)  # the batch's requests these are, in order
     _chunks: dict = field(default_factory=dict)  # (rep, threads) -> Chunks, built once a step
 
     def chunks(self, rep: int, threads: int) -> Chunks:
@@ -45,11 +43,10 @@ class NativeRows:
             n = self.q_start.numel()
             first, count, prefix = (torch.empty(n, dtype=torch.int32) for _ in range(3))
             max_requests = max(1, -(-n // (ITEMS_PER_THREAD * threads)))
-            _kernel()  # the argument types
             c = library().plan_chunks(self.q_len.data_ptr(), self.kv_start.data_ptr(),
-                                self.kv_len.data_ptr(), self.kv_indices.data_ptr(), n, rep,
-                                MAX_CHUNK_ROWS, max_requests, first.data_ptr(),
-                                count.data_ptr(), prefix.data_ptr())
+                                      self.kv_len.data_ptr(), self.kv_indices.data_ptr(), n,
+                                      rep, MAX_CHUNK_ROWS, max_requests, first.data_ptr(),
+                                      count.data_ptr(), prefix.data_ptr())
             self._chunks[key] = Chunks(first[:c], count[:c], prefix[:c])
         return self._chunks[key]
 
@@ -61,7 +58,7 @@ class NativeRows:
 
         # The step's kv_indices are int64; the kernel's slot reads are half as wide.
         return cls(ints(q_starts), ints(q_lens), ints(kv_starts), ints(kv_lens),
-                   kv_indices.to(torch.int32).contiguous())
+                   kv_indices.to(torch.int32).contiguous(), rows)
 
 
 # Rows the kernel serves: decode and verify rows, and extend chunks (a later turn's new tokens)
@@ -93,21 +90,12 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     kernel, threads = _kernel(), torch.get_num_threads()
     chunks = rows.chunks(hq // hkv, threads)
     kernel(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(),
-              rows.q_start.data_ptr(), rows.q_len.data_ptr(), rows.kv_start.data_ptr(),
-              rows.kv_len.data_ptr(), rows.kv_indices.data_ptr(), chunks.first.data_ptr(),
-              chunks.count.data_ptr(), chunks.prefix.data_ptr(), chunks.first.numel(), hq,
-              hkv, d, scale, window or 0, softcap or 0.0, threads)
+           rows.q_start.data_ptr(), rows.q_len.data_ptr(), rows.kv_start.data_ptr(),
+           rows.kv_len.data_ptr(), rows.kv_indices.data_ptr(), chunks.first.data_ptr(),
+           chunks.count.data_ptr(), chunks.prefix.data_ptr(), chunks.first.numel(), hq, hkv, d,
+           scale, window or 0, softcap or 0.0, threads)
 
 
 def _kernel():
     lib = library()
-    if lib is None:
-        return None
-    fn = lib.paged_attention_f32
-    if fn.argtypes is None:
-        fn.argtypes = [_P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64,
-                       _I64, _F32, _I64, _F32, ctypes.c_int]
-        fn.restype = None
-        lib.plan_chunks.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P]
-        lib.plan_chunks.restype = _I64
-    return fn
+    return None if lib is None else lib.paged_attention_f32
