@@ -63,8 +63,8 @@ class Backends:
         return self.pack_cpu_weights and can_pack(weight.device, weight.dtype)
 
     def native_layer_ops(self, weight: torch.Tensor) -> bool:
-        """Whether RMSNorm and rotary embedding of a model with this weight's device and dtype
-        run in rollout/native's C (CPU, fp32)."""
+        """Whether RMSNorm, rotary embedding and the gated MLP's SiLU of a model with this
+        weight's device and dtype run in rollout/native's C (CPU, fp32)."""
         return self.native_cpu_kernels and norm_rope.supported(weight.device, weight.dtype)
 
 

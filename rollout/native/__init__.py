@@ -3,8 +3,8 @@ compiler (`cc`, or $CC) for this CPU, cached, and loaded with ctypes.
 
 Torch's CPU ops leave a decode step to gathers, padded tiles and many small ops:
 paged_attention.c reads the KV pool in place, norm_rope.c does RMSNorm and rotary in one pass
-each, gumbel.c draws the sampler's tokens. Plain C with no torch headers builds in a few
-seconds. OpenMP: the library asks for `libgomp.so.1`, which the
+each, silu_mul.c the gated MLP's activation, gumbel.c draws the sampler's tokens. Plain C with
+no torch headers builds in a few seconds. OpenMP: the library asks for `libgomp.so.1`, which the
 loader resolves to the one torch already loaded, so both share one thread pool (two runtimes
 would each keep threads spinning on the same cores).
 
@@ -24,7 +24,7 @@ import warnings
 from functools import cache
 from pathlib import Path
 
-SOURCES = ("paged_attention.c", "gumbel.c", "norm_rope.c")
+SOURCES = ("paged_attention.c", "gumbel.c", "norm_rope.c", "silu_mul.c")
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 # Every entry point's argument and result types, set once when the library loads: without them
 # ctypes passes Python ints as C ints, truncating 64-bit pointers and sizes.
@@ -37,6 +37,7 @@ SIGNATURES = {
     "gumbel_supported": ([], _INT),
     "rms_norm_f32": ([_P, _I64, _P, _P, _I64, _I64, _F32, _INT], None),
     "rotary_f32": ([_P, _I64, _I64, _P, _I64, _I64, _I64, _P, _P, _I64, _I64, _INT], None),
+    "silu_mul_f32": ([_P, _I64, _P, _I64, _P, _I64, _I64, _INT], None),
 }
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
          "-shared", "-fPIC")

@@ -51,29 +51,49 @@ static inline float dot(const float *a, const float *b, int64_t d) {
  * serves them all. With AVX2 that is 3 rows x 4 keys of score accumulators, or 3 rows x 32
  * dimensions of output accumulators: 12 of the 16 vector registers. */
 #define ROWS 3
+/* From this many rows a block's keys are transposed once (keys on the lanes) for all of them:
+ * their scores then need no horizontal sums. */
+#define WIDE_ROWS 12
 
 #ifdef __AVX2__
+/* A vector loaded once and used by several FMAs stays in its register: left to itself GCC folds
+ * the load into every FMA that uses it, and the repeated loads, not the FMAs, then bound the
+ * loop (a third slower on Zen 3). */
+#define IN_REGISTER(x) __asm__("" : "+x"(x))
+
 /* Sum of each of 4 vectors, as one 4-lane vector. */
 static inline __m128 sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-/* s[r * BLOCK + j] = q[r] . k[j] for R rows (a constant after inlining) and 4 keys. */
-static inline __attribute__((always_inline)) void scores_4keys(
-        const float *q, const int R, const float *const k[4], int64_t d, float *s) {
+/* s[r * BLOCK + j] = q[r] . k[j] for R rows and K keys (constants after inlining): R x K
+ * accumulators and the R query and K key vectors of a step all in registers (3 x 3 or 2 x 4:
+ * 15 or 14 of 16; 3 x 4 would spill). */
+static inline __attribute__((always_inline)) void scores_keys(
+        const float *q, const int R, const float *const k[], int64_t d, const int K, float *s) {
     __m256 a[ROWS][4];
     for (int r = 0; r < R; r++)
         for (int t = 0; t < 4; t++) a[r][t] = _mm256_setzero_ps();
     for (int64_t i = 0; i < d; i += 8) {
-        __m256 kv[4];
-        for (int t = 0; t < 4; t++) kv[t] = _mm256_loadu_ps(k[t] + i);
-        for (int r = 0; r < R; r++) {
-            __m256 qv = _mm256_loadu_ps(q + r * d + i);
-            for (int t = 0; t < 4; t++) a[r][t] = _mm256_fmadd_ps(qv, kv[t], a[r][t]);
+        __m256 kv[4], qv[ROWS];
+        for (int t = 0; t < K; t++) {
+            kv[t] = _mm256_loadu_ps(k[t] + i);
+            IN_REGISTER(kv[t]);
         }
+        for (int r = 0; r < R; r++) {
+            qv[r] = _mm256_loadu_ps(q + r * d + i);
+            IN_REGISTER(qv[r]);
+        }
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < K; t++) a[r][t] = _mm256_fmadd_ps(qv[r], kv[t], a[r][t]);
     }
-    for (int r = 0; r < R; r++) _mm_storeu_ps(s + r * BLOCK, sum4(a[r][0], a[r][1], a[r][2], a[r][3]));
+    const __m128i first3 = _mm_setr_epi32(-1, -1, -1, 0);
+    for (int r = 0; r < R; r++) {
+        const __m128 sums = sum4(a[r][0], a[r][1], a[r][2], a[r][3]);
+        if (K == 4) _mm_storeu_ps(s + r * BLOCK, sums);
+        else _mm_maskstore_ps(s + r * BLOCK, first3, sums);  /* a[r][3] is zero */
+    }
 }
 
 /* o[r] = o[r] * alpha[r] + sum_j p[r * BLOCK + j] v[j] for R rows, 32 dimensions at a time
@@ -89,15 +109,96 @@ static inline __attribute__((always_inline)) void values_32dims(
                 a[r][t] = _mm256_mul_ps(_mm256_loadu_ps(o + r * d + c + 8 * t), scale);
         }
         for (int64_t j = 0; j < n; j++) {
-            __m256 vv[4];
-            for (int t = 0; t < 4; t++) vv[t] = _mm256_loadu_ps(v[j] + c + 8 * t);
-            for (int r = 0; r < R; r++) {
-                __m256 pj = _mm256_set1_ps(p[r * BLOCK + j]);
-                for (int t = 0; t < 4; t++) a[r][t] = _mm256_fmadd_ps(pj, vv[t], a[r][t]);
+            /* 12 accumulators, R broadcasts and one value vector: 16 registers. Holding all 4
+             * value vectors instead needs 17, and the one accumulator spilled to the stack
+             * serialises the loop on store-to-load forwarding (3x slower). */
+            __m256 pj[ROWS];
+            for (int r = 0; r < R; r++) pj[r] = _mm256_broadcast_ss(p + r * BLOCK + j);
+            for (int t = 0; t < 4; t++) {
+                __m256 vv = _mm256_loadu_ps(v[j] + c + 8 * t);
+                IN_REGISTER(vv);
+                for (int r = 0; r < R; r++) a[r][t] = _mm256_fmadd_ps(pj[r], vv, a[r][t]);
             }
         }
         for (int r = 0; r < R; r++)
             for (int t = 0; t < 4; t++) _mm256_storeu_ps(o + r * d + c + 8 * t, a[r][t]);
+    }
+}
+
+/* kt[i * BLOCK + j] = k[j][i] for the block's n keys, columns n .. up to a multiple of 8 zero:
+ * the keys on the lanes, so that many rows' scores need no horizontal sums. 8 x 8 tiles. */
+static inline void transpose_block(const float *const k[], int64_t n, int64_t d, float *kt) {
+    for (int64_t j0 = 0; j0 < n; j0 += 8) {
+        for (int64_t i0 = 0; i0 < d; i0 += 8) {
+            __m256 r[8];
+            for (int t = 0; t < 8; t++)
+                r[t] = j0 + t < n ? _mm256_loadu_ps(k[j0 + t] + i0) : _mm256_setzero_ps();
+            __m256 a[8], b[8];
+            for (int t = 0; t < 8; t += 2) {
+                a[t] = _mm256_unpacklo_ps(r[t], r[t + 1]);
+                a[t + 1] = _mm256_unpackhi_ps(r[t], r[t + 1]);
+            }
+            for (int t = 0; t < 8; t += 4) {
+                b[t] = _mm256_shuffle_ps(a[t], a[t + 2], 0x44);
+                b[t + 1] = _mm256_shuffle_ps(a[t], a[t + 2], 0xEE);
+                b[t + 2] = _mm256_shuffle_ps(a[t + 1], a[t + 3], 0x44);
+                b[t + 3] = _mm256_shuffle_ps(a[t + 1], a[t + 3], 0xEE);
+            }
+            for (int t = 0; t < 4; t++) {
+                _mm256_storeu_ps(kt + (i0 + t) * BLOCK + j0,
+                                 _mm256_permute2f128_ps(b[t], b[t + 4], 0x20));
+                _mm256_storeu_ps(kt + (i0 + t + 4) * BLOCK + j0,
+                                 _mm256_permute2f128_ps(b[t], b[t + 4], 0x31));
+            }
+        }
+    }
+}
+
+/* s[r * BLOCK + 8 t ..] = q[r] . keys 8 t .. 8 t + 7 of kt, for R <= 4 rows and V <= 3 vectors
+ * of keys (constants after inlining): R x V accumulators, V key vectors and a broadcast query
+ * element, 16 registers at most, so nothing is reloaded within an element's FMAs. */
+static inline __attribute__((always_inline)) void scores_on_lanes(
+        const float *q, const int R, const float *kt, int64_t d, const int V, float *s) {
+    __m256 a[4][3];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < V; t++) a[r][t] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i++) {
+        __m256 kv[3];
+        for (int t = 0; t < V; t++) {
+            kv[t] = _mm256_loadu_ps(kt + i * BLOCK + 8 * t);
+            IN_REGISTER(kv[t]);
+        }
+        for (int r = 0; r < R; r++) {
+            const __m256 qb = _mm256_broadcast_ss(q + r * d + i);
+            for (int t = 0; t < V; t++) a[r][t] = _mm256_fmadd_ps(qb, kv[t], a[r][t]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < V; t++) _mm256_storeu_ps(s + r * BLOCK + 8 * t, a[r][t]);
+}
+
+/* Scores of R rows (any number) against the transposed block kt of n keys, into s: 4 rows by
+ * 3 key vectors at a time. */
+static inline void block_scores_on_lanes(const float *q, int64_t R, const float *kt, int64_t n,
+                                         int64_t d, float *s) {
+    const int64_t vectors = (n + 7) / 8;
+    for (int64_t r = 0; r < R; r += 4) {
+        const int64_t rows = R - r < 4 ? R - r : 4;
+        for (int64_t t = 0; t < vectors; t += 3) {
+            const int64_t v = vectors - t < 3 ? vectors - t : 3;
+            const float *qr = q + r * d, *kv = kt + 8 * t;
+            float *sr = s + r * BLOCK + 8 * t;
+            switch (rows * 4 + v) {  /* constant shapes keep the accumulators in registers */
+                case 4 * 4 + 3: scores_on_lanes(qr, 4, kv, d, 3, sr); break;
+                case 4 * 4 + 2: scores_on_lanes(qr, 4, kv, d, 2, sr); break;
+                case 4 * 4 + 1: scores_on_lanes(qr, 4, kv, d, 1, sr); break;
+                default:
+                    for (int64_t u = 0; u < rows; u++)
+                        for (int64_t w = 0; w < v; w++)
+                            scores_on_lanes(qr + u * d, 1, kv + 8 * w, d, 1,
+                                            sr + u * BLOCK + 8 * w);
+            }
+        }
     }
 }
 #endif
@@ -108,13 +209,14 @@ static inline void block_scores(const float *q, int R, const float *const k[], i
     int64_t j = 0;
 #ifdef __AVX2__
     if (d % 8 == 0) {
-        for (; j + 4 <= n; j += 4) {
-            switch (R) {  /* a constant R per call keeps the accumulators in registers */
-                case 3: scores_4keys(q, 3, k + j, d, s + j); break;
-                case 2: scores_4keys(q, 2, k + j, d, s + j); break;
-                default: scores_4keys(q, 1, k + j, d, s + j);
+        /* constant shapes per call keep the accumulators in registers */
+        if (R == 3)
+            for (; j + 3 <= n; j += 3) scores_keys(q, 3, k + j, d, 3, s + j);
+        else
+            for (; j + 4 <= n; j += 4) {
+                if (R == 2) scores_keys(q, 2, k + j, d, 4, s + j);
+                else scores_keys(q, 1, k + j, d, 4, s + j);
             }
-        }
     }
 #endif
     for (; j < n; j++)
@@ -148,7 +250,7 @@ static inline void block_values(float *o, const float *alpha, const float *p,
 static inline __attribute__((always_inline)) void attend_range(
         const float *qs, int64_t R, float softcap, const float *k_pool, const float *v_pool,
         const int32_t *slots, int64_t lo, int64_t hi, int64_t kv_row, const int64_t d,
-        float *o, float *s, float *m, float *l, float *alpha) {
+        float *o, float *s, float *m, float *l, float *alpha, float *kt) {
     for (int64_t j0 = lo; j0 < hi; j0 += BLOCK) {
         const int64_t n = hi - j0 < BLOCK ? hi - j0 : BLOCK;
         const float *k[BLOCK], *v[BLOCK];
@@ -156,8 +258,14 @@ static inline __attribute__((always_inline)) void attend_range(
             k[j] = k_pool + (int64_t)slots[j0 + j] * kv_row;
             v[j] = v_pool + (int64_t)slots[j0 + j] * kv_row;
         }
-        for (int64_t r = 0; r < R; r += ROWS)
-            block_scores(qs + r * d, R - r < ROWS ? R - r : ROWS, k, n, d, s + r * BLOCK);
+#ifdef __AVX2__
+        if (kt != NULL) {
+            transpose_block(k, n, d, kt);
+            block_scores_on_lanes(qs, R, kt, n, d, s);
+        } else
+#endif
+            for (int64_t r = 0; r < R; r += ROWS)
+                block_scores(qs + r * d, R - r < ROWS ? R - r : ROWS, k, n, d, s + r * BLOCK);
         for (int64_t r = 0; r < R; r++) {
             float *sr = s + r * BLOCK;
             if (softcap > 0.0f)  /* Gemma 2: scores (scale included) squashed before softmax */
@@ -200,7 +308,7 @@ static inline __attribute__((always_inline)) void attend_chunk(
         int64_t max_rows) {
     const int64_t rep = hq / hkv, kv_row = hkv * d;
     float *qs = work, *o = qs + max_rows * d, *s = o + max_rows * d, *m = s + max_rows * BLOCK,
-          *l = m + max_rows, *alpha = l + max_rows;
+          *l = m + max_rows, *alpha = l + max_rows, *kt = alpha + max_rows;
     int64_t R = 0;  /* rows per KV head */
     for (int64_t req = first; req < first + count; req++) {
         R += rq.q_len[req] * rep;
@@ -222,7 +330,8 @@ static inline __attribute__((always_inline)) void attend_chunk(
         if (prefix > 0)
             attend_range(qs + h * R * d, R, softcap, k_pool + h * d, v_pool + h * d,
                          rq.kv_indices + rq.kv_start[first], 0, prefix, kv_row, d,
-                         o + h * R * d, s, m + h * R, l + h * R, alpha);
+                         o + h * R * d, s, m + h * R, l + h * R, alpha,
+                         R >= WIDE_ROWS && d % 8 == 0 ? kt : NULL);
     }
     for (int64_t req = first, row = 0; req < first + count; req++) {
         const int64_t nq = rq.q_len[req], nk = rq.kv_len[req];
@@ -234,7 +343,7 @@ static inline __attribute__((always_inline)) void attend_chunk(
                 const int64_t at = h * R + row;
                 attend_range(qs + at * d, rep, softcap, k_pool + h * d, v_pool + h * d,
                              rq.kv_indices + rq.kv_start[req], lo, pos + 1, kv_row, d,
-                             o + at * d, s, m + at, l + at, alpha);
+                             o + at * d, s, m + at, l + at, alpha, NULL);
                 float *dst = out + ((rq.q_start[req] + i) * hq + h * rep) * d;
                 for (int64_t r = 0; r < rep; r++) {
                     const float inv = 1.0f / l[at + r];
@@ -303,7 +412,7 @@ void paged_attention_f32(const float *q, int64_t q_stride, const float *k_pool,
     {
         /* Per thread: scaled queries and accumulators, a block of scores, and each row's max,
          * sum and rescale factor. */
-        float *work = malloc(sizeof(float) * max_rows * (2 * d + BLOCK + 3));
+        float *work = malloc(sizeof(float) * (max_rows * (2 * d + BLOCK + 3) + d * BLOCK));
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < num_chunks; c++) {
 #define CHUNK(D) attend_chunk(q, q_stride, scale, softcap, k_pool, v_pool, out, rq,         \

@@ -8,11 +8,14 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from ...native import silu_mul
 from ...parallel import Slice, current, even_split
 from .linear import MergedLinear, RowParallelLinear, row_sources
 
 
 class GatedMLP(nn.Module):
+    native = False  # use_backends: silu(gate) * up in rollout/native's C (CPU, fp32)
+
     def __init__(self, hidden_size: int, intermediate_size: int, act: str,
                  bias: bool = False) -> None:
         super().__init__()
@@ -24,8 +27,14 @@ class GatedMLP(nn.Module):
                                          sources=None if rows is None else (rows, rows))
         cols = None if rows is None else Slice(1, start, local, intermediate_size)
         self.down_proj = RowParallelLinear(local, hidden_size, bias, tp, cols)
-        self.act = ACT2FN[act]
+        self.act, self.act_name = ACT2FN[act], act
+
+    def use_backends(self, backends) -> None:
+        self.native = self.act_name == "silu" and backends.native_layer_ops(
+            self.down_proj.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.forward_split(x)
+        if self.native and gate.dtype == torch.float32 and gate.device.type == "cpu":
+            return self.down_proj(silu_mul.silu_mul(gate, up))
         return self.down_proj(self.act(gate) * up)

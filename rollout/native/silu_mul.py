@@ -1,0 +1,20 @@
+"""silu(gate) * up in C (silu_mul.c) for the gated MLP on the CPU in fp32: one pass instead of
+two torch ops. Its exp is ~2 ulp from libm's, so outputs are a float32 rounding or two from
+torch's."""
+
+from __future__ import annotations
+
+import torch
+
+from . import library
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate and up [..., dim] with unit stride in the last dimension (the
+    halves of a fused gate-up output); a new contiguous tensor."""
+    dim = gate.shape[-1]
+    g, u = (x if x.dim() == 2 and x.stride(1) == 1 else x.reshape(-1, dim) for x in (gate, up))
+    out = torch.empty(gate.shape, dtype=gate.dtype)
+    library().silu_mul_f32(g.data_ptr(), g.stride(0), u.data_ptr(), u.stride(0), out.data_ptr(),
+                           g.shape[0], dim, torch.get_num_threads())
+    return out

@@ -1,0 +1,66 @@
+"""silu(gate) * up in rollout/native's C against torch's ops it replaces in the gated MLP (CPU,
+fp32), over the float range and on the halves of a fused gate-up output; the engine's MLPs take
+it exactly when EngineConfig.native_cpu_kernels says and the activation is SiLU."""
+
+import pytest
+import torch
+from models import tiny_model
+
+from rollout import Engine, EngineConfig
+from rollout.models.layers.mlp import GatedMLP
+from rollout.native import norm_rope, silu_mul
+
+pytestmark = pytest.mark.skipif(not norm_rope.supported(torch.device("cpu"), torch.float32),
+                                reason="no C compiler here")
+
+
+def reference(gate, up):
+    return torch.nn.functional.silu(gate) * up
+
+
+@pytest.mark.parametrize("rows, dim", [(1, 8), (128, 1536), (3, 13), (700, 96)])
+def test_matches_torch_on_the_halves_of_a_fused_output(rows, dim):
+    gen = torch.Generator().manual_seed(dim)
+    gate_up = torch.randn(rows, 2 * dim, generator=gen) * 6
+    gate, up = gate_up.split([dim, dim], dim=-1)  # rows 2 * dim apart
+    got = silu_mul.silu_mul(gate, up)
+    assert got.shape == (rows, dim) and got.is_contiguous()
+    torch.testing.assert_close(got, reference(gate, up), rtol=3e-7 * 8, atol=1e-37)
+
+
+def test_the_whole_float_range():
+    """Both tails (exp overflowing one way, silu -> x the other), zeros, every exponent, and
+    NaN and infinities as torch gives them."""
+    gate = torch.cat([torch.tensor([0.0, -0.0, 1e-30, -1e-30, 20.0, -20.0, 87.0, -87.0, 88.5,
+                                    -88.5, 100.0, -100.0, 3e38, -3e38, float("nan"),
+                                    float("inf"), float("-inf")]),
+                      torch.logspace(-30, 30, 241), -torch.logspace(-30, 30, 241)])
+    up = torch.linspace(-3, 3, gate.numel())
+    got = silu_mul.silu_mul(gate, up)
+    want = reference(gate, up)
+    # (3e38 times up overflows in both) relative where the result is a normal float; beyond, both are within a denormal of 0
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-36, equal_nan=True)
+
+
+def test_a_3d_input():
+    gate, up = torch.randn(2, 5, 64), torch.randn(2, 5, 64)
+    torch.testing.assert_close(silu_mul.silu_mul(gate, up), reference(gate, up), rtol=2e-6,
+                               atol=1e-7)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_engine_mlps_follow_the_config(native):
+    engine = Engine(tiny_model("llama"), EngineConfig(kv_cache_tokens=256, max_model_len=64,
+                                                       native_cpu_kernels=native))
+    mlps = [m for m in engine.runner.model.modules() if isinstance(m, GatedMLP)]
+    assert mlps and all(m.native == native for m in mlps)
+    x = torch.randn(4, mlps[0].gate_up_proj.in_features)
+    native_out = mlps[0](x)
+    mlps[0].native = False
+    torch.testing.assert_close(native_out, mlps[0](x), rtol=1e-5, atol=1e-6)
+
+
+def test_other_activations_keep_torch():
+    mlp = GatedMLP(16, 32, "gelu_pytorch_tanh")
+    mlp.use_backends(type("B", (), {"native_layer_ops": staticmethod(lambda w: True)})())
+    assert not mlp.native
