@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from . import cpu_heap
 from .journal import RollbackFailed
 from .parallel.reshard import ReshardStats, rank_parts
 from .sleep import release_cuda_cache, tensor_bytes
@@ -68,6 +69,8 @@ class Colocation:
                 raise
             if self.device.type == "cuda":
                 release_cuda_cache(self.device)
+            else:
+                cpu_heap.release_freed_blocks()
             self.sleep_level = level
             self._weights_missing = self._weights_missing or level == 2
 

@@ -47,6 +47,10 @@ class EngineConfig:
     # paths run). False: the torch paths always. (The sampler's C Gumbel-max gives torch's
     # bits, so it runs either way; ROLLOUT_NATIVE=0 turns every C kernel off.)
     native_cpu_kernels: bool = True
+    # CPU only: glibc keeps freed blocks below 32 MB in the heap for reuse, so a step's logits
+    # do not page-fault anew every step (rollout/cpu_heap.py; process-wide, given back at
+    # sleep). False: glibc's defaults stay.
+    keep_cpu_heap: bool = True
     dtype: torch.dtype | str | None = None  # None: the model's dtype
     device: torch.device | str | None = None  # None: the model's device (cuda if loading a path)
     seed: int | None = None  # default seed of unseeded requests; None draws one per request
@@ -90,6 +94,7 @@ class EngineConfig:
         self.cuda_graphs = as_bool("cuda_graphs", self.cuda_graphs)
         self.pack_cpu_weights = as_bool("pack_cpu_weights", self.pack_cpu_weights)
         self.native_cpu_kernels = as_bool("native_cpu_kernels", self.native_cpu_kernels)
+        self.keep_cpu_heap = as_bool("keep_cpu_heap", self.keep_cpu_heap)
         self.tensor_parallel_size = as_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         self.check_tensor_parallel = as_bool("check_tensor_parallel", self.check_tensor_parallel)
         if self.dtype is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from . import cpu_heap
 from .backends import resolve_backends
 from .config import EngineConfig
 from .cuda_graph import DecodeGraphs
@@ -24,6 +25,8 @@ class ModelStack:
     def __init__(self, model, config: EngineConfig, num_slots: int, device: torch.device,
                  journal: Journal) -> None:
         self.model, self.device = model, device
+        if device.type == "cpu" and config.keep_cpu_heap:
+            cpu_heap.keep_freed_blocks()
         layout = model.kv_layout
         self.pool = KVPool(layout.num_layers, num_slots, layout.kv_heads, layout.head_dim,
                            model.dtype, device, model.slot_extras())

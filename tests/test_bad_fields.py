@@ -117,6 +117,8 @@ BAD_CONFIG = [
     *cases("backend", [None, "cuda", ("torch",)]),
     *cases("attention_backend", ["cuda", ("torch",)]),
     *cases("enable_prefix_caching", [None, 1, "yes"]), *cases("cuda_graphs", [0, "no", [False]]),
+    *cases("pack_cpu_weights", [None, "no"]), *cases("native_cpu_kernels", [1, "yes"]),
+    *cases("keep_cpu_heap", [None, 0, "true"]),
     *cases("dtype", ["int32", torch.int32, torch.bool, torch.complex64, torch.float64, "float64",
                      torch.float8_e4m3fn, np.float32, 5, "", "torch.int8"]),
     *cases("device", ["gpu", "cuda:x", "cuda:-1", "", " cpu", 1.5, True, 0, ["cpu"]]),
