@@ -18,8 +18,8 @@ of a backend.
 
 On CPU either backend's projections multiply by weights packed for oneDNN where it has a
 kernel for their dtype (rollout/models/layers/packed_linear.py), unless
-`EngineConfig.pack_cpu_weights` is off; in fp32 either backend's RMSNorm and rotary embedding,
-and the torch backend's decode, verify and later-turn attention, run in the C of
+`EngineConfig.pack_cpu_weights` is off; in fp32 either backend's RMSNorm, rotary embedding and
+gated-MLP SiLU, and the torch backend's decode, verify and later-turn attention, run in the C of
 rollout/native, unless `EngineConfig.native_cpu_kernels` is off. (The sampler's Gumbel noise runs there too whenever
 it builds: it gives torch's bits, so it is not a choice.)
 

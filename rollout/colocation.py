@@ -69,7 +69,7 @@ class Colocation:
                 raise
             if self.device.type == "cuda":
                 release_cuda_cache(self.device)
-            else:
+            elif self.device.type == "cpu":
                 cpu_heap.release_freed_blocks()
             self.sleep_level = level
             self._weights_missing = self._weights_missing or level == 2

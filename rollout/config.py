@@ -42,8 +42,8 @@ class EngineConfig:
     # speed of F.linear at decode batch sizes; rollout/models/layers/packed_linear.py), which
     # doubles the weights' memory. False: F.linear on the weights themselves.
     pack_cpu_weights: bool = True
-    # CPU, fp32: RMSNorm, rotary and (torch backend) decode, verify and later-turn extend
-    # attention run in C (rollout/native, compiled at first use; without a C compiler the torch
+    # CPU, fp32: RMSNorm, rotary, the gated MLP's SiLU and (torch backend) decode, verify and
+    # later-turn extend attention run in C (rollout/native, compiled at first use; without a C compiler the torch
     # paths run). False: the torch paths always. (The sampler's C Gumbel-max gives torch's
     # bits, so it runs either way; ROLLOUT_NATIVE=0 turns every C kernel off.)
     native_cpu_kernels: bool = True

@@ -10,28 +10,29 @@ free, so every step touched its memory anew: 12K page faults, 15-20 ms of a 300 
 (the KV pool) are still mapped and unmapped on their own. `release_freed_blocks` (at sleep)
 hands every free heap page back, so sleeping frees the memory it always freed.
 
-Process-wide settings; elsewhere than glibc both do nothing.
+Process-wide settings; elsewhere than glibc both do nothing, and so does `keep_freed_blocks`
+where the user tuned glibc's malloc through its environment (USER_TUNING).
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import os
 from functools import cache
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 MMAP_THRESHOLD_MAX = 32 << 20  # glibc's cap on 64-bit systems
 KEEP_BYTES = 256 << 20  # free memory at the heap top kept rather than trimmed
+USER_TUNING = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 
 
 @cache
 def _glibc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name) if name else None
+        libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return None
-    if libc is None or not hasattr(libc, "mallopt") or not hasattr(libc, "malloc_trim"):
+    if not hasattr(libc, "mallopt") or not hasattr(libc, "malloc_trim"):
         return None
     libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
@@ -42,8 +43,13 @@ def _glibc() -> ctypes.CDLL | None:
 def keep_freed_blocks() -> bool:
     """Whether glibc now keeps freed blocks below 32 MB for reuse (once per process)."""
     libc = _glibc()
-    return (libc is not None and libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) == 1
-            and libc.mallopt(M_TRIM_THRESHOLD, KEEP_BYTES) == 1)
+    tuned = (any(name in os.environ for name in USER_TUNING)
+             or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""))
+    if libc is None or tuned:
+        return False
+    # Trim first: a failure between the two leaves the heap kept, mapped as before.
+    return (libc.mallopt(M_TRIM_THRESHOLD, KEEP_BYTES) == 1
+            and libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) == 1)
 
 
 def release_freed_blocks() -> None:

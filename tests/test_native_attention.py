@@ -194,21 +194,23 @@ def test_chunks_share_the_longest_common_run_of_slots(monkeypatch):
 
 @pytest.mark.parametrize("window", [None, 30, 200])
 @pytest.mark.parametrize("head_dim", [64, 40, 128, 36])
-def test_siblings_in_one_chunk_match_float64_reference(monkeypatch, window, head_dim):
-    """Twelve samples of a prompt (a 70-slot prefix: two key blocks, the second of 6 keys)
-    decoding and verifying side by side, every one in one chunk: the prefix read once for all
-    their rows (dozens a KV head, so its keys go onto the lanes where head_dim % 8 == 0),
-    each suffix after it; a window of 30 cuts into every context (each row then reads its own
-    range)."""
+@pytest.mark.parametrize("samples, softcap", [(12, None), (13, None), (7, 20.0)])
+def test_siblings_in_one_chunk_match_float64_reference(monkeypatch, window, head_dim, samples,
+                                                       softcap):
+    """Samples of a prompt (a 70-slot prefix: two key blocks, the second of 6 keys) decoding
+    and verifying side by side in chunks: the prefix read once for all their rows (42 and 30,
+    42 and 33, 39 a KV head: every remainder of 4 rows; the keys go onto the lanes where
+    head_dim % 8 == 0), each suffix after it; a window of 30 cuts into every context (each
+    row then reads its own range)."""
     monkeypatch.setattr(native_attention, "ITEMS_PER_THREAD", 1)
-    requests = [("a", 70, 71 + 3 * i, 1 + (i % 3 == 2) * 3) for i in range(12)]
+    requests = [("a", 70, 71 + 3 * i, 1 + (i % 3 == 2) * 3) for i in range(samples)]
     pool = random_pool(1, 2, head_dim)
     meta, q, k, v = make_step(pool, requests, 6, seed=11)
-    out, plan = native_forward(pool, meta, q, k, v, window=window)
+    out, plan = native_forward(pool, meta, q, k, v, window=window, softcap=softcap)
     native = plan.native if window is None else plan.by_window[window].native
     chunks = native.chunks(rep=3, threads=torch.get_num_threads())
-    assert chunks.count.tolist()[0] >= 8 and chunks.prefix.tolist()[0] == 70
-    ref = reference(pool, meta, q, 0, head_dim ** -0.5, window)
+    assert chunks.count.tolist()[0] >= min(8, samples) and chunks.prefix.tolist()[0] == 70
+    ref = reference(pool, meta, q, 0, head_dim ** -0.5, window, softcap)
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
 
 

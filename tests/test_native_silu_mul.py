@@ -42,6 +42,17 @@ def test_the_whole_float_range():
     torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-36, equal_nan=True)
 
 
+def test_strided_inputs():
+    x = torch.randn(6, 128)
+    gate, up = x[:, ::2], x[:, 1::2]  # last stride 2
+    torch.testing.assert_close(silu_mul.silu_mul(gate, up), reference(gate, up), rtol=2e-6,
+                               atol=1e-7)
+    y = torch.randn(3, 4, 64)
+    torch.testing.assert_close(silu_mul.silu_mul(y.transpose(0, 1), y.transpose(0, 1) * 2),
+                               reference(y.transpose(0, 1), y.transpose(0, 1) * 2), rtol=2e-6,
+                               atol=1e-7)
+
+
 def test_a_3d_input():
     gate, up = torch.randn(2, 5, 64), torch.randn(2, 5, 64)
     torch.testing.assert_close(silu_mul.silu_mul(gate, up), reference(gate, up), rtol=2e-6,

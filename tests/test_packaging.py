@@ -28,3 +28,16 @@ def test_the_renamed_packages_import_from_their_folders():
 
     assert pathlib.Path(rollout_kernels.__file__).parent == ROOT / "kernels"
     assert pathlib.Path(rollout_recipes.__file__).parent == ROOT / "recipes"
+
+
+def test_the_native_kernels_sources_and_headers_ship_and_are_built():
+    """The wheel carries what rollout/native compiles at first use, and the build (and its
+    cache key) takes every C file of the folder: a header left out of the key would let a
+    changed header reuse a stale library."""
+    from rollout import native
+
+    folder = ROOT / "rollout" / "native"
+    globs = SETUPTOOLS["package-data"]["rollout.native"]
+    shipped = {p.name for g in globs for p in folder.glob(g)}
+    assert {*native.SOURCES, *native.HEADERS} == shipped == {
+        p.name for p in folder.iterdir() if p.suffix in (".c", ".h")}

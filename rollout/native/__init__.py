@@ -25,6 +25,7 @@ from functools import cache
 from pathlib import Path
 
 SOURCES = ("paged_attention.c", "gumbel.c", "norm_rope.c", "silu_mul.c")
+HEADERS = ("exp_approx.h",)  # not compiled on their own; part of the build's key
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 # Every entry point's argument and result types, set once when the library loads: without them
 # ctypes passes Python ints as C ints, truncating 64-bit pointers and sizes.
@@ -61,7 +62,7 @@ def library() -> ctypes.CDLL | None:
     here = Path(__file__).parent
     sources = [here / name for name in SOURCES]
     try:
-        lib = ctypes.CDLL(str(_build(compiler, sources)))
+        lib = ctypes.CDLL(str(_build(compiler, sources, [here / name for name in HEADERS])))
         for name, (argtypes, restype) in SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, restype
@@ -73,10 +74,10 @@ def library() -> ctypes.CDLL | None:
         return None
 
 
-def _build(compiler: str, sources: list[Path]) -> Path:
+def _build(compiler: str, sources: list[Path], headers: list[Path]) -> Path:
     # -march=native code is for this CPU only: the key holds the CPU's flags as well.
     key = hashlib.sha256()
-    for part in (compiler, *FLAGS, _cpu_flags(), *(s.read_bytes() for s in sources)):
+    for part in (compiler, *FLAGS, _cpu_flags(), *(f.read_bytes() for f in (*sources, *headers))):
         key.update(part if isinstance(part, bytes) else part.encode())
     target = cache_dir() / f"rollout_native_{key.hexdigest()[:16]}.so"
     if target.exists():

@@ -15,30 +15,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "exp_approx.h"
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
 
 #define BLOCK 64
-
-/* exp(x) for x <= 0 (scores minus their running max): Cody-Waite range reduction and a
- * degree-6 polynomial, ~2 ulp; written without library calls so the compiler vectorises it. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
 
 static inline float dot(const float *a, const float *b, int64_t d) {
     float acc = 0.0f;
@@ -189,14 +172,12 @@ static inline void block_scores_on_lanes(const float *q, int64_t R, const float 
             const float *qr = q + r * d, *kv = kt + 8 * t;
             float *sr = s + r * BLOCK + 8 * t;
             switch (rows * 4 + v) {  /* constant shapes keep the accumulators in registers */
-                case 4 * 4 + 3: scores_on_lanes(qr, 4, kv, d, 3, sr); break;
-                case 4 * 4 + 2: scores_on_lanes(qr, 4, kv, d, 2, sr); break;
-                case 4 * 4 + 1: scores_on_lanes(qr, 4, kv, d, 1, sr); break;
-                default:
-                    for (int64_t u = 0; u < rows; u++)
-                        for (int64_t w = 0; w < v; w++)
-                            scores_on_lanes(qr + u * d, 1, kv + 8 * w, d, 1,
-                                            sr + u * BLOCK + 8 * w);
+#define SHAPE(RR, VV) case RR * 4 + VV: scores_on_lanes(qr, RR, kv, d, VV, sr); break
+                SHAPE(4, 3); SHAPE(4, 2); SHAPE(4, 1);
+                SHAPE(3, 3); SHAPE(3, 2); SHAPE(3, 1);
+                SHAPE(2, 3); SHAPE(2, 2); SHAPE(2, 1);
+                SHAPE(1, 3); SHAPE(1, 2); default: SHAPE(1, 1);
+#undef SHAPE
             }
         }
     }
@@ -273,11 +254,11 @@ static inline __attribute__((always_inline)) void attend_range(
             float mx = m[r];
 #pragma omp simd reduction(max : mx)
             for (int64_t j = 0; j < n; j++) mx = sr[j] > mx ? sr[j] : mx;
-            alpha[r] = m[r] == -INFINITY ? 0.0f : exp_nonpositive(m[r] - mx);
+            alpha[r] = m[r] == -INFINITY ? 0.0f : exp_approx(m[r] - mx);
             float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
             for (int64_t j = 0; j < n; j++) {
-                float p = exp_nonpositive(sr[j] - mx);
+                float p = exp_approx(sr[j] - mx);
                 sr[j] = p;
                 sum += p;
             }

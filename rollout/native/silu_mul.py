@@ -10,11 +10,14 @@ from . import library
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for gate and up [..., dim] with unit stride in the last dimension (the
-    halves of a fused gate-up output); a new contiguous tensor."""
+    """silu(gate) * up for gate and up [..., dim] of one shape, CPU fp32 (the halves of a fused
+    gate-up output: rows apart, unit stride within); a new contiguous tensor."""
+    assert gate.shape == up.shape and gate.dtype == up.dtype == torch.float32
     dim = gate.shape[-1]
-    g, u = (x if x.dim() == 2 and x.stride(1) == 1 else x.reshape(-1, dim) for x in (gate, up))
-    out = torch.empty(gate.shape, dtype=gate.dtype)
+    g, u = (x if x.dim() == 2 and x.stride(1) == 1
+            else (x if x.stride(-1) == 1 else x.contiguous()).reshape(-1, dim)
+            for x in (gate, up))
+    out = torch.empty(gate.shape, dtype=gate.dtype, device="cpu")
     library().silu_mul_f32(g.data_ptr(), g.stride(0), u.data_ptr(), u.stride(0), out.data_ptr(),
                            g.shape[0], dim, torch.get_num_threads())
     return out
