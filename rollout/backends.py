@@ -37,8 +37,10 @@ import torch
 from .attention import AttentionBackend, TorchAttention
 from .kv_pool import KVPool
 from .models.layers.moe import moe_torch
-from .models.layers.packed_linear import can_pack
+from .models.layers.packed_linear import PackedWeight, can_pack
+from .native import linear as native_linear
 from .native import norm_rope
+from .native.linear import NativePackedWeight
 from .sampler import SamplingBatch, sample
 from .spec.accept import accept_drafts_ref
 
@@ -58,9 +60,16 @@ class Backends:
     pack_cpu_weights: bool  # EngineConfig.pack_cpu_weights
     native_cpu_kernels: bool = False  # EngineConfig.native_cpu_kernels
 
-    def pack_weights(self, weight: torch.Tensor) -> bool:
-        """Whether a projection multiplies by a packed copy of `weight` (CPU, oneDNN)."""
-        return self.pack_cpu_weights and can_pack(weight.device, weight.dtype)
+    def packing(self, weight: torch.Tensor) -> PackedWeight | NativePackedWeight | None:
+        """The packed copy a projection multiplies by instead of `weight` (CPU): panels for
+        rollout/native's linear.c (fp32, native_cpu_kernels), else oneDNN's layout; None:
+        `weight` itself."""
+        if not self.pack_cpu_weights or not can_pack(weight.device, weight.dtype):
+            return None
+        if (self.native_cpu_kernels and weight.dtype == torch.float32
+                and native_linear.supported()):
+            return NativePackedWeight()
+        return PackedWeight()
 
     def native_layer_ops(self, weight: torch.Tensor) -> bool:
         """Whether RMSNorm, rotary embedding and the gated MLP's SiLU of a model with this

@@ -38,9 +38,10 @@ class EngineConfig:
     # Replay decode-only steps from CUDA graphs (rollout/cuda_graph.py); needs the Triton
     # backend. Off by default until a GPU run has measured it.
     cuda_graphs: bool = False
-    # CPU only: projections multiply by a copy of the weights packed for oneDNN (about 1.5x the
-    # speed of F.linear at decode batch sizes; rollout/models/layers/packed_linear.py), which
-    # doubles the weights' memory. False: F.linear on the weights themselves.
+    # CPU only: projections multiply by a packed copy of the weights (rollout/native's panels in
+    # fp32 with native_cpu_kernels, else oneDNN's layout; 1.5-2x the speed of F.linear at
+    # decode batch sizes; rollout/models/layers/packed_linear.py), which doubles the weights'
+    # memory. False: F.linear on the weights themselves.
     pack_cpu_weights: bool = True
     # CPU, fp32: RMSNorm, rotary, the gated MLP's SiLU and (torch backend) decode, verify and
     # later-turn extend attention run in C (rollout/native, compiled at first use; without a C compiler the torch

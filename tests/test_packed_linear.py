@@ -1,4 +1,5 @@
-"""CPU projections on oneDNN-packed weights (rollout/models/layers/packed_linear.py): F.linear's
+"""CPU projections on packed weights: oneDNN's layout (rollout/models/layers/packed_linear.py)
+and rollout/native's panels (linear.c, the fp32 default with native_cpu_kernels): F.linear's
 results to fp32 rounding, each row independent of the others, a copy that follows every change
 of its weight, dropped at sleep and counted in memory_held; the engine's outputs the same with
 packing off, and transformers' within the parity tests' bounds (those run packed: it is the CPU
@@ -11,6 +12,8 @@ from torch.nn import functional as F
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.models.layers.packed_linear import PackedWeight, can_pack
+from rollout.native import linear as native_linear
+from rollout.native.linear import NativePackedWeight
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32),
                                 reason="this torch build has no oneDNN")
@@ -20,31 +23,62 @@ PROMPTS = [[1, 2, 3, 4, 5, 6], [7, 8, 9], [1, 2, 3, 4, 5, 6, 10, 11]]
 SAMPLED = SamplingParams(n=3, temperature=0.9, top_p=0.95, max_tokens=12, logprobs=True, seed=7)
 
 
+PACKINGS = [PackedWeight, pytest.param(NativePackedWeight, marks=pytest.mark.skipif(
+    not native_linear.supported(), reason="no C compiler or no AVX2 here"))]
+
+
+@pytest.mark.parametrize("packing", PACKINGS)
 @pytest.mark.parametrize("rows", [0, 1, 7, 16, 130])
 @pytest.mark.parametrize("bias", [False, True])
-def test_equals_f_linear_to_rounding(rows, bias):
+def test_equals_f_linear_to_rounding(packing, rows, bias):
     g = torch.Generator().manual_seed(rows)
-    w = torch.randn(300, 96, generator=g)
+    w = torch.randn(300, 96, generator=g)  # 300 outputs: a last panel of 12 columns
     b = torch.randn(300, generator=g) if bias else None
     x = torch.randn(rows, 96, generator=g)
-    got = PackedWeight().linear(x, w, b)
+    got = packing().linear(x, w, b)
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
-def test_a_row_does_not_depend_on_the_others():
+@pytest.mark.parametrize("shape", [(5, 3, 40), (2, 1, 7)])
+def test_panels_take_any_leading_shape_and_strided_rows(shape):
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(33, shape[-1], generator=g)
+    x = torch.randn(shape, generator=g)
+    packed = NativePackedWeight() if native_linear.supported() else PackedWeight()
+    torch.testing.assert_close(packed.linear(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    wide = torch.randn(6, 2 * shape[-1], generator=g)
+    view = wide[:, ::2]  # rows with a stride of 2 within
+    torch.testing.assert_close(packed.linear(view, w, None), F.linear(view, w), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_panels_hand_long_prefills_to_f_linear(monkeypatch):
+    if not native_linear.supported():
+        pytest.skip("no native panels here")
+    monkeypatch.setattr(native_linear, "MAX_ROWS", 8)
+    g = torch.Generator().manual_seed(2)
+    w, x = torch.randn(20, 16, generator=g), torch.randn(9, 16, generator=g)
+    packed = NativePackedWeight()
+    assert torch.equal(packed.linear(x, w, None), F.linear(x, w))
+    assert packed.packed is None  # never packed for it
+
+
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_a_row_does_not_depend_on_the_others(packing):
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(576, 96, generator=g), torch.randn(64, 96, generator=g)
-    packed = PackedWeight()
+    packed = packing()
     whole = packed.linear(x, w, None)
     for r in (0, 13, 63):
         assert torch.equal(packed.linear(x[r:r + 1], w, None), whole[r:r + 1])
     assert torch.equal(packed.linear(x[5:21], w, None), whole[5:21])
 
 
-def test_follows_in_place_changes_and_swapped_storage():
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_follows_in_place_changes_and_swapped_storage(packing):
     w = torch.nn.Parameter(torch.randn(64, 32))
     x = torch.randn(4, 32)
-    packed = PackedWeight()
+    packed = packing()
     packed.linear(x, w, None)
     with torch.no_grad():
         w.mul_(-2)  # in place: same storage, a new version
@@ -67,10 +101,14 @@ def close(a, b):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
-def test_engine_packed_matches_unpacked(family):
+@pytest.mark.parametrize("native", [True, False])
+def test_engine_packed_matches_unpacked(family, native):
     model = tiny_model(family)
-    packed = Engine(model, EngineConfig(**CONFIG))
+    packed = Engine(model, EngineConfig(**CONFIG, native_cpu_kernels=native))
     plain = Engine(model, EngineConfig(**CONFIG, pack_cpu_weights=False))
+    kinds = {type(m.packing) for m in packed.model.modules() if hasattr(m, "packing")}
+    want = NativePackedWeight if native and native_linear.supported() else PackedWeight
+    assert kinds == {want}
     assert packed.model.derived_bytes() > 0 and plain.model.derived_bytes() == 0
     close(run(packed), run(plain))
 

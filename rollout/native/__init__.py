@@ -2,11 +2,12 @@
 compiler (`cc`, or $CC) for this CPU, cached, and loaded with ctypes.
 
 Torch's CPU ops leave a decode step to gathers, padded tiles and many small ops:
-paged_attention.c reads the KV pool in place, norm_rope.c does RMSNorm and rotary in one pass
-each, silu_mul.c the gated MLP's activation, gumbel.c draws the sampler's tokens. Plain C with
-no torch headers builds in a few seconds. OpenMP: the library asks for `libgomp.so.1`, which the
-loader resolves to the one torch already loaded, so both share one thread pool (two runtimes
-would each keep threads spinning on the same cores).
+paged_attention.c reads the KV pool in place, linear.c multiplies by weights packed in panels,
+norm_rope.c does RMSNorm and rotary in one pass each, silu_mul.c the gated MLP's activation,
+gumbel.c draws the sampler's tokens. Plain C with no torch headers builds in a few seconds.
+OpenMP: the library asks for `libgomp.so.1`, which the loader resolves to the one torch
+already loaded, so both share one thread pool (two runtimes would each keep threads spinning on
+the same cores).
 
 No compiler, or a build that fails, leaves `library()` None (said once in a warning): the
 torch paths run instead. ROLLOUT_NATIVE=0 turns the kernels off.
@@ -24,7 +25,7 @@ import warnings
 from functools import cache
 from pathlib import Path
 
-SOURCES = ("paged_attention.c", "gumbel.c", "norm_rope.c", "silu_mul.c")
+SOURCES = ("paged_attention.c", "gumbel.c", "norm_rope.c", "silu_mul.c", "linear.c")
 HEADERS = ("exp_approx.h",)  # not compiled on their own; part of the build's key
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 # Every entry point's argument and result types, set once when the library loads: without them
@@ -39,6 +40,9 @@ SIGNATURES = {
     "rms_norm_f32": ([_P, _I64, _P, _P, _I64, _I64, _F32, _INT], None),
     "rotary_f32": ([_P, _I64, _I64, _P, _I64, _I64, _I64, _P, _P, _I64, _I64, _INT], None),
     "silu_mul_f32": ([_P, _I64, _P, _I64, _P, _I64, _I64, _INT], None),
+    "pack_panels_f32": ([_P, _I64, _I64, _P, _INT], None),
+    "linear_f32": ([_P, _I64, _I64, _I64, _P, _I64, _P, _INT], None),
+    "linear_supported": ([], _INT),
 }
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
          "-shared", "-fPIC")

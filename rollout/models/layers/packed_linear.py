@@ -1,4 +1,5 @@
-"""CPU projections on weights packed once for oneDNN.
+"""CPU projections on weights packed once for oneDNN (and the choice of packing: fp32 weights
+take rollout/native's panels instead where its C builds, `Backends.packing`).
 
 At decode batch sizes (tens of rows) a CPU fp32 `F.linear` is slow for how it walks the weight,
 not for memory: on a 2-core AVX2 machine, SmolLM2-135M's 120 projections of a batch-16 step take
@@ -69,10 +70,10 @@ class Projection:
     """Mixin of the model's projections (nn.Linear subclasses and the LM head): `project`
     multiplies by the weight, packed where the engine's backends pack (use_backends)."""
 
-    packing: PackedWeight | None = None
+    packing = None  # PackedWeight, or rollout/native's NativePackedWeight (use_backends)
 
     def use_backends(self, backends) -> None:
-        self.packing = PackedWeight() if backends.pack_weights(self.weight) else None
+        self.packing = backends.packing(self.weight)
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packing is None:
