@@ -37,10 +37,9 @@ import torch
 from .attention import AttentionBackend, TorchAttention
 from .kv_pool import KVPool
 from .models.layers.moe import moe_torch
-from .models.layers.packed_linear import PackedWeight, can_pack
+from .models.layers.packed_linear import NativePackedWeight, PackedWeight, can_pack
 from .native import linear as native_linear
 from .native import norm_rope
-from .native.linear import NativePackedWeight
 from .sampler import SamplingBatch, sample
 from .spec.accept import accept_drafts_ref
 

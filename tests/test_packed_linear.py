@@ -11,9 +11,8 @@ from models import tiny_model
 from torch.nn import functional as F
 
 from rollout import Engine, EngineConfig, SamplingParams
-from rollout.models.layers.packed_linear import PackedWeight, can_pack
+from rollout.models.layers.packed_linear import NativePackedWeight, PackedWeight, can_pack
 from rollout.native import linear as native_linear
-from rollout.native.linear import NativePackedWeight
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32),
                                 reason="this torch build has no oneDNN")

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from ...native import linear as native_linear
+
 # The row count oneDNN tunes the packed layout for: a decode step's batch is tens of rows (hints
 # of 16 to 128 timed alike at 4 to 128 rows); the layout serves any row count, prefill included.
 BATCH_HINT = 16
@@ -36,8 +38,9 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-class PackedWeight:
-    """The packed copy of one [out, in] weight and the (storage, version) it was made from."""
+class PackedCopy:
+    """A packed copy of one [out, in] weight and the (storage, version) it was made from; the
+    subclasses pack and multiply."""
 
     __slots__ = ("packed", "key")
 
@@ -50,27 +53,61 @@ class PackedWeight:
         key = (weight.data_ptr(), weight._version)
         if key != self.key:
             self.drop()  # the stale copy goes before the new one is made
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+            self.packed = self._pack(weight.detach())
             self.key = key
         return self.packed
+
+    def _pack(self, weight: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def drop(self) -> None:
+        self.packed = self.key = None
+
+
+class PackedWeight(PackedCopy):
+    """oneDNN's blocked layout."""
+
+    __slots__ = ()
+
+    def _pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.refresh(weight), bias, "none", [], "")
-
-    def drop(self) -> None:
-        self.packed = self.key = None
 
     @property
     def nbytes(self) -> int:
         return 0 if self.packed is None else torch.ops.mkldnn._nbytes(self.packed)
 
 
+class NativePackedWeight(PackedCopy):
+    """fp32 panels for rollout/native's linear.c (rollout/native/linear.py): faster than
+    oneDNN's layout up to native_linear.MAX_ROWS rows; longer prefill chunks take F.linear."""
+
+    __slots__ = ()
+
+    def _pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return native_linear.pack_panels(weight)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+        k = weight.shape[1]
+        if x.numel() // k > native_linear.MAX_ROWS or x.dtype != torch.float32:
+            return F.linear(x, weight, bias)
+        y = native_linear.linear(x, self.refresh(weight), weight.shape[0])
+        return y if bias is None else y.add_(bias)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
+
+
 class Projection:
     """Mixin of the model's projections (nn.Linear subclasses and the LM head): `project`
     multiplies by the weight, packed where the engine's backends pack (use_backends)."""
 
-    packing = None  # PackedWeight, or rollout/native's NativePackedWeight (use_backends)
+    packing = None  # a PackedWeight or NativePackedWeight (use_backends: Backends.packing)
 
     def use_backends(self, backends) -> None:
         self.packing = backends.packing(self.weight)
