@@ -6,8 +6,6 @@ rollout/models/layers/packed_linear.py."""
 
 from __future__ import annotations
 
-from functools import cache
-
 import torch
 
 from . import library
@@ -18,9 +16,8 @@ MAX_ROWS = 2048
 PANEL = 16  # output columns a panel holds (linear.c)
 
 
-@cache
 def supported() -> bool:
-    lib = library()
+    lib = library()  # cached itself; not cached here, so a dropped library is seen at once
     return lib is not None and lib.linear_supported() == 1
 
 
