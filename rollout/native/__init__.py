@@ -25,6 +25,8 @@ import warnings
 from functools import cache
 from pathlib import Path
 
+import torch
+
 SOURCES = ("paged_attention.c", "gumbel.c", "norm_rope.c", "silu_mul.c", "linear.c")
 HEADERS = ("exp_approx.h",)  # not compiled on their own; part of the build's key
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -46,6 +48,13 @@ SIGNATURES = {
 }
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
          "-shared", "-fPIC")
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., dim] as [rows, dim] with unit stride within a row, what the kernels take (a row
+    pointer and a row stride): a view where one exists, else a contiguous copy."""
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(1) == 1 else rows.contiguous()
 
 
 def cache_dir() -> Path:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import library
+from . import as_rows, library
 
 # Beyond this many rows (a long prefill chunk) each panel would be read against too many rows:
 # at 2048 the panels and F.linear (MKL) run level.
@@ -33,9 +33,7 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     """x [..., k] (fp32, CPU) times the packed [n, k] weight's transpose: [..., n], new."""
     k = x.shape[-1]
-    rows = x.reshape(-1, k)
-    if rows.stride(1) != 1:
-        rows = rows.contiguous()
+    rows = as_rows(x)
     y = torch.empty(rows.shape[0], n, dtype=torch.float32)
     if rows.shape[0]:
         library().linear_f32(rows.data_ptr(), rows.stride(0), rows.shape[0], k,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from . import library
+from . import as_rows, library
 
 def supported(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and library() is not None
@@ -14,11 +14,10 @@ def supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x * rsqrt(mean(x^2, -1) + eps) * weight, a new tensor of x's shape."""
-    dim = x.shape[-1]
-    rows = x if x.dim() == 2 and x.stride(1) == 1 else x.reshape(-1, dim)
+    rows = as_rows(x)
     out = torch.empty(x.shape, dtype=x.dtype)
     library().rms_norm_f32(rows.data_ptr(), rows.stride(0), weight.contiguous().data_ptr(),
-                        out.data_ptr(), rows.shape[0], dim, eps, torch.get_num_threads())
+                           out.data_ptr(), *rows.shape, eps, torch.get_num_threads())
     return out
 
 

@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import torch
 
-from . import library
+from . import as_rows, library
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate and up [..., dim] of one shape, CPU fp32 (the halves of a fused
     gate-up output: rows apart, unit stride within); a new contiguous tensor."""
     assert gate.shape == up.shape and gate.dtype == up.dtype == torch.float32
-    dim = gate.shape[-1]
-    g, u = (x if x.dim() == 2 and x.stride(1) == 1
-            else (x if x.stride(-1) == 1 else x.contiguous()).reshape(-1, dim)
-            for x in (gate, up))
+    g, u = as_rows(gate), as_rows(up)
     out = torch.empty(gate.shape, dtype=gate.dtype, device="cpu")
     library().silu_mul_f32(g.data_ptr(), g.stride(0), u.data_ptr(), u.stride(0), out.data_ptr(),
-                           g.shape[0], dim, torch.get_num_threads())
+                           *g.shape, torch.get_num_threads())
     return out
