@@ -1,6 +1,6 @@
 """The CPU attention kernel (rollout/native/paged_attention.c) alone on a decode step's shapes:
 16 prompts x n = 8 samples, each context a shared 262-token prompt and a private suffix, one KV
-pool per layer as the engine has them, the suffix slots interleaved as a decode allocates them
+pool per layer as the engine has them (one buffer, on huge pages), the suffix slots interleaved as a decode allocates them
 (token t of sample b at slot prefix + t * batch + b). Times a step's 30 layers with the
 suffixes (whole) and without them (the prompt part alone: one key each), best of --repeat,
 interleaved, and the prompt part's FMA rate. Prints only; not in CI.
@@ -18,6 +18,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from rollout import huge_pages  # noqa: E402
 from rollout.native import paged_attention as native  # noqa: E402
 
 
@@ -49,8 +50,10 @@ def main() -> None:
     batch = args.prompts * args.n
     num_slots = args.prefix + args.suffix * batch
     gen = torch.Generator().manual_seed(0)
-    pools = [(torch.randn(num_slots, kv_heads, dim, generator=gen),
-              torch.randn(num_slots, kv_heads, dim, generator=gen)) for _ in range(args.layers)]
+    # one buffer on huge pages, as the engine's KVPool holds them
+    buffer = huge_pages.empty_zeros((2, args.layers, num_slots, kv_heads, dim), torch.float32,
+                                    torch.device("cpu")).normal_(generator=gen)
+    pools = [(buffer[0, layer], buffer[1, layer]) for layer in range(args.layers)]
     q = torch.randn(batch, q_heads, dim, generator=gen)
     out = torch.empty_like(q)
     cases = {"prompt part": rows_for(args.prompts, args.n, args.prefix, 1),

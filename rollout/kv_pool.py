@@ -16,6 +16,7 @@ import os
 
 import torch
 
+from . import huge_pages
 
 def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                        extras: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
@@ -78,7 +79,7 @@ class KVPool:
     # --- memory -----------------------------------------------------------------------------
     def allocate(self) -> None:
         shape = (2, self.num_layers, self.num_slots, self.kv_heads, self.head_dim)
-        self.buffer = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.buffer = huge_pages.empty_zeros(shape, self.dtype, self.device)
         # One row more than slots: padded tokens of a CUDA-graph batch (slot -1) write there.
         self.extras = {name: torch.zeros((self.num_slots + 1, *extra_shape), dtype=dtype,
                                          device=self.device)
