@@ -184,16 +184,17 @@ class TorchAttention(AttentionBackend):
 
     def forward(self, q, k, v, layer, meta, scale, softcap=None):
         k_pool, v_pool = self.pool.k(layer), self.pool.v(layer)
-        k_pool.index_copy_(0, meta.out_slots, k)
-        v_pool.index_copy_(0, meta.out_slots, v)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         plan = meta.plan
         window = self.windows[layer]
         if window is not None:
             plan = plan.by_window[window]
-        if plan.native is not None:
+        if plan.native is not None:  # it stores the step's K/V before it reads any
             native_attention.paged_attention(q, k_pool, v_pool, out, plan.native, scale, window,
-                                             softcap)
+                                             softcap, store=(k, v, meta.out_slots))
+        else:
+            k_pool.index_copy_(0, meta.out_slots, k)
+            v_pool.index_copy_(0, meta.out_slots, v)
         for seg in plan.segments:
             qs = _gather(q, seg.q_index)
             ks, vs = _gather(k_pool, seg.kv_slots), _gather(v_pool, seg.kv_slots)

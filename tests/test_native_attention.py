@@ -98,6 +98,34 @@ def test_agrees_with_the_torch_paths_on_every_layer():
                                    atol=2e-6, rtol=1e-5)
 
 
+def test_the_kernel_stores_the_steps_kv_as_index_copy_would():
+    """The step's K/V go into the pool inside the kernel's call, before any row reads them: k
+    and v as views of the fused QKV output (token stride past their heads), padding slots
+    (negative) left alone, every other slot of the pool untouched."""
+    pool, reference_pool = random_pool(2, 3, 64), random_pool(2, 3, 64)
+    meta, q, k, v = make_step(pool, MIXED, 9, seed=11)
+    tokens = q.shape[0]
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    k_view = qkv[:, 9 * 64:12 * 64].view(tokens, 3, 64)
+    v_view = qkv[:, 12 * 64:].view(tokens, 3, 64)
+    assert not k_view.is_contiguous()
+    slots = meta.out_slots.clone()
+    slots[1] = -1  # a padded token writes nowhere
+    assert meta.q_lens[0] == 1
+    rows = native_attention.NativeRows.of([0], meta.qo_indptr.tolist(), meta.q_lens,
+                                          meta.kv_indptr.tolist(), meta.kv_lens, meta.kv_indices)
+    out = torch.empty_like(q)
+    native_attention.paged_attention(q, pool.k(1), pool.v(1), out, rows, 0.125, None, None,
+                                     store=(k_view, v_view, slots))
+    keep = slots >= 0
+    reference_pool.k(1).index_copy_(0, slots[keep], k[keep])
+    reference_pool.v(1).index_copy_(0, slots[keep], v[keep])
+    assert torch.equal(pool.buffer, reference_pool.buffer)
+    # and the request served read the pool after the store: its context ends at its new token
+    want = reference(reference_pool, meta, q, 1, 0.125)[:1]
+    torch.testing.assert_close(out[:1].double(), want, atol=2e-6, rtol=1e-5)
+
+
 def test_off_where_it_cannot_run(monkeypatch):
     pool = random_pool(1, 2, 64)
     assert not TorchAttention(pool, native=False).native

@@ -65,6 +65,30 @@ def test_rms_norm_of_a_strided_view():
     torch.testing.assert_close(layer(view), want, rtol=2e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("shape", [(1, 8), (128, 576), (3, 7, 64)])
+@pytest.mark.parametrize("native", [False, True])
+def test_add_forward_is_the_sum_bit_for_bit_and_its_norm(shape, native):
+    """The residual step and the next norm in one pass: the sum is torch's add exactly (the
+    stream carries it through every layer), the norm the layer's own; a strided delta (a view)
+    too, and no delta is the norm alone."""
+    gen = torch.Generator().manual_seed(shape[-1])
+    x = torch.randn(shape, generator=gen) * 5
+    wide = torch.randn(*shape[:-1], 2 * shape[-1], generator=gen)
+    delta = wide[..., 1::2] if native else wide[..., :shape[-1]]
+    layer = RMSNorm(shape[-1], 1e-6)
+    layer.weight.data = torch.randn(shape[-1], generator=gen)
+    want_sum = x + delta
+    want = layer(want_sum)
+    layer.native = native
+    x_before = x.clone()
+    total, h = layer.add_forward(x, delta)
+    assert torch.equal(total, want_sum)
+    torch.testing.assert_close(h, want, rtol=2e-6, atol=1e-6)
+    assert torch.equal(x, x_before)  # the stream the caller holds is not written
+    same, alone = layer.add_forward(x, None)
+    assert same is x and torch.equal(alone, layer(x))
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_the_engine_layers_follow_the_config(native):
     model = tiny_model("llama")

@@ -27,10 +27,14 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self.mlp_takes_ctx = getattr(mlp, "takes_ctx", False)
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, ctx) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
-        h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, ctx) if self.mlp_takes_ctx else self.mlp(h))
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, rope: RotaryEmbedding,
+                ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream; pending: what the layer before adds to it (its MLP's output),
+        added here by the norm that reads the sum (RMSNorm.add_forward). Returns the stream and
+        this layer's MLP output, for the next layer or the final norm to add."""
+        x, h = self.input_layernorm.add_forward(x, pending)
+        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(h, rope, ctx))
+        return x, (self.mlp(h, ctx) if self.mlp_takes_ctx else self.mlp(h))
 
 
 @register("llama", "mistral")
@@ -67,10 +71,10 @@ class LlamaForCausalLM(CausalLM):
         return self.model.embed_tokens if self.lm_head is None else self.lm_head
 
     def forward(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
+        x, pending = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            x = layer(x, self.rope, ctx)
-        return self.model.norm(x)
+            x, pending = layer(x, pending, self.rope, ctx)
+        return self.model.norm.add_forward(x, pending)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head.logits(hidden)

@@ -5,20 +5,35 @@
 #include <math.h>
 #include <stdint.h>
 
+static inline void norm_row(const float *xr, const float *w, float *o, int64_t dim, float eps) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < dim; i++) ss += xr[i] * xr[i];
+    const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < dim; i++) o[i] = xr[i] * inv * w[i];
+}
+
 /* out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w (the weight as given: Gemma's 1 + w is the
  * caller's), rows of x with stride x_stride, out contiguous. */
 void rms_norm_f32(const float *x, int64_t x_stride, const float *w, float *out, int64_t rows,
                   int64_t dim, float eps, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * dim > 32768)
+    for (int64_t r = 0; r < rows; r++) norm_row(x + r * x_stride, w, out + r * dim, dim, eps);
+}
+
+/* The residual stream's step and the next norm in one pass: sum[r] = x[r] + delta[r] (the
+ * float adds torch makes), out[r] = the RMSNorm of sum[r]; sum and out contiguous. */
+void add_rms_norm_f32(const float *x, int64_t x_stride, const float *delta,
+                      int64_t delta_stride, const float *w, float *sum, float *out, int64_t rows,
+                      int64_t dim, float eps, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * dim > 32768)
     for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * x_stride;
-        float *o = out + r * dim;
-        float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-        for (int64_t i = 0; i < dim; i++) ss += xr[i] * xr[i];
-        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+        const float *xr = x + r * x_stride, *dr = delta + r * delta_stride;
+        float *sr = sum + r * dim;
 #pragma omp simd
-        for (int64_t i = 0; i < dim; i++) o[i] = xr[i] * inv * w[i];
+        for (int64_t i = 0; i < dim; i++) sr[i] = xr[i] + dr[i];
+        norm_row(sr, w, out + r * dim, dim, eps);
     }
 }
 

@@ -21,6 +21,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, rms_norm(x + delta)) in one pass, both new tensors of x's shape."""
+    assert delta.shape == x.shape, (delta.shape, x.shape)
+    rows, deltas = as_rows(x), as_rows(delta)
+    total, out = torch.empty(x.shape, dtype=x.dtype), torch.empty(x.shape, dtype=x.dtype)
+    library().add_rms_norm_f32(rows.data_ptr(), rows.stride(0), deltas.data_ptr(),
+                               deltas.stride(0), weight.contiguous().data_ptr(),
+                               total.data_ptr(), out.data_ptr(), *rows.shape, eps,
+                               torch.get_num_threads())
+    return total, out
+
+
 def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate q [T, Hq, D] and k [T, Hk, D] (heads contiguous, any token stride) in place by
     cos/sin [T, 1, rot] (contiguous)."""

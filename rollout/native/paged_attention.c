@@ -387,16 +387,24 @@ int64_t plan_chunks(const int32_t *q_len, const int32_t *kv_start, const int32_t
 }
 
 /* Requests r < num_requests: queries q_start[r] .. + q_len[r] of the flat token axis, context
- * the slots kv_indices[kv_start[r] .. + kv_len[r]], in the chunks of plan_chunks. q [T, Hq, D] with token stride q_stride (heads
- * contiguous), out [T, Hq, D] contiguous (only the requests' rows written), k_pool and v_pool
- * [slots, Hkv, D] contiguous. */
-void paged_attention_f32(const float *q, int64_t q_stride, const float *k_pool,
-                         const float *v_pool, float *out, const int32_t *q_start,
-                         const int32_t *q_len, const int32_t *kv_start, const int32_t *kv_len,
+ * the slots kv_indices[kv_start[r] .. + kv_len[r]], in the chunks of plan_chunks. q [T, Hq, D]
+ * with token stride q_stride (heads contiguous), out [T, Hq, D] contiguous (only the requests'
+ * rows written), k_pool and v_pool [slots, Hkv, D] contiguous.
+ *
+ * First the step's own K/V go into the pool: token t's k_new/v_new rows ([Hkv, D] contiguous,
+ * token strides k_stride/v_stride) into slot new_slots[t] (negative: padding, skipped), every
+ * thread a share, all done before any thread attends. In the same parallel region as the
+ * attention they cost no dispatch of their own; two torch index_copy_ calls a layer took
+ * ~2 ms of a batch-128 step on one thread. */
+void paged_attention_f32(const float *q, int64_t q_stride, float *k_pool, float *v_pool,
+                         float *out, const int32_t *q_start, const int32_t *q_len,
+                         const int32_t *kv_start, const int32_t *kv_len,
                          const int32_t *kv_indices, const int32_t *chunk_first,
                          const int32_t *chunk_count, const int32_t *chunk_prefix,
                          int64_t num_chunks, int64_t hq, int64_t hkv, int64_t d, float scale,
-                         int64_t window, float softcap, int num_threads) {
+                         int64_t window, float softcap, const float *k_new, int64_t k_stride,
+                         const float *v_new, int64_t v_stride, const int64_t *new_slots,
+                         int64_t num_new, int num_threads) {
     const Requests rq = {q_start, q_len, kv_start, kv_len, kv_indices};
     int64_t max_rows = 0;  /* of a chunk, every KV head's */
     for (int64_t c = 0; c < num_chunks; c++) {
@@ -410,6 +418,13 @@ void paged_attention_f32(const float *q, int64_t q_stride, const float *k_pool,
         /* Per thread: scaled queries and accumulators, a block of scores, and each row's max,
          * sum and rescale factor. */
         float *work = malloc(sizeof(float) * (max_rows * (2 * d + BLOCK + 3) + d * BLOCK));
+        const int64_t kv_row = hkv * d;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < num_new; t++) {
+            if (new_slots[t] < 0) continue;
+            memcpy(k_pool + new_slots[t] * kv_row, k_new + t * k_stride, sizeof(float) * kv_row);
+            memcpy(v_pool + new_slots[t] * kv_row, v_new + t * v_stride, sizeof(float) * kv_row);
+        }  /* the loop's barrier: every new key is in the pool before anyone reads it */
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < num_chunks; c++) {
 #define CHUNK(D) attend_chunk(q, q_stride, scale, softcap, k_pool, v_pool, out, rq,         \

@@ -76,24 +76,40 @@ def supported(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and _kernel() is not None
 
 
+def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] with unit stride in D and D between heads (any token stride)."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+
+
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     out: torch.Tensor, rows: NativeRows, scale: float, window: int | None,
-                    softcap: float | None) -> None:
+                    softcap: float | None,
+                    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                    ) -> None:
     """Write into `out` [T, Hq, D] (contiguous) the rows' attention; q [T, Hq, D] with its
-    heads contiguous, k_pool/v_pool [slots, Hkv, D] contiguous."""
+    heads contiguous, k_pool/v_pool [slots, Hkv, D] contiguous. `store` = (k, v, slots): the
+    step's new K/V [N, Hkv, D] go into the pool at int64 `slots` [N] (negative: skipped) first,
+    as `k_pool.index_copy_(0, slots, k)` would put them."""
     hq, d = q.shape[1:]
     hkv = k_pool.shape[1]
-    if q.stride(2) != 1 or q.stride(1) != d:
-        q = q.contiguous()
+    q = _heads_contiguous(q)
     assert out.is_contiguous() and k_pool.is_contiguous() and v_pool.is_contiguous()
     assert q.dtype == k_pool.dtype == out.dtype == torch.float32
+    if store is None:
+        k_new = v_new = slots = torch.empty(0)
+    else:
+        k_new, v_new = (_heads_contiguous(x) for x in store[:2])
+        slots = store[2].contiguous()
+        assert k_new.shape == v_new.shape == (slots.numel(), hkv, d)
+        assert slots.dtype == torch.int64 and k_new.dtype == v_new.dtype == torch.float32
     kernel, threads = _kernel(), torch.get_num_threads()
     chunks = rows.chunks(hq // hkv, threads)
     kernel(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(),
            rows.q_start.data_ptr(), rows.q_len.data_ptr(), rows.kv_start.data_ptr(),
            rows.kv_len.data_ptr(), rows.kv_indices.data_ptr(), chunks.first.data_ptr(),
            chunks.count.data_ptr(), chunks.prefix.data_ptr(), chunks.first.numel(), hq, hkv, d,
-           scale, window or 0, softcap or 0.0, threads)
+           scale, window or 0, softcap or 0.0, k_new.data_ptr(), k_new.stride(0),
+           v_new.data_ptr(), v_new.stride(0), slots.data_ptr(), slots.numel(), threads)
 
 
 def _kernel():
