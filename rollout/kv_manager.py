@@ -25,6 +25,10 @@ from .kv_pool import KVPool
 from .request import Sequence
 from .slot_table import SlotTable
 
+# Consecutive slots a decoding sequence takes (alloc_decodes): 32 tokens x 768 bytes a layer
+# for SmolLM2-135M's K (and as much V) are runs the CPU's prefetchers follow.
+DECODE_RUN = 32
+
 
 class KVManager:
     def __init__(self, pool: KVPool, cache, table: SlotTable, journal: Journal) -> None:
@@ -36,6 +40,9 @@ class KVManager:
         self.holds: dict[object, object] = {}  # key -> radix node
         self.cache_hit_tokens = 0  # tokens matched in the tree at attach
         self.holds_dropped = 0  # holds released under memory pressure
+        # alloc_decodes' arrangement: (sequences, free slots left by the last allocation,
+        # allocations it still serves)
+        self._runs: tuple[int, int, int] | None = None
 
     # --- capacity ---------------------------------------------------------------------------
     @property
@@ -70,6 +77,30 @@ class KVManager:
         self.pending.append(slots)
         self.journal.record(self.pending.pop)
         return slots
+
+    def alloc_decodes(self, n: int) -> torch.Tensor | None:
+        """alloc(n) for the next position of each of n decoding sequences, listed in the same
+        order every step. Left alone, one step's n slots are consecutive, so each sequence's
+        own tokens lie n slots apart and attention reads them one scattered row at a time; so
+        the free list is arranged DECODE_RUN steps ahead (KVPool.arrange_runs) and each
+        sequence takes consecutive slots until the batch changes. Only which free slot goes
+        where changes: nothing is reserved or owned."""
+        pool = self.pool
+        if self._runs is None or self._runs[:2] != (n, pool.num_free) or self._runs[2] == 0:
+            run = min(DECODE_RUN, pool.num_free // max(n, 1))
+            if run > 1:
+                old = pool.arrange_runs(n, run)
+                self.journal.record(lambda: pool.restore_order(old))
+            self._set_runs((n, pool.num_free, run))
+        slots = self.alloc(n)
+        if slots is not None:
+            self._set_runs((n, pool.num_free, self._runs[2] - 1))
+        return slots
+
+    def _set_runs(self, runs: tuple[int, int, int]) -> None:
+        old = self._runs
+        self._runs = runs
+        self.journal.record(lambda: setattr(self, "_runs", old))
 
     def free(self, slots: torch.Tensor) -> None:
         self.pool.free(slots)
@@ -248,6 +279,7 @@ class KVManager:
         self.attached.clear()
         self.holds.clear()
         self.pending = []
+        self._runs = None
 
     # --- inspection -------------------------------------------------------------------------
     def private_slots(self, seq: Sequence) -> torch.Tensor:

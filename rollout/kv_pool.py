@@ -1,7 +1,9 @@
 """The KV pool: one allocation for every layer's K and V, and the free-slot stack.
 
 Page size is 1: a slot holds one token's K and V in every layer. Slots live as int64 tensors on
-the pool's device so allocation, freeing and metadata building never leave the device.
+the pool's device so allocation, freeing and metadata building never leave the device. The free
+list is a stack; its order is free to choose, and `arrange_runs` chooses it so that decoding
+sequences take consecutive slots (see KVManager.alloc_decodes).
 
 A slot may keep more than K/V: `extras` (the model's `slot_extras`, e.g. an MoE model's routed
 experts) are per-slot arrays written by the forward that writes the slot's K/V, allocated and
@@ -148,3 +150,22 @@ class KVPool:
 
     def free_slots(self) -> torch.Tensor:
         return self._free[:self._num_free]
+
+    def arrange_runs(self, streams: int, run: int) -> torch.Tensor:
+        """Reorder the top `streams * run` free slots so that the next `run` allocations of
+        `streams` slots each give stream i (the i-th slot of every allocation) a run of
+        consecutive slot ids, as consecutive as the free slots are: sorted, stream i takes the
+        i-th run of them. Only the order of the free list changes. Returns the region's old
+        order for `restore_order`."""
+        lo = self._num_free - streams * run
+        region = self._free[lo:self._num_free]
+        old = region.clone()
+        runs = region.sort().values.view(streams, run)
+        # An allocation takes the top `streams` slots, lowest index first: the first one must
+        # lie on top, stream order within it.
+        region.copy_(runs.t().flip(0).reshape(-1))
+        return old
+
+    def restore_order(self, old: torch.Tensor) -> None:
+        """Undo the latest `arrange_runs` (every later change undone first)."""
+        self._free[self._num_free - old.numel():self._num_free] = old

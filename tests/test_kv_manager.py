@@ -322,10 +322,11 @@ class World:
         self.stats["evicted"] += len(gone)
         self.unit_evicted += len(gone)
 
-    def alloc(self, n: int) -> tuple[int, ...] | None:
+    def alloc(self, n: int, decodes: bool = False) -> tuple[int, ...] | None:
+        """kv.alloc(n), or kv.alloc_decodes(n) (one slot for each of n decoding sequences)."""
         short = n - len(self.ref.free)
         available = len(self.ref.free) + len(self.unlocked())
-        slots = self.kv.alloc(n)
+        slots = self.kv.alloc_decodes(n) if decodes else self.kv.alloc(n)
         now = self.pool.free_slots().tolist()
         got = [] if slots is None else slots.tolist()
         back = set(now) | set(got)
@@ -394,6 +395,17 @@ class World:
             return False
         self.kv.place(seq, seq.num_computed, torch.tensor(slots, dtype=torch.int64))
         self.items.append(Item(seq, seq.num_computed, slots))
+        self._done()
+        return True
+
+    def grow_decodes(self, seqs: list[Sequence]) -> bool:
+        """One slot for the next position of each of `seqs`, in one allocation (the
+        scheduler's decode growth, whose free list is arranged into per-sequence runs)."""
+        slots = self.alloc(len(seqs), decodes=True)
+        if slots is None:
+            return False
+        self.kv.place_decodes(seqs, torch.tensor(slots, dtype=torch.int64))
+        self.items.extend(Item(seq, seq.num_computed, (slot,)) for seq, slot in zip(seqs, slots))
         self._done()
         return True
 
@@ -590,8 +602,12 @@ class Driver:
         if rng.random() < 0.25:  # the pool runs short: growth below evicts, then preempts
             w.scratch(max(1, w.kv.available - rng.randint(0, 6)))
             w.boundary()
+        decodes = [s for s in w.running if s.num_tokens - s.num_computed == 1]
+        if decodes and rng.random() < 0.5 and w.grow_decodes(decodes):
+            scheduled.update(s.seq_id for s in decodes)
+            w.boundary()
         for seq in list(w.running):
-            if seq not in w.running or rng.random() < 0.2:
+            if seq not in w.running or seq.seq_id in scheduled or rng.random() < 0.2:
                 continue
             todo = seq.num_tokens - seq.num_computed
             n = rng.randint(1, todo)
