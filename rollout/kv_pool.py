@@ -20,6 +20,7 @@ import torch
 
 from . import huge_pages
 
+
 def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                        extras: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
                        ) -> int:

@@ -184,9 +184,10 @@ static inline void block_scores_on_lanes(const float *q, int64_t R, const float 
 }
 #endif
 
-/* A decode's own keys (the private suffix) sit in slots scattered through the pool, one token
- * of each sample after the other as the batch decoded them: no hardware prefetcher follows
- * them. Asking for the key PREFETCH_KEYS ahead, and for the values the block will need next,
+/* A decode's own keys (the private suffix) sit in runs of consecutive slots at best
+ * (KVManager.alloc_decodes), one token of each sample after the other at worst, and each
+ * KV head's part of a slot is a fraction of its row: the hardware prefetchers follow little of
+ * it. Asking for the key PREFETCH_KEYS ahead, and for the values the block will need next,
  * while the scores run keeps more of those loads in flight (~5 % of a step's attention). */
 #define PREFETCH_KEYS 6
 
