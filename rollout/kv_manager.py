@@ -86,7 +86,7 @@ class KVManager:
         sequence takes consecutive slots until the batch changes. Only which free slot goes
         where changes: nothing is reserved or owned."""
         pool = self.pool
-        if self._runs is None or self._runs[:2] != (n, pool.num_free) or self._runs[2] == 0:
+        if self._runs is None or self._runs[:2] != (n, pool.num_free) or self._runs[2] <= 0:
             run = min(DECODE_RUN, pool.num_free // max(n, 1))
             if run > 1:
                 old = pool.arrange_runs(n, run)

@@ -124,6 +124,13 @@ def test_the_kernel_stores_the_steps_kv_as_index_copy_would():
     # and the request served read the pool after the store: its context ends at its new token
     want = reference(reference_pool, meta, q, 1, 0.125)[:1]
     torch.testing.assert_close(out[:1].double(), want, atol=2e-6, rtol=1e-5)
+    # a slot past the pool raises, as index_copy_ does, and writes nothing
+    slots[-1] = pool.num_slots
+    before = pool.buffer.clone()
+    with pytest.raises(IndexError, match=f"slot {pool.num_slots} of token {tokens - 1}"):
+        native_attention.paged_attention(q, pool.k(1), pool.v(1), out, rows, 0.125, None, None,
+                                         store=(k_view, v_view, slots))
+    assert torch.equal(pool.buffer, before)
 
 
 def test_off_where_it_cannot_run(monkeypatch):

@@ -187,8 +187,9 @@ static inline void block_scores_on_lanes(const float *q, int64_t R, const float 
 /* A decode's own keys (the private suffix) sit in runs of consecutive slots at best
  * (KVManager.alloc_decodes), one token of each sample after the other at worst, and each
  * KV head's part of a slot is a fraction of its row: the hardware prefetchers follow little of
- * it. Asking for the key PREFETCH_KEYS ahead, and for the values the block will need next,
- * while the scores run keeps more of those loads in flight (~5 % of a step's attention). */
+ * it. In the 3-row shape (a decode's query heads of one KV head, GQA 3 as SmolLM2's 9/3),
+ * asking for the key PREFETCH_KEYS ahead within the block, and for the block's values, while
+ * the scores run keeps more of those loads in flight (~5 % of a step's attention). */
 #define PREFETCH_KEYS 6
 
 static inline void prefetch_row(const float *p, int64_t d) {
@@ -396,8 +397,9 @@ int64_t plan_chunks(const int32_t *q_len, const int32_t *kv_start, const int32_t
  * token strides k_stride/v_stride) into slot new_slots[t] (negative: padding, skipped), every
  * thread a share, all done before any thread attends. In the same parallel region as the
  * attention they cost no dispatch of their own; two torch index_copy_ calls a layer took
- * ~2 ms of a batch-128 step on one thread. */
-void paged_attention_f32(const float *q, int64_t q_stride, float *k_pool, float *v_pool,
+ * ~2 ms of a batch-128 step on one thread. Returns -1, or the first token whose slot is past
+ * the pool's num_slots (then nothing is written or computed). */
+int64_t paged_attention_f32(const float *q, int64_t q_stride, float *k_pool, float *v_pool,
                          float *out, const int32_t *q_start, const int32_t *q_len,
                          const int32_t *kv_start, const int32_t *kv_len,
                          const int32_t *kv_indices, const int32_t *chunk_first,
@@ -405,7 +407,9 @@ void paged_attention_f32(const float *q, int64_t q_stride, float *k_pool, float 
                          int64_t num_chunks, int64_t hq, int64_t hkv, int64_t d, float scale,
                          int64_t window, float softcap, const float *k_new, int64_t k_stride,
                          const float *v_new, int64_t v_stride, const int64_t *new_slots,
-                         int64_t num_new, int num_threads) {
+                         int64_t num_new, int64_t num_slots, int num_threads) {
+    for (int64_t t = 0; t < num_new; t++)
+        if (new_slots[t] >= num_slots) return t;  /* nothing written: index_copy_ would raise */
     const Requests rq = {q_start, q_len, kv_start, kv_len, kv_indices};
     int64_t max_rows = 0;  /* of a chunk, every KV head's */
     for (int64_t c = 0; c < num_chunks; c++) {
@@ -440,4 +444,5 @@ void paged_attention_f32(const float *q, int64_t q_stride, float *k_pool, float 
         }
         free(work);
     }
+    return -1;
 }

@@ -104,12 +104,16 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         assert slots.dtype == torch.int64 and k_new.dtype == v_new.dtype == torch.float32
     kernel, threads = _kernel(), torch.get_num_threads()
     chunks = rows.chunks(hq // hkv, threads)
-    kernel(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(),
-           rows.q_start.data_ptr(), rows.q_len.data_ptr(), rows.kv_start.data_ptr(),
-           rows.kv_len.data_ptr(), rows.kv_indices.data_ptr(), chunks.first.data_ptr(),
-           chunks.count.data_ptr(), chunks.prefix.data_ptr(), chunks.first.numel(), hq, hkv, d,
-           scale, window or 0, softcap or 0.0, k_new.data_ptr(), k_new.stride(0),
-           v_new.data_ptr(), v_new.stride(0), slots.data_ptr(), slots.numel(), threads)
+    bad = kernel(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(),
+                 out.data_ptr(), rows.q_start.data_ptr(), rows.q_len.data_ptr(),
+                 rows.kv_start.data_ptr(), rows.kv_len.data_ptr(), rows.kv_indices.data_ptr(),
+                 chunks.first.data_ptr(), chunks.count.data_ptr(), chunks.prefix.data_ptr(),
+                 chunks.first.numel(), hq, hkv, d, scale, window or 0, softcap or 0.0,
+                 k_new.data_ptr(), k_new.stride(0), v_new.data_ptr(), v_new.stride(0),
+                 slots.data_ptr(), slots.numel(), k_pool.shape[0], threads)
+    if bad >= 0:
+        raise IndexError(f"store: slot {int(slots[bad])} of token {bad} is past the pool's "
+                         f"{k_pool.shape[0]} slots")
 
 
 def _kernel():
