@@ -27,16 +27,23 @@ USER_TUNING = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_P
 
 
 @cache
-def _glibc() -> ctypes.CDLL | None:
+def libc() -> ctypes.CDLL | None:
+    """The process's C library (also rollout/huge_pages.py's); None where it is not glibc's
+    libc.so.6."""
     try:
-        libc = ctypes.CDLL("libc.so.6")
+        return ctypes.CDLL("libc.so.6")
     except OSError:
         return None
-    if not hasattr(libc, "mallopt") or not hasattr(libc, "malloc_trim"):
+
+
+@cache
+def _glibc() -> ctypes.CDLL | None:
+    lib = libc()
+    if lib is None or not hasattr(lib, "mallopt") or not hasattr(lib, "malloc_trim"):
         return None
-    libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return libc
+    lib.mallopt.argtypes, lib.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    lib.malloc_trim.argtypes, lib.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return lib
 
 
 @cache

@@ -19,17 +19,16 @@ from functools import cache
 
 import torch
 
+from . import cpu_heap
+
 MADV_HUGEPAGE = 14
 HUGE_PAGE = 2 << 20
 
 
 @cache
 def _madvise():
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    except OSError:
-        return None
-    fn = getattr(libc, "madvise", None)
+    lib = cpu_heap.libc()
+    fn = None if lib is None else getattr(lib, "madvise", None)
     if fn is not None:
         fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
     return fn

@@ -85,22 +85,19 @@ class KVManager:
         the free list is arranged DECODE_RUN steps ahead (KVPool.arrange_runs) and each
         sequence takes consecutive slots until the batch changes. Only which free slot goes
         where changes: nothing is reserved or owned."""
-        pool = self.pool
-        if self._runs is None or self._runs[:2] != (n, pool.num_free) or self._runs[2] <= 0:
-            run = min(DECODE_RUN, pool.num_free // max(n, 1))
-            if run > 1:
-                old = pool.arrange_runs(n, run)
+        pool, runs = self.pool, self._runs
+        if runs is not None and runs[:2] == (n, pool.num_free) and runs[2] > 0:
+            left = runs[2]
+        else:
+            left = min(DECODE_RUN, pool.num_free // max(n, 1))
+            if left > 1:
+                old = pool.arrange_runs(n, left)
                 self.journal.record(lambda: pool.restore_order(old))
-            self._set_runs((n, pool.num_free, run))
         slots = self.alloc(n)
         if slots is not None:
-            self._set_runs((n, pool.num_free, self._runs[2] - 1))
+            self._runs = (n, pool.num_free, left - 1)
+            self.journal.record(lambda: setattr(self, "_runs", runs))
         return slots
-
-    def _set_runs(self, runs: tuple[int, int, int]) -> None:
-        old = self._runs
-        self._runs = runs
-        self.journal.record(lambda: setattr(self, "_runs", old))
 
     def free(self, slots: torch.Tensor) -> None:
         self.pool.free(slots)
