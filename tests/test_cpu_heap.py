@@ -64,7 +64,9 @@ def test_kept_blocks_stop_the_page_faults_of_every_step(keep):
     """)
     counts = list(map(int, out.split()))
     if keep:
-        assert max(counts) < 100
+        # The heap may still grow once more (one step maps the 24 MB it lacked: seen under a
+        # loaded suite); what is kept stops the faults of every step after it.
+        assert sum(c >= 100 for c in counts) <= 1, counts
     else:  # glibc's defaults: both buffers mapped anew, step after step
         assert min(counts) > 6000
 

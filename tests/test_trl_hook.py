@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 from datasets import Dataset
+from floors import alone_logprobs, tolerance
 from models import char_tokenizer, tiny_model
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
@@ -112,14 +113,31 @@ def test_grpo_steps_generate_with_engine_and_sleep_before_each_optimizer_step(tm
 
 class Capture(RolloutGRPOTrainer):
     """Keeps what TRL computed for each generation batch: the trainer's recomputed ("old")
-    logprobs next to the sampling logprobs it took from the engine."""
+    logprobs next to the sampling logprobs it took from the engine, and each row's logprobs
+    from a forward of that row alone (the reference's own spread: tests/floors.py)."""
 
     captured: list
 
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)
+        out["alone_logps"] = alone_logprobs(
+            self.model, out["prompt_ids"], out["prompt_mask"], out["completion_ids"],
+            out["completion_mask"], self.temperature)
         self.captured = getattr(self, "captured", []) + [out]
         return out
+
+
+def assert_engine_within_floor(captured) -> None:
+    """The engine's logprobs are TRL's recomputed ones within a multiple of transformers' own
+    batched-vs-alone spread over the same rows (measured here: 3.2e-6 to 5.7e-6 on AVX-512,
+    the engine's gap 4.1e-6 to 6.0e-6)."""
+    masks = [out["completion_mask"].bool() for out in captured]
+    old = torch.cat([out["old_per_token_logps"][m] for out, m in zip(captured, masks)])
+    sampled = torch.cat([out["sampling_per_token_logps"][m] for out, m in zip(captured, masks)])
+    alone = torch.cat([out["alone_logps"][m] for out, m in zip(captured, masks)])
+    floor = (old - alone).abs().max().item()
+    err = (old - sampled).abs().max().item()
+    assert err <= tolerance(floor, old), (err, floor)
 
 
 def test_engine_logprobs_equal_trl_recomputed_logprobs(tmp_path):
@@ -131,11 +149,8 @@ def test_engine_logprobs_equal_trl_recomputed_logprobs(tmp_path):
                       processing_class=tok, engine_config=ENGINE)
     trainer.train()
     assert len(trainer.captured) == 2  # the second comes after an optimizer step and a sync
+    assert_engine_within_floor(trainer.captured)
     for out in trainer.captured:
-        mask = out["completion_mask"].bool()
-        old, sampled = out["old_per_token_logps"], out["sampling_per_token_logps"]
-        err = (old - sampled)[mask].abs().max().item()
-        assert err < 1e-5, err
         ratio = out["importance_sampling_ratio"]
         assert (ratio - 1).abs().max().item() < 1e-4
 
@@ -225,10 +240,7 @@ def test_peft_lora_training_syncs_merged_weights(tmp_path):
     base = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" not in n}
     trainer.train()
     # lora_B starts at zero: only the second rollout (after a step moved it) tests the merge.
-    for out in trainer.captured:
-        mask = out["completion_mask"].bool()
-        err = (out["old_per_token_logps"] - out["sampling_per_token_logps"])[mask].abs().max()
-        assert err.item() < 1e-5
+    assert_engine_within_floor(trainer.captured)
     for n, p in trainer.model.named_parameters():
         if "lora_" not in n:
             assert torch.equal(p, base[n]), f"{n}: the frozen base weights were written"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -49,6 +50,16 @@ SIGNATURES = {
 }
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
          "-shared", "-fPIC")
+# x86: the compiler's auto-vectorised loops (norm sums, rotary, silu, the softmax) stay 256 bits
+# wide on AVX-512 machines too, so they add in the same lane order and round as on AVX2 ones: with
+# 512-bit lanes a LoRA-trained tiny Llama's logprob gap to transformers rose from 5.7e-6 to
+# 1.05e-5 (AMD EPYC, GCC 12). No kernel here has a measured AVX-512 variant yet.
+X86_FLAGS = ("-mprefer-vector-width=256",)
+
+
+def build_flags() -> tuple[str, ...]:
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+    return FLAGS + (X86_FLAGS if x86 else ())
 
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:
@@ -91,7 +102,7 @@ def library() -> ctypes.CDLL | None:
 def _build(compiler: str, sources: list[Path], headers: list[Path]) -> Path:
     # -march=native code is for this CPU only: the key holds the CPU's flags as well.
     key = hashlib.sha256()
-    for part in (compiler, *FLAGS, _cpu_flags(), *(f.read_bytes() for f in (*sources, *headers))):
+    for part in (compiler, *build_flags(), _cpu_flags(), *(f.read_bytes() for f in (*sources, *headers))):
         key.update(part if isinstance(part, bytes) else part.encode())
     target = cache_dir() / f"rollout_native_{key.hexdigest()[:16]}.so"
     if target.exists():
@@ -102,7 +113,7 @@ def _build(compiler: str, sources: list[Path], headers: list[Path]) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, *map(str, sources), "-o", tmp, "-lm"], check=True,
+        subprocess.run([compiler, *build_flags(), *map(str, sources), "-o", tmp, "-lm"], check=True,
                        capture_output=True, text=True)
         os.replace(tmp, target)
     finally:
