@@ -1,4 +1,4 @@
-"""The CPU attention kernel (rollout/native/paged_attention.c) alone on a decode step's shapes:
+"""The CPU attention kernel (kernels/cpu/paged_attention.c) alone on a decode step's shapes:
 16 prompts x n = 8 samples, each context a shared 262-token prompt and a private suffix, one KV
 pool per layer as the engine has them (one buffer, on huge pages), the suffix slots interleaved as a decode allocates them
 (token t of sample b at slot prefix + t * batch + b). Times a step's 30 layers with the
@@ -18,8 +18,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from rollout import huge_pages  # noqa: E402
-from rollout.native import paged_attention as native  # noqa: E402
+from rollout.kv import huge_pages  # noqa: E402
+from rollout_kernels.cpu import paged_attention as native  # noqa: E402
 
 
 def rows_for(prompts: int, n: int, prefix: int, suffix: int) -> native.NativeRows:

@@ -1,5 +1,5 @@
-"""One decode step of a GRPO rollout on the torch attention backend: shared-prefix path against
-the plain gather path, and against the step's matmul time.
+"""One decode step of a GRPO rollout on the CPU: the cpu backend's attention kernel against the
+torch backend's shared-prefix and plain gather paths, and against the step's matmul time.
 
 Workload (issue 11): a random-weight Llama of SmolLM2-135M's shapes (hidden 576, 30 layers,
 9 heads, 3 KV heads, head_dim 64, vocab 49152), 16 prompts sharing a 282-token system prompt,
@@ -8,7 +8,8 @@ every sample has generated --decoded tokens (several points, one run); that step
 then replayed:
 
 - step: the step's attention plan + model forward (+ logits of the 128 sampled rows) on three
-  paths: "native" (the C kernel of rollout/native reading the pool in place, the CPU default),
+  paths: "native" (the C kernel of rollout_kernels.cpu reading the pool in place, the cpu
+  backend's),
   "shared" (the torch shared-prefix split) and "plain" (torch gathers: the same metadata without
   shared_lens, which is what the backend does for groups that share nothing);
 - matmul: the same step's linear layers alone (QKV, O, gate-up, down of every layer and the
@@ -40,6 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from workloads import SMOLLM2_135M, random_llama  # noqa: E402
 
 from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
+from rollout.attention.cpu import CpuAttention  # noqa: E402
+from rollout.attention.sdpa import TorchAttention  # noqa: E402
 
 
 def prompts_sharing(num_prompts: int, prefix_len: int, prompt_len: int, vocab: int, seed=0):
@@ -50,22 +53,36 @@ def prompts_sharing(num_prompts: int, prefix_len: int, prompt_len: int, vocab: i
 
 
 class PathSwitch:
-    """Wraps the backend's plan: "plain" drops the shared lengths, so every request takes the
-    plain gather path (the bench's switch; the product has none)."""
+    """The bench's switch of the runner's attention (the product has none): "native" the
+    engine's own (the cpu backend's kernel), "shared" the torch backend over the same pool,
+    "plain" the torch backend with the step's shared lengths dropped, so every request takes
+    the plain gather path."""
 
-    def __init__(self, backend) -> None:
-        self.backend, self.plan, self.mode = backend, backend.plan, "native"
-        self.has_native = backend.native
-        backend.plan = self
+    def __init__(self, runner) -> None:
+        self.runner, self.native = runner, runner.attention
+        self.torch = TorchAttention(self.native.pool, self.native.windows)
+        self.has_native = isinstance(self.native, CpuAttention)
+        torch_plan = self.torch.plan
+
+        def plan(meta):
+            if self.mode == "plain":
+                meta.groups, meta.shared_lens = [], []
+            return torch_plan(meta)
+
+        self.torch.plan = plan
+        self.mode = self.modes()[0]
 
     def modes(self) -> tuple[str, ...]:
         return ("native", "shared", "plain") if self.has_native else ("shared", "plain")
 
-    def __call__(self, meta):
-        self.backend.native = self.has_native and self.mode == "native"
-        if self.mode == "plain":
-            meta.groups, meta.shared_lens = [], []
-        return self.plan(meta)
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode: str) -> None:
+        self._mode = mode
+        self.runner.attention = self.native if mode == "native" else self.torch
 
 
 def start(engine: Engine, prompts, n: int) -> None:
@@ -103,7 +120,7 @@ def replay(runner, inputs, switch: PathSwitch, mode: str) -> float:
     meta = dataclasses.replace(inputs.meta, plan=None, groups=list(inputs.meta.groups),
                                shared_lens=list(inputs.meta.shared_lens))
     t0 = time.perf_counter()
-    meta.plan = runner.backend.plan(meta)
+    meta.plan = runner.attention.plan(meta)
     runner.run(dataclasses.replace(inputs, meta=meta))
     return time.perf_counter() - t0
 
@@ -181,6 +198,7 @@ def main() -> None:
 
     if args.real:  # the checkpoint, chat prompts sharing the peers' system prompt
         from peers import SYSTEM, questions, render
+
         from rollout_recipes.run import smollm2
 
         model, tok = smollm2.load()
@@ -194,9 +212,10 @@ def main() -> None:
                                   model.config.vocab_size)
     engine = Engine(model, EngineConfig(kv_cache_tokens=65536, max_model_len=1024,
                                         max_num_seqs=max(256, args.prompts * args.n),
-                                        pack_cpu_weights=not args.no_pack))
+                                        pack_cpu_weights=not args.no_pack,
+                                        keep_cpu_heap=True))
     runner = engine.runner
-    switch = PathSwitch(runner.backend)
+    switch = PathSwitch(runner)
     num_samples = args.prompts * args.n
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"{model.config.num_hidden_layers} layers{' (SmolLM2-135M-Instruct)' * args.real}; "
@@ -222,7 +241,7 @@ def measure(engine, inputs, switch, args, profile_it: bool) -> None:
         switch.mode = mode
         m = dataclasses.replace(meta, plan=None, groups=list(meta.groups),
                                 shared_lens=list(meta.shared_lens))
-        m.plan = runner.backend.plan(m)
+        m.plan = runner.attention.plan(m)
         logits[mode] = runner.run(dataclasses.replace(inputs, meta=m))
     diff = max((logits[mode] - logits["plain"]).abs().max().item() for mode in logits)
     print(f"max |logits - plain path's| = {diff:.2e}")

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from workloads import add_model_args, grpo_prompts, model_from_args  # noqa: E402
 
 from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
-from rollout.stats import STEP_PHASES  # noqa: E402
+from rollout.engine.stats import STEP_PHASES  # noqa: E402
 
 
 def sync(device: str) -> None:
@@ -52,7 +52,7 @@ def run_engine(model, prompts, n, max_new, args, cuda_graphs: bool):
     config = EngineConfig(kv_cache_tokens=args.kv_tokens, max_model_len=1024,
                           max_num_seqs=max(256, len(prompts) * n),
                           max_num_batched_tokens=args.batched_tokens,
-                          cuda_graphs=cuda_graphs)
+                          cuda_graphs=cuda_graphs, keep_cpu_heap=True)
     engine = Engine(model, config)
     params = SamplingParams(n=n, temperature=1.0, max_tokens=max_new, ignore_eos=True, seed=0)
     # Warm-up (kernel compilation on GPU) on other prompts, so nothing of the run is cached.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU session's checks, prepared to run in one device call (see README "GPU checks").
+# The GPU session's checks, prepared to run in one device call (see docs/gpu.md).
 #   bash bench/gpu_check.sh correctness   # kernel tests (bf16 too) + engine-on-CUDA tests
 #   bash bench/gpu_check.sh bench         # kernel, MoE, engine-vs-transformers benchmarks
 #   bash bench/gpu_check.sh more          # colocation and speculative-decoding benchmarks

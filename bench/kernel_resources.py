@@ -36,13 +36,11 @@ from typing import Callable
 from unittest import mock
 
 if __name__ == "__main__":
-    # Compiled, not interpreted: triton and kernels/ read this when first imported.
+    # Compiled, not interpreted: triton.jit reads this when the kernels are first decorated.
     os.environ["TRITON_INTERPRET"] = "0"
 
 # isort: off
-# kernels/ before triton: off the GPU it turns the interpreter on unless told otherwise
-# (above), and triton's own library must be decorated in the same mode.
-import rollout_kernels  # noqa: E402, F401
+import rollout_kernels.triton  # noqa: E402, F401
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -164,8 +162,9 @@ class Recorder:
         def run(fn, *args, **kwargs):
             return recorder.run(fn, *args, **kwargs)
 
-        pa, sp = sys.modules["rollout_kernels.paged_attention"], sys.modules["rollout_kernels.shared_prefix"]
-        sample = sys.modules["rollout_kernels.sample"]
+        pa = sys.modules["rollout_kernels.triton.paged_attention"]
+        sp = sys.modules["rollout_kernels.triton.shared_prefix"]
+        sample = sys.modules["rollout_kernels.triton.sample"]
         with mock.patch.object(JITFunction, "run", run), \
                 mock.patch.object(pa, "_num_sms", lambda device: self.target.sms), \
                 mock.patch.object(sp, "_num_sms", lambda device: self.target.sms), \
@@ -199,7 +198,7 @@ def _indptr(lengths: list[int]) -> torch.Tensor:
 def engine_cases(model: str, dtype: torch.dtype) -> list[tuple[str, Callable[[], object]]]:
     """(case name, launch) for each step kind of `model`. Nothing runs, so contexts are
     described by their lengths alone: the pool and slot tensors stay small."""
-    from rollout_kernels import (
+    from rollout_kernels.triton import (
         accept_drafts,
         paged_attention,
         sample,
@@ -272,7 +271,7 @@ def tile_sweep_cases() -> list[tuple[str, Callable[[], object]]]:
     """The tiles bench/kernels.py sweeps on the GPU (Llama-3-8B heads, bf16), so a tile the
     GPU cannot launch is known before the device time is spent."""
     from bench.kernels import HEAD_DIM, KV_HEADS, Q_HEADS, TILE_SWEEP
-    from rollout_kernels.paged_attention import launch_paged_attention
+    from rollout_kernels.triton.paged_attention import launch_paged_attention
 
     pool_k = torch.empty(4096, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
     slots = torch.zeros(4096, dtype=torch.int32)

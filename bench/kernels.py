@@ -176,8 +176,12 @@ class Pool:
 def run_attention(cfg: Shapes, pool, q_lens, kv_lens, scattered, num_kv_splits=None,
                   tile=None):
     """Returns (ms, splits used) of one paged_attention call."""
-    from rollout_kernels.paged_attention import _num_sms, choose_num_kv_splits, launch_paged_attention
-    from rollout_kernels import paged_attention
+    from rollout_kernels.triton import paged_attention
+    from rollout_kernels.triton.paged_attention import (
+        _num_sms,
+        choose_num_kv_splits,
+        launch_paged_attention,
+    )
 
     q = torch.randn(sum(q_lens), cfg.q_heads, cfg.head_dim, dtype=cfg.dtype, device=DEVICE)
     out = torch.empty_like(q)
@@ -204,7 +208,7 @@ def causal_flops(cfg: Shapes, q_lens, kv_lens) -> float:
 
 
 def check_correctness(cfg: Shapes, pool):
-    from rollout_kernels import paged_attention, paged_attention_ref
+    from rollout_kernels.triton import paged_attention, paged_attention_ref
 
     scale = cfg.head_dim ** -0.5
     for q_lens, kv_lens, splits in cfg.check_cases:
@@ -255,7 +259,7 @@ def bench_prefill(cfg: Shapes, pool, mm_flops):
 
 def bench_tiles(cfg: Shapes, pool, copy_bw, mm_flops):
     print("\n== tile sweep (BLOCK_N, num_warps, num_stages); default marked * ==")
-    from rollout_kernels.paged_attention import _interpreting, _tile_config
+    from rollout_kernels.triton.paged_attention import _interpreting, _tile_config
 
     for name, q_lens, kv_lens, tiles in cfg.tile_sweep:
         # The default is the tile a launch here would really pick (BLOCK_N 16 when interpreting).
@@ -286,8 +290,8 @@ def bench_shared_prefix(cfg: Shapes, pool):
 
 
 def shared_prefix_case(cfg: Shapes, pool, groups: int, n: int, prefix: int, generated: int):
-    from rollout_kernels import paged_attention, shared_prefix_attention
-    from rollout_kernels.shared_prefix import shared_prefix_kv_bytes
+    from rollout_kernels.triton import paged_attention, shared_prefix_attention
+    from rollout_kernels.triton.shared_prefix import shared_prefix_kv_bytes
 
     batch, suffix = groups * n, generated  # timed at the last decode step
     all_slots = pool.slots(groups * prefix + batch * suffix, True)
@@ -329,9 +333,9 @@ def shared_prefix_case(cfg: Shapes, pool, groups: int, n: int, prefix: int, gene
 
 
 def bench_sampler(cfg: Shapes):
-    from rollout_kernels import sample
-    from rollout.sampler import SamplingBatch
-    from rollout.sampler import sample as sample_ref
+    from rollout.sample.sampler import SamplingBatch
+    from rollout.sample.sampler import sample as sample_ref
+    from rollout_kernels.triton import sample
 
     batch, vocab = cfg.sampler_batch, cfg.sampler_vocab
     print(f"\n== sampler: batch {batch}, vocab {vocab}, fp32 logits ==")
@@ -364,7 +368,7 @@ def main(argv=None) -> int:
     start = time.time()
     torch.manual_seed(0)
     if args.smoke:
-        from rollout_kernels.paged_attention import _interpreting
+        from rollout_kernels.triton.paged_attention import _interpreting
 
         print(f"smoke run: tiny shapes, Triton interpreter {'on' if _interpreting() else 'off'}"
               "; the numbers mean nothing, only that every section runs")

@@ -1,6 +1,6 @@
 """The experts of one MoE layer: the engine's torch path (moe_torch, one matmul pair per expert
 any token chose) against a naive loop over (token, choice) pairs and, on CUDA only, the fused
-Triton kernel (kernels/fused_moe.py; the interpreter would time Python, not the kernel).
+Triton kernel (kernels/triton/fused_moe.py; the interpreter would time Python, not the kernel).
 Ratios of best-of-N wall times, measured in the same run. On CUDA also the kernel's TFLOP/s
 (6 T k H I: gate-up, then down) against torch.matmul's on the same active-parameter shapes
 (x [T, H] times the k experts' gate-up weights as one [H, 2kI], then [T, kI] x [kI, H]): the
@@ -82,7 +82,7 @@ def main() -> None:
     print(f"{device}, {torch.get_num_threads()} threads, {args.dtype}, hidden {hidden}, "
           f"expert size {inter}, top-{top_k} of {num_experts}, best of {args.repeats}")
     if device == "cuda":
-        from rollout_kernels.fused_moe import fused_moe
+        from rollout_kernels.triton.fused_moe import fused_moe
 
         # k experts' weights as the dense layer of the limit: gate-up [H, 2kI], down [kI, H].
         dense_gate_up = w_gate_up[:top_k].reshape(top_k * 2 * inter, hidden).T

@@ -1,5 +1,5 @@
 """Sampling-step cost with top-k / top-p / min-p: the full-sort filter against the one in
-rollout/sampler.py. Not part of CI; prints only.
+rollout/sample/sampler.py. Not part of CI; prints only.
 
     python bench/sampling.py [--batch 128 8] [--vocab 49152] [--repeats 7] [--threads N]
                              [--logits normal peaked flat]
@@ -27,8 +27,9 @@ from unittest import mock
 
 import torch
 
-from rollout import sampler, sampling_filter
-from rollout.sampler import SamplingBatch, sample
+from rollout.sample import filters as sampling_filter
+from rollout.sample import sampler
+from rollout.sample.sampler import SamplingBatch, sample
 
 
 def old_target_logprobs(logits, batch):

@@ -12,7 +12,7 @@ Entry points: `recipes/grpo.py` (accelerate-launchable: custom GRPO/PPO loop or 
 `recipes/demo.py` (`make demo`), with their YAML configs in `recipes/configs/`.
 
 Where the next features go: multi-turn episodes (rollout/agent.py) add a task with an
-environment in tasks/ (e.g. tasks/tool_use.py), batches that mask env tokens in algo/batch.py
+environment in tasks/ (e.g. tasks/calculator.py), batches that mask env tokens in algo/batch.py
 and an episode rollout in the loops; data x tensor-parallel runs change run/build.py (one
 engine per tensor-parallel group), run/shard.py (prompts per data-parallel rank) and
 run/session.py (process groups).

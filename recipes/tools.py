@@ -1,5 +1,5 @@
 """`python -m rollout_recipes.tools`: GRPO on multi-turn episodes with a tool, against the same budget
-without it, on the CPU in about 8 minutes (2 cores).
+without it, on the CPU (its run time is in docs/benchmarks.md).
 
 The tiny Llama and character tokenizer of the demo, on 3-4 digit sums (recipes/tasks/
 calculator.py): too hard to learn to add in minutes, easy with a calculator. The tool run

@@ -33,11 +33,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
-from .engine import Engine
-from .progress import progress
-from .intake import check_request
-from .outputs import Sample
-from .sampling_params import SamplingParams, as_int
+from .engine.engine import Engine
+from .engine.progress import progress
+from .fields import as_int
+from .requests.intake import check_request
+from .requests.outputs import Sample
+from .sample.params import SamplingParams
 
 # Marks the assistant's content when a chat template renders an observation (message_tokens).
 _MARK = "\x00rollout-assistant\x00"

@@ -5,16 +5,23 @@ from __future__ import annotations
 import os
 import weakref
 
-from .chat import is_conversations
+from .colocation.weights import weights_version
 from .config import EngineConfig
-from .engine import Engine
+from .engine.chat import is_conversations
+from .engine.engine import Engine
 from .models.loader import checkpoint_tensors
-from .weights import weights_version
 
-# model object -> [engine, weights version it holds]; dropped with the model.
+# The engines `generate` keeps, so repeated calls reuse one (and its prefix cache). An in-memory
+# model's entry [engine, weights version it holds] goes with the model (a weak key); a checkpoint
+# path cannot be a weak key, so its engine stays until `drop_engines()`.
 _ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-# A path string cannot be a weak key: checkpoints' engines are kept under the resolved path.
 _PATH_ENGINES: dict[str, Engine] = {}
+
+
+def drop_engines() -> None:
+    """Forget every engine `generate` keeps (their memory goes once nothing else holds them)."""
+    _ENGINES.clear()
+    _PATH_ENGINES.clear()
 
 
 def generate(model, prompts, params=None, tokenizer=None, use_tqdm: bool = False,

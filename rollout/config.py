@@ -7,13 +7,12 @@ from typing import Any
 
 import torch
 
-from .sampling_params import (INT32_MAX, SEED_LIMIT, as_bool, as_choice, as_float, as_int,
-                              show)
+from .fields import INT32_MAX, SEED_LIMIT, as_bool, as_choice, as_float, as_int, show
+from .ops.backend import BACKENDS
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
-BACKENDS = ("auto", "torch", "triton")  # see rollout/backends.py
 # What the Triton kernels run and are tested in: their tile sizes and dot precision assume 2- or
-# 4-byte floats (kernels/paged_attention.py), so float64 is not among them.
+# 4-byte floats (kernels/triton/paged_attention.py), so float64 is not among them.
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -21,7 +20,7 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 class EngineConfig:
     # KV pool size in tokens; None sizes it from what max_num_seqs x max_model_len can use,
     # capped by `kv_memory_fraction` of free memory and, on the CPU, by a build-time budget
-    # (rollout/kv_pool.py, CPU_POOL_BYTES).
+    # (rollout/kv/pool.py, CPU_POOL_BYTES).
     kv_cache_tokens: int | None = None
     kv_memory_fraction: float = 0.3
     max_model_len: int = 4096
@@ -32,26 +31,22 @@ class EngineConfig:
     schedule_policy: str = "lpm"
     lpm_max_waiting: int = 128
     enable_prefix_caching: bool = True
-    # Attention, sampler and draft acceptance implementations, and CUDA-graph capability, as one
-    # choice (rollout/backends.py): "torch", "triton", or "auto" (triton on CUDA).
+    # Which implementation of every op runs (rollout/ops/backend.py): "torch" (the reference),
+    # "cpu" (the C kernels of rollout_kernels.cpu), "triton", or "auto" (triton on CUDA, cpu
+    # on the CPU).
     backend: str = "auto"
-    # Replay decode-only steps from CUDA graphs (rollout/cuda_graph.py); needs the Triton
-    # backend. Off by default until a GPU run has measured it.
+    # Replay decode-only steps from CUDA graphs (rollout/executor/cuda_graph.py); needs the
+    # Triton backend. Off by default until a GPU run has measured it.
     cuda_graphs: bool = False
-    # CPU only: projections multiply by a packed copy of the weights (rollout/native's panels in
-    # fp32 with native_cpu_kernels, else oneDNN's layout; 1.5-2x the speed of F.linear at
-    # decode batch sizes; rollout/models/layers/packed_linear.py), which doubles the weights'
-    # memory. False: F.linear on the weights themselves.
+    # cpu backend: projections multiply by a packed copy of the weights (panels for the C
+    # kernel in fp32, else oneDNN's layout: rollout/models/layers/packed_linear.py), which
+    # doubles the weights' memory. False: F.linear on the weights themselves.
     pack_cpu_weights: bool = True
-    # CPU, fp32: RMSNorm, rotary, the gated MLP's SiLU and (torch backend) decode, verify and
-    # later-turn extend attention run in C (rollout/native, compiled at first use; without a C compiler the torch
-    # paths run). False: the torch paths always. (The sampler's C Gumbel-max gives torch's
-    # bits, so it runs either way; ROLLOUT_NATIVE=0 turns every C kernel off.)
-    native_cpu_kernels: bool = True
-    # CPU only: glibc keeps freed blocks below 32 MB in the heap for reuse, so a step's logits
-    # do not page-fault anew every step (rollout/cpu_heap.py; process-wide, given back at
-    # sleep). False: glibc's defaults stay.
-    keep_cpu_heap: bool = True
+    # CPU, process-wide: glibc keeps freed blocks below 32 MB in the heap for reuse, so a
+    # step's logits do not page-fault anew every step (rollout/colocation/host_heap.py; given
+    # back at sleep). It changes malloc's behaviour for the whole trainer process, so it is
+    # the caller's choice; a user's own MALLOC_* / GLIBC_TUNABLES settings are left alone.
+    keep_cpu_heap: bool = False
     dtype: torch.dtype | str | None = None  # None: the model's dtype
     device: torch.device | str | None = None  # None: the model's device (cuda if loading a path)
     seed: int | None = None  # default seed of unseeded requests; None draws one per request
@@ -94,7 +89,6 @@ class EngineConfig:
         self.enable_prefix_caching = as_bool("enable_prefix_caching", self.enable_prefix_caching)
         self.cuda_graphs = as_bool("cuda_graphs", self.cuda_graphs)
         self.pack_cpu_weights = as_bool("pack_cpu_weights", self.pack_cpu_weights)
-        self.native_cpu_kernels = as_bool("native_cpu_kernels", self.native_cpu_kernels)
         self.keep_cpu_heap = as_bool("keep_cpu_heap", self.keep_cpu_heap)
         self.tensor_parallel_size = as_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         self.check_tensor_parallel = as_bool("check_tensor_parallel", self.check_tensor_parallel)

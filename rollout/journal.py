@@ -9,7 +9,7 @@ final.
 
 A unit never spans a forward pass. An undone eviction puts nodes back into the radix tree, which
 is only right while their slots still hold the K/V they held: no forward may have written into
-them in between (Engine._step cuts a step into units around its forwards for this reason).
+them in between (StepRunner.run (rollout/engine/step.py) cuts a step into units around its forwards for this reason).
 """
 
 from __future__ import annotations

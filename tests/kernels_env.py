@@ -1,18 +1,11 @@
 """Shared setup of the Triton kernel tests (tests/test_kernels_*.py).
 
-Importing `kernels` first turns on TRITON_INTERPRET=1 when there is no GPU, before any
-triton.jit decorator runs. On a GPU the same tests run compiled and add bf16; bf16 is left out
-on the CPU because the interpreter's bf16 tl.dot is wrong.
+conftest.py sets TRITON_INTERPRET=1 when there is no GPU, before any triton.jit decorator
+runs. On a GPU the same tests run compiled and add bf16; bf16 is left out on the CPU because
+the interpreter's bf16 tl.dot is wrong.
 """
 
-import os
-
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import rollout_kernels  # noqa: E402,F401  (sets the interpreter up before triton compiles anything)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
@@ -45,7 +38,7 @@ def paged_case(q_lens, kv_lens, q_heads, kv_heads, head_dim, dtype, *, causal=Tr
                seed=0, index_dtype=torch.int32, window=None, softcap=None, q_scale=1.0):
     """paged_attention against paged_attention_ref on a pool with scattered slots (unused ones
     NaN); returns the reference output."""
-    from rollout_kernels import paged_attention, paged_attention_ref
+    from rollout_kernels.triton import paged_attention, paged_attention_ref
 
     gen = torch.Generator().manual_seed(seed)
     num_slots = sum(kv_lens) + 13

@@ -19,7 +19,7 @@ sys.path[:0] = [os.path.dirname(__file__), os.path.dirname(os.path.dirname(__fil
 from fork_ranks import fork_ranks  # noqa: E402
 from rollout_recipes.grpo import main as recipe  # noqa: E402
 from trainer_hooks.colocate import ColocatedRollout  # noqa: E402
-from trainer_hooks.trl import EngineRollout  # noqa: E402
+from trainer_hooks.trl_rollout import EngineRollout  # noqa: E402
 
 
 def _record(calls: dict) -> None:

@@ -6,7 +6,7 @@ outputs come out of step() is the admission order, and the cache hits counted af
 step tell which request that step admitted.
 
 `kv_cache_tokens=None` sizes the pool from what max_num_seqs requests of max_model_len could
-use, capped by `kv_memory_fraction` of the free memory the device reports (rollout/kv_pool.py)
+use, capped by `kv_memory_fraction` of the free memory the device reports (rollout/kv/pool.py)
 and, on the CPU, by a build-time budget (CPU_POOL_BYTES, never below one max_model_len request);
 it refuses to start when one max_model_len request cannot fit. The free-memory reading is
 replaced here, so the sizes are exact.
@@ -18,7 +18,7 @@ import pytest
 import torch
 from models import tiny_model
 
-import rollout.kv_pool as kv_pool
+import rollout.kv.pool as kv_pool
 from rollout import Engine, EngineConfig, SamplingParams
 
 CACHED = list(range(1, 21))  # 20 tokens, in the prefix cache before the race below
@@ -185,7 +185,7 @@ def test_moe_slot_costs_its_kv_and_its_routed_experts(monkeypatch):
     """An MoE model's slot holds its K/V and its int16 expert ids (MoE layers x k): both count
     in the bytes per token, so a pool sized by memory holds fewer slots than K/V alone would
     allow, and both count in pool.nbytes and memory_held."""
-    from rollout.sleep import tensor_bytes
+    from rollout.colocation.device_memory import tensor_bytes
 
     model = tiny_model("qwen3_moe")  # fp32, every layer sparse
     c = model.config

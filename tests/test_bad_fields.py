@@ -11,9 +11,10 @@ import torch
 from helpers import samples
 from models import tiny_model
 
-import rollout.engine
+import rollout.engine.engine
 from rollout import Engine, EngineConfig, SamplingParams
-from rollout.sampling_params import INT32_MAX, INT32_MIN, MAX_N, MAX_TEMPERATURE, show
+from rollout.fields import INT32_MAX, INT32_MIN, show
+from rollout.sample.params import MAX_N, MAX_TEMPERATURE
 from rollout.spec import SpeculativeConfig
 
 HUGE = 10**400  # float(HUGE) raises OverflowError; str(10**5000) raises ValueError
@@ -117,7 +118,7 @@ BAD_CONFIG = [
     *cases("backend", [None, "cuda", ("torch",)]),
     *cases("attention_backend", ["cuda", ("torch",)]),
     *cases("enable_prefix_caching", [None, 1, "yes"]), *cases("cuda_graphs", [0, "no", [False]]),
-    *cases("pack_cpu_weights", [None, "no"]), *cases("native_cpu_kernels", [1, "yes"]),
+    *cases("pack_cpu_weights", [None, "no"]),
     *cases("keep_cpu_heap", [None, 0, "true"]),
     *cases("dtype", ["int32", torch.int32, torch.bool, torch.complex64, torch.float64, "float64",
                      torch.float8_e4m3fn, np.float32, 5, "", "torch.int8"]),
@@ -172,7 +173,7 @@ def test_missing_device_is_refused_before_any_allocation(model, monkeypatch, dev
     def build_model(*args):
         raise AssertionError("the engine allocated its model on a device it had not checked")
 
-    monkeypatch.setattr(rollout.engine, "build_model", build_model)
+    monkeypatch.setattr(rollout.engine.engine, "build_model", build_model)
     with pytest.raises(ValueError, match=r"^device\b"):
         make_engine(model, device=device)
 

@@ -1,4 +1,4 @@
-"""Chat conversations in (rollout/chat.py): Engine.chat and rollout.generate render through the
+"""Chat conversations in (rollout/engine/chat.py): Engine.chat and rollout.generate render through the
 tokenizer's chat template exactly as transformers' `apply_chat_template(..., tokenize=True)`
 does, and a bad conversation raises ValueError naming it and changes nothing.
 
@@ -12,7 +12,7 @@ from models import bos_chat_tokenizer, tiny_model
 
 import rollout
 from rollout import Engine, EngineConfig, SamplingParams
-from rollout.chat import is_conversations
+from rollout.engine.chat import is_conversations
 
 CONFIG = dict(kv_cache_tokens=1024, max_model_len=128, seed=0)
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}"

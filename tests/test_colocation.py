@@ -14,7 +14,7 @@ from models import tiny_model
 from torch import nn
 
 from rollout import Engine, EngineConfig, SamplingParams
-from rollout.sleep import tensor_bytes
+from rollout.colocation.device_memory import tensor_bytes
 from trainer_hooks import ColocatedRollout
 
 CONFIG = EngineConfig(kv_cache_tokens=512, max_model_len=96, max_num_seqs=16)
@@ -196,6 +196,7 @@ def test_colocated_rollout_syncs_only_when_weights_changed(monkeypatch):
     assert calls == []
     # Fused kernels (the HF Trainer's default AdamW) do not bump autograd version counters.
     opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    rollout.watch(opt)
     model.model.norm.weight.grad = torch.ones_like(model.model.norm.weight)
     opt.step()
     with rollout as r:

@@ -1,4 +1,4 @@
-"""rollout/cpu_heap.py in a fresh process each (its settings are process-wide): with glibc's
+"""rollout/colocation/host_heap.py in a fresh process each (its settings are process-wide): with glibc's
 defaults an engine's 25 MB logits page-fault anew every step; kept, they stop; released at
 sleep, the freed heap goes back to the system."""
 
@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from rollout import cpu_heap
+from rollout.colocation import host_heap as cpu_heap
 
 pytestmark = pytest.mark.skipif(cpu_heap._glibc() is None, reason="not glibc")
 
@@ -19,7 +19,8 @@ def run(code: str) -> str:
         sys.path.insert(0, "tests")
         import torch
         from models import tiny_model
-        from rollout import cpu_heap, Engine, EngineConfig, SamplingParams
+        from rollout import Engine, EngineConfig, SamplingParams
+        from rollout.colocation import host_heap as cpu_heap
         def faults():
             return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         def rss_mb():
@@ -86,12 +87,13 @@ def test_sleep_gives_the_kept_heap_back():
     assert kept - released > 150
 
 
-def test_an_engine_on_the_cpu_keeps_them_unless_told_not_to():
+def test_an_engine_leaves_malloc_alone_unless_told_to_keep_them():
+    """The setting is process-wide, so it is the caller's: off by default."""
     out = run("""
-        Engine(tiny_model("llama"), EngineConfig(kv_cache_tokens=64, max_model_len=32,
-                                                  keep_cpu_heap=False))
-        print(cpu_heap.keep_freed_blocks.cache_info().currsize, end=" ")
         Engine(tiny_model("llama"), EngineConfig(kv_cache_tokens=64, max_model_len=32))
+        print(cpu_heap.keep_freed_blocks.cache_info().currsize, end=" ")
+        Engine(tiny_model("llama"), EngineConfig(kv_cache_tokens=64, max_model_len=32,
+                                                  keep_cpu_heap=True))
         print(cpu_heap.keep_freed_blocks.cache_info().currsize, cpu_heap.keep_freed_blocks())
     """)
     assert out.split() == ["0", "1", "True"]

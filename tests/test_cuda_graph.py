@@ -1,4 +1,4 @@
-"""Decode steps replayed from graphs (rollout/cuda_graph.py) give the outputs of eager steps.
+"""Decode steps replayed from graphs (rollout/executor/cuda_graph.py) give the outputs of eager steps.
 
 Off CUDA the graphs are an eager stand-in with the same contract (the captured function sees
 only the static buffers and what it closed over at capture), so these tests check the padding
@@ -10,7 +10,7 @@ from kernels_env import DEVICE
 from models import tiny_model
 
 from rollout import Engine, EngineConfig, SamplingParams
-from rollout.cuda_graph import decode_buckets
+from rollout.executor.cuda_graph import decode_buckets
 from rollout.spec import SpeculativeConfig
 
 pytestmark = pytest.mark.interpreter

@@ -10,8 +10,8 @@ import torch
 from models import tiny_model
 
 from rollout import Engine, EngineConfig, SamplingParams
-from rollout.kv_manager import DECODE_RUN
-from rollout.kv_pool import KVPool
+from rollout.kv.manager import DECODE_RUN
+from rollout.kv.pool import KVPool
 
 
 def pool_of(slots: int) -> KVPool:

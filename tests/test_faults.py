@@ -15,7 +15,6 @@ import functools
 import pytest
 from models import char_tokenizer, tiny_model
 
-import rollout.engine
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.models.layers.packed_linear import Projection
 from rollout.spec import SpeculativeConfig
@@ -116,8 +115,8 @@ STEP_POINTS = {
     "draft_forward": (lambda e: (e.speculator.drafter.stack.model, "forward"), ("draft",), True),
     "prepare": (lambda e: (e.runner, "prepare"), SPECS, True),
     "forward": (lambda e: (e.model, "forward"), SPECS, True),
-    "sampler": (lambda e: (e, "_sample"), ("plain",), True),
-    "verify": (lambda e: (rollout.engine, "verify"), ("ngram", "draft"), True),
+    "sampler": (lambda e: (e.stack.sampler, "sample"), ("plain",), True),
+    "verify": (lambda e: (e.speculator, "verify"), ("ngram", "draft"), True),
     "tokenizer": (lambda e: (e.tokenizer, "decode"), SPECS, True),
     "radix_insert": (lambda e: (e.cache, "insert"), SPECS, True),
     "commit": (lambda e: (e.committer, "commit"), SPECS, True),

@@ -7,7 +7,7 @@ from models import FAMILIES, tiny_model
 from test_parity import PROMPTS, assert_matches_reference
 
 from rollout import Engine, EngineConfig, SamplingParams
-from rollout.sleep import clear_cublas_workspaces
+from rollout.colocation.device_memory import clear_cublas_workspaces
 from rollout.spec import SpeculativeConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

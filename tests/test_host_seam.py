@@ -5,7 +5,7 @@ them back, and update_weights moves the trainer's host tensors in flat buckets (
 flush). On CPU none of that runs: host memory is the device's, so level 1 leaves the weights in
 place and every source tensor is already on the engine's device. `EngineConfig(extra=
 {"separate_host_memory": True})` makes a CPU engine treat its memory as separate from the host's
-(rollout/sleep.py): the same parking code runs, with host-to-host copies. These tests check what
+(rollout/colocation/parking.py): the same parking code runs, with host-to-host copies. These tests check what
 a cycle holds (memory_held, the parked host bytes, which storages the parameters use) and what
 it generates, after every cycle, at levels 1 and 2 and deepening from 1 to 2.
 
@@ -19,8 +19,10 @@ import torch
 from models import tiny_model
 
 from rollout import Engine, EngineConfig, SamplingParams
-from rollout import weights as weights_module
-from rollout.sleep import SEPARATE_HOST_MEMORY, tensor_bytes
+from rollout.colocation import weights as weights_module
+from rollout.colocation.colocation import Colocation
+from rollout.colocation.device_memory import tensor_bytes
+from rollout.colocation.parking import SEPARATE_HOST_MEMORY
 from rollout.spec import SpeculativeConfig
 
 CONFIG = dict(kv_cache_tokens=512, max_model_len=64, max_num_seqs=16)
@@ -64,7 +66,7 @@ def bucketed(monkeypatch):
             yield bucket
 
     # Where update_weights looks `buckets` up: the module that defines it.
-    caller = sys.modules[Engine.update_weights.__module__]
+    caller = sys.modules[Colocation.update_weights.__module__]
     monkeypatch.setattr(caller, "buckets", every_tensor_bucketed)
     return record
 

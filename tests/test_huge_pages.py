@@ -1,12 +1,12 @@
-"""rollout/huge_pages.py: a CPU KV pool asks for transparent huge pages before it is first
+"""rollout/kv/huge_pages.py: a CPU KV pool asks for transparent huge pages before it is first
 written, so the kernel backs it with 2 MB pages (fewer TLB misses for the scattered reads of a
 decode step, and 512x fewer faults when the pool is built at every wake-up)."""
 
 import pytest
 import torch
 
-from rollout import huge_pages
-from rollout.kv_pool import KVPool
+from rollout.kv import huge_pages
+from rollout.kv.pool import KVPool
 
 
 def thp_mode() -> str:

@@ -1,12 +1,39 @@
-"""The module graph of rollout/ and kernels/ (imported as rollout_kernels) has no cycles (imports inside functions count: a
-lazy import still ties the two modules together), and kernels/ imports nothing from rollout/:
-the kernels are a leaf the engine calls into."""
+"""The module graph of rollout/, kernels/ (imported as rollout_kernels), trainer_hooks/ and
+recipes/ (rollout_recipes): no cycles, and every import goes down the declared layer order
+(imports inside functions count: a lazy import still ties the two modules together; imports
+under `if TYPE_CHECKING:` do not run, so they do not). The kernels are a leaf the engine calls
+into; integrations sit on top."""
 
 import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).parent.parent
-PACKAGES = {"rollout": "rollout", "kernels": "rollout_kernels"}  # folder -> import name
+PACKAGES = {"rollout": "rollout", "kernels": "rollout_kernels", "trainer_hooks": "trainer_hooks",
+            "recipes": "rollout_recipes"}  # folder -> import name
+
+# Bottom to top: a module may import its own layer's modules and those of layers below it. A
+# name stands for the module and everything under it; the longest name that matches decides
+# (rollout.spec.config lies below rollout.config, the rest of rollout.spec far above).
+LAYERS = [
+    ["rollout_kernels"],  # Triton and C kernels, torch references: nothing of rollout
+    ["rollout.fields"],  # field checks of every public input
+    ["rollout.ops"],  # backends and the dispatch of ops to their implementations
+    ["rollout.config", "rollout.spec.config"],
+    ["rollout.journal"],  # the undo log of a step's bookkeeping
+    ["rollout.parallel"],
+    ["rollout.colocation"],  # parking, weight sources, device and host memory
+    ["rollout.kv"],
+    ["rollout.sample"],
+    ["rollout.attention"],
+    ["rollout.models"],
+    ["rollout.requests"],
+    ["rollout.executor"],
+    ["rollout.spec"],
+    ["rollout.engine"],
+    ["rollout", "rollout.api", "rollout.agent", "rollout.testing"],  # the package face
+    ["trainer_hooks"],
+    ["rollout_recipes"],
+]
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -98,8 +125,26 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def layer_of(module: str) -> int:
+    best, found = -1, None
+    for i, names in enumerate(LAYERS):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and len(name) > best:
+                best, found = len(name), i
+    assert found is not None, f"{module} is in no layer of LAYERS"
+    return found
+
+
+def upward_imports(edges: dict[str, set[str]]) -> set[tuple[str, str]]:
+    return {(a, b) for a, bs in edges.items() for b in bs if layer_of(b) > layer_of(a)}
+
+
 def test_no_import_cycles():
     assert cycles(graph()) == []
+
+
+def test_every_import_goes_down_the_layers():
+    assert upward_imports(graph()) == set()
 
 
 def test_kernels_import_nothing_from_rollout():
@@ -108,8 +153,13 @@ def test_kernels_import_nothing_from_rollout():
             for b in bs if b.split(".")[0] == "rollout"} == set()
 
 
-def test_the_checker_sees_lazy_imports():
+def test_the_checker_sees_lazy_imports_and_wrong_way_ones():
     edges = graph()
-    assert "rollout.triton_attention" in edges["rollout.backends"]  # imported in a function
-    assert "rollout.attention" in edges["rollout.triton_attention"]
-    assert "rollout.cuda_graph" not in edges["rollout.model_runner"]  # TYPE_CHECKING only
+    assert "rollout.attention.triton" in edges["rollout.attention.registry"]  # in a function
+    assert "rollout.attention.base" in edges["rollout.attention.triton"]
+    assert "rollout.executor.cuda_graph" not in edges["rollout.executor.runner"]  # TYPE_CHECKING
+    assert "rollout.requests.sequence" not in edges["rollout.kv.manager"]  # TYPE_CHECKING
+    # A kv module importing the engine would go up five layers: the test would see it.
+    assert upward_imports({"rollout.kv.manager": {"rollout.engine.engine"}}) == {
+        ("rollout.kv.manager", "rollout.engine.engine")}
+    assert layer_of("rollout.spec.config") == layer_of("rollout.config") < layer_of("rollout.spec")

@@ -30,10 +30,20 @@ import types
 from collections import Counter
 
 import pytest
-from test_faults import (PARAMS, PROMPTS, TOK, assert_clean, assert_exact, logprobs,
-                         make, reference, target, view)
+from test_faults import (
+    PARAMS,
+    PROMPTS,
+    TOK,
+    assert_clean,
+    assert_exact,
+    logprobs,
+    make,
+    reference,
+    target,
+    view,
+)
 
-import rollout.guard
+import rollout.engine.guard
 from rollout import SamplingParams
 
 SIGINT = signal.SIGINT
@@ -430,7 +440,7 @@ def test_ctrl_c_as_a_call_takes_the_engine_does_not_leave_it_busy(monkeypatch):
         return threading.current_thread()
 
     fired: list[int] = []
-    monkeypatch.setattr(rollout.guard, "threading", types.SimpleNamespace(
+    monkeypatch.setattr(rollout.engine.guard, "threading", types.SimpleNamespace(
         Lock=threading.Lock, current_thread=current_thread, main_thread=threading.main_thread))
     with default_sigint():
         with pytest.raises(KeyboardInterrupt):
@@ -456,7 +466,7 @@ def test_ctrl_c_as_the_engine_installs_its_handler_keeps_ctrl_c_working(monkeypa
         return signal.signal(signum, handler)
 
     fired: list[int] = []
-    monkeypatch.setattr(rollout.guard, "signal", types.SimpleNamespace(
+    monkeypatch.setattr(rollout.engine.guard, "signal", types.SimpleNamespace(
         signal=signal_signal, getsignal=signal.getsignal, raise_signal=signal.raise_signal,
         SIGINT=SIGINT, SIG_DFL=signal.SIG_DFL))
     with default_sigint():

@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernels_env import DTYPES, paged_case
 
-from rollout_kernels import choose_num_kv_splits
+from rollout_kernels.triton import choose_num_kv_splits
 
 pytestmark = pytest.mark.interpreter
 

@@ -11,14 +11,14 @@ import torch
 from kernels_env import ATOL, DEVICE, indptr, poison_unused_slots, scattered_slots
 from test_kernels_shared_prefix import run_case as run_shared_prefix
 
-from rollout_kernels import (
+from rollout_kernels.triton import (
     merge_states,
     paged_attention,
     paged_attention_ref,
     store_kv,
     store_kv_ref,
 )
-from rollout_kernels.paged_attention import _interpreting, _tile_config
+from rollout_kernels.triton.paged_attention import _interpreting, _tile_config
 
 pytestmark = pytest.mark.interpreter
 

@@ -1,4 +1,4 @@
-"""fused_moe (kernels/fused_moe.py) against the engine's torch experts (moe_torch), which the
+"""fused_moe (kernels/triton/fused_moe.py) against the engine's torch experts (moe_torch), which the
 model tests hold to transformers: uneven expert loads, experts no token chose, every token on
 one expert, k = 1, 2 and 8 (= E), one token (decode), sizes that are not multiples of the
 tiles."""
@@ -7,8 +7,8 @@ import pytest
 import torch
 from kernels_env import ATOL, DEVICE, DTYPES
 
-from rollout_kernels.fused_moe import align, fused_moe
 from rollout.models.layers.moe import moe_torch
+from rollout_kernels.triton.fused_moe import align, fused_moe
 
 pytestmark = pytest.mark.interpreter
 

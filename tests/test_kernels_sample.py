@@ -8,10 +8,10 @@ import pytest
 import torch
 from kernels_env import DEVICE, ON_GPU
 
-from rollout_kernels import gumbel_noise_triton, sample
-from rollout.counter_noise import gumbel_noise, mix32, row_keys, uniform_noise
-from rollout.sampler import SamplingBatch
-from rollout.sampler import sample as sample_ref
+from rollout.sample.noise import gumbel_noise, mix32, row_keys, uniform_noise
+from rollout.sample.sampler import SamplingBatch
+from rollout.sample.sampler import sample as sample_ref
+from rollout_kernels.triton import gumbel_noise_triton, sample
 
 pytestmark = pytest.mark.interpreter
 

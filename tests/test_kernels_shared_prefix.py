@@ -4,8 +4,8 @@ import pytest
 import torch
 from kernels_env import ATOL, DEVICE, DTYPES, indptr, poison_unused_slots, scattered_slots
 
-from rollout_kernels import paged_attention_ref, shared_prefix_attention
-from rollout_kernels.shared_prefix import shared_prefix_kv_bytes
+from rollout_kernels.triton import paged_attention_ref, shared_prefix_attention
+from rollout_kernels.triton.shared_prefix import shared_prefix_kv_bytes
 
 pytestmark = pytest.mark.interpreter
 

@@ -4,9 +4,9 @@ import pytest
 import torch
 from kernels_env import DEVICE
 
-from rollout_kernels import accept_drafts, spec_accept
 from rollout.spec import accept as accept_ref
 from rollout.spec.accept import accept_drafts_ref
+from rollout_kernels.triton import accept_drafts, spec_accept
 
 pytestmark = pytest.mark.interpreter
 
@@ -78,7 +78,7 @@ def test_rule_on_a_written_out_case():
 def test_verify_gives_the_kernel_what_the_reference_gets(rule):
     """verify() end to end with the kernel in the reference's place (as on CUDA): the per-row
     tensors it builds (dtypes included) must drive both to the same verdicts."""
-    from rollout.sampler import SamplingBatch
+    from rollout.sample.sampler import SamplingBatch
     from rollout.spec.verify import verify
 
     gen = torch.Generator().manual_seed(3)

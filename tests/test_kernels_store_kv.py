@@ -4,7 +4,7 @@ import pytest
 import torch
 from kernels_env import DEVICE, DTYPES, ON_GPU, scattered_slots
 
-from rollout_kernels import store_kv, store_kv_ref
+from rollout_kernels.triton import store_kv, store_kv_ref
 
 pytestmark = pytest.mark.interpreter
 
@@ -45,7 +45,7 @@ def test_store_kv_strided_views_of_fused_qkv():
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU with > 10 GB free")
 def test_store_kv_and_attention_past_int32_offsets():
     """slot * row_stride beyond 2**31 elements: offsets must be computed in int64."""
-    from rollout_kernels import paged_attention, paged_attention_ref
+    from rollout_kernels.triton import paged_attention, paged_attention_ref
 
     kv_heads, head_dim, q_heads = 8, 128, 32
     num_slots = (1 << 31) // (kv_heads * head_dim) + 4096

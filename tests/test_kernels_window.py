@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernels_env import DEVICE, DTYPES, indptr, paged_case
 
-from rollout_kernels import paged_attention_ref, shared_prefix_attention
+from rollout_kernels.triton import paged_attention_ref, shared_prefix_attention
 
 pytestmark = pytest.mark.interpreter
 

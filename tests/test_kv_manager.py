@@ -29,12 +29,12 @@ import pytest
 import torch
 
 from rollout.journal import Journal
-from rollout.kv_manager import KVManager
-from rollout.kv_pool import KVPool
-from rollout.no_prefix_cache import make_prefix_cache
-from rollout.request import Sequence
-from rollout.sampling_params import SamplingParams
-from rollout.slot_table import SlotTable
+from rollout.kv.manager import KVManager
+from rollout.kv.pool import KVPool
+from rollout.kv.prefix_cache import make_prefix_cache
+from rollout.kv.slot_table import SlotTable
+from rollout.requests.sequence import Sequence
+from rollout.sample.params import SamplingParams
 
 CPU = torch.device("cpu")
 NUM_SLOTS = 96

@@ -70,7 +70,7 @@ GRPO = dict(trainer="custom", algo="grpo", steps=40, prompts_per_step=64, num_ge
 MARGIN = 0.06  # held-out accuracy points the run must add; chosen from the noise measured above
 
 # The PPO loop (value head, GAE, whitened advantages) at a smaller scale: 4 samples of 64
-# prompts, lr 1e-4 (the README's PPO settings).
+# prompts, lr 1e-4 (docs/recipes.md's PPO settings).
 PPO = dict(GRPO, algo="ppo", num_generations=4, learning_rate=1e-4)
 PPO_MARGIN = 0.06
 

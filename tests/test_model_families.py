@@ -13,9 +13,9 @@ from models import FAMILIES, tiny_model
 from test_parity import assert_matches_reference
 
 from rollout import Engine, EngineConfig, SamplingParams
+from rollout.colocation.weights import model_tensors
 from rollout.models import MODEL_REGISTRY, model_class
 from rollout.models.loader import build_model
-from rollout.weights import model_tensors
 
 LONG = [list(range(3, 43)), [42] * 17, [5, 99, 3, 100, 6, 7, 8, 9, 10, 11, 12, 13]]
 

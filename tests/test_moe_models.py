@@ -10,8 +10,8 @@ from models import char_tokenizer, per_expert_tensors, tiny_model
 from test_parity import PROMPTS, assert_matches_reference
 
 from rollout import Engine, EngineConfig, SamplingParams
+from rollout.colocation.weights import model_tensors
 from rollout.models.loader import build_model, load_into
-from rollout.weights import model_tensors
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, logprobs=True)
 

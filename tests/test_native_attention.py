@@ -1,6 +1,6 @@
-"""The C paged-attention kernel of rollout/native (the CPU default for decode and verify rows)
-against a float64 reference and the torch backend's paths, and the engine with it against the
-engine without it."""
+"""The C paged-attention kernel of rollout_kernels.cpu (the cpu backend's attention for decode,
+verify and later-turn rows) against a float64 reference and the torch backend's paths, and the
+engine with it against the engine without it."""
 
 import dataclasses
 
@@ -10,10 +10,14 @@ from models import tiny_model
 from test_parity import PROMPTS, assert_matches_reference
 from test_torch_shared_prefix import MIXED, make_step, random_pool
 
-from rollout import Engine, EngineConfig, SamplingParams, native
-from rollout.attention import TorchAttention
-from rollout.native import paged_attention as native_attention
+from rollout import Engine, EngineConfig, SamplingParams
+from rollout.attention.cpu import CpuAttention
+from rollout.attention.registry import ATTENTION
+from rollout.attention.sdpa import TorchAttention
+from rollout.ops.backend import resolve_backend
 from rollout.spec import SpeculativeConfig
+from rollout_kernels import cpu as native
+from rollout_kernels.cpu import paged_attention as native_attention
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler here")
 GREEDY = SamplingParams(temperature=0, max_tokens=12, logprobs=True)
@@ -43,8 +47,7 @@ def reference(pool, meta, q, layer, scale, window=None, softcap=None):
 
 
 def native_forward(pool, meta, q, k, v, layer=0, window=None, softcap=None):
-    backend = TorchAttention(pool, [window] * pool.num_layers, native=True)
-    assert backend.native
+    backend = CpuAttention(pool, [window] * pool.num_layers)
     meta = dataclasses.replace(meta, plan=None)
     meta.plan = backend.plan(meta)
     return backend.forward(q, k, v, layer, meta, pool.head_dim ** -0.5, softcap), meta.plan
@@ -60,8 +63,8 @@ def test_kernel_matches_float64_reference(kv_heads, q_heads, head_dim, window, s
     pool = random_pool(1, kv_heads, head_dim)
     meta, q, k, v = make_step(pool, MIXED, q_heads, seed=kv_heads + head_dim)
     out, plan = native_forward(pool, meta, q, k, v, window=window, softcap=softcap)
-    served = plan.native.q_start.numel() if window is None else \
-        plan.by_window[window].native.q_start.numel()
+    served = plan.kernel.q_start.numel() if window is None else \
+        plan.by_window[window].kernel.q_start.numel()
     # every decode and verify row, and the extend chunks over a context twice their length
     assert served == sum(q <= 17 or (q <= 512 and kv >= 2 * q)
                          for q, kv in zip(meta.q_lens, meta.kv_lens)) == len(meta.q_lens) - 1
@@ -134,13 +137,16 @@ def test_the_kernel_stores_the_steps_kv_as_index_copy_would():
 
 
 def test_off_where_it_cannot_run(monkeypatch):
-    pool = random_pool(1, 2, 64)
-    assert not TorchAttention(pool, native=False).native
-    assert not TorchAttention(random_pool(1, 2, 64, dtype=torch.bfloat16), native=True).native
+    cpu = torch.device("cpu")
+
+    def chosen(backend, dtype=torch.float32):
+        return resolve_backend(backend, cpu).choose(ATTENTION.implementations, dtype)
+
+    assert chosen("cpu") == "cpu" and chosen("auto") == "cpu"
+    assert chosen("torch") == "torch"
+    assert chosen("cpu", torch.bfloat16) == "torch"  # the kernel is fp32
     monkeypatch.setattr(native_attention, "_kernel", lambda: None)  # no compiler, a failed build
-    assert not TorchAttention(pool, native=True).native
-    with pytest.raises(ValueError, match="native_cpu_kernels"):
-        EngineConfig(native_cpu_kernels="sometimes")
+    assert chosen("cpu") == "torch"
 
 
 def test_a_failed_build_leaves_the_torch_path(monkeypatch, tmp_path):
@@ -152,7 +158,7 @@ def test_a_failed_build_leaves_the_torch_path(monkeypatch, tmp_path):
             assert native.library() is None
         model = tiny_model("llama")
         engine = Engine(model, EngineConfig(kv_cache_tokens=512, max_model_len=64))
-        assert not engine.runner.backend.native
+        assert engine.implementations()["attention"] == "torch"
         assert_matches_reference(model, PROMPTS[:2], engine.generate(PROMPTS[:2], GREEDY))
     finally:
         monkeypatch.undo()
@@ -166,12 +172,12 @@ def test_engine_matches_transformers_and_the_torch_path(family):
     # context. n = 3 siblings decode beside each other.
     model = tiny_model(family)
     engine = Engine(model, EngineConfig(kv_cache_tokens=2048, max_model_len=128))
-    assert engine.runner.backend.native
+    assert engine.implementations()["attention"] == "cpu"
     assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, GREEDY))
     params = SamplingParams(n=3, temperature=0.9, max_tokens=16, logprobs=True, seed=4)
     torch_engine = Engine(model, EngineConfig(kv_cache_tokens=2048, max_model_len=128,
-                                              native_cpu_kernels=False))
-    assert not torch_engine.runner.backend.native
+                                              backend="torch"))
+    assert torch_engine.implementations()["attention"] == "torch"
     for a, b in zip(engine.generate(PROMPTS, params), torch_engine.generate(PROMPTS, params)):
         for sa, sb in zip(a.samples, b.samples):
             assert sa.token_ids == sb.token_ids
@@ -185,7 +191,7 @@ def test_speculative_verify_rows():
     spec = Engine(model, EngineConfig(kv_cache_tokens=2048, max_model_len=128,
                                       speculative=SpeculativeConfig("ngram",
                                                                     num_speculative_tokens=4)))
-    assert spec.runner.backend.native
+    assert spec.implementations()["attention"] == "cpu"
     outs = spec.generate(PROMPTS, greedy)
     assert [o.samples[0].token_ids for o in outs] == \
         [o.samples[0].token_ids for o in plain.generate(PROMPTS, greedy)]
@@ -242,7 +248,7 @@ def test_siblings_in_one_chunk_match_float64_reference(monkeypatch, window, head
     pool = random_pool(1, 2, head_dim)
     meta, q, k, v = make_step(pool, requests, 6, seed=11)
     out, plan = native_forward(pool, meta, q, k, v, window=window, softcap=softcap)
-    native = plan.native if window is None else plan.by_window[window].native
+    native = plan.kernel if window is None else plan.by_window[window].kernel
     chunks = native.chunks(rep=3, threads=torch.get_num_threads())
     assert chunks.count.tolist()[0] >= min(8, samples) and chunks.prefix.tolist()[0] == 70
     ref = reference(pool, meta, q, 0, head_dim ** -0.5, window, softcap)
@@ -257,6 +263,6 @@ def test_extend_chunks_over_a_context_match_float64_reference():
     pool = random_pool(1, 2, 64)
     meta, q, k, v = make_step(pool, requests, 6, seed=12)
     out, plan = native_forward(pool, meta, q, k, v)
-    assert plan.native.q_len.tolist() == [100, 37, 1]
+    assert plan.kernel.q_len.tolist() == [100, 37, 1]
     ref = reference(pool, meta, q, 0, 64 ** -0.5)
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)

@@ -1,16 +1,20 @@
-"""The C Gumbel-max sampler of rollout/native (the CPU default for drawing tokens) against the
+"""The C Gumbel-max sampler of rollout_kernels.cpu (the cpu backend's for drawing tokens) against the
 definition it must reproduce bit for bit: argmax(candidates + counter_noise.gumbel_noise), the
 first index among equal scores, a NaN first."""
 
 import pytest
 import torch
 
-from rollout.counter_noise import gumbel_noise
-from rollout.native import gumbel
-from rollout.sampler import SamplingBatch, sample
+from rollout.sample.noise import gumbel_noise, row_keys
+from rollout.sample.sampler import SamplingBatch, sample, sample_cpu
+from rollout_kernels.cpu import gumbel
 
 pytestmark = pytest.mark.skipif(gumbel._kernel() is None,
                                 reason="no C compiler, AVX2 or MKL log here")
+
+
+def argmax(candidates, seed, position, stream):
+    return gumbel.gumbel_argmax(candidates, row_keys(seed, position, stream))
 
 
 def keys(rows, seed=0):
@@ -31,7 +35,7 @@ def test_tokens_are_those_of_the_definition(rows, vocab, scale):
     candidates[:, 1::5] = float("-inf")  # filtered tokens
     seed, position = keys(rows, vocab)
     for stream in (0, 3):
-        assert torch.equal(gumbel.gumbel_argmax(candidates, seed, position, stream),
+        assert torch.equal(argmax(candidates, seed, position, stream),
                            definition(candidates, seed, position, stream))
 
 
@@ -43,11 +47,11 @@ def test_scores_equal_to_the_last_bit_and_one_ulp_apart():
     seed, position = keys(4, 1)
     noise = gumbel_noise(seed, position, 3000, 0)
     candidates = -noise
-    assert gumbel.gumbel_argmax(candidates, seed, position, 0).tolist() == [0, 0, 0, 0]
+    assert argmax(candidates, seed, position, 0).tolist() == [0, 0, 0, 0]
     marked = torch.tensor([2999, 1, 1500, 77])
     at = (torch.arange(4), marked)
     candidates[at] = torch.nextafter(candidates[at], torch.tensor(float("inf")))
-    assert torch.equal(gumbel.gumbel_argmax(candidates, seed, position, 0), marked)
+    assert torch.equal(argmax(candidates, seed, position, 0), marked)
     assert torch.equal(definition(candidates, seed, position, 0), marked)
 
 
@@ -59,7 +63,7 @@ def test_non_finite_candidates():
     candidates[2, :] = float("-inf")
     candidates[2, 1999] = 0.0  # the only candidate
     candidates[3, 17] = float("inf")
-    got = gumbel.gumbel_argmax(candidates, seed, position, 0)
+    got = argmax(candidates, seed, position, 0)
     assert got.tolist() == [0, 1234, 1999, 17]
     assert torch.equal(got, definition(candidates, seed, position, 0))
 
@@ -68,7 +72,7 @@ def test_rows_with_a_stride():
     seed, position = keys(6, 3)
     wide = torch.randn(6, 3000)
     candidates = wide[:, :2500]
-    assert torch.equal(gumbel.gumbel_argmax(candidates, seed, position, 0),
+    assert torch.equal(argmax(candidates, seed, position, 0),
                        definition(candidates, seed, position, 0))
 
 
@@ -79,7 +83,7 @@ def test_the_bound_covers_the_approximation():
     assert 0 < bound < 1e-5
 
 
-def test_sample_is_the_torch_path_with_filters_and_greedy_rows(monkeypatch):
+def test_sample_is_the_torch_path_with_filters_and_greedy_rows():
     rows, vocab = 40, 5000
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(9)) * 4
     b = SamplingBatch.build(
@@ -88,7 +92,6 @@ def test_sample_is_the_torch_path_with_filters_and_greedy_rows(monkeypatch):
         top_p=[0.9 if i % 4 == 1 else 1.0 for i in range(rows)],
         min_p=[0.05 if i % 5 == 2 else 0.0 for i in range(rows)],
         seed=list(range(rows)), position=[10 * i for i in range(rows)], device="cpu")
-    native = sample(logits, b)
-    monkeypatch.setattr(gumbel, "supported", lambda candidates: False)
+    native = sample_cpu(logits, b)
     torch_path = sample(logits, b)
     assert torch.equal(native[0], torch_path[0]) and torch.equal(native[1], torch_path[1])

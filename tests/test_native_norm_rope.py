@@ -1,6 +1,6 @@
-"""RMSNorm and rotary embedding in rollout/native's C against the torch layers they replace on
+"""RMSNorm and rotary embedding in rollout_kernels.cpu's C against the torch layers they replace on
 the CPU in fp32: rotary bit for bit, RMSNorm to a float32 rounding; and the engine's layers take
-them exactly when EngineConfig.native_cpu_kernels says."""
+them exactly when the engine's backend is cpu."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ from models import tiny_model
 from rollout import Engine, EngineConfig
 from rollout.models.layers.norm import RMSNorm
 from rollout.models.layers.rotary import _rotate
-from rollout.native import norm_rope
+from rollout_kernels.cpu import norm_rope
 
 pytestmark = pytest.mark.skipif(not norm_rope.supported(torch.device("cpu"), torch.float32),
                                 reason="no C compiler here")
@@ -49,7 +49,7 @@ def test_rms_norm_matches_the_torch_layer(shape, offset):
     layer = RMSNorm(shape[-1], 1e-6, offset)
     layer.weight.data = torch.randn(shape[-1], generator=gen)
     want = layer(x)
-    layer.native = True
+    layer.implementation = "cpu"
     got = layer(x)
     assert got.shape == x.shape
     torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
@@ -61,7 +61,7 @@ def test_rms_norm_of_a_strided_view():
     layer = RMSNorm(64, 1e-5)
     layer.weight.data = torch.randn(64)
     want = layer(view)
-    layer.native = True
+    layer.implementation = "cpu"
     torch.testing.assert_close(layer(view), want, rtol=2e-6, atol=1e-6)
 
 
@@ -79,7 +79,7 @@ def test_add_forward_is_the_sum_bit_for_bit_and_its_norm(shape, native):
     layer.weight.data = torch.randn(shape[-1], generator=gen)
     want_sum = x + delta
     want = layer(want_sum)
-    layer.native = native
+    layer.implementation = "cpu" if native else "torch"
     x_before = x.clone()
     total, h = layer.add_forward(x, delta)
     assert torch.equal(total, want_sum)
@@ -93,8 +93,7 @@ def test_add_forward_is_the_sum_bit_for_bit_and_its_norm(shape, native):
 def test_the_engine_layers_follow_the_config(native):
     model = tiny_model("llama")
     engine = Engine(model, EngineConfig(kv_cache_tokens=256, max_model_len=64,
-                                        native_cpu_kernels=native))
-    stack = engine.runner.model
-    norms = [m for m in stack.modules() if isinstance(m, RMSNorm)]
-    assert norms and all(m.native == native for m in norms)
-    assert stack.rope.native == native
+                                        backend="cpu" if native else "torch"))
+    chosen = engine.implementations()
+    want = "cpu" if native else "torch"
+    assert chosen["RMSNorm"] == chosen["RotaryEmbedding"] == want

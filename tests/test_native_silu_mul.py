@@ -1,6 +1,6 @@
-"""silu(gate) * up in rollout/native's C against torch's ops it replaces in the gated MLP (CPU,
+"""silu(gate) * up in rollout_kernels.cpu's C against torch's ops it replaces in the gated MLP (CPU,
 fp32), over the float range and on the halves of a fused gate-up output; the engine's MLPs take
-it exactly when EngineConfig.native_cpu_kernels says and the activation is SiLU."""
+it exactly when the engine's backend is cpu and the activation is SiLU."""
 
 import pytest
 import torch
@@ -8,7 +8,8 @@ from models import tiny_model
 
 from rollout import Engine, EngineConfig
 from rollout.models.layers.mlp import GatedMLP
-from rollout.native import norm_rope, silu_mul
+from rollout.ops.backend import resolve_backend
+from rollout_kernels.cpu import norm_rope, silu_mul
 
 pytestmark = pytest.mark.skipif(not norm_rope.supported(torch.device("cpu"), torch.float32),
                                 reason="no C compiler here")
@@ -62,16 +63,17 @@ def test_a_3d_input():
 @pytest.mark.parametrize("native", [True, False])
 def test_the_engine_mlps_follow_the_config(native):
     engine = Engine(tiny_model("llama"), EngineConfig(kv_cache_tokens=256, max_model_len=64,
-                                                       native_cpu_kernels=native))
-    mlps = [m for m in engine.runner.model.modules() if isinstance(m, GatedMLP)]
-    assert mlps and all(m.native == native for m in mlps)
-    x = torch.randn(4, mlps[0].gate_up_proj.in_features)
-    native_out = mlps[0](x)
-    mlps[0].native = False
-    torch.testing.assert_close(native_out, mlps[0](x), rtol=1e-5, atol=1e-6)
+                                                       backend="cpu" if native else "torch"))
+    assert engine.implementations()["GatedMLP"] == ("cpu" if native else "torch")
+    mlp = GatedMLP(32, 64, "silu")
+    x = torch.randn(4, 32)
+    mlp.implementation = "cpu"
+    native_out = mlp(x)
+    mlp.implementation = "torch"
+    torch.testing.assert_close(native_out, mlp(x), rtol=1e-5, atol=1e-6)
 
 
 def test_other_activations_keep_torch():
     mlp = GatedMLP(16, 32, "gelu_pytorch_tanh")
-    mlp.use_backends(type("B", (), {"native_layer_ops": staticmethod(lambda w: True)})())
-    assert not mlp.native
+    mlp.use_backend(resolve_backend("cpu", torch.device("cpu")), torch.float32)
+    assert mlp.implementation == "torch"

@@ -2,6 +2,7 @@
 distributions (pyproject.toml lists them; kernels/ and recipes/ are renamed)."""
 
 import pathlib
+
 import tomllib
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -31,13 +32,13 @@ def test_the_renamed_packages_import_from_their_folders():
 
 
 def test_the_native_kernels_sources_and_headers_ship_and_are_built():
-    """The wheel carries what rollout/native compiles at first use, and the build (and its
+    """The wheel carries what rollout_kernels.cpu compiles at first use, and the build (and its
     cache key) takes every C file of the folder: a header left out of the key would let a
     changed header reuse a stale library."""
-    from rollout import native
+    from rollout_kernels import cpu as native
 
-    folder = ROOT / "rollout" / "native"
-    globs = SETUPTOOLS["package-data"]["rollout.native"]
+    folder = ROOT / "kernels" / "cpu"
+    globs = SETUPTOOLS["package-data"]["rollout_kernels.cpu"]
     shipped = {p.name for g in globs for p in folder.glob(g)}
     assert {*native.SOURCES, *native.HEADERS} == shipped == {
         p.name for p in folder.iterdir() if p.suffix in (".c", ".h")}

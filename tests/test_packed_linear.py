@@ -1,5 +1,5 @@
 """CPU projections on packed weights: oneDNN's layout (rollout/models/layers/packed_linear.py)
-and rollout/native's panels (linear.c, the fp32 default with native_cpu_kernels): F.linear's
+and rollout_kernels.cpu's panels (linear.c, the cpu backend's fp32 default): F.linear's
 results to fp32 rounding, each row independent of the others, a copy that follows every change
 of its weight, dropped at sleep and counted in memory_held; the engine's outputs the same with
 packing off, and transformers' within the parity tests' bounds (those run packed: it is the CPU
@@ -12,7 +12,7 @@ from torch.nn import functional as F
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.models.layers.packed_linear import NativePackedWeight, PackedWeight, can_pack
-from rollout.native import linear as native_linear
+from rollout_kernels.cpu import linear as native_linear
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32),
                                 reason="this torch build has no oneDNN")
@@ -23,7 +23,8 @@ SAMPLED = SamplingParams(n=3, temperature=0.9, top_p=0.95, max_tokens=12, logpro
 
 
 PACKINGS = [PackedWeight, pytest.param(NativePackedWeight, marks=pytest.mark.skipif(
-    not native_linear.supported(), reason="no C compiler or no AVX2 here"))]
+    not native_linear.supported(torch.device("cpu"), torch.float32),
+    reason="no C compiler or no AVX2 here"))]
 
 
 @pytest.mark.parametrize("packing", PACKINGS)
@@ -43,7 +44,7 @@ def test_panels_take_any_leading_shape_and_strided_rows(shape):
     g = torch.Generator().manual_seed(1)
     w = torch.randn(33, shape[-1], generator=g)
     x = torch.randn(shape, generator=g)
-    packed = NativePackedWeight() if native_linear.supported() else PackedWeight()
+    packed = NativePackedWeight() if native_linear.supported(torch.device("cpu"), torch.float32) else PackedWeight()
     torch.testing.assert_close(packed.linear(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-5)
     wide = torch.randn(6, 2 * shape[-1], generator=g)
     view = wide[:, ::2]  # rows with a stride of 2 within
@@ -52,7 +53,7 @@ def test_panels_take_any_leading_shape_and_strided_rows(shape):
 
 
 def test_panels_hand_long_prefills_to_f_linear(monkeypatch):
-    if not native_linear.supported():
+    if not native_linear.supported(torch.device("cpu"), torch.float32):
         pytest.skip("no native panels here")
     monkeypatch.setattr(native_linear, "MAX_ROWS", 8)
     g = torch.Generator().manual_seed(2)
@@ -101,12 +102,17 @@ def close(a, b):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
 @pytest.mark.parametrize("native", [True, False])
-def test_engine_packed_matches_unpacked(family, native):
+def test_engine_packed_matches_unpacked(family, native, monkeypatch):
+    """native: the C panels where they build; else oneDNN's layout, which the cpu backend
+    takes where the C linear kernel does not build."""
     model = tiny_model(family)
-    packed = Engine(model, EngineConfig(**CONFIG, native_cpu_kernels=native))
+    if not native:
+        monkeypatch.setattr(native_linear, "supported", lambda device, dtype: False)
+    packed = Engine(model, EngineConfig(**CONFIG))
     plain = Engine(model, EngineConfig(**CONFIG, pack_cpu_weights=False))
     kinds = {type(m.packing) for m in packed.model.modules() if hasattr(m, "packing")}
-    want = NativePackedWeight if native and native_linear.supported() else PackedWeight
+    cpu, f32 = torch.device("cpu"), torch.float32
+    want = NativePackedWeight if native and native_linear.supported(cpu, f32) else PackedWeight
     assert kinds == {want}
     assert packed.model.derived_bytes() > 0 and plain.model.derived_bytes() == 0
     close(run(packed), run(plain))

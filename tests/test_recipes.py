@@ -291,7 +291,7 @@ def test_named_model_and_dataset_files(tmp_path, trainer):
                 "--trainer", trainer])
     check_steps(out["history"])
     assert out["accuracy_before"] is not None
-    from rollout.chat import render_conversations
+    from rollout.engine.chat import render_conversations
     from rollout_recipes.tasks import load_task
 
     cfg = RecipeConfig(model=str(tmp_path / "model"), dataset=str(tmp_path / "data.jsonl"),

@@ -7,7 +7,8 @@ from helpers import samples
 from models import tiny_model
 
 from rollout import Engine, EngineConfig, SamplingParams
-from rollout.sampling_params import MIN_TEMPERATURE, SEED_LIMIT
+from rollout.fields import SEED_LIMIT
+from rollout.sample.params import MIN_TEMPERATURE
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,15 @@ from models import tiny_model
 from scipy import stats
 
 from rollout import Engine, EngineConfig, SamplingParams
-from rollout.counter_noise import (
+from rollout.sample.filters import (
+    _row_maxima,
+    _sorted_values,
+    _top_values,
+    filter_by_sort,
+    filter_by_threshold,
+    filter_logprobs,
+)
+from rollout.sample.noise import (
     bits_to_uniform,
     gumbel_noise,
     mix32,
@@ -27,15 +35,7 @@ from rollout.counter_noise import (
     to_int32,
     uniform_noise,
 )
-from rollout.sampler import SamplingBatch, pick, sample, target_logprobs
-from rollout.sampling_filter import (
-    _row_maxima,
-    _sorted_values,
-    _top_values,
-    filter_by_sort,
-    filter_by_threshold,
-    filter_logprobs,
-)
+from rollout.sample.sampler import SamplingBatch, pick, sample, target_logprobs
 from rollout.spec.verify import verify
 
 P_MIN = 1e-3
@@ -306,7 +306,7 @@ def test_mixed_batch_logprobs_are_unfiltered_log_softmax_at_the_token():
 
 
 def test_noise_drawn_in_blocks_of_rows_picks_the_tokens_of_the_whole_batch(monkeypatch):
-    """On the CPU without the native sampler `pick` draws the noise a block of rows at a time
+    """On the CPU the torch `pick` (the reference; the C sampler is the cpu backend's) draws the noise a block of rows at a time
     (sampler.py): the tokens are those of the definition, argmax(candidates + noise of the
     whole batch), across block edges, with greedy rows and -inf candidates."""
     rows, vocab = 23, 50
@@ -317,9 +317,8 @@ def test_noise_drawn_in_blocks_of_rows_picks_the_tokens_of_the_whole_batch(monke
     _, candidates = target_logprobs(logits, b)
     noise = gumbel_noise(b.seed, b.position, vocab, stream=2)
     want = torch.where(b.temperature == 0, logits.argmax(-1), (candidates + noise).argmax(-1))
-    monkeypatch.setattr("rollout.native.gumbel.supported", lambda candidates: False)
     for block_rows in (1, 4, rows, 2 * rows):
-        monkeypatch.setattr("rollout.sampler._NOISE_BLOCK_ELEMENTS", block_rows * vocab)
+        monkeypatch.setattr("rollout.sample.sampler._NOISE_BLOCK_ELEMENTS", block_rows * vocab)
         assert torch.equal(pick(logits, candidates, b, stream=2), want), block_rows
 
 

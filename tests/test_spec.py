@@ -9,7 +9,7 @@ from models import tiny_model
 from scipy.stats import chisquare
 
 from rollout import Engine, EngineConfig, SamplingParams
-from rollout.sampler import SamplingBatch
+from rollout.sample.sampler import SamplingBatch
 from rollout.spec import SpeculativeConfig
 from rollout.spec.verify import verify
 

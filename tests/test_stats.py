@@ -3,8 +3,8 @@
 from models import tiny_model
 
 from rollout import Engine, EngineConfig, SamplingParams
+from rollout.engine.stats import STEP_PHASES as PHASES
 from rollout.spec import SpeculativeConfig
-from rollout.stats import STEP_PHASES as PHASES
 
 
 def test_step_time_splits_into_phases():

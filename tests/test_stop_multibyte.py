@@ -13,8 +13,8 @@ from helpers import run_checked
 from models import tiny_model
 
 from rollout import Engine, EngineConfig, SamplingParams
-from rollout.request import Sequence
-from rollout.stop import StopChecker
+from rollout.engine.stop import StopChecker
+from rollout.requests.sequence import Sequence
 
 MAX_MODEL_LEN = 4096
 ASCII = "abcdefghijklmnopqrstuvwxyz0123456789 .,+="

@@ -124,8 +124,8 @@ def test_experts_slice_alike_from_stacked_and_per_expert_names(family):
     import torch
     from models import per_expert_tensors, tiny_model
 
+    from rollout.colocation.weights import model_tensors
     from rollout.models.loader import build_model, load_into
-    from rollout.weights import model_tensors
 
     model = tiny_model(family)
     full = dict(model.named_parameters())

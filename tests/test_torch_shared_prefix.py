@@ -9,11 +9,12 @@ from helpers import run_checked, samples
 from models import tiny_model
 from test_parity import assert_matches_reference
 
-from rollout import Engine, EngineConfig, SamplingParams, shared_prefix_attention
-from rollout.attention import TorchAttention
-from rollout.attention_metadata import AttentionMetadata, indptr
-from rollout.shared_prefix_attention import MAX_SHARED_Q_LEN, MIN_COMMON_LEN
-from rollout.kv_pool import KVPool
+from rollout import Engine, EngineConfig, SamplingParams
+from rollout.attention import shared_prefix as shared_prefix_attention
+from rollout.attention.metadata import AttentionMetadata, indptr
+from rollout.attention.sdpa import TorchAttention
+from rollout.attention.shared_prefix import MAX_SHARED_Q_LEN, MIN_COMMON_LEN
+from rollout.kv.pool import KVPool
 from rollout.spec import SpeculativeConfig
 
 # (group, shared_len, kv_len, q_len): a group's first shared_len context slots are the same
@@ -252,7 +253,7 @@ def generate_cached_and_not(prompts, params, family="llama", **overrides):
         engine = Engine(tiny_model(family, num_attention_heads=6, num_key_value_heads=2,
                                    hidden_size=96),
                         EngineConfig(kv_cache_tokens=4096, max_model_len=256,
-                                     enable_prefix_caching=caching, native_cpu_kernels=False,
+                                     enable_prefix_caching=caching, backend="torch",
                                      **overrides))
         outs.append(run_checked(engine, prompts, params))
     return outs
@@ -276,7 +277,7 @@ def test_engine_n8_greedy_matches_transformers():
     model = tiny_model("qwen3")
     prompts = long_prompts(num=2, shared=60, own=8)
     engine = Engine(model, EngineConfig(kv_cache_tokens=2048, max_model_len=256,
-                                        native_cpu_kernels=False))
+                                        backend="torch"))
     outs = engine.generate(prompts, SamplingParams(n=8, temperature=0, max_tokens=16,
                                                    logprobs=True))
     assert_matches_reference(model, prompts, outs)

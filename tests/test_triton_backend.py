@@ -6,12 +6,13 @@ import torch
 from kernels_env import DEVICE
 from models import tiny_model
 
-from rollout_kernels import shared_prefix_attention
-from rollout import Engine, EngineConfig, SamplingParams, triton_attention
-from rollout.attention import TorchAttention
-from rollout.attention_metadata import AttentionMetadata
-from rollout.kv_pool import KVPool
-from rollout.triton_attention import TritonAttention, TritonPlan
+from rollout import Engine, EngineConfig, SamplingParams
+from rollout.attention import triton as triton_attention
+from rollout.attention.metadata import AttentionMetadata
+from rollout.attention.sdpa import TorchAttention
+from rollout.attention.triton import TritonAttention, TritonPlan
+from rollout.kv.pool import KVPool
+from rollout_kernels.triton import shared_prefix_attention
 
 pytestmark = pytest.mark.interpreter
 

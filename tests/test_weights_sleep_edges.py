@@ -10,9 +10,9 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 import rollout
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.api import engine_for
-from rollout.kv_pool import KVPool
+from rollout.colocation.weights import weights_version
+from rollout.kv.pool import KVPool
 from rollout.spec import SpeculativeConfig
-from rollout.weights import weights_version
 from trainer_hooks import ColocatedRollout
 
 CONFIG = dict(kv_cache_tokens=512, max_model_len=64)
@@ -100,8 +100,9 @@ def test_deepening_sleep_allocates_nothing_and_then_needs_weights(monkeypatch):
 
 def test_parked_host_weights_are_dropped_when_deepening():
     """On a GPU level 1 parks the weights on the host; deepening must drop that copy, not bring
-    it back. On CPU the seam (separate_host, see rollout/sleep.py) parks them as a GPU does."""
-    from rollout.sleep import WeightParking, tensor_bytes
+    it back. On CPU the seam (separate_host, see rollout/colocation/parking.py) parks them as a GPU does."""
+    from rollout.colocation.device_memory import tensor_bytes
+    from rollout.colocation.parking import WeightParking
 
     model = tiny_model("llama")
     shapes = {n: p.shape for n, p in model.named_parameters()}

@@ -13,10 +13,11 @@ from models import tiny_model
 from test_parity import assert_matches_reference
 from test_torch_shared_prefix import MIXED, make_step, random_pool
 
-from rollout_kernels import paged_attention_ref
-from rollout import Engine, EngineConfig, SamplingParams, triton_attention
-from rollout.attention import TorchAttention
+from rollout import Engine, EngineConfig, SamplingParams
+from rollout.attention import triton as triton_attention
+from rollout.attention.sdpa import TorchAttention
 from rollout.spec import SpeculativeConfig
+from rollout_kernels.triton import paged_attention_ref
 
 PROMPTS = [list(range(3, 30)), [5, 6, 7], list(range(40, 52)), [9, 9, 8, 9, 9, 8] * 3]
 

@@ -1,5 +1,5 @@
 """What the tensor-parallel tests run, alike at TP=1 (in the pytest process, the reference) and
-at TP=k (tests/tp_worker.py, on every rank): tiny models covering the sharding cases, each
+at TP=k (tests/tp_launch.py, on every rank): tiny models covering the sharding cases, each
 scenario's (token ids, logprobs) per sample."""
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def _colocation(cfg: dict) -> dict:
     engine = Engine(a, EngineConfig(**dict(cfg, extra={"separate_host_memory": True})))
     addresses = [p.data_ptr() for p in engine.model.parameters()]
     out = {}
-    # Host memory is not the device's here (the CPU seam of rollout/sleep.py), so every
+    # Host memory is not the device's here (the CPU seam of rollout/colocation/parking.py), so every
     # tensor crosses in update_weights' buckets: what crossed must be this rank's parts only
     # (the vocabulary divides evenly: no padding rows).
     copied = engine.update_weights(b)["bytes"]

@@ -18,7 +18,7 @@ import weakref
 from torch import nn
 
 from rollout import Engine
-from rollout.weights import weights_version
+from rollout.colocation.weights import watch_optimizer, weights_version
 
 # Open blocks per engine, across every ColocatedRollout that shares it.
 _OPEN: weakref.WeakKeyDictionary[Engine, int] = weakref.WeakKeyDictionary()
@@ -26,18 +26,27 @@ _OPEN: weakref.WeakKeyDictionary[Engine, int] = weakref.WeakKeyDictionary()
 
 class ColocatedRollout:
     def __init__(self, engine: Engine, model: nn.Module, sleep_level: int = 1,
-                 gather=None, synced: bool = True) -> None:
+                 gather=None, synced: bool = True, optimizer=None) -> None:
         """`gather`: optional context-manager factory that materialises sharded parameters
         (DeepSpeed ZeRO-3 / FSDP), e.g. trl's unwrap_model_for_generation bound to the
         accelerator; weights are read inside it. `synced=False` when the engine may not hold
         the model's current weights (built earlier, or before DDP broadcast rank 0's weights,
-        which need not bump version counters): the first entry then syncs unconditionally."""
+        which need not bump version counters): the first entry then syncs unconditionally.
+        `optimizer`: the trainer's optimizer, whose steps then count as weight changes even
+        where its kernels bump no version counter (fused AdamW; see `watch`)."""
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level!r}")
         self.engine, self.model, self.sleep_level, self.gather = engine, model, sleep_level, gather
         self._synced_version: tuple[int, ...] | None = weights_version(model) if synced else None
         self.timings: dict[str, float] = {}
         self.synced = False  # whether the last entry copied weights in
+        if optimizer is not None:
+            self.watch(optimizer)
+
+    @staticmethod
+    def watch(optimizer) -> None:
+        """Count this optimizer's steps as weight changes (rollout.watch_optimizer)."""
+        watch_optimizer(optimizer)
 
     def __enter__(self) -> ColocatedRollout:
         outermost = _OPEN.get(self.engine, 0) == 0

@@ -1,5 +1,5 @@
 """The trainer's side of the importance ratio: log_softmax(logits / T) of each target token,
-the same quantity the engine returned when it sampled (see rollout/sampler.py)."""
+the same quantity the engine returned when it sampled (see rollout/sample/sampler.py)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 The engine samples with its own kernels, batch shapes and (often) weights one sync behind, so
 the training forward's routers can pick other experts than the ones that produced a sample: the
 importance ratio then compares two different networks. With `Sample.routed_experts` (the
-engine's choices, rollout/outputs.py), forward hooks on each MoE layer's router force its top-k
+engine's choices, rollout/requests/outputs.py), forward hooks on each MoE layer's router force its top-k
 ids to the rollout's. The weights given to those experts are recomputed from the training
 model's own router logits, normalised as the family normalises them, so gradients still flow
 through the router probabilities; only the discrete choice is replayed.

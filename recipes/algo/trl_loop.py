@@ -4,7 +4,7 @@ The recipe's keys map onto GRPOConfig; TRL's own logs are forwarded to the recip
 (JSONL + W&B) under the same names the custom loop uses, so runs of both paths compare.
 
 A chat task's prompts are conversations (tasks/base.py): TRL renders them with the tokenizer's
-chat template into the ids rollout/chat.py gives the custom loop, and hands its reward functions
+chat template into the ids rollout/engine/chat.py gives the custom loop, and hands its reward functions
 the completions as assistant messages."""
 
 from __future__ import annotations

@@ -201,7 +201,7 @@ def _check_values(cfg: RecipeConfig) -> None:
                          "(--trainer custom); TRL's own tool loop is trainer_hooks.trl's tools=")
     if cfg.tensor_parallel_size > 1 and _has_environment(cfg):
         # rollout.agent's environments answer in a different order on each rank, so the ranks
-        # of one engine would admit different observations (README, tensor parallelism).
+        # of one engine would admit different observations (docs/tensor-parallel.md).
         raise ValueError("tensor_parallel_size: the calculator task's episodes run on engines "
                          "of one rank only; set --tools false or tensor_parallel_size 1")
     if cfg.trainer == "trl" and cfg.algo != "grpo":

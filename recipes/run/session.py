@@ -97,7 +97,8 @@ def _train_custom(cfg, accelerator, policy, tokenizer, task, tracker) -> dict:
     engine = build_engine(cfg, policy, tokenizer, slot.index)
     engine.sleep(cfg.sleep_level)  # asleep until the first rollout: warm start needs no engine
     # synced=False: DDP broadcast rank 0's weights into `policy` without bumping versions.
-    rollout = ColocatedRollout(engine, policy, cfg.sleep_level, synced=False)
+    rollout = ColocatedRollout(engine, policy, cfg.sleep_level, synced=False,
+                               optimizer=optimizer)
     out: dict = {}
     if cfg.warmstart_steps:
         out["warmstart_loss"] = warm_start(cfg, module, tokenizer, task, accelerator)

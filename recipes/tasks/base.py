@@ -2,7 +2,7 @@
 `answer` column) and the reward that scores a completion against its answer.
 
 A chat task's `prompt` is the conversation (a list of {"role", "content"} messages), not its
-templated text: rollout/chat.py, the one place that applies chat templates, renders it for the
+templated text: rollout/engine/chat.py, the one place that applies chat templates, renders it for the
 engine (Task.encode: the ids `Engine.chat` gives), and TRL renders it as a conversational prompt
 with the same template (`apply_chat_template(..., tokenize=True)`: the same ids). Templated text
 would be encoded again by TRL with the tokenizer's special tokens added: a doubled BOS.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from datasets import Dataset
 
-from rollout.chat import render_conversations
+from rollout.engine.chat import render_conversations
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Math word problems from a dataset, GSM8K-style: an HF hub id (`--dataset openai/gsm8k
 --dataset_config main`), a local dataset directory, or one .json/.jsonl/.csv/.parquet file.
 Prompts come from `prompt_template` over each row: with the tokenizer's chat template (if any),
-a conversation (`system_prompt`, then that text as the user's message) that rollout/chat.py
+a conversation (`system_prompt`, then that text as the user's message) that rollout/engine/chat.py
 renders (tasks/base.py); otherwise plain text, after `system_prompt` if one is given. The reward
 is `math` unless the config names another: the last number of the completion against the gold
 answer's number, which a GSM8K answer gives after `####`.
@@ -14,7 +14,7 @@ import re
 
 from datasets import Dataset
 
-from rollout.chat import render_conversations
+from rollout.engine.chat import render_conversations
 
 from ..run.config import DATA_FILE_TYPES, RecipeConfig, is_data_file
 from .base import Task

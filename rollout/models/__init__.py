@@ -1,10 +1,9 @@
 """The model families, registered by Hugging Face `config.model_type` (see base.py for the
-contract, README "Adding a model family" for the steps)."""
+contract, docs/models.md "Adding a model family" for the steps)."""
 
 from __future__ import annotations
 
-from . import (  # noqa: F401  (each registers itself)
-    gemma2, gemma3, llama, mixtral, phi3, qwen2, qwen3, qwen3_moe)
+from . import gemma2, gemma3, llama, mixtral, phi3, qwen2, qwen3, qwen3_moe
 from .base import MODEL_REGISTRY, CausalLM
 
 

@@ -8,7 +8,7 @@ Hugging Face `config.model_type`(s) it serves. It provides:
   (layers/), parameters named as the checkpoint names them (fused ones excepted, see WEIGHTS);
   it sets `kv_layout`.
 - `forward(input_ids [T], ctx) -> hidden [T, H]` over the step's flat token axis. `ctx`
-  (rollout/forward_context.py) carries the positions, the attention call
+  (rollout/executor/context.py) carries the positions, the attention call
   (`ctx.attend(q, k, v, layer, scale, softcap)`, which also stores the new K/V) and the
   rotary cos/sin (`ctx.rotary(rope, dtype)`, computed once per step and table).
 - `compute_logits(hidden [N, H]) -> fp32 logits [N, V]`.
@@ -17,8 +17,8 @@ Hugging Face `config.model_type`(s) it serves. It provides:
   and from the shard sizes its fused linears hold (layers/linear.py).
 - optionally `slot_extras()`: what the KV pool keeps per slot beside K/V, written by layers
   with `ctx.store_slot_values` (MoE: each MoE layer's routed experts, ROUTED_EXPERTS), and
-  `use_backends(backends)`: layers with a choice of implementation (the MoE experts) take the
-  engine's (rollout/backends.py).
+  `use_backend(backend)`: layers with an implementation per backend (rollout/ops/op.py
+  Dispatched, and the projections' packing) take the engine's (rollout/ops/backend.py).
 
 The base class gives `config`, `vocab_size`, `dtype` (the weights') and `drop_tables` /
 `build_tables` (derived tables such as RoPE cos/sin, dropped at sleep and rebuilt at wake; the
@@ -223,12 +223,12 @@ class CausalLM(nn.Module):
         expert ids [num MoE layers, top_k] each MoE layer chose for the token. Dense: none."""
         return {}
 
-    def use_backends(self, backends) -> None:
-        """Layers with a choice of implementation take the engine's (rollout/backends.py):
-        the MoE blocks their experts' `backends.moe`."""
+    def use_backend(self, backend) -> None:
+        """Every layer with an implementation per backend takes the engine's
+        (rollout/ops/backend.py), for the model's dtype."""
         for module in self.modules():
-            if module is not self and hasattr(module, "use_backends"):
-                module.use_backends(backends)
+            if module is not self and hasattr(module, "use_backend"):
+                module.use_backend(backend, self.dtype)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -11,8 +11,16 @@ import torch
 from torch import nn
 
 from .base import SPLIT_GATE_UP, SPLIT_QKV, CausalLM, WeightTable, register, sliding_windows
-from .layers import (Attention, AttentionOptions, Decoder, GatedMLP, RMSNorm, RotaryEmbedding,
-                     VocabParallelEmbedding, lm_head)
+from .layers import (
+    Attention,
+    AttentionOptions,
+    Decoder,
+    GatedMLP,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabParallelEmbedding,
+    lm_head,
+)
 
 
 class DecoderLayer(nn.Module):

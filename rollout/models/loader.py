@@ -8,9 +8,9 @@ from collections.abc import Iterator
 
 import torch
 
+from ..colocation.weights import is_peft, model_tensors, unwrap
 from ..config import EngineConfig, as_dtype
 from ..parallel import SINGLE, TensorParallel, building_for
-from ..weights import is_peft, model_tensors, unwrap
 from . import model_class
 from .base import CausalLM
 

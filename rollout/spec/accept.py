@@ -1,5 +1,5 @@
 """The acceptance scan of speculative verification, in torch: per request, count the leading
-accepted drafts and pick the final token. `kernels/spec_accept.py` is the Triton version used
+accepted drafts and pick the final token. `kernels/triton/spec_accept.py` is the Triton version used
 on CUDA, tested against this one; it lives here so speculation on CPU needs no Triton."""
 
 from __future__ import annotations

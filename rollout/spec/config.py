@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..sampling_params import as_choice, as_int
+from ..fields import as_choice, as_int
 
 METHODS = ("ngram", "draft")
 ACCEPTANCE = ("coupled", "rejection")

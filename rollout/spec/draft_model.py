@@ -12,32 +12,37 @@ from __future__ import annotations
 
 import torch
 
-from ..batch import Batch, ScheduledSeq
-from ..model_stack import ModelStack
+from ..config import EngineConfig
+from ..executor.stack import ModelStack
+from ..kv.radix_cache import common_prefix_len
 from ..models.loader import build_model, load_into, resolve_model
-from ..radix_cache import common_prefix_len
-from ..request import SeqStatus, Sequence
-from ..counter_noise import TOKEN_STREAM
-from ..sampler import SamplingBatch, pick, target_logprobs
+from ..requests.batch import Batch, ScheduledSeq
+from ..requests.sequence import SeqStatus, Sequence
+from ..sample.noise import TOKEN_STREAM
+from ..sample.sampler import SamplingBatch, target_logprobs
 from .drafter import Drafter
 
 
 class DraftModelDrafter(Drafter):
-    def __init__(self, draft_model, engine, stream: int = TOKEN_STREAM) -> None:
-        """`stream`: the noise the draft samples with; the target's own (TOKEN_STREAM) for
-        coupled acceptance, an independent one (DRAFT_STREAM) for rejection sampling."""
-        cfg = engine.config
-        hf_config, weights, _, _, _ = resolve_model(draft_model, cfg, engine.tokenizer)
-        if hf_config.vocab_size != engine.vocab_size:
+    def __init__(self, draft_model, target: ModelStack, config: EngineConfig, tokenizer,
+                 stream: int = TOKEN_STREAM) -> None:
+        """`target`: the engine's model stack, whose vocabulary the draft must share, whose
+        dtype and device it runs in, and whose journal its bookkeeping joins (a failed step
+        rolls both back together). `stream`: the noise the draft samples with; the target's own
+        (TOKEN_STREAM) for coupled acceptance, an independent one (DRAFT_STREAM) for rejection
+        sampling."""
+        hf_config, weights, _, _, _ = resolve_model(draft_model, config, tokenizer)
+        vocab = target.model.vocab_size
+        if hf_config.vocab_size != vocab:
             raise ValueError(f"speculative.draft_model: vocab_size {hf_config.vocab_size} differs "
-                             f"from the target's {engine.vocab_size}; it must share the tokenizer")
-        device = engine.device
-        model = build_model(hf_config, cfg.max_model_len, engine.pool.dtype, device)
+                             f"from the target's {vocab}; it must share the tokenizer")
+        device = target.device
+        model = build_model(hf_config, config.max_model_len, target.pool.dtype, device)
         load_into(model, weights)
-        # As many slots as the target: the draft tracks the same sequences. Its bookkeeping
-        # joins the engine's journal, so a failed step rolls both back together.
-        self.stack = ModelStack(model, cfg, engine.pool.num_slots, device, engine.journal)
-        self.kv, self.runner, self.journal = self.stack.kv, self.stack.runner, engine.journal
+        # As many slots as the target: the draft tracks the same sequences.
+        self.stack = ModelStack(model, config, target.pool.num_slots, device, target.kv.journal)
+        self.kv, self.runner, self.journal = self.stack.kv, self.stack.runner, target.kv.journal
+        self.sampler = self.stack.sampler
         self.device, self.stream = device, stream
         self.shadows: dict[int, tuple[Sequence, Sequence]] = {}  # seq_id -> (target, shadow)
 
@@ -160,4 +165,5 @@ class DraftModelDrafter(Drafter):
     def _sample(self, logits: torch.Tensor, rows: SamplingBatch):
         """Draft tokens and their q (the filtered draft distribution they were drawn from)."""
         _, candidates = target_logprobs(logits, rows)
-        return pick(logits, candidates, rows, self.stream), candidates.softmax(dim=-1)
+        return (self.sampler.pick(logits, candidates, rows, self.stream),
+                candidates.softmax(dim=-1))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from array import array
 
-from ..request import Sequence
+from ..requests.sequence import Sequence
 from .drafter import Drafter
 
 

@@ -4,17 +4,48 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..batch import Batch, ScheduledSeq
-from ..kv_manager import KVManager
-from ..request import Sequence
+from ..ops.op import Op, always, on_cuda
+from ..requests.batch import Batch, ScheduledSeq
+from ..requests.sequence import Sequence
+from .accept import accept_drafts_ref
 from .config import SpeculativeConfig
 from .ngram import NgramDrafter
+from .verify import Verdict, verify
+
+
+def _accept_triton(**rows):
+    from rollout_kernels.triton.spec_accept import accept_drafts
+
+    return accept_drafts(**rows)
+
+
+# The acceptance scan along each request's drafts (verify.py).
+ACCEPT = Op("accept_drafts", torch=(accept_drafts_ref, always), triton=(_accept_triton, on_cuda))
+
+
+def make_speculator(config: SpeculativeConfig | None, stack, engine_config, tokenizer,
+                    siblings: Callable[[Sequence], list[Sequence]]) -> Speculator | None:
+    """The engine's speculator for `config` (None: off), drafting for the model of `stack`."""
+    if config is None:
+        return None
+    drafter = None
+    if config.method == "draft":
+        from ..sample.noise import DRAFT_STREAM, TOKEN_STREAM
+        from .draft_model import DraftModelDrafter
+
+        stream = TOKEN_STREAM if config.acceptance == "coupled" else DRAFT_STREAM
+        drafter = DraftModelDrafter(config.draft_model, stack, engine_config, tokenizer, stream)
+    return Speculator(config, stack, engine_config.max_model_len, siblings, drafter)
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, kv: KVManager, max_model_len: int,
+    def __init__(self, config: SpeculativeConfig, stack, max_model_len: int,
                  siblings: Callable[[Sequence], list[Sequence]], drafter=None) -> None:
-        self.config, self.kv = config, kv
+        """`stack`: the target's model stack (its KV manager holds the drafts' slots, its
+        backend chooses the acceptance scan, its sampler draws the target's tokens)."""
+        self.config, self.kv = config, stack.kv
+        self.sampler = stack.sampler
+        self.accept = stack.backend.bind(ACCEPT)
         self.max_model_len, self.siblings = max_model_len, siblings
         self.drafter = drafter or NgramDrafter(config.ngram_min, config.ngram_max)
         # seq_id -> (consecutive fully rejected rounds, steps left before proposing again):
@@ -87,6 +118,11 @@ class Speculator:
         """The request ended (finished or aborted): drop its back-off state."""
         for seq in seqs:
             self._misses.pop(seq.seq_id, None)
+
+    def verify(self, logits, rows, items) -> list[Verdict]:
+        """The verdicts of one step's sampled items (rows: one per verified position)."""
+        return verify(logits, rows, [it.draft for it in items], [it.draft_probs for it in items],
+                      self.config.acceptance, self.sampler.pick, self.accept)
 
     def discard_pending(self) -> None:
         self.drafter.discard_pending()

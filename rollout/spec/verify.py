@@ -17,8 +17,8 @@ Two acceptance rules, both leaving the output distributed exactly as plain sampl
 
 p and q are the filtered (top-k/p/min-p) distributions. Coins and resampling noise come from
 the counter-based streams keyed by (sample seed, position). Everything per row is computed here
-in torch; the scan along each request's drafts is `accept`: the backend's (rollout/backends.py),
-the Triton kernel of `kernels/spec_accept.py` or its torch reference.
+in torch; the scan along each request's drafts is `accept`: the backend's (speculator.py ACCEPT),
+the Triton kernel of kernels/triton/spec_accept.py or its torch reference.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..counter_noise import ACCEPT_STREAM, RESIDUAL_STREAM, gumbel_noise, uniform_scalar
-from ..sampler import SamplingBatch, pick, target_logprobs
+from ..sample.noise import ACCEPT_STREAM, RESIDUAL_STREAM, gumbel_noise, uniform_scalar
+from ..sample.sampler import SamplingBatch, pick, target_logprobs
 from .accept import accept_drafts_ref
 
 RULES = ("coupled", "rejection")
@@ -60,11 +60,12 @@ def draft_distributions(drafts: list[list[int]], draft_probs: list[torch.Tensor 
 
 
 def verify(logits: torch.Tensor, batch: SamplingBatch, drafts: list[list[int]],
-           draft_probs: list[torch.Tensor | None], rule: str = "coupled",
+           draft_probs: list[torch.Tensor | None], rule: str = "coupled", pick=pick,
            accept=accept_drafts_ref) -> list[Verdict]:
     """`logits` [R, V]: for each request its len(draft)+1 rows; `batch` holds one row per
-    logits row (position = the position of the token that row predicts). `accept`: the
-    acceptance scan (Backends.accept)."""
+    logits row (position = the position of the token that row predicts). `pick`: the target's
+    sampler (Sampler.pick), `accept`: the acceptance scan (speculator.py ACCEPT); the torch
+    references by default."""
     device, vocab = logits.device, logits.shape[-1]
     logp, candidates = target_logprobs(logits, batch)
     target = pick(logits, candidates, batch)  # the target's own sample (argmax when greedy)

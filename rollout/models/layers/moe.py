@@ -11,10 +11,10 @@
   model dtype before they scale the experts' outputs, Mixtral keeps them in fp32.
 - each MoE layer's top-k expert ids are kept beside the step's K/V
   (`ctx.store_slot_values`), the routing a trainer replays (models/base.py ROUTED_EXPERTS,
-  rollout/outputs.py Sample.routed_experts).
-- the experts themselves run through `fused_moe`, chosen by the engine's backends
-  (rollout/backends.py): `moe_torch` below (CPU, and the reference) or the Triton kernel
-  (kernels/fused_moe.py, on CUDA).
+  rollout/requests/outputs.py Sample.routed_experts).
+- the experts themselves run as the engine's backend chooses (rollout/ops/backend.py):
+  `moe_torch` below (the reference, and every backend off CUDA) or the Triton kernel
+  (kernels/triton/fused_moe.py, on CUDA).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.activations import ACT2FN
 
+from ...ops.op import Dispatched, always, on_cuda
 from ...parallel import Concat, Slice, all_reduce, current, even_split
 from ..base import ROUTED_EXPERTS
 
@@ -55,7 +56,7 @@ def moe_torch(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
               activation: str = "silu") -> torch.Tensor:
     """The experts in torch, one batched matmul pair per expert that any token chose (as
     transformers' eager experts): x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I],
-    topk_weights [T, k] fp32, topk_ids [T, k]. Same rounding points as kernels/fused_moe.py."""
+    topk_weights [T, k] fp32, topk_ids [T, k]. Same rounding points as kernels/triton/fused_moe.py."""
     num_tokens, top_k = topk_ids.shape
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -105,11 +106,12 @@ class StackedExperts(nn.Module):
         return self._rows if shard is not None else Concat((self._rows, self._rows), dim=-2)
 
 
-class SparseMoE(nn.Module):
+class SparseMoE(Dispatched, nn.Module):
     """`moe_index`: this block's place among the model's MoE layers (the layer axis of the
     routed experts)."""
 
     takes_ctx = True  # the decoder layer passes ctx: the block records its routing there
+    implementations = {"torch": always, "triton": on_cuda}
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str,
                  options: RouterOptions, moe_index: int) -> None:
@@ -117,14 +119,19 @@ class SparseMoE(nn.Module):
         self.options, self.activation, self.moe_index = options, act, moe_index
         self.gate = nn.Linear(hidden_size, options.num_experts, bias=False)
         self.experts = StackedExperts(options.num_experts, hidden_size, intermediate_size)
-        self.fused_moe: Callable[..., torch.Tensor] = moe_torch
 
-    def use_backends(self, backends) -> None:
-        self.fused_moe = backends.moe
+    def forward_torch(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        return self._forward(x, ctx, moe_torch)
 
-    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+    def forward_triton(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        from rollout_kernels.triton.fused_moe import ACTIVATIONS, fused_moe
+
+        # An activation the kernel lacks takes the torch experts.
+        return self._forward(x, ctx, fused_moe if self.activation in ACTIVATIONS else moe_torch)
+
+    def _forward(self, x: torch.Tensor, ctx, experts: Callable[..., torch.Tensor]) -> torch.Tensor:
         weights, ids = route(F.linear(x, self.gate.weight), self.options)
         ctx.store_slot_values(ROUTED_EXPERTS, self.moe_index, ids)
-        out = self.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
-                             self.activation)
+        out = experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
+                      self.activation)
         return all_reduce(out, self.experts.tp)  # each rank's part of every expert's down

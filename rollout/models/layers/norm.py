@@ -5,26 +5,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...native import norm_rope
+from rollout_kernels.cpu import norm_rope
+
+from ...ops.op import Dispatched, always
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(Dispatched, nn.Module):
     """Normalised in fp32. `offset=False` (Llama, Qwen, Phi-3): cast back to the input dtype,
     then times the weight. `offset=True` (Gemma): times (1 + weight) still in fp32, then cast;
     Gemma checkpoints store the weight minus one."""
 
-    native = False  # use_backends: rollout/native's C (CPU, fp32)
+    implementations = {"torch": always, "cpu": norm_rope.supported}
 
     def __init__(self, dim: int, eps: float, offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
         self.eps, self.offset = eps, offset
-
-    def use_backends(self, backends) -> None:
-        self.native = backends.native_layer_ops(self.weight)
-
-    def _native_for(self, x: torch.Tensor) -> bool:
-        return self.native and x.dtype == torch.float32 and x.device.type == "cpu"
 
     def _scale(self) -> torch.Tensor:
         return 1.0 + self.weight if self.offset else self.weight
@@ -36,14 +32,16 @@ class RMSNorm(nn.Module):
         a decode step's few rows is not). No delta: (x, the norm of x)."""
         if delta is None:
             return x, self(x)
-        if self._native_for(x) and delta.dtype == x.dtype:
+        if self.implementation == "cpu" and delta.dtype == x.dtype:
             return norm_rope.add_rms_norm(x, delta, self._scale(), self.eps)
         x = x + delta
         return x, self(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._native_for(x):
-            return norm_rope.rms_norm(x, self._scale(), self.eps)
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        """Sums the squares in another order than torch: a float32 rounding apart."""
+        return norm_rope.rms_norm(x, self._scale(), self.eps)
+
+    def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:

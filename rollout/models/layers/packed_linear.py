@@ -1,12 +1,12 @@
-"""CPU projections on weights packed once for oneDNN (and the choice of packing: fp32 weights
-take rollout/native's panels instead where its C builds, `Backends.packing`).
+"""Projections, and the CPU backend's packed copies of their weights: fp32 weights in panels
+for rollout_kernels.cpu's linear.c where it builds, else (bf16 too, where the CPU has the
+instructions) oneDNN's blocked layout.
 
-At decode batch sizes (tens of rows) a CPU fp32 `F.linear` is slow for how it walks the weight,
-not for memory: on a 2-core AVX2 machine, SmolLM2-135M's 120 projections of a batch-16 step take
-56 ms with plain `F.linear` (2 threads barely beat 1) and 38 ms on the same weights reordered
-into oneDNN's blocked layout; its 49,152-row LM head 20 ms against 9 ms. The reordered copy is
-the one torch's own compiler makes when it freezes a CPU model; results differ from `F.linear`
-by fp32 rounding only, and each row's result does not depend on the other rows.
+At decode batch sizes (tens of rows) a CPU `F.linear` is slow for how it walks the weight, not
+for memory: the packed layouts keep the weight's reads sequential (docs/benchmarks.md has the
+figures). The oneDNN copy is the one torch's own compiler makes when it freezes a CPU model;
+both differ from `F.linear` by fp32 rounding only, and each row's result does not depend on the
+other rows.
 
 The packed copy is derived from the weight, like RoPE's tables: made when the engine is built,
 made again after update_weights and wake_up (so memory_held is the same before and after the
@@ -23,7 +23,9 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from ...native import linear as native_linear
+from rollout_kernels.cpu import linear as native_linear
+
+from ...ops.op import always
 
 # The row count oneDNN tunes the packed layout for: a decode step's batch is tens of rows (hints
 # of 16 to 128 timed alike at 4 to 128 rows); the layout serves any row count, prefill included.
@@ -31,6 +33,7 @@ BATCH_HINT = 16
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    """oneDNN has a packed-weight kernel for this device and dtype."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     if dtype == torch.float32:
@@ -68,6 +71,7 @@ class PackedWeight(PackedCopy):
     """oneDNN's blocked layout."""
 
     __slots__ = ()
+    kind = "onednn"
 
     def _pack(self, weight: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
@@ -82,10 +86,11 @@ class PackedWeight(PackedCopy):
 
 
 class NativePackedWeight(PackedCopy):
-    """fp32 panels for rollout/native's linear.c (rollout/native/linear.py): faster than
-    oneDNN's layout up to native_linear.MAX_ROWS rows; longer prefill chunks take F.linear."""
+    """fp32 panels for rollout_kernels.cpu's linear.c: faster than oneDNN's layout up to
+    native_linear.MAX_ROWS rows; longer prefill chunks take F.linear."""
 
     __slots__ = ()
+    kind = "cpu"
 
     def _pack(self, weight: torch.Tensor) -> torch.Tensor:
         return native_linear.pack_panels(weight)
@@ -105,12 +110,16 @@ class NativePackedWeight(PackedCopy):
 
 class Projection:
     """Mixin of the model's projections (nn.Linear subclasses and the LM head): `project`
-    multiplies by the weight, packed where the engine's backends pack (use_backends)."""
+    multiplies by the weight, or by its packed copy under the cpu backend (use_backend)."""
 
-    packing = None  # a PackedWeight or NativePackedWeight (use_backends: Backends.packing)
+    implementations = {"torch": always, "cpu": can_pack}
+    packing = None  # a PackedWeight or NativePackedWeight
 
-    def use_backends(self, backends) -> None:
-        self.packing = backends.packing(self.weight)
+    def use_backend(self, backend, dtype: torch.dtype) -> None:
+        self.packing = None
+        if backend.choose(self.implementations, dtype) == "cpu" and backend.pack_weights:
+            fast = native_linear.supported(backend.device, dtype)
+            self.packing = NativePackedWeight() if fast else PackedWeight()
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packing is None:

@@ -21,7 +21,9 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from ...native import norm_rope
+from rollout_kernels.cpu import norm_rope
+
+from ...ops.op import Dispatched, always
 
 # Scalings whose frequencies depend on the sequence length: evaluated at max_model_len.
 _LENGTH_DEPENDENT = ("dynamic", "longrope")
@@ -55,8 +57,8 @@ def _inv_freq(config, head_dim: int, max_model_len: int,
     return ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kwargs)
 
 
-class RotaryEmbedding(nn.Module):
-    native = False  # use_backends: rollout/native's C, the same bits (CPU, fp32)
+class RotaryEmbedding(Dispatched, nn.Module):
+    implementations = {"torch": always, "cpu": norm_rope.supported}  # the C gives torch's bits
 
     def __init__(self, config, head_dim: int, max_model_len: int,
                  layer_type: str | None = None) -> None:
@@ -90,15 +92,16 @@ class RotaryEmbedding(nn.Module):
         return (self.cos_table[positions].to(dtype)[:, None, :],
                 self.sin_table[positions].to(dtype)[:, None, :])
 
-    def use_backends(self, backends) -> None:
-        self.native = backends.native_layer_ops(self.inv_freq)
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        if (self.native and q.dtype == k.dtype == cos.dtype == torch.float32
-                and q.device.type == "cpu" and q.stride(2) == k.stride(2) == 1
+    def forward_cpu(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor):
+        if (q.dtype == k.dtype == cos.dtype == torch.float32 and q.stride(2) == k.stride(2) == 1
                 and q.stride(1) == k.stride(1) == q.shape[2] and k.shape[2] == q.shape[2]):
             norm_rope.rotary_(q, k, cos, sin)  # in place: the step's q and k are its own
             return q, k
+        return self.forward_torch(q, k, cos, sin)
+
+    def forward_torch(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor):
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

@@ -1,0 +1,42 @@
+"""CPU projections on weights packed in panels for linear.c (fp32), faster than oneDNN's packed
+layout at decode batch sizes (docs/benchmarks.md). The packed copy's life (made from the weight, made again
+when its storage or version changes, dropped at sleep) is NativePackedWeight's, in
+rollout/models/layers/packed_linear.py."""
+
+from __future__ import annotations
+
+import torch
+
+from . import as_rows, library
+
+# Beyond this many rows (a long prefill chunk) each panel would be read against too many rows:
+# there the panels and F.linear (MKL) were measured level.
+MAX_ROWS = 2048
+PANEL = 16  # output columns a panel holds (linear.c)
+
+
+def supported(device: torch.device, dtype: torch.dtype) -> bool:
+    if device.type != "cpu" or dtype != torch.float32:
+        return False
+    lib = library()  # cached itself; not cached here, so a dropped library is seen at once
+    return lib is not None and lib.linear_supported() == 1
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [n, k] (fp32, CPU) in panels of PANEL rows, k-major, the last padded."""
+    n, k = weight.shape
+    w = weight.contiguous()
+    packed = torch.empty(-(-n // PANEL) * PANEL * k, dtype=torch.float32)
+    library().pack_panels_f32(w.data_ptr(), n, k, packed.data_ptr(), torch.get_num_threads())
+    return packed
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """x [..., k] (fp32, CPU) times the packed [n, k] weight's transpose: [..., n], new."""
+    k = x.shape[-1]
+    rows = as_rows(x)
+    y = torch.empty(rows.shape[0], n, dtype=torch.float32)
+    if rows.shape[0]:
+        library().linear_f32(rows.data_ptr(), rows.stride(0), rows.shape[0], k,
+                             packed.data_ptr(), n, y.data_ptr(), torch.get_num_threads())
+    return y.view(*x.shape[:-1], n)

@@ -1,0 +1,46 @@
+"""RMSNorm and rotary embedding in C (norm_rope.c) for the model layers on the CPU in fp32:
+one pass each instead of six to eight small torch ops. Rotary gives the torch path's bits;
+RMSNorm sums its squares in another order (a float32 rounding apart)."""
+
+from __future__ import annotations
+
+import torch
+
+from . import as_rows, library
+
+
+def supported(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.float32 and library() is not None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2, -1) + eps) * weight, a new tensor of x's shape."""
+    rows = as_rows(x)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    library().rms_norm_f32(rows.data_ptr(), rows.stride(0), weight.contiguous().data_ptr(),
+                           out.data_ptr(), *rows.shape, eps, torch.get_num_threads())
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, rms_norm(x + delta)) in one pass, both new tensors of x's shape."""
+    assert delta.shape == x.shape, (delta.shape, x.shape)
+    rows, deltas = as_rows(x), as_rows(delta)
+    total, out = torch.empty(x.shape, dtype=x.dtype), torch.empty(x.shape, dtype=x.dtype)
+    library().add_rms_norm_f32(rows.data_ptr(), rows.stride(0), deltas.data_ptr(),
+                               deltas.stride(0), weight.contiguous().data_ptr(),
+                               total.data_ptr(), out.data_ptr(), *rows.shape, eps,
+                               torch.get_num_threads())
+    return total, out
+
+
+def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate q [T, Hq, D] and k [T, Hk, D] (heads contiguous, any token stride) in place by
+    cos/sin [T, 1, rot] (contiguous)."""
+    for x in (q, k):
+        assert x.stride(2) == 1 and x.stride(1) == x.shape[2]
+    assert cos.is_contiguous() and sin.is_contiguous()
+    library().rotary_f32(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0),
+                         k.shape[1], q.shape[2], cos.data_ptr(), sin.data_ptr(), q.shape[0],
+                         cos.shape[-1], torch.get_num_threads())

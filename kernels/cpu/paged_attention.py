@@ -1,0 +1,108 @@
+"""The CPU paged-attention kernel (paged_attention.c) for rollout/attention/cpu.py: decode,
+verify and extend rows attend to their context read in place from the pool, fp32."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import library
+
+# A chunk's rows of one KV head (queries x its query heads) share each key block in L1: its
+# scores (BLOCK floats a row), queries and accumulators stay within it up to about this many.
+MAX_CHUNK_ROWS = 48
+# Chunks (the work items) per thread at least, so that threads end together.
+ITEMS_PER_THREAD = 4
+
+
+@dataclass
+class Chunks:
+    first: torch.Tensor  # int32 [C]: each chunk's first request
+    count: torch.Tensor  # int32 [C]: its number of requests
+    prefix: torch.Tensor  # int32 [C]: the slots its requests share, read once for all
+
+
+@dataclass
+class NativeRows:
+    """Requests the kernel serves in one step: int32 [R] each; kv_start indexes kv_indices."""
+
+    q_start: torch.Tensor
+    q_len: torch.Tensor
+    kv_start: torch.Tensor
+    kv_len: torch.Tensor
+    kv_indices: torch.Tensor  # int32, the step's whole kv_indices
+    rows: list[int] = field(default_factory=list)  # the batch's requests these are, in order
+    _chunks: dict = field(default_factory=dict)  # (rep, threads) -> Chunks, built once a step
+
+    def chunks(self, rep: int, threads: int) -> Chunks:
+        key = (rep, threads)
+        if key not in self._chunks:
+            n = self.q_start.numel()
+            first, count, prefix = (torch.empty(n, dtype=torch.int32) for _ in range(3))
+            max_requests = max(1, -(-n // (ITEMS_PER_THREAD * threads)))
+            c = library().plan_chunks(self.q_len.data_ptr(), self.kv_start.data_ptr(),
+                                      self.kv_len.data_ptr(), self.kv_indices.data_ptr(), n,
+                                      rep, MAX_CHUNK_ROWS, max_requests, first.data_ptr(),
+                                      count.data_ptr(), prefix.data_ptr())
+            self._chunks[key] = Chunks(first[:c], count[:c], prefix[:c])
+        return self._chunks[key]
+
+    @classmethod
+    def of(cls, rows: list[int], q_starts: list[int], q_lens: list[int], kv_starts: list[int],
+           kv_lens: list[int], kv_indices: torch.Tensor) -> NativeRows:
+        def ints(values):
+            return torch.tensor([values[b] for b in rows], dtype=torch.int32)
+
+        # The step's kv_indices are int64; the kernel's slot reads are half as wide.
+        return cls(ints(q_starts), ints(q_lens), ints(kv_starts), ints(kv_lens),
+                   kv_indices.to(torch.int32).contiguous(), rows)
+
+
+def supported(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.float32 and _kernel() is not None
+
+
+def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] with unit stride in D and D between heads (any token stride)."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                    out: torch.Tensor, rows: NativeRows, scale: float, window: int | None,
+                    softcap: float | None,
+                    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                    ) -> None:
+    """Write into `out` [T, Hq, D] (contiguous) the rows' attention; q [T, Hq, D] with its
+    heads contiguous, k_pool/v_pool [slots, Hkv, D] contiguous. `store` = (k, v, slots): the
+    step's new K/V [N, Hkv, D] go into the pool at int64 `slots` [N] (negative: skipped) first,
+    as `k_pool.index_copy_(0, slots, k)` would put them."""
+    hq, d = q.shape[1:]
+    hkv = k_pool.shape[1]
+    q = _heads_contiguous(q)
+    assert out.is_contiguous() and k_pool.is_contiguous() and v_pool.is_contiguous()
+    assert q.dtype == k_pool.dtype == out.dtype == torch.float32
+    if store is None:
+        k_new = v_new = slots = torch.empty(0)
+    else:
+        k_new, v_new = (_heads_contiguous(x) for x in store[:2])
+        slots = store[2].contiguous()
+        assert k_new.shape == v_new.shape == (slots.numel(), hkv, d)
+        assert slots.dtype == torch.int64 and k_new.dtype == v_new.dtype == torch.float32
+    kernel, threads = _kernel(), torch.get_num_threads()
+    chunks = rows.chunks(hq // hkv, threads)
+    bad = kernel(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(),
+                 out.data_ptr(), rows.q_start.data_ptr(), rows.q_len.data_ptr(),
+                 rows.kv_start.data_ptr(), rows.kv_len.data_ptr(), rows.kv_indices.data_ptr(),
+                 chunks.first.data_ptr(), chunks.count.data_ptr(), chunks.prefix.data_ptr(),
+                 chunks.first.numel(), hq, hkv, d, scale, window or 0, softcap or 0.0,
+                 k_new.data_ptr(), k_new.stride(0), v_new.data_ptr(), v_new.stride(0),
+                 slots.data_ptr(), slots.numel(), k_pool.shape[0], threads)
+    if bad >= 0:
+        raise IndexError(f"store: slot {int(slots[bad])} of token {bad} is past the pool's "
+                         f"{k_pool.shape[0]} slots")
+
+
+def _kernel():
+    lib = library()
+    return None if lib is None else lib.paged_attention_f32

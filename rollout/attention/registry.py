@@ -1,0 +1,30 @@
+"""The attention backend of each engine backend (rollout/ops/backend.py)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..ops.op import Op, always
+from . import cpu
+from .sdpa import TorchAttention
+
+# What the Triton kernels run and are tested in: their tile sizes and dot precision assume 2- or
+# 4-byte floats (kernels/triton/paged_attention.py).
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _triton(pool, windows):
+    from .triton import TritonAttention  # imports triton: only when this backend is built
+
+    return TritonAttention(pool, windows)
+
+
+def _triton_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    return dtype in TRITON_DTYPES and (device.type == "cuda" or interpreted)
+
+
+ATTENTION = Op("attention", torch=(TorchAttention, always),
+               cpu=(cpu.CpuAttention, cpu.supported), triton=(_triton, _triton_supported))

@@ -1,0 +1,163 @@
+"""Colocation: give the trainer back the memory the engine holds between rollouts, and take
+its new weights in.
+
+`sleep` frees the KV pool and parks the weights (on the host at level 1, nowhere at level 2),
+`wake_up` brings them back, `update_weights` copies the trainer's weights in place. Each either
+completes or leaves a stated state: a failed sleep leaves the engine awake, a failed wake-up
+asleep, a copy failing half way leaves `needs_weights` True.
+
+The engine holds one `Colocation` and calls it inside its own guard (one caller at a time,
+Ctrl-C held). What it touches of the engine is named in its constructor: the model stack, the
+speculator's drafter (whose pool sleeps with the engine), and a count of running requests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from ..journal import RollbackFailed
+from ..parallel.reshard import ReshardStats, rank_parts
+from . import host_heap
+from .device_memory import release_cuda_cache, tensor_bytes
+from .weights import buckets, named_shapes_and_tensors
+
+
+class Sleeper(Protocol):
+    """Something else that sleeps and wakes with the engine (the draft model's stack)."""
+
+    def sleep(self) -> None: ...
+
+    def wake_up(self) -> None: ...
+
+
+class Colocation:
+    def __init__(self, stack, device: torch.device, running: Callable[[], int],
+                 sleepers: Callable[[], list[Sleeper]] = list) -> None:
+        """`stack`: the engine's ModelStack (rollout/executor/stack.py); `running`: how many
+        requests are in flight (sleep and update_weights refuse while any are); `sleepers`:
+        what else sleeps and wakes with it."""
+        self.stack, self.device = stack, device
+        self._running, self._sleepers = running, sleepers
+        self.sleep_level = 0
+        self.weights_missing = False
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.sleep_level > 0
+
+    def check_ready(self) -> None:
+        if self.is_sleeping:
+            raise RuntimeError("the engine is asleep: call wake_up() first")
+        if self.weights_missing:
+            raise RuntimeError("the engine's weights are incomplete (sleep(level=2), or an "
+                               "update_weights that failed half way): call update_weights(...) "
+                               "with every weight before generating")
+
+    def _check_idle(self, what: str) -> None:
+        running = self._running()
+        if running:
+            raise RuntimeError(f"{what}: {running} requests are still running; "
+                               f"let them finish or abort() them first")
+
+    def sleep(self, level: int = 1) -> None:
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level!r}")
+        self._check_idle("sleep")
+        if level <= self.sleep_level:
+            return
+        try:
+            self.stack.sleep(level)
+            for sleeper in self._sleepers():
+                sleeper.sleep()
+        except BaseException:
+            lost = self.stack.parking.dropped_any
+            self.weights_missing |= lost
+            if not self.is_sleeping:
+                self._settle(awake=True)
+            elif lost:  # deepening lost host copies: asleep at level 2 now
+                self.sleep_level = 2
+            raise
+        if self.device.type == "cuda":
+            release_cuda_cache(self.device)
+        elif self.device.type == "cpu":
+            host_heap.release_freed_blocks()
+        self.sleep_level = level
+        self.weights_missing = self.weights_missing or level == 2
+
+    def wake_up(self) -> None:
+        if not self.is_sleeping:
+            return
+        try:
+            self.stack.wake_up()
+            for sleeper in self._sleepers():
+                sleeper.wake_up()
+        except BaseException:
+            self._settle(awake=False)
+            raise
+        self.sleep_level = 0
+
+    def _settle(self, awake: bool) -> None:
+        """After a failed sleep or wake-up, finish the way back (every part of a stack's
+        sleep and wake-up is idempotent); failing here leaves the engine unusable."""
+        try:
+            if awake:
+                self.stack.wake_up()
+            else:
+                self.stack.sleep(self.sleep_level)
+            for sleeper in self._sleepers():
+                sleeper.wake_up() if awake else sleeper.sleep()
+        except BaseException as e:
+            raise RollbackFailed("restoring the engine after a failed sleep/wake_up") from e
+
+    def update_weights(self, source, bucket_bytes: int = 256 << 20) -> dict:
+        if self.is_sleeping:
+            raise RuntimeError("update_weights: the engine is asleep: call wake_up() first")
+        self._check_idle("update_weights")
+        model = self.stack.model
+        t0 = time.perf_counter()
+        shapes, named = named_shapes_and_tensors(source, gather=False)
+        written = model.check_weights(shapes)
+        if self.weights_missing:
+            missing = model.expected_weight_names() - written
+            if missing:
+                raise ValueError(f"update_weights: after sleep(level=2) every weight is "
+                                 f"needed; {len(missing)} missing, e.g. {sorted(missing)[:3]}")
+        dtype = model.dtype
+        moved, resharding = 0, ReshardStats()
+        try:
+            parts = rank_parts(named, model.rank_parts(shapes), dtype, bucket_bytes, resharding)
+            for bucket in buckets(parts, self.device, dtype, bucket_bytes,
+                                  separate_host=self.stack.parking.separate_host):
+                model.load_weights(bucket, local=True)
+                moved += sum(t.numel() * t.element_size() for _, t in bucket)
+        except BaseException as e:
+            named.close()  # at once: reading a PEFT model may hold its merge open
+            self.weights_missing = True
+            if not isinstance(e, Exception):
+                raise  # KeyboardInterrupt stays what it is; needs_weights says the rest
+            raise RuntimeError("update_weights: a copy failed after some weights were "
+                               "written; the engine's weights are incomplete and it "
+                               "refuses to generate until a complete update_weights") from e
+        finally:
+            # KV computed by the old weights goes, even when a copy failed half way.
+            self.stack.kv.clear_cache()
+        self.weights_missing = False
+        model.pack_weights()  # an interrupt here leaves the rest to pack at first use
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return {"bytes": moved, "seconds": time.perf_counter() - t0,
+                "exchanged_bytes": resharding.received_bytes,
+                "collectives": resharding.collectives}
+
+    def memory_held(self) -> int:
+        stack = self.stack
+        pool = stack.pool
+        tensors = [*stack.model.parameters(), *stack.model.buffers(), pool.buffer,
+                   *pool.extras.values(), pool.free_slots() if pool.is_allocated else None,
+                   stack.table.table]
+        return (tensor_bytes(t for t in tensors if t is not None and t.device == self.device)
+                + stack.model.derived_bytes())

@@ -1,0 +1,294 @@
+"""Where update_weights gets its tensors: a trainer's model (wrapped or not) or named tensors.
+
+Names come out in Hugging Face form (`model.layers.0.self_attn.q_proj.weight`): wrapper
+prefixes (DDP's `module.`, torch.compile's `_orig_mod.`, PEFT's `base_model.model.` and
+`.base_layer.`) are stripped, and PEFT LoRA adapters are folded into the base weights. Plain
+LoRA is added out of place (base + delta, one layer at a time), so the trainer's frozen base
+weights are never written: an in-place merge + unmerge is not exact in floating point and would
+drift them a little on every sync. Other adapter kinds (DoRA, LoRA bias) fall back to PEFT's
+merge_adapter / unmerge_adapter for the duration of the read. What is read follows PEFT's
+current selection: the active adapter(s), none inside `disable_adapter()`, and of a
+`modules_to_save` wrapper the copy its forward uses.
+
+Every tensor is checked from its metadata before any is read or copied (`check_tensor`), so a
+bad source raises ValueError and leaves the engine's weights as they were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import weakref
+from collections.abc import Generator, Iterable, Iterator
+
+import torch
+from torch import nn
+
+_WRAPPER_ATTRS = ("module", "_orig_mod")  # DDP / DeepSpeed engine / FSDP, torch.compile
+_NAME_PREFIXES = ("module.", "_orig_mod.", "base_model.model.")
+# The copies a PEFT `modules_to_save` wrapper keeps of its module (ModuleDict keys hold no dots).
+_SAVED_COPY = re.compile(r"\.(original_module|modules_to_save\.[^.]+)\.")
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """Peel DDP/DeepSpeed/compile wrappers (what accelerate's unwrap_model does for these)."""
+    while any(isinstance(getattr(model, a, None), nn.Module) for a in _WRAPPER_ATTRS):
+        model = next(getattr(model, a) for a in _WRAPPER_ATTRS
+                     if isinstance(getattr(model, a, None), nn.Module))
+    return model
+
+
+def hf_name(name: str) -> str:
+    changed = True
+    while changed:
+        changed = False
+        for prefix in _NAME_PREFIXES:
+            if name.startswith(prefix):
+                name, changed = name[len(prefix):], True
+    # PEFT keeps a trained copy of `modules_to_save` per adapter beside the frozen original;
+    # _weight_params passes on only the one in use.
+    return _SAVED_COPY.sub(".", name.replace(".base_layer.", "."))
+
+
+def is_peft(model: nn.Module) -> bool:
+    return hasattr(model, "merge_adapter") and hasattr(model, "unmerge_adapter")
+
+
+def _is_lora(module: nn.Module) -> bool:
+    return hasattr(module, "lora_A") and hasattr(module, "get_delta_weight")
+
+
+def _is_modules_to_save(module: nn.Module) -> bool:
+    """A PEFT `modules_to_save` wrapper."""
+    return (isinstance(getattr(module, "modules_to_save", None), nn.ModuleDict)
+            and hasattr(module, "original_module"))
+
+
+@contextlib.contextmanager
+def merged_adapters(model: nn.Module):
+    """LoRA deltas folded into the base weights while the weights are read."""
+    if not is_peft(model):
+        yield
+        return
+    model.merge_adapter()
+    try:
+        yield
+    finally:
+        model.unmerge_adapter()
+
+
+def lora_layers(model: nn.Module) -> dict[str, nn.Module] | None:
+    """Base-weight parameter name -> its LoRA layer, for adding deltas out of place; None when
+    some active adapter is not a plain `weight + delta` (a variant such as DoRA, or a bias)."""
+    layers = {}
+    for name, module in model.named_modules():
+        if not _is_lora(module):
+            continue
+        for a in _unmerged_adapters(module):
+            if a in getattr(module, "lora_variant", {}) or getattr(module, "lora_bias", {}).get(a):
+                return None
+        layers[f"{name}.base_layer.weight"] = module
+    return layers
+
+
+def _unmerged_adapters(module: nn.Module) -> list[str]:
+    if getattr(module, "disable_adapters", False):
+        return []
+    merged = set(getattr(module, "merged_adapters", []))  # already inside the base weight
+    return [a for a in module.active_adapters if a in module.lora_A and a not in merged]
+
+
+def model_tensors(model: nn.Module, gather: bool = True
+                  ) -> Generator[tuple[str, torch.Tensor], None, None]:
+    """HF-named parameters of a (possibly wrapped, possibly PEFT) causal LM, adapters merged
+    (`gather`: see _read).
+
+    Consume it to the end or close() it: it may hold PEFT's merge open while it yields."""
+    model = unwrap(model)
+    layers = lora_layers(model) if is_peft(model) else {}
+    merge = merged_adapters(model) if layers is None else contextlib.nullcontext()
+    with merge:
+        for name, param in _weight_params(model):
+            yield hf_name(name), _read(param, layers.get(name) if layers else None, gather)
+
+
+@torch.no_grad()  # per tensor: a no_grad held across the yields would disable grad in the caller
+def _read(tensor: torch.Tensor, lora: nn.Module | None = None,
+          gather: bool = True) -> torch.Tensor:
+    """A weight, whole, with its LoRA layer's deltas added; with `gather` False a DTensor
+    stays one (update_weights re-shards it to its ranks' parts, rollout/parallel/reshard.py)
+    unless LoRA deltas are added to it."""
+    tensor = tensor.detach()
+    if hasattr(tensor, "full_tensor") and (gather or lora is not None):
+        # FSDP2 / tensor-parallel DTensor shard: gather the whole weight (a collective: every
+        # rank syncs its own engine at the same point of the step).
+        tensor = tensor.full_tensor()
+    if lora is not None:
+        for adapter in _unmerged_adapters(lora):
+            tensor = tensor + lora.get_delta_weight(adapter).to(tensor.dtype)
+    return tensor
+
+
+def _weight_params(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """The parameters that carry the model's weights: not LoRA adapters (folded in), and of
+    each `modules_to_save` wrapper only the copy its forward uses now."""
+    unused = tuple(f"{name}.{copy}." for name, module in model.named_modules()
+                   if _is_modules_to_save(module) for copy in _unused_copies(module))
+    for name, param in model.named_parameters():
+        if "lora_" not in name and not name.startswith(unused):
+            yield name, param
+
+
+def _unused_copies(wrapper: nn.Module) -> list[str]:
+    """What PEFT's ModulesToSaveWrapper.forward skips: it runs the active adapter's copy, or the
+    frozen original while adapters are disabled or an active adapter has no copy here."""
+    active = wrapper.active_adapters
+    own = (bool(active) and not wrapper.disable_adapters
+           and all(a in wrapper.modules_to_save for a in active))
+    used = f"modules_to_save.{active[0]}" if own else "original_module"
+    copies = ["original_module", *(f"modules_to_save.{a}" for a in wrapper.modules_to_save)]
+    return [c for c in copies if c != used]
+
+
+def _read_params(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """Every parameter that reading the weights touches: the weights and the LoRA adapters
+    folded into them."""
+    yield from _weight_params(model)
+    for name, module in model.named_modules():
+        if not _is_lora(module):
+            continue
+        folded = set(_unmerged_adapters(module))
+        for local, param in module.named_parameters():
+            kind, _, rest = local.partition(".")  # e.g. lora_A.<adapter>.weight
+            if kind.startswith("lora_") and rest.split(".")[0] in folded:
+                yield f"{name}.{local}", param
+
+
+def check_tensor(name: str, tensor) -> None:
+    """Refuse (ValueError naming the weight) what cannot be copied in, or only by a silent
+    lossy cast, from metadata alone: nothing is read, merged or gathered. Any floating dtype
+    is taken and cast to the engine's (float64 -> fp32 rounds no more than fp32 -> bf16 does);
+    integer, bool and complex ones are refused (a cast would truncate, or drop the imaginary
+    part). A DTensor is judged the same way, by its dtype and its local shard's device; its
+    shape (checked by the model's check_weights) is the global one."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"weight {name!r}: expected a torch.Tensor, got "
+                         f"{type(tensor).__name__}")
+    if tensor.is_meta:
+        raise ValueError(f"weight {name!r}: a meta tensor (a shape without data); load or "
+                         f"materialise the weights first")
+    if not tensor.is_floating_point():
+        raise ValueError(f"weight {name!r}: dtype {tensor.dtype} is not floating point; "
+                         f"weights must be a floating dtype (cast to the engine's)")
+
+
+def named_shapes_and_tensors(source, gather: bool = True
+                             ) -> tuple[list[tuple[str, torch.Size]],
+                                        Generator[tuple[str, torch.Tensor], None, None]]:
+    """(HF name, shape) of every tensor `source` gives, each passed through check_tensor
+    before any is read, and a generator of the tensors themselves (close() it when copying
+    stops early: reading a model may hold PEFT's merge open). A model is checked from its
+    parameters (reading its weights may merge adapters or gather shards, so that happens once,
+    while copying); other sources, generators included, are collected as references (no
+    copies), and DTensor shards among them are gathered one at a time while copying (left
+    as they are with `gather` False)."""
+    if isinstance(source, nn.Module):
+        model = unwrap(source)
+        for name, param in _read_params(model):
+            check_tensor(hf_name(name), param)
+        return ([(hf_name(n), p.shape) for n, p in _weight_params(model)],
+                model_tensors(source, gather))
+    named = list(source.items() if isinstance(source, dict) else source)
+    for name, tensor in named:
+        check_tensor(name, tensor)
+    return ([(name, tensor.shape) for name, tensor in named],
+            ((name, _read(tensor, gather=gather)) for name, tensor in named))
+
+
+def buckets(named: Iterable[tuple[str, torch.Tensor]], device: torch.device,
+            dtype: torch.dtype, bucket_bytes: int, separate_host: bool = False
+            ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group tensors that live off `device` into flat buckets moved with one copy each, so a
+    whole model crosses host<->device in a few large transfers instead of one per parameter.
+    Tensors already on `device` pass through untouched (the in-place copy does the rest).
+    `separate_host`: the device's memory is not the host's (a GPU, or the CPU seam of
+    colocation/parking.py), so host tensors are off the device even when `device` is the CPU."""
+    pending: list[tuple[str, torch.Tensor]] = []
+    size = 0
+
+    def flush():
+        flat = torch.cat([t.reshape(-1).to(dtype) for _, t in pending])
+        if device.type == "cuda":
+            flat = flat.pin_memory()
+        flat = flat.to(device, non_blocking=True)
+        out, offset = [], 0
+        for name, t in pending:
+            out.append((name, flat[offset:offset + t.numel()].view(t.shape)))
+            offset += t.numel()
+        return out
+
+    for name, tensor in named:
+        if tensor.device == device and not (separate_host and tensor.device.type == "cpu"):
+            yield [(name, tensor)]
+            continue
+        pending.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        if size >= bucket_bytes:
+            yield flush()
+            pending, size = [], 0
+    if pending:
+        yield flush()
+
+
+_optimizer_steps = 0  # steps of the optimizers given to watch_optimizer
+_watched: weakref.WeakSet = weakref.WeakSet()
+
+
+def _count_step(optimizer, args, kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+def watch_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Count `optimizer`'s steps in weights_version: fused optimizer kernels (torch's fused
+    AdamW, the HF Trainer's default on CUDA) write the parameters without bumping autograd's
+    version counters, so without this a sync after their step is not seen to be needed. The
+    hook is the optimizer's own (not a process-wide one); watching twice is once. Wrappers
+    (accelerate's AcceleratedOptimizer) are looked through to the optimizer that steps."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer, got "
+                         f"{type(optimizer).__name__}")
+    if optimizer not in _watched:
+        optimizer.register_step_post_hook(_count_step)
+        _watched.add(optimizer)
+
+
+def weights_version(model: nn.Module) -> tuple:
+    """Changes whenever the weights a read gives may have changed, without reading them.
+    Autograd's per-tensor version counters catch copy_, load_state_dict and foreach
+    optimizers. Storage addresses catch `p.data = ...` (vector_to_parameters, Module.to),
+    which leaves the counter alone. Fused optimizer kernels (torch's fused AdamW, the HF
+    Trainer's default on CUDA) write without bumping counters: the steps of optimizers given
+    to `watch_optimizer` count too (at worst one needless sync when another watched optimizer
+    stepped).
+    Not seen: in-place writes through `.data` (`p.data.add_(...)`) bypass the counter; after
+    those call `engine.update_weights(model)` (or `ColocatedRollout.sync_weights(force=True)`).
+    PEFT's `set_adapter` and `disable_adapter()` change which weights a read folds in without
+    touching a parameter: each adapter layer's selection is part of the version too.
+    """
+    model = unwrap(model)
+    params = list(model.parameters())
+    return (_optimizer_steps, *(p._version for p in params), *(p.data_ptr() for p in params),
+            _adapter_selection(model))
+
+
+def _adapter_selection(model: nn.Module) -> tuple:
+    """Per PEFT adapter layer (LoRA and other tuners, modules_to_save wrappers): its active
+    adapters, whether adapters are disabled, and which are merged into the base weight (flags
+    only, no weights read). Such layers are told apart by a class attribute: looking it up on
+    the class skips nn.Module.__getattr__, which a missing attribute costs on every module."""
+    return tuple((tuple(m.active_adapters), m.disable_adapters,
+                  tuple(getattr(m, "merged_adapters", ())))
+                 for m in model.modules() if hasattr(type(m), "adapter_layer_names"))

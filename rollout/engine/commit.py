@@ -1,0 +1,122 @@
+"""Commit: what a step's forward produced becomes the sequences' state.
+
+It runs inside one journal unit after the forward (see StepRunner.run (rollout/engine/step.py)), so it happens whole or
+not at all. First every sampled sequence gets its verdict without changing anything: non-finite
+logprobs, or a stop check (user tokenizer code) that raises, fail the sequence's request alone.
+Then tokens are appended, K/V advanced, rejected drafts' slots freed, finished prompts cached
+for their siblings, and finished sequences retired (with their routed experts, when asked,
+read from the KV pool while the sequence still holds its slots).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..journal import Journal
+from ..kv.manager import KVManager
+from ..models.base import ROUTED_EXPERTS
+from ..requests.batch import Batch, ScheduledSeq
+from ..requests.sequence import Sequence
+from .scheduler import Scheduler
+from .stop import StopChecker
+
+
+@dataclass
+class Failure:
+    error: str
+    keep_kv: bool  # False: the K/V may hold the non-finite values; caching it would poison
+
+
+@dataclass
+class _Verdict:
+    tokens: list[int]  # emitted, then cut at the stop
+    logprobs: list[float]
+    reason: str | None
+    stop_text_at: int | None
+
+
+class Committer:
+    def __init__(self, kv: KVManager, scheduler: Scheduler, stop: StopChecker,
+                 journal: Journal) -> None:
+        self.kv, self.scheduler, self.stop, self.journal = kv, scheduler, stop, journal
+        self.prompt_tokens_computed = 0  # prompt positions actually run through the model
+
+    def commit(self, batch: Batch, emitted: list[list[int]], logprobs: list[list[float]]
+               ) -> tuple[list[Sequence], dict[str, Failure]]:
+        """Advance every scheduled sequence by what it kept (one token, or accepted drafts plus
+        one when verifying). Returns the sequences that finished, and the requests that failed
+        (their sequences are left as they were; the caller aborts them)."""
+        verdicts, failed = self._verdicts(batch, emitted, logprobs)
+        finished, prompt_tokens = [], 0
+        for it, verdict in zip(batch.items, verdicts):
+            if it.seq.group in failed:
+                self.kv.free(it.slots)
+                continue
+            prompt_tokens += max(0, min(it.start + it.num_new, it.seq.num_prompt) - it.start)
+            if self._apply(it, verdict):
+                finished.append(it.seq)
+        self.journal.add(self, "prompt_tokens_computed", prompt_tokens)
+        return finished, failed
+
+    def _verdicts(self, batch: Batch, emitted, logprobs):
+        sampled = iter(zip(emitted, logprobs))
+        verdicts: list[_Verdict | None] = []
+        failed: dict[str, Failure] = {}
+        for it in batch.items:
+            if not it.sample:
+                verdicts.append(None)
+                continue
+            tokens, lps = next(sampled)
+            seq = it.seq
+            verdicts.append(None)
+            if not all(map(math.isfinite, lps)):
+                failed[seq.group] = Failure(
+                    f"logits: the model produced non-finite values (nan/inf) for sample "
+                    f"{seq.sample_index} at position {it.start + it.num_new - len(it.draft)}",
+                    keep_kv=False)
+                continue
+            try:
+                kept, reason, text_at = self.stop.check(seq, tokens)
+            except Exception as e:  # the tokenizer is user code
+                failed.setdefault(seq.group, Failure(
+                    f"stop check: {type(e).__name__}: {e}", keep_kv=True))
+                continue
+            verdicts[-1] = _Verdict(tokens[:kept], lps[:kept], reason, text_at)
+        return verdicts, failed
+
+    def _apply(self, it: ScheduledSeq, verdict: _Verdict | None) -> bool:
+        """True when the sequence finished."""
+        seq = it.seq
+        if verdict is None:  # a prefill chunk short of the prompt's end
+            self.kv.advance(seq, it.num_new)
+            return False
+        # Every kept token but the newest had its K/V computed (as the draft it confirmed);
+        # positions of rejected drafts, and of accepted ones past a stop, drop out.
+        kept = it.num_new - len(it.draft) + len(verdict.tokens) - 1
+        self.kv.advance(seq, kept)
+        if kept < it.num_new:
+            self.kv.free(it.slots[kept:])
+        self.journal.touch(seq)
+        seq.token_ids.extend(verdict.tokens)
+        if seq.params.logprobs:
+            seq.logprobs.extend(verdict.logprobs)
+        if it.start < seq.num_prompt:
+            self.kv.cache_computed(seq)  # the prompt is complete: siblings can share it now
+        if verdict.reason is None:
+            return False
+        seq.stop_text_at = verdict.stop_text_at
+        if seq.params.return_routed_experts:
+            self._read_routed_experts(seq)
+        self.scheduler.finish(seq, verdict.reason)
+        return True
+
+    def _read_routed_experts(self, seq: Sequence) -> None:
+        """Every position but the newest has K/V, and its slot keeps the routing of the forward
+        that computed that K/V (models/layers/moe.py), wherever it came from: this sequence's
+        own steps, the prefix cache, a verify step's accepted drafts, a recompute after
+        preemption."""
+        slots = self.kv.table.read(seq.row, 0, seq.num_computed)
+        routes = self.kv.pool.read_extra(ROUTED_EXPERTS, slots).cpu()
+        self.journal.record(lambda: setattr(seq, "routed_experts", None))
+        seq.routed_experts = routes

@@ -1,0 +1,373 @@
+"""Engine: the rollout engine a trainer embeds.
+
+`add_request` / `step` / `abort` are the streaming API; `generate` is built on them. Requests
+are validated completely before anything is queued, so a bad one raises ValueError and leaves
+the engine serving the others.
+
+A step is a transaction (rollout/journal.py): scheduling is one unit, the forward and sampling
+change no bookkeeping, committing is another unit; whatever is raised where, the step's new
+slots go back and the engine is as it was after its last complete unit. The engine is
+single-threaded and holds Ctrl-C while its bookkeeping changes (guard.py). Sleep, wake-up and
+weight updates are its `colocation`'s (rollout/colocation/colocation.py), called through the
+same guard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
+from ..colocation.colocation import Colocation
+from ..config import EngineConfig
+from ..executor.stack import ModelStack
+from ..journal import Journal, RollbackFailed
+from ..kv.pool import kv_bytes_per_token, size_pool
+from ..models.base import ROUTED_EXPERTS
+from ..models.loader import build_model, eos_token_ids, load_into, resolve_model
+from ..parallel import shared_seed, tensor_parallel
+from ..requests.intake import Prompt, check_request, check_requests
+from ..requests.outputs import RolloutOutput, build_output
+from ..requests.request import Request
+from ..requests.sequence import Sequence
+from ..sample.params import SamplingParams
+from ..spec.speculator import make_speculator
+from .chat import render_conversations
+from .commit import Committer
+from .guard import EngineGuard
+from .progress import progress
+from .requests import RequestTable
+from .scheduler import Scheduler
+from .stats import EngineStats
+from .step import StepRunner
+from .stop import StopChecker
+
+
+class Engine:
+    def __init__(self, model, config: EngineConfig | None = None, tokenizer=None,
+                 process_group=None, **overrides) -> None:
+        """`process_group`: the torch.distributed group of `tensor_parallel_size` ranks to run
+        on; None builds one out of the world (rollout/parallel/group.py)."""
+        config = config or EngineConfig()
+        if overrides:
+            config = dataclasses.replace(config, **overrides)
+        self.config = config
+        self.tp = tensor_parallel(config.tensor_parallel_size, process_group)
+        hf_config, weights, device, dtype, tokenizer = resolve_model(model, config, tokenizer)
+        self.hf_config, self.tokenizer, self.device = hf_config, tokenizer, device
+        self.model = build_model(hf_config, config.max_model_len, dtype, device, self.tp)
+        load_into(self.model, weights)
+        self.vocab_size = hf_config.vocab_size
+        layers = self.model.kv_layout.num_layers
+        per_token = kv_bytes_per_token(layers, self.model.kv_layout.kv_heads,
+                                       self.model.kv_layout.head_dim, dtype,
+                                       self.model.slot_extras())
+        num_slots = size_pool(config.kv_cache_tokens, config.kv_memory_fraction,
+                              config.max_model_len, config.max_num_seqs, per_token, device)
+        self.journal = Journal()
+        self.stack = ModelStack(self.model, config, num_slots, device, self.journal)
+        self.kv, self.runner = self.stack.kv, self.stack.runner
+        self.pool, self.cache = self.kv.pool, self.kv.cache
+        self.scheduler = Scheduler(config, self.kv)
+        self.stop = StopChecker(config.max_model_len, tokenizer)
+        self.committer = Committer(self.kv, self.scheduler, self.stop, self.journal)
+        self.eos_ids = eos_token_ids(model, hf_config, tokenizer)
+        # The ranks of a tensor-parallel engine must draw the same seeds for unseeded requests.
+        seed = config.seed
+        if seed is None and self.tp.size > 1:
+            seed = shared_seed(self.tp, device)
+        self.requests = RequestTable(self.journal, seed)
+        self._stats = EngineStats()
+        # The siblings lookup closes over the running dict, not the engine: a reference back
+        # to the engine would make a cycle that keeps a dropped engine's pool alive until gc.
+        running = self.requests.running
+        self.speculator = make_speculator(config.speculative, self.stack, config, tokenizer,
+                                          lambda seq: running[seq.group].seqs)
+        drafter = None if self.speculator is None else self.speculator.drafter
+        if self.speculator is not None:
+            self.requests.forget = self.speculator.forget
+        self.colocation = Colocation(self.stack, device, lambda: len(running),
+                                     lambda: [] if drafter is None else [drafter])
+        self._guard = EngineGuard()
+        self._broken: str | None = None
+        check_tp = self.tp if config.check_tensor_parallel and self.tp.size > 1 else None
+        self._stepper = StepRunner(self.stack, self.scheduler, self.committer, self.speculator,
+                                   self.requests, self._guard, self._stats, check_tp)
+
+    @contextlib.contextmanager
+    def _entered(self, call: str) -> Iterator[None]:
+        """Every public call that changes state: one thread at a time, Ctrl-C held except
+        during forwards, and refused once a rollback could not finish."""
+        with self._guard.hold_interrupts(), self._guard.exclusive(call):
+            if self._broken is not None:
+                raise RuntimeError(f"{call}: {self._broken}")
+            try:
+                yield
+            except RollbackFailed as e:
+                self._broken = (f"the engine's bookkeeping could not be restored after a "
+                                f"failure ({e.__cause__!r}); build a new Engine")
+                raise
+
+    # --- requests ---------------------------------------------------------------------------
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None, hold_kv: bool = False,
+                    resume: tuple[str, int] | None = None) -> str:
+        """Queue a request; its output comes from a later step(). Multi-turn (see
+        rollout/agent.py): `hold_kv` keeps each finished sample's KV locked in the prefix cache
+        under the key (request_id, sample index) until `release_hold(key)`, or until memory
+        runs short (oldest first; counted in stats.holds_dropped); `resume` names the hold of
+        the previous turn, released once this request is admitted on top of it (a hold
+        dropped meanwhile costs only the recomputation)."""
+        with self._entered("add_request"):
+            text, ids, params = self._check_request(prompt, params)
+            if request_id is not None:
+                request_id = str(request_id)
+                if request_id in self.requests:
+                    raise ValueError(f"request_id: {request_id!r} is already running (or "
+                                     f"finished and not yet returned by step())")
+            if not isinstance(hold_kv, bool):
+                raise ValueError(f"hold_kv must be True or False, got {hold_kv!r}")
+            with self.journal.unit():
+                request = self.requests.make(text, ids, params, request_id, self.eos_ids)
+                for seq in request.seqs:
+                    seq.hold_key = (request.request_id, seq.sample_index) if hold_kv else None
+                    seq.resume_key = resume
+                self._enqueue(request)
+                # An interrupt held meanwhile (e.g. during tokenization) raises here and
+                # queues nothing, rather than after the request is queued.
+                self._guard.deliver_held()
+            return request.request_id
+
+    def _check_request(self, prompt: Prompt, params: SamplingParams | None):
+        self.colocation.check_ready()
+        text, ids, params = check_request(prompt, params, self.vocab_size,
+                                          self.config.max_model_len, self.tokenizer)
+        if params.return_routed_experts and ROUTED_EXPERTS not in self.model.slot_extras():
+            raise ValueError(f"return_routed_experts: the model "
+                             f"({self.hf_config.model_type}) has no MoE layers")
+        return text, ids, params
+
+    def _enqueue(self, request: Request) -> None:
+        self.requests.start(request)
+        for seq in request.seqs:
+            self.scheduler.add(seq)
+        self.journal.add(self._stats, "prompt_tokens",
+                         len(request.prompt_ids) * len(request.seqs))
+
+    def abort(self, request_id: str) -> None:
+        """Stop a running request (its computed K/V stays in the prefix cache), or drop the
+        output of a finished one that step() has not returned yet (and its KV holds)."""
+        with self._entered("abort"), self.journal.unit():
+            request = self.requests.take_ready(str(request_id))
+            if request is None:
+                self._abort(request_id, keep_kv=True)
+                return
+            for seq in request.seqs:
+                self.kv.unhold(seq.hold_key)
+
+    def _abort(self, request_id: str, keep_kv: bool) -> None:
+        """keep_kv: the computed K/V goes to the prefix cache (a plain abort) or is dropped."""
+        request = self.requests.running.get(str(request_id))
+        if request is None:
+            raise ValueError(f"request_id: {request_id!r} is not running")
+        self.requests.end(request)
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort", keep_kv)
+
+    def release_hold(self, key: tuple[str, int]) -> bool:
+        """Unlock the KV kept for a finished sample of a `hold_kv` request (the episode ended);
+        False if it was released already (or dropped under memory pressure)."""
+        with self._entered("release_hold"), self.journal.unit():
+            return self.kv.unhold(key)
+
+    def abort_all(self) -> None:
+        """Abort every running request and drop the outputs step() has yet to return."""
+        with self._entered("abort_all"), self.journal.unit():
+            for request_id in list(self.requests.running):
+                self._abort(request_id, keep_kv=True)
+            self.requests.ready.clear()
+
+    @property
+    def running_requests(self) -> list[str]:
+        """Ids of the requests still running, oldest first."""
+        return list(self.requests.running)
+
+    @property
+    def has_unfinished(self) -> bool:
+        """Requests are running, or finished with outputs step() has yet to return."""
+        return bool(self.requests.running) or bool(self.requests.ready)
+
+    # --- stepping ---------------------------------------------------------------------------
+    def step(self) -> list[RolloutOutput]:
+        """Run one scheduler step; returns the requests that finished in it, preceded by the
+        streaming requests (add_request) that finished while generate() was stepping."""
+        with self._entered("step"):
+            if self.scheduler.has_work:
+                self._step_or_raise()
+            outs = [self._output(r) for r in self.requests.ready.values()]
+            # An interrupt held through the step raises while the outputs are still kept
+            # for the next step(), not after they were handed over.
+            self._guard.deliver_held()
+            self.requests.ready.clear()
+            return outs
+
+    def _step_or_raise(self) -> None:
+        if not self._stepper.run():
+            s = self.scheduler
+            raise RuntimeError(
+                f"no step can run: {len(s.waiting)} sequences wait, {len(s.running)} run, "
+                f"{self.kv.available} of {self.kv.num_slots} KV slots can be allocated; "
+                f"check_invariants() tells whether slots leaked")
+
+    def _output(self, request: Request) -> RolloutOutput:
+        return build_output(request, self._text)
+
+    def _text(self, seq: Sequence) -> str | None:
+        if self.tokenizer is None:
+            return None
+        text = self.stop.decode(seq.output_ids)
+        return text if seq.stop_text_at is None else text[:seq.stop_text_at]
+
+    # --- generate ---------------------------------------------------------------------------
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RolloutOutput]:
+        """n samples per prompt; one RolloutOutput per prompt, in order. A request the engine
+        aborted (non-finite logits) comes back with finish_reason "abort" and `error`.
+        Streaming requests that finish meanwhile are kept for the next step() to return."""
+        with self._entered("generate"):
+            # Every request is checked before any takes an id or a seed: a failed call changes
+            # nothing, not even the seeds later calls draw.
+            checked = [self._check_request(p, sp) for p, sp in check_requests(prompts, params)]
+            with self.journal.unit():
+                requests = [self.requests.make(*c, None, self.eos_ids) for c in checked]
+                for r in requests:
+                    self._enqueue(r)
+            wanted = {r.request_id: i for i, r in enumerate(requests)}
+            results: list[RolloutOutput | None] = [None] * len(requests)
+            bar = progress(len(requests), use_tqdm)
+            ready = self.requests.ready
+            try:
+                pending = len(requests)
+                while pending:
+                    self._step_or_raise()
+                    for request_id in [r for r in ready if r in wanted]:
+                        results[wanted[request_id]] = self._output(ready.pop(request_id))
+                        pending -= 1
+                        bar.update(1)
+            except BaseException:
+                # Nobody will collect this call's outputs: stop spending compute on them.
+                self._drop([r.request_id for r in requests])
+                raise
+            finally:
+                bar.close()
+            return results
+
+    def chat(self, conversations, params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = False, chat_template_kwargs: dict | None = None
+             ) -> list[RolloutOutput]:
+        """generate() over conversations (lists of {"role", "content"} messages), rendered by
+        the tokenizer's chat template with the generation prompt (rollout/engine/chat.py). Each
+        output's `prompt` is the templated text."""
+        rendered = render_conversations(self.tokenizer, conversations, chat_template_kwargs)
+        outs = self.generate([ids for _, ids in rendered], params, use_tqdm=use_tqdm)
+        for out, (text, _) in zip(outs, rendered):
+            out.prompt = text
+        return outs
+
+    def _drop(self, request_ids: list[str]) -> None:
+        """Abort what still runs of these requests and forget their outputs. Their K/V goes
+        to the prefix cache; should that fail too, it is freed instead."""
+        for request_id in request_ids:
+            self.requests.ready.pop(request_id, None)
+            if request_id not in self.requests.running:
+                continue
+            try:
+                with self.journal.unit():
+                    self._abort(request_id, keep_kv=True)
+            except Exception:
+                with self.journal.unit():
+                    self._abort(request_id, keep_kv=False)
+
+    # --- inspection -------------------------------------------------------------------------
+    @property
+    def stats(self) -> EngineStats:
+        s = self._stats
+        s.prompt_tokens_computed = self.committer.prompt_tokens_computed
+        s.cache_hit_tokens = self.kv.cache_hit_tokens
+        s.preemptions = self.scheduler.num_preemptions
+        s.holds_dropped = self.kv.holds_dropped
+        s.forward_seconds = self.runner.forward_seconds
+        return s
+
+    def implementations(self) -> dict[str, str]:
+        """Which implementation each op of the engine's model runs: {"backend": the resolved
+        EngineConfig.backend, "attention", "sample", "projection" and each dispatched layer
+        kind ("RMSNorm", "RotaryEmbedding", ...): "torch", "cpu", "triton" (or "onednn" for
+        projections on oneDNN's packed weights)}."""
+        return self.stack.implementations()
+
+    def check_invariants(self) -> None:
+        """Every slot is in exactly one place (free list, tree, one sequence's private tail);
+        lock counts equal the running sequences that pin each node; the queues agree with
+        what holds KV; every request's sequences are queued, running or finished. The draft
+        model's pool, when speculating with one, is checked the same way. Asleep, nothing is
+        held."""
+        with self._guard.exclusive("check_invariants"):
+            self.kv.check()
+            self.scheduler.check()
+            queued = {s.seq_id for s in (*self.scheduler.waiting, *self.scheduler.running)}
+            assert self.requests.live_sequences() == queued, (
+                "requests' sequences differ from those queued or running")
+            if self.is_sleeping:
+                assert not self.requests.running and not self.pool.is_allocated
+            if self.speculator is not None:
+                self.speculator.check_invariants()
+
+    # --- colocation (rollout/colocation/colocation.py) ---------------------------------------
+    @property
+    def sleep_level(self) -> int:
+        return self.colocation.sleep_level
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.colocation.is_sleeping
+
+    @property
+    def needs_weights(self) -> bool:
+        """True after sleep(level=2) until update_weights has refilled every weight."""
+        return self.colocation.weights_missing
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV pool (the prefix cache empties) and park the weights: on host memory
+        (level 1) or nowhere (level 2, update_weights must run after wake_up). A sleep that
+        fails leaves the engine awake (`needs_weights` says if weights were lost)."""
+        with self._entered("sleep"):
+            self.colocation.sleep(level)
+
+    def wake_up(self) -> None:
+        """Allocate the KV pool and bring the weights back. A wake-up that fails (e.g. out
+        of memory) leaves the engine asleep."""
+        with self._entered("wake_up"):
+            self.colocation.wake_up()
+
+    def update_weights(self, source, bucket_bytes: int = 256 << 20) -> dict:
+        """Copy new weights in place: `source` is the trainer's model (DDP/compile/PEFT wrapped
+        or not) or (HF name, tensor) pairs. Clears the prefix cache, whose KV came from the
+        old weights. Every name, shape and dtype is checked (and meta tensors refused) before
+        the first copy, so a bad source raises ValueError and changes nothing; a copy that
+        still fails half way leaves `needs_weights` True.
+
+        Under tensor parallelism each rank cuts every source tensor to its part before
+        anything moves (rollout/parallel/reshard.py): a full host tensor crosses to the device
+        as that part only; DTensor (FSDP2) shards are exchanged between ranks for exactly the
+        ranges each needs, never gathered whole. Returns {'bytes' (copied into the weights),
+        'seconds', 'exchanged_bytes' (received from other ranks re-sharding DTensors),
+        'collectives' (that re-sharding issued)}."""
+        with self._entered("update_weights"):
+            return self.colocation.update_weights(source, bucket_bytes)
+
+    def memory_held(self) -> int:
+        """Bytes of tensors the engine holds on its device (weights and their packed copies,
+        KV pool and its per-slot extras, slot table)."""
+        return self.colocation.memory_held()

@@ -1,0 +1,85 @@
+"""The engine's requests: those running, and those finished whose outputs are not handed out yet.
+
+A request takes its id and its seed here, only once it is checked (rollout/requests/intake.py):
+a refused request draws nothing, so it shifts no later request's seed. Every change is journaled
+(rollout/journal.py) with the scheduler's, so a failed unit leaves both as they were.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable
+
+from ..journal import Journal
+from ..requests.request import Request
+from ..requests.sequence import Sequence
+from ..sample.noise import sample_seed
+from ..sample.params import SamplingParams
+
+
+class RequestTable:
+    def __init__(self, journal: Journal, seed: int | None) -> None:
+        self.journal = journal
+        self.running: dict[str, Request] = {}
+        # Finished requests whose outputs are not handed out yet: generate() takes its own,
+        # step() the rest (streaming requests that finished while generate() stepped).
+        self.ready: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+        self._seed_rng = random.Random(seed)
+        # Told the sequences of every request that leaves the running set (the speculator's
+        # per-sample state goes with them).
+        self.forget: Callable[[list[Sequence]], None] | None = None
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.running or request_id in self.ready
+
+    def make(self, text: str | None, ids: list[int], params: SamplingParams,
+             request_id: str | None, eos_ids: frozenset[int]) -> Request:
+        """Draws the request's id (unless given) and seed: only for a checked request."""
+        if request_id is None:
+            request_id = self._new_request_id()
+        # Greedy requests take no seed, so adding an evaluation does not shift later rollouts.
+        if params.seed is not None or params.greedy:
+            base = params.seed or 0
+        else:
+            base = self._seed_rng.getrandbits(63)
+        stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else eos_ids)
+        seqs = [Sequence(seq_id=next(self._seq_ids), group=request_id, sample_index=j,
+                         prompt_ids=ids, params=params, seed=sample_seed(base, j),
+                         stop_ids=stop_ids) for j in range(params.n)]
+        return Request(request_id, text, ids, params, seqs)
+
+    def _new_request_id(self) -> str:
+        # A counter of its own, skipping the ids in use: callers may name requests "3" too.
+        while True:
+            request_id = str(next(self._request_ids))
+            if request_id not in self:
+                return request_id
+
+    def start(self, request: Request) -> None:
+        self.running[request.request_id] = request
+        self.journal.record(lambda: self.running.pop(request.request_id))
+
+    def end(self, request: Request, finished: bool = False) -> None:
+        """The request leaves the running set; `finished` (its last sample finished): its
+        output is kept in `ready` until handed out."""
+        del self.running[request.request_id]
+        self.journal.record(lambda: self.running.__setitem__(request.request_id, request))
+        if finished:
+            self.ready[request.request_id] = request
+            self.journal.record(lambda rid=request.request_id: self.ready.pop(rid))
+        if self.forget is not None:
+            self.forget(request.seqs)
+
+    def take_ready(self, request_id: str) -> Request | None:
+        """The finished request's output leaves the table (journaled: a failed unit keeps it)."""
+        request = self.ready.pop(request_id, None)
+        if request is not None:
+            self.journal.record(lambda: self.ready.__setitem__(request_id, request))
+        return request
+
+    def live_sequences(self) -> set[int]:
+        return {s.seq_id for r in self.running.values() for s in r.seqs if not s.is_finished}

@@ -1,0 +1,218 @@
+"""Every step: admit waiting sequences, chunk prefills, grow decodes, preempt, retire.
+
+Policy only; slots and locks are the KV manager's. Decodes go first, then prefill chunks of
+running sequences, then admissions, all within `max_num_batched_tokens`. Admission matches a
+sequence's tokens (all but the last, whose logits give the next sample) in the prefix cache,
+locks the matched node and allocates slots for the unmatched part only. A sequence whose prompt
+shares most of its unmatched part with a prompt another running sequence is still prefilling
+waits one round: that prefill is about to be cached, and re-admission then computes only what
+is new (n samples, repeated prompts, shared system prefixes all prefill their common tokens
+once).
+
+When growth finds no slot even after evicting unlocked leaves, the newest running sequence is
+preempted: its computed tokens go into the tree, it unlocks, and it rejoins the front of the
+queue, where re-admission hits the cache.
+
+Queue changes are journaled like the KV manager's, so a failed step leaves the queues as they
+were (see rollout/journal.py).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from ..config import EngineConfig
+from ..kv.manager import KVManager
+from ..kv.radix_cache import common_prefix_len
+from ..requests.batch import Batch, ScheduledSeq
+from ..requests.sequence import SeqStatus, Sequence
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVManager) -> None:
+        self.config, self.kv, self.journal = config, kv, kv.journal
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+        self.journal.record(self.waiting.pop)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- scheduling -------------------------------------------------------------------------
+    def schedule(self) -> Batch | None:
+        budget = self.config.max_num_batched_tokens
+        items: list[ScheduledSeq] = []
+        preempted = False
+        scheduled: set[int] = set()
+        decodes = [s for s in self.running if not s.is_prefilling]
+        grown = self._grow_decodes(decodes[:budget], items)
+        scheduled.update(s.seq_id for s in decodes[:grown])
+        budget -= grown
+        order = decodes[grown:] + [s for s in self.running if s.is_prefilling]
+        for seq in order:
+            if budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            slots = self.kv.alloc(n)
+            while slots is None:
+                victim = self._newest_unscheduled(scheduled)
+                self.preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+                slots = self.kv.alloc(n)
+            if slots is None:
+                continue
+            scheduled.add(seq.seq_id)
+            self._schedule_seq(seq, slots, items)
+            budget -= n
+        if not preempted:
+            budget = self._admit(budget, items)
+        if not items:
+            return None
+        return Batch(items)
+
+    def _grow_decodes(self, decodes: list[Sequence], items: list[ScheduledSeq]) -> int:
+        """One slot for each decoding sequence, allocated and written to the table with a
+        constant number of device ops (per-sequence ops would make a GPU step launch-bound).
+        Returns how many were scheduled: all, or none when the pool is short, and then the
+        one-by-one path decides whom to preempt."""
+        slots = self.kv.alloc_decodes(len(decodes)) if decodes else None
+        if slots is None:
+            return 0
+        self.kv.place_decodes(decodes, slots)
+        items.extend(ScheduledSeq(seq, seq.num_computed, 1, True, slots[i:i + 1])
+                     for i, seq in enumerate(decodes))
+        return len(decodes)
+
+    def _schedule_seq(self, seq: Sequence, slots: torch.Tensor,
+                      items: list[ScheduledSeq]) -> None:
+        n = slots.numel()
+        self.kv.place(seq, seq.num_computed, slots)
+        items.append(ScheduledSeq(seq, seq.num_computed, n,
+                                  seq.num_computed + n == seq.num_tokens, slots))
+
+    def _newest_unscheduled(self, scheduled: set[int]) -> Sequence:
+        for seq in reversed(self.running):
+            if seq.seq_id not in scheduled:
+                return seq
+        raise RuntimeError("KV pool exhausted by sequences already scheduled this step")
+
+    # --- admission --------------------------------------------------------------------------
+    def _admission_order(self) -> list[Sequence]:
+        waiting = list(self.waiting)
+        if (self.config.schedule_policy == "lpm" and self.kv.shares_prefixes
+                and len(waiting) <= self.config.lpm_max_waiting):
+            waiting.sort(key=lambda s: -self.kv.prefix_len(s.token_ids[:-1]))
+        return waiting
+
+    def _admit(self, budget: int, items: list[ScheduledSeq]) -> int:
+        admitted: set[int] = set()
+        # Prompts being prefilled now, by group; their prefixes are cached once computed. A
+        # sample that only computes its last prompt token (the rest matched) shares nothing.
+        in_flight = {s.group: s for s in self.running if s.num_computed < s.num_prompt - 1}
+        decode_reserve = len(self.running)
+        sharing = self.kv.shares_prefixes
+        for seq in self._admission_order():
+            if (budget == 0 or len(self.running) >= self.config.max_num_seqs
+                    or self.kv.table.num_free_rows == 0):
+                break
+            if sharing and seq.group in in_flight:
+                continue
+            slots, node = self.kv.match(seq.token_ids[:-1])
+            matched = slots.numel()
+            if sharing and self._waits_for(seq, matched, in_flight):
+                continue
+            n = min(seq.num_tokens - matched, budget)
+            # Leave every running sequence room for its next decode token, or admission
+            # would only buy an immediate preemption (the match is locked first: what it
+            # pins is not room).
+            self.kv.lock(node)
+            if seq.resume_key is not None:
+                self.kv.unhold(seq.resume_key)  # the lock just taken pins the held tokens
+            if not self.kv.make_room(n + decode_reserve):
+                self.kv.unlock(node)
+                break
+            new = self.kv.alloc(n)
+            self.kv.attach(seq, slots, node)
+            self._run(seq)
+            admitted.add(seq.seq_id)
+            self._schedule_seq(seq, new, items)
+            budget -= n
+            decode_reserve += 1
+            if seq.num_computed < seq.num_prompt - 1:
+                in_flight.setdefault(seq.group, seq)
+        if admitted:
+            before = self.waiting
+            self.waiting = deque(s for s in before if s.seq_id not in admitted)
+            self.journal.record(lambda: setattr(self, "waiting", before))
+        return budget
+
+    def _run(self, seq: Sequence) -> None:
+        self.journal.touch(seq)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        self.journal.record(self.running.pop)
+
+    @staticmethod
+    def _waits_for(seq: Sequence, matched: int, in_flight: dict[str, Sequence]) -> bool:
+        """True when a prompt being prefilled covers at least half of what `seq` would compute."""
+        todo = seq.num_tokens - 1 - matched
+        if todo <= 0:
+            return False
+        tokens = seq.token_ids
+        for other in in_flight.values():
+            if other.prompt_ids[0] != tokens[0]:
+                continue
+            shared = common_prefix_len(other.prompt_ids, tokens[:-1], 0)
+            if 2 * (shared - matched) >= todo:
+                return True
+        return False
+
+    # --- retiring ---------------------------------------------------------------------------
+    def _stop_running(self, seq: Sequence, keep_kv: bool, hold_key=None) -> None:
+        self.kv.release(seq, keep_kv, hold_key)
+        i = self.running.index(seq)
+        del self.running[i]
+        self.journal.record(lambda: self.running.insert(i, seq))
+
+    def preempt(self, seq: Sequence) -> None:
+        self._stop_running(seq, keep_kv=True)
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.journal.record(self.waiting.popleft)
+        self.journal.add(self, "num_preemptions", 1)
+
+    def finish(self, seq: Sequence, reason: str, keep_kv: bool = True) -> None:
+        """`seq` ends with `reason`: running, it gives its K/V up (to the tree when
+        `keep_kv`, held there if it asked to be and did not abort); waiting, it leaves the
+        queue."""
+        self.journal.touch(seq)
+        if seq.resume_key is not None:
+            self.kv.unhold(seq.resume_key)  # ended before it was admitted
+        if seq.status is SeqStatus.RUNNING:
+            self._stop_running(seq, keep_kv, None if reason == "abort" else seq.hold_key)
+        elif seq.status is SeqStatus.WAITING:
+            i = self.waiting.index(seq)
+            del self.waiting[i]
+            self.journal.record(lambda: self.waiting.insert(i, seq))
+        seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+
+    # --- inspection -------------------------------------------------------------------------
+    def check(self) -> None:
+        """The queues agree with the KV manager: running sequences are exactly the attached
+        ones; waiting ones hold nothing."""
+        assert all(s.status is SeqStatus.RUNNING for s in self.running)
+        assert {s.seq_id for s in self.running} == set(self.kv.attached), \
+            "running sequences differ from those holding KV"
+        assert all(s.status is SeqStatus.WAITING and s.row == -1 for s in self.waiting)
+        assert len({s.seq_id for s in self.waiting}) == len(self.waiting), "queued twice"

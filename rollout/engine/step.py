@@ -1,0 +1,109 @@
+"""One engine step as a transaction: schedule (one journal unit), propose drafts, prepare, run
+the forward and sample (changing no bookkeeping, so Ctrl-C may land there at once), commit (one
+more unit). Whatever is raised where, the step's new slots go back (`discard_pending`) and the
+engine is as it was after its last complete unit."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..journal import RollbackFailed
+from ..parallel import check_same_tokens
+from ..requests.sequence import Sequence
+from ..sample.sampler import SamplingBatch
+from .commit import Committer, Failure
+from .guard import EngineGuard
+from .requests import RequestTable
+from .scheduler import Scheduler
+from .stats import EngineStats
+
+
+class StepRunner:
+    def __init__(self, stack, scheduler: Scheduler, committer: Committer, speculator,
+                 requests: RequestTable, guard: EngineGuard, stats: EngineStats,
+                 check_tp=None) -> None:
+        """`check_tp`: the tensor-parallel group whose ranks must sample the same tokens, or
+        None. Nothing here refers back to the engine (a cycle would keep a dropped engine's
+        pool alive until the garbage collector ran)."""
+        self.kv, self.runner, self.sampler = stack.kv, stack.runner, stack.sampler
+        self.device, self.journal = stack.device, stack.kv.journal
+        self.scheduler, self.committer, self.speculator = scheduler, committer, speculator
+        self.requests, self.guard, self.stats = requests, guard, stats
+        self.check_tp = check_tp
+
+    def run(self) -> bool:
+        """One scheduler step; False when nothing could be scheduled."""
+        marks = [time.perf_counter()]
+        try:
+            with self.journal.unit():
+                batch = self.scheduler.schedule()
+            if batch is None:
+                return False
+            marks.append(time.perf_counter())
+            speculating = self.speculator is not None and self.speculator.propose(batch) > 0
+            marks.append(time.perf_counter())
+            inputs = self.runner.prepare(batch)
+            marks.append(time.perf_counter())
+            # Nothing below changes bookkeeping until the commit: Ctrl-C may land at once.
+            with self.guard.allow_interrupts():
+                logits = self.runner.run(inputs)
+                marks.append(time.perf_counter())
+                items = [it for it in batch.items if it.sample]
+                emitted, logprobs, verdicts = self._sample_items(logits, items, speculating)
+                if self.check_tp is not None:
+                    check_same_tokens(emitted, self.check_tp, self.device)
+            marks.append(time.perf_counter())
+            with self.journal.unit():
+                finished, failed = self.committer.commit(batch, emitted, logprobs)
+                if speculating:
+                    self.speculator.after_commit(batch, verdicts)
+                for request_id, failure in failed.items():
+                    self._fail(request_id, failure)
+                self._retire(finished, failed)
+                self.kv.settle()
+            marks.append(time.perf_counter())
+        except BaseException:
+            self._discard_pending()
+            raise
+        if speculating:
+            self.stats.record_verdicts([v for v, it in zip(verdicts, items) if it.draft])
+        self.stats.record_step(batch, sum(map(len, emitted)), tuple(marks))
+        return True
+
+    def _discard_pending(self) -> None:
+        try:
+            self.kv.discard_pending()
+            if self.speculator is not None:
+                self.speculator.discard_pending()
+        except BaseException as e:
+            raise RollbackFailed("discarding a failed step's slots") from e
+
+    def _sample_items(self, logits: torch.Tensor, items, speculating: bool):
+        """Tokens and logprobs per sampled item (verification's accepted drafts plus one)."""
+        # One row per sampled position: a verifying item has len(draft) + 1 of them.
+        rows = SamplingBatch.for_sequences(
+            [(it.seq, j) for it in items for j in range(len(it.draft) + 1)], self.device)
+        if speculating:
+            verdicts = self.speculator.verify(logits, rows, items)
+            return [v.tokens for v in verdicts], [v.logprobs for v in verdicts], verdicts
+        tokens, lps = self.sampler.sample(logits, rows)
+        return [[t] for t in tokens.tolist()], [[lp] for lp in lps.tolist()], None
+
+    def _fail(self, request_id: str, failure: Failure) -> None:
+        """The request ends as aborted, saying why; the other requests go on."""
+        request = self.requests.running[request_id]
+        error = request.error
+        request.error = failure.error
+        self.journal.record(lambda: setattr(request, "error", error))
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort", failure.keep_kv)
+
+    def _retire(self, finished: list[Sequence], failed: dict[str, Failure]) -> None:
+        """Requests whose last sample finished this step wait in `requests.ready`."""
+        for request_id in dict.fromkeys([*(s.group for s in finished), *failed]):
+            request = self.requests.running[request_id]
+            if request.done:
+                self.requests.end(request, finished=True)

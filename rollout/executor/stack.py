@@ -1,0 +1,99 @@
+"""A model with the KV machinery that serves it: pool, prefix cache, slot table, KV manager,
+backends (attention, sampler, acceptance: rollout/ops/backend.py), runner, and the parking of its
+weights for sleep. The engine holds one for its model (and a scheduler over its KV manager);
+the draft-model drafter holds another for the draft. The model is used through its contract
+(rollout/models/base.py) only: KV layout, dtype, tables, forward, logits."""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention.registry import ATTENTION
+from ..colocation import host_heap
+from ..colocation.parking import WeightParking, separate_host_memory
+from ..config import EngineConfig
+from ..journal import Journal
+from ..kv.manager import KVManager
+from ..kv.pool import KVPool
+from ..kv.prefix_cache import make_prefix_cache
+from ..kv.slot_table import SlotTable
+from ..models.layers.packed_linear import Projection
+from ..ops.backend import resolve_backend
+from ..ops.op import Dispatched
+from ..sample.sampler import SAMPLE, Sampler
+from .cuda_graph import DecodeGraphs
+from .runner import ModelRunner
+
+
+class ModelStack:
+    def __init__(self, model, config: EngineConfig, num_slots: int, device: torch.device,
+                 journal: Journal) -> None:
+        self.model, self.device = model, device
+        if device.type == "cpu" and config.keep_cpu_heap:
+            host_heap.keep_freed_blocks()
+        layout = model.kv_layout
+        self.pool = KVPool(layout.num_layers, num_slots, layout.kv_heads, layout.head_dim,
+                           model.dtype, device, model.slot_extras())
+        self.table = SlotTable(config.max_num_seqs, config.max_model_len, device)
+        # Page size 1 and every slot kept: sliding-window layers mask what lies outside their
+        # window, global layers need the whole context anyway.
+        cache = make_prefix_cache(config.enable_prefix_caching, device)
+        self.kv = KVManager(self.pool, cache, self.table, journal)
+        self.backend = resolve_backend(config.backend, device, config.pack_cpu_weights)
+        model.use_backend(self.backend)
+        model.pack_weights()
+        self.attention = self.backend.bind(ATTENTION, model.dtype)(self.pool, layout.windows)
+        self.sampler = Sampler(self.backend)
+        self.graphs = None
+        if config.cuda_graphs:
+            if not self.backend.cuda_graphs:
+                raise ValueError(f"cuda_graphs: needs the Triton attention backend (backend "
+                                 f"'triton', or 'auto' on CUDA); this engine resolved "
+                                 f"{config.backend!r} to {self.backend.name!r}")
+            self.graphs = DecodeGraphs(model, self.attention, config.max_num_seqs,
+                                       config.max_model_len, device)
+        self.runner = ModelRunner(model, self.attention, self.table, device, self.graphs)
+        self.parking = WeightParking(model, device,
+                                     separate_host_memory(config.extra, device))
+
+    def implementations(self) -> dict[str, str]:
+        """Which implementation each op runs (rollout/ops/backend.py): the attention backend,
+        the sampler, every dispatched layer kind, and the projections' packing."""
+        out = {"backend": self.backend.name,
+               "attention": self.backend.choose(ATTENTION.implementations, self.model.dtype),
+               "sample": self.backend.choose(SAMPLE.implementations, torch.float32)}
+        for module in self.model.modules():
+            if isinstance(module, Dispatched):
+                out[type(module).__name__] = module.implementation
+            elif isinstance(module, Projection):
+                packing = module.packing
+                out["projection"] = "torch" if packing is None else packing.kind
+        return out
+
+    def sleep(self, level: int) -> None:
+        """Drop the KV pool (the tree empties with it) and park the weights (rollout/colocation/parking.py).
+        On a stack asleep at level 1, sleep(2) deepens in place: nothing is allocated. Every
+        part is idempotent, so a sleep that failed half way can be finished or undone."""
+        if self.graphs is not None:
+            self.graphs.release()
+        # The pool goes before the tree is forgotten: a failure between them leaves either
+        # both (consistent) or no pool (wake_up then starts both afresh).
+        self.pool.release()
+        self.kv.reset()
+        self.table.release()
+        self.model.drop_tables()
+        self.parking.park(level)
+
+    def wake_up(self) -> None:
+        """Bring back what sleep dropped; what a failed sleep left in place is kept."""
+        # Weights a level-2 sleep dropped come back uninitialised: packed after update_weights.
+        weights_kept = not self.parking.dropped_any
+        self.parking.restore()
+        self.model.build_tables(self.device)
+        if weights_kept:
+            self.model.pack_weights()
+        if not self.pool.is_allocated:
+            self.kv.reset()
+            self.pool.allocate()
+            self.table.allocate()
+

@@ -1,0 +1,172 @@
+"""The KV pool: one allocation for every layer's K and V, and the free-slot stack.
+
+Page size is 1: a slot holds one token's K and V in every layer. Slots live as int64 tensors on
+the pool's device so allocation, freeing and metadata building never leave the device. The free
+list is a stack; its order is free to choose, and `arrange_runs` chooses it so that decoding
+sequences take consecutive slots (see KVManager.alloc_decodes).
+
+A slot may keep more than K/V: `extras` (the model's `slot_extras`, e.g. an MoE model's routed
+experts) are per-slot arrays written by the forward that writes the slot's K/V, allocated and
+dropped with the pool, so they live exactly as long as the K/V (prefix cache, preemption,
+speculation's rejected drafts).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from . import huge_pages
+
+
+def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                       extras: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
+                       ) -> int:
+    """Bytes a slot costs: its K and V in every layer and its `extras` (KVPool's), so that a
+    pool sized by memory counts an MoE model's routed experts too."""
+    kv = 2 * num_layers * kv_heads * head_dim * dtype.itemsize
+    return kv + sum(math.prod(shape) * extra_dtype.itemsize
+                    for shape, extra_dtype in (extras or {}).values())
+
+
+def available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+# The automatic pool's ceiling on the CPU. A CPU pool is host memory the trainer shares, zeroed
+# page by page when it is built and again at every wake_up (sleep frees it), a cost paid at
+# every GRPO step that grows with the pool: sized from a fraction of a host's free memory it
+# took seconds (docs/benchmarks.md). 256 MiB holds 5,825 tokens of SmolLM2-135M in fp32 (30
+# layers x 3 KV heads x 64); kv_cache_tokens asks for more.
+CPU_POOL_BYTES = 256 << 20
+
+
+def size_pool(kv_cache_tokens: int | None, memory_fraction: float, max_model_len: int,
+              max_num_seqs: int, bytes_per_token: int, device: torch.device) -> int:
+    """Number of slots; refuses (ValueError) when one max_model_len request cannot fit."""
+    if kv_cache_tokens is None:
+        budget = int(available_memory(device) * memory_fraction)
+        # More than every sequence at full length could never be used.
+        kv_cache_tokens = min(budget // bytes_per_token, max_num_seqs * max_model_len)
+        if device.type == "cpu":
+            # Never below one max_model_len request: a model the memory allows must not be
+            # refused for the sake of build time.
+            ceiling = max(CPU_POOL_BYTES // bytes_per_token, max_model_len)
+            kv_cache_tokens = min(kv_cache_tokens, ceiling)
+    if kv_cache_tokens < max_model_len:
+        raise ValueError(
+            f"kv_cache_tokens: the KV pool holds {kv_cache_tokens} tokens "
+            f"({kv_cache_tokens * bytes_per_token / 2**20:.1f} MiB) but one request of "
+            f"max_model_len={max_model_len} tokens needs {max_model_len} "
+            f"({max_model_len * bytes_per_token / 2**20:.1f} MiB); raise kv_cache_tokens or "
+            f"kv_memory_fraction, or lower max_model_len")
+    return kv_cache_tokens
+
+
+class KVPool:
+    def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device,
+                 extras: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None) -> None:
+        self.num_layers, self.num_slots = num_layers, num_slots
+        self.kv_heads, self.head_dim = kv_heads, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        self.buffer: torch.Tensor | None = None
+        self.extra_layout = dict(extras or {})
+        self.extras: dict[str, torch.Tensor] = {}
+        self.allocate()
+
+    # --- memory -----------------------------------------------------------------------------
+    def allocate(self) -> None:
+        shape = (2, self.num_layers, self.num_slots, self.kv_heads, self.head_dim)
+        self.buffer = huge_pages.empty_zeros(shape, self.dtype, self.device)
+        # One row more than slots: padded tokens of a CUDA-graph batch (slot -1) write there.
+        self.extras = {name: torch.zeros((self.num_slots + 1, *extra_shape), dtype=dtype,
+                                         device=self.device)
+                       for name, (extra_shape, dtype) in self.extra_layout.items()}
+        self._free = torch.arange(self.num_slots, dtype=torch.int64, device=self.device)
+        self._num_free = self.num_slots
+
+    def release(self) -> None:
+        """Drop the whole pool (sleep); every slot is gone with it."""
+        self.buffer = None
+        self.extras = {}
+        self._free = None
+        self._num_free = 0
+
+    @property
+    def is_allocated(self) -> bool:
+        return self.buffer is not None
+
+    @property
+    def nbytes(self) -> int:
+        """K/V and extras (their padding row included); 0 when released."""
+        tensors = [] if self.buffer is None else [self.buffer, *self.extras.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def k(self, layer: int) -> torch.Tensor:
+        return self.buffer[0, layer]
+
+    def v(self, layer: int) -> torch.Tensor:
+        return self.buffer[1, layer]
+
+    def extra_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """The rows of the per-slot arrays that `slots` write: padding (negative slots) goes to
+        the spare last row."""
+        return torch.where(slots >= 0, slots, self.num_slots)
+
+    def store_extra(self, name: str, index: int, rows: torch.Tensor,
+                    values: torch.Tensor) -> None:
+        """extras[name][rows[t], index] = values[t], `rows` from `extra_rows`."""
+        extra = self.extras[name]
+        extra[rows, index] = values.to(extra.dtype)
+
+    def read_extra(self, name: str, slots: torch.Tensor) -> torch.Tensor:
+        return self.extras[name][slots]
+
+    # --- slots ------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
+    def alloc(self, n: int) -> torch.Tensor:
+        if n > self._num_free:
+            raise RuntimeError(f"KV pool: asked for {n} slots, {self._num_free} free")
+        self._num_free -= n
+        return self._free[self._num_free:self._num_free + n].clone()
+
+    def free(self, slots: torch.Tensor) -> None:
+        n = slots.numel()
+        if n:
+            self._free[self._num_free:self._num_free + n] = slots
+            self._num_free += n
+
+    def unfree(self, slots: torch.Tensor) -> None:
+        """Undo the latest `free(slots)` (rolling a failed step back, newest change first):
+        they are still the top of the free stack, since every later change was undone."""
+        self._num_free -= slots.numel()
+
+    def free_slots(self) -> torch.Tensor:
+        return self._free[:self._num_free]
+
+    def arrange_runs(self, streams: int, run: int) -> torch.Tensor:
+        """Reorder the top `streams * run` free slots so that the next `run` allocations of
+        `streams` slots each give stream i (the i-th slot of every allocation) a run of
+        consecutive slot ids, as consecutive as the free slots are: sorted, stream i takes the
+        i-th run of them. Only the order of the free list changes. Returns the region's old
+        order for `restore_order`."""
+        lo = self._num_free - streams * run
+        region = self._free[lo:self._num_free]
+        old = region.clone()
+        runs = region.sort().values.view(streams, run)
+        # An allocation takes the top `streams` slots, lowest index first: the first one must
+        # lie on top, stream order within it.
+        region.copy_(runs.t().flip(0).reshape(-1))
+        return old
+
+    def restore_order(self, old: torch.Tensor) -> None:
+        """Undo the latest `arrange_runs` (every later change undone first)."""
+        self._free[self._num_free - old.numel():self._num_free] = old

@@ -1,0 +1,2 @@
+"""The one dispatch for implementations: backends (backend.py) and the ops and layers that have
+an implementation per backend (op.py)."""

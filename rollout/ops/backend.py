@@ -1,0 +1,73 @@
+"""Which implementation of every operation an engine runs, chosen in one place from
+`EngineConfig.backend`.
+
+- `torch`: the reference. Plain torch ops everywhere: SDPA attention with the shared-prefix
+  split (rollout/attention/sdpa.py), torch RMSNorm, rotary and SiLU, `F.linear` projections, the
+  torch sampler and acceptance scan, MoE experts one matmul pair each.
+- `cpu`: the CPU default. The C kernels of rollout_kernels.cpu (compiled at first use) where one
+  exists for the op and dtype: paged attention for decode, verify and later-turn rows, RMSNorm,
+  rotary, SiLU, Gumbel-max sampling, fp32 projections on weights packed in panels (oneDNN's packed
+  layout for bf16 where the CPU has it). An op without a C kernel, or a library that did not
+  build (no compiler, ROLLOUT_NATIVE=0), runs its torch implementation.
+- `triton`: the CUDA default. The Triton kernels of rollout_kernels.triton: paged and
+  shared-prefix attention, the fused sampler and acceptance scan, fused MoE; CUDA graphs. Off
+  CUDA only attention runs Triton (under TRITON_INTERPRET=1, which the process must set before
+  anything imports triton kernels); the other ops take their torch implementation.
+- `auto`: triton on CUDA, cpu on the CPU.
+
+Every op lists its implementations with one `supported(device, dtype)` check each
+(rollout/ops/op.py); a backend tries its own, then torch's.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from .op import Op, Supported
+
+BACKENDS = ("auto", "torch", "cpu", "triton")
+# What each backend tries, in order: its own implementation, then the reference.
+_FALLBACK = {"torch": ("torch",), "cpu": ("cpu", "torch"), "triton": ("triton", "torch")}
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str  # "torch", "cpu" or "triton" ("auto" resolved)
+    device: torch.device
+    # cpu: projections multiply by a packed copy of their weight (EngineConfig.pack_cpu_weights)
+    pack_weights: bool = True
+
+    def choose(self, implementations: Mapping[str, Supported], dtype: torch.dtype) -> str:
+        """The name of the implementation this backend runs for an op on `dtype`."""
+        for name in _FALLBACK[self.name]:
+            supported = implementations.get(name)
+            if supported is not None and supported(self.device, dtype):
+                return name
+        raise ValueError(f"no implementation of this op runs on {self.device} in {dtype}")
+
+    def bind(self, op: Op, dtype: torch.dtype = torch.float32) -> Callable:
+        return op.functions[self.choose(op.implementations, dtype)]
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Decode steps can be captured (the Triton attention backend plans for graphs; off
+        CUDA an eager stand-in keeps the contract, for tests)."""
+        return self.name == "triton"
+
+
+def resolve_backend(name: str, device: torch.device, pack_weights: bool = True) -> Backend:
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "cpu"
+    if name == "cpu" and device.type != "cpu":
+        raise ValueError(f"backend 'cpu' runs on the CPU; this engine's device is {device}")
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("backend 'triton' off CUDA runs the kernels in Triton's interpreter: "
+                         "set TRITON_INTERPRET=1 in the environment before the process imports "
+                         "triton (the engine does not set it for you)")
+    return Backend(name, device, pack_weights)

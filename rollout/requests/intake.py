@@ -1,0 +1,76 @@
+"""Requests in: prompts and params checked completely, changing nothing, before any is queued.
+
+A bad request raises ValueError naming the field and its limit; the engine keeps serving the
+others. A checked request becomes a `Request` (request.py): one prompt's n sequences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence as Seq
+
+import torch
+
+from ..fields import as_int
+from ..sample.params import SamplingParams
+
+Prompt = str | Seq[int]
+
+
+def check_requests(prompts, params) -> list[tuple[Prompt, SamplingParams | None]]:
+    """generate()'s arguments as (prompt, params) pairs."""
+    if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
+        raise ValueError("prompts must be a list of strings or of token-id lists")
+    if params is None or isinstance(params, SamplingParams):
+        return [(p, params) for p in prompts]
+    if not isinstance(params, (list, tuple)):
+        raise ValueError(f"params must be a SamplingParams or a list of them (one per prompt), "
+                         f"got {type(params).__name__}")
+    if len(params) != len(prompts):
+        raise ValueError(f"params: {len(params)} SamplingParams for {len(prompts)} prompts")
+    return list(zip(prompts, params))
+
+
+def check_request(prompt: Prompt, params: SamplingParams | None, vocab_size: int,
+                  max_model_len: int, tokenizer) -> tuple[str | None, list[int], SamplingParams]:
+    """A request's text, token ids and the engine's own validated copy of its params."""
+    params = SamplingParams() if params is None else params
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+    # A copy built through __init__ re-runs validation on the fields as they are now (they
+    # may have been set after construction) and keeps later edits of the caller's object,
+    # often reused for the next batch, away from this request.
+    params = dataclasses.replace(params)
+    params.check_vocab(vocab_size)
+    if params.stop and tokenizer is None:
+        raise ValueError("stop: stop strings need a tokenizer; pass tokenizer= to Engine")
+    text, ids = prompt_ids(prompt, vocab_size, max_model_len, tokenizer)
+    return text, ids, params
+
+
+def prompt_ids(prompt: Prompt, vocab_size: int, max_model_len: int, tokenizer
+               ) -> tuple[str | None, list[int]]:
+    text = None
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("prompt: a string prompt needs a tokenizer; pass tokenizer= "
+                             "to Engine or give token ids")
+        text, prompt = prompt, tokenizer.encode(prompt)
+    if isinstance(prompt, torch.Tensor):
+        prompt = prompt.tolist()
+    if not isinstance(prompt, (list, tuple)):
+        raise ValueError(f"prompt must be a string or a list of token ids, "
+                         f"got {type(prompt).__name__}")
+    ids = list(prompt)
+    if not ids:
+        raise ValueError("prompt: empty prompt; it needs at least 1 token")
+    limit = max_model_len - 1
+    if len(ids) > limit:
+        raise ValueError(f"prompt: {len(ids)} tokens, but max_model_len={max_model_len} "
+                         f"allows at most {limit} so that one token can be generated")
+    ids = [as_int("prompt: token id", t) for t in ids]
+    for t in ids:
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"prompt: token id {t!r} is outside the vocabulary "
+                             f"[0, {vocab_size})")
+    return text, ids

@@ -1,0 +1,55 @@
+"""What generate returns: one RolloutOutput per prompt, with its n samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Sample:
+    index: int
+    token_ids: list[int]
+    logprobs: list[float] | None  # log_softmax(logits / T) of each token; None unless asked
+    finish_reason: str  # "stop" | "length" | "abort"
+    text: str | None = None
+    # SamplingParams.return_routed_experts (MoE models): int16 [P + N - 1, num MoE layers, k]
+    # for a prompt of P tokens and N = len(token_ids): row p holds the expert ids each MoE
+    # layer chose (in the router's top-k order) in the forward whose input was token p of
+    # prompt + completion, the forward that computed the K/V every later token attended to.
+    # The last completion token is never an input: it has no row (pad it when the trainer
+    # routes it). None unless asked, and for an aborted sample.
+    routed_experts: torch.Tensor | None = None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        return None if self.logprobs is None else sum(self.logprobs)
+
+
+@dataclass
+class RolloutOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    samples: list[Sample] = field(default_factory=list)
+    prompt: str | None = None
+    # Why the engine aborted the request (non-finite logits, a failing stop check); the
+    # samples that had finished before keep their tokens and reasons.
+    error: str | None = None
+
+
+def build_output(group, decode) -> RolloutOutput:
+    """The output of a finished `requests.request.Request`. `decode(seq)` gives a sample's text (None
+    without a tokenizer); a tokenizer that fails here costs the text, not the tokens."""
+    samples, error = [], group.error
+    for seq in group.seqs:
+        try:
+            text = decode(seq)
+        except Exception as e:  # user tokenizer code, after the request finished
+            text, error = None, error or f"detokenize: {type(e).__name__}: {e}"
+        samples.append(Sample(
+            index=seq.sample_index, token_ids=seq.output_ids,
+            logprobs=list(seq.logprobs) if group.params.logprobs else None,
+            finish_reason=seq.finish_reason, text=text,
+            routed_experts=seq.routed_experts if group.params.return_routed_experts else None))
+    return RolloutOutput(group.request_id, group.prompt_ids, samples, group.prompt, error)

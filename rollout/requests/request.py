@@ -1,0 +1,24 @@
+"""A request: one prompt, its n samples (`Sequence`s, sequence.py) and what its output needs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..sample.params import SamplingParams
+from .sequence import Sequence
+
+
+@dataclasses.dataclass
+class Request:
+    """One prompt's request: its n sequences and what the output needs."""
+
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    error: str | None = None  # why the request was aborted by the engine
+
+    @property
+    def done(self) -> bool:
+        return all(s.is_finished for s in self.seqs)

@@ -1,0 +1,91 @@
+"""One sample's state: its tokens, parameters, KV bookkeeping and status.
+
+A prompt with `n` samples becomes n `Sequence`s sharing a `group` (the request id). Tokens
+`token_ids[:num_computed]` have K/V in the pool; the slots of the first `cached_len` of them
+belong to the radix tree (pinned by locking `node`), the rest are the sequence's private tail.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from ..kv.radix_cache import RadixNode
+from ..sample.params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    group: str
+    sample_index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int  # int32 noise seed of this sample
+    stop_ids: frozenset[int]  # EOS (unless ignore_eos) and the stop_token_ids
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0
+    cached_len: int = 0
+    node: RadixNode | None = None
+    row: int = -1  # row of the slot table while running
+    finish_reason: str | None = None
+    stop_text_at: int | None = None  # where a matched stop string starts in the output text
+    # return_routed_experts: read from the KV pool when the sample finishes (commit.py)
+    routed_experts: torch.Tensor | None = None
+    # Multi-turn: keep this sample's KV locked under `hold_key` when it finishes; release the
+    # hold `resume_key` (the previous turn's) once this one is admitted on top of it.
+    hold_key: object = None
+    resume_key: object = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+
+    def snapshot(self) -> tuple:
+        """State to restore if a step's bookkeeping is undone (rollout/journal.py). Token and
+        logprob lists are only appended to, or replaced, while a snapshot is held, so their
+        objects and lengths are enough."""
+        return (self.status, self.num_computed, self.cached_len, self.node, self.row,
+                self.finish_reason, self.stop_text_at,
+                self.token_ids, len(self.token_ids), self.logprobs, len(self.logprobs))
+
+    def restore(self, snapshot: tuple) -> None:
+        (self.status, self.num_computed, self.cached_len, self.node, self.row,
+         self.finish_reason, self.stop_text_at,
+         self.token_ids, num_tokens, self.logprobs, num_logprobs) = snapshot
+        del self.token_ids[num_tokens:], self.logprobs[num_logprobs:]
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt:]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than the one newest token still lacks K/V."""
+        return self.num_computed < self.num_tokens - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED

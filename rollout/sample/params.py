@@ -1,0 +1,89 @@
+"""SamplingParams: what one prompt asks for, validated before anything is queued."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..fields import INT32_MAX, INT32_MIN, SEED_LIMIT, as_bool, as_float, as_int, show
+
+# Smallest temperature above 0 (greedy): the sampler divides float32 logits by it, and a much
+# tinier one overflows them to inf (1e-38 does), which would read as a broken model.
+MIN_TEMPERATURE = 1e-4
+# The sampler holds temperatures in float32: a larger one would become inf.
+MAX_TEMPERATURE = 3.4028234663852886e38
+# Every sample becomes a Sequence at intake; more than this is a mistake, not a workload.
+MAX_N = 1 << 16
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # <= 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    max_tokens: int = 16
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: bool = False
+    # MoE models: each sample's Sample.routed_experts (outputs.py), for routing replay.
+    return_routed_experts: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (ValueError naming it and its limit) and normalise to plain Python
+        values: `stop` may be one string, numeric fields take numpy scalars and 0-d arrays or
+        tensors. The engine runs this again on its own copy at intake, since fields can be set
+        after construction."""
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = _as_list("stop", self.stop)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must be a list of non-empty strings, "
+                                 f"got {show(self.stop)}")
+        self.stop_token_ids = [as_int("stop_token_ids", t, 0, INT32_MAX)
+                               for t in _as_list("stop_token_ids", self.stop_token_ids)]
+        self.n = as_int("n", self.n, 1, MAX_N)
+        self.max_tokens = as_int("max_tokens", self.max_tokens, 1, INT32_MAX)
+        self.top_k = as_int("top_k", self.top_k, INT32_MIN, INT32_MAX)
+        self.temperature = as_float("temperature", self.temperature)
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
+            raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, "
+                             f"{MAX_TEMPERATURE:g}], got {self.temperature}")
+        self.top_p = as_float("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        self.min_p = as_float("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            self.seed = as_int("seed", self.seed, 0, SEED_LIMIT - 1)
+        self.ignore_eos = as_bool("ignore_eos", self.ignore_eos)
+        self.logprobs = as_bool("logprobs", self.logprobs)
+        self.return_routed_experts = as_bool("return_routed_experts",
+                                             self.return_routed_experts)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        for t in self.stop_token_ids:
+            if t >= vocab_size:
+                raise ValueError(f"stop_token_ids: {t} is outside the vocabulary [0, {vocab_size})")
+
+
+def _as_list(name: str, value) -> list:
+    if value is None:
+        return []
+    if getattr(value, "ndim", None) == 0:  # iterating a 0-d array or tensor raises TypeError
+        raise ValueError(f"{name} must be a list, got {show(value)}")
+    try:
+        return list(value)
+    except TypeError:
+        raise ValueError(f"{name} must be a list, got {show(value)}") from None

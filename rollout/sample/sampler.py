@@ -1,0 +1,182 @@
+"""Logits -> tokens + logprobs: Gumbel-max over the filtered log-probabilities with counter
+noise (rollout/sample/noise.py); the logprob returned is log_softmax(logits / T) at the chosen
+token.
+
+`sample` and `pick` below are the torch reference. A `Sampler` binds the engine backend's
+implementations (rollout/ops): the fused Triton sampler on CUDA (kernels/triton/
+sample.py), the C Gumbel-max on the CPU (kernels/cpu/gumbel.c); both give the
+reference's tokens bit for bit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rollout_kernels.cpu import gumbel as native_gumbel
+
+from ..ops.op import Op, always, on_cuda
+from .filters import filter_by_sort, filter_by_threshold
+from .noise import TOKEN_STREAM, gumbel_noise, row_keys
+
+# Elements of [B, V] noise drawn at once on the CPU: 4 MB per int32/fp32 temporary, so the
+# temporaries of one block stay in a shared L3 cache.
+_NOISE_BLOCK_ELEMENTS = 1 << 20
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters of one step, as tensors on the logits' device."""
+
+    temperature: torch.Tensor  # float32 [B]; 0 means greedy
+    top_k: torch.Tensor  # int32 [B]; <= 0 means off
+    top_p: torch.Tensor  # float32 [B]; 1 means off
+    min_p: torch.Tensor  # float32 [B]; 0 means off
+    seed: torch.Tensor  # int32 [B]
+    position: torch.Tensor  # int32 [B]: position of the token being sampled
+    all_greedy: bool
+    any_greedy: bool
+    needs_filter: bool
+    # Every row's temperature is 0 (divided by 1) or 1: dividing the logits is the identity.
+    unit_temperature: bool = False
+
+    @classmethod
+    def build(cls, temperature: list[float], top_k: list[int], top_p: list[float],
+              min_p: list[float], seed: list[int], position: list[int],
+              device: torch.device | str) -> "SamplingBatch":
+        return cls(
+            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.int32, device=device),
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+            min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
+            seed=torch.tensor(seed, dtype=torch.int32, device=device),
+            position=torch.tensor(position, dtype=torch.int32, device=device),
+            all_greedy=all(t == 0 for t in temperature),
+            any_greedy=any(t == 0 for t in temperature),
+            needs_filter=any(k > 0 for k in top_k) or any(p < 1 for p in top_p)
+            or any(m > 0 for m in min_p),
+            unit_temperature=all(t in (0, 1) for t in temperature),
+        )
+
+    @classmethod
+    def for_sequences(cls, rows: list, device: torch.device | str) -> "SamplingBatch":
+        """One row per (sequence, offset): the sequence's parameters and seed, sampling the
+        token at position num_tokens + offset (offsets > 0 are verified draft positions)."""
+        params = [seq.params for seq, _ in rows]
+        return cls.build(temperature=[p.temperature for p in params],
+                         top_k=[p.top_k for p in params], top_p=[p.top_p for p in params],
+                         min_p=[p.min_p for p in params], seed=[seq.seed for seq, _ in rows],
+                         position=[seq.num_tokens + j for seq, j in rows], device=device)
+
+
+def target_logprobs(logits: torch.Tensor,
+                    batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logp, candidates): logp = log_softmax(logits / T) with T = 1 on greedy rows (what the
+    caller reports), candidates = logp with top-k/p/min-p exclusions at -inf (what is sampled).
+    On the CPU greedy rows are not filtered (their candidates row is logp): `pick` and the
+    acceptance rules use the argmax of the logits there, never the candidates."""
+    logits = logits.float()
+    if batch.unit_temperature:  # x / 1 == x exactly: skip a pass over [B, V]
+        logp = logits.log_softmax(dim=-1)
+    else:
+        temperature = torch.where(batch.temperature == 0, 1.0, batch.temperature)
+        logp = (logits / temperature[:, None]).log_softmax(dim=-1)
+    if not batch.needs_filter:
+        return logp, logp
+    if logp.device.type != "cpu":  # the sort is cheap there; every row, as it always was
+        return logp, filter_by_sort(logp, batch.top_k, batch.top_p, batch.min_p)
+    if batch.all_greedy:
+        return logp, logp
+    top_k, top_p, min_p = batch.top_k, batch.top_p, batch.min_p
+    if batch.any_greedy:
+        sampled = batch.temperature != 0
+        top_k = torch.where(sampled, top_k, 0)
+        top_p = torch.where(sampled, top_p, 1.0)
+        min_p = torch.where(sampled, min_p, 0.0)
+    return logp, filter_by_threshold(logp, top_k, top_p, min_p, normalized=True, copy=False)
+
+
+def gumbel_argmax_torch(candidates: torch.Tensor, batch: SamplingBatch,
+                        stream: int) -> torch.Tensor:
+    """argmax(candidates + gumbel_noise) per row, in torch ops."""
+    vocab = candidates.shape[-1]
+    if candidates.device.type != "cpu":
+        noise = gumbel_noise(batch.seed, batch.position, vocab, stream)
+        return (candidates + noise).argmax(dim=-1)
+    # The noise takes some twenty elementwise passes over [B, V]: drawn for all rows at once,
+    # each pass streams tens of MB through memory at batch 128; in blocks of rows whose
+    # temporaries fit in the cache it runs about 2x faster. Each row's noise and argmax depend
+    # on that row alone: the same tokens.
+    tokens = torch.empty(candidates.shape[0], dtype=torch.long)
+    block = max(1, _NOISE_BLOCK_ELEMENTS // vocab)
+    for i in range(0, candidates.shape[0], block):
+        rows = slice(i, i + block)
+        noise = gumbel_noise(batch.seed[rows], batch.position[rows], vocab, stream)
+        torch.argmax(noise.add_(candidates[rows]), dim=-1, out=tokens[rows])
+    return tokens
+
+
+def gumbel_argmax_cpu(candidates: torch.Tensor, batch: SamplingBatch,
+                      stream: int) -> torch.Tensor:
+    """The C kernel's tokens are the torch path's bit for bit (kernels/cpu/gumbel.py)."""
+    if candidates.stride(-1) != 1:
+        return gumbel_argmax_torch(candidates, batch, stream)
+    keys = row_keys(batch.seed, batch.position, stream)
+    return native_gumbel.gumbel_argmax(candidates, keys)
+
+
+GUMBEL_ARGMAX = Op("gumbel_argmax", torch=(gumbel_argmax_torch, always),
+                   cpu=(gumbel_argmax_cpu, native_gumbel.supported))
+
+
+def pick(logits: torch.Tensor, candidates: torch.Tensor, batch: SamplingBatch,
+         stream: int = TOKEN_STREAM, gumbel_argmax=gumbel_argmax_torch) -> torch.Tensor:
+    """Gumbel-max over `candidates` with the counter noise of `stream`; the argmax of the raw
+    logits on greedy rows (no noise is drawn when every row is greedy)."""
+    if batch.all_greedy:
+        return logits.argmax(dim=-1)
+    tokens = gumbel_argmax(candidates, batch, stream)
+    if batch.any_greedy:
+        tokens = torch.where(batch.temperature == 0, logits.argmax(dim=-1), tokens)
+    return tokens
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch,
+           gumbel_argmax=gumbel_argmax_torch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (tokens int64 [B], logprobs float32 [B]).
+
+    The logprob is log_softmax(logits / T) at the chosen token, before any top-k/p/min-p
+    filtering (T = 1 for greedy rows): the quantity a GRPO/PPO trainer recomputes.
+    """
+    logp, candidates = target_logprobs(logits, batch)
+    tokens = pick(logits, candidates, batch, TOKEN_STREAM, gumbel_argmax)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def sample_cpu(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    return sample(logits, batch, gumbel_argmax_cpu)
+
+
+def sample_triton(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused Triton sampler; the same noise and filters as `sample`."""
+    from rollout_kernels.triton import sample as kernel_sample
+
+    return kernel_sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p,
+                         batch.seed, batch.position)
+
+
+SAMPLE = Op("sample", torch=(sample, always), cpu=(sample_cpu, native_gumbel.supported),
+            triton=(sample_triton, on_cuda))
+
+
+class Sampler:
+    """`sample` and `pick` with the backend's implementations bound (rollout/ops/backend.py).
+    Logits are sampled in float32 whatever the model's dtype."""
+
+    def __init__(self, backend) -> None:
+        self.sample = backend.bind(SAMPLE)
+        self._gumbel_argmax = backend.bind(GUMBEL_ARGMAX)
+
+    def pick(self, logits: torch.Tensor, candidates: torch.Tensor, batch: SamplingBatch,
+             stream: int = TOKEN_STREAM) -> torch.Tensor:
+        return pick(logits, candidates, batch, stream, self._gumbel_argmax)
