@@ -36,7 +36,7 @@ section() {  # section NAME SECONDS CMD...
 
 moe_kernel_tests() {  # in the background (wait on $!): compiled, so TRITON_INTERPRET unset
   ( env -u TRITON_INTERPRET timeout 200 $PY -m pytest -q -p no:cacheprovider \
-      tests/test_kernels_fused_moe.py > "$O/moe_kernel_tests.log" 2>&1
+      tests/kernels/test_kernels_fused_moe.py > "$O/moe_kernel_tests.log" 2>&1
     echo "=== fused MoE kernel tests: rc=$? $(tail -n 1 "$O/moe_kernel_tests.log")" ) &
 }
 
@@ -51,10 +51,10 @@ if [ "$what" = correctness ] || [ "$what" = all ]; then
   kernel_tests=$!  # wait on it by pid: a bare `wait` would also wait for the tee above
   moe_kernel_tests
   moe_tests=$!
-  section engine_tests 280 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py \
-      tests/test_triton_backend.py tests/test_cuda_graph.py -rA
-  section engine_cpu_suite 200 $PY -m pytest -q -p no:cacheprovider tests/test_parity.py \
-      tests/test_spec.py tests/test_prefix_sharing.py
+  section engine_tests 280 $PY -m pytest -q -p no:cacheprovider tests/project/test_gpu.py \
+      tests/attention/test_triton_backend.py tests/executor/test_cuda_graph.py -rA
+  section engine_cpu_suite 200 $PY -m pytest -q -p no:cacheprovider tests/models/test_parity.py \
+      tests/spec/test_spec.py tests/kv/test_prefix_sharing.py
   wait "$kernel_tests" "$moe_tests"
   echo "=== kernel tests"; cat /tmp/kernel_tests.out
 fi
@@ -62,14 +62,14 @@ fi
 if [ "$what" = owed ]; then
   # Correctness first, in parallel (mostly Triton compilation on the CPU); timings after, alone.
   # Limits add up to 560 s, so the whole mode fits one device call (timeout_s 590).
-  ( timeout 200 $PY -m pytest -q -p no:cacheprovider tests/test_kernels_shared_prefix.py \
-      tests/test_kernels_spec_accept.py > "$O/kernel_tests_owed.log" 2>&1
+  ( timeout 200 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_shared_prefix.py \
+      tests/kernels/test_kernels_spec_accept.py > "$O/kernel_tests_owed.log" 2>&1
     echo "=== owed kernel tests: rc=$? $(tail -n 1 "$O/kernel_tests_owed.log")" ) &
   kernel_tests=$!
   moe_kernel_tests
   moe_tests=$!
-  section engine_tests 200 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py \
-      tests/test_triton_backend.py tests/test_cuda_graph.py -rA
+  section engine_tests 200 $PY -m pytest -q -p no:cacheprovider tests/project/test_gpu.py \
+      tests/attention/test_triton_backend.py tests/executor/test_cuda_graph.py -rA
   wait "$kernel_tests" "$moe_tests"
 fi
 

@@ -26,10 +26,10 @@ if [ "$what" != bench ]; then
       timeout 420 $PY -m pytest -q -p no:cacheprovider "$@" >"$LOGS/$name.log" 2>&1
       echo "$name: rc=$? $(tail -n 1 "$LOGS/$name.log")"
     }
-    A=tests/test_kernels_attention.py
-    run store tests/test_kernels_store_kv.py tests/test_kernels_spec_accept.py &
-    run sample tests/test_kernels_sample.py &
-    run shared_prefix tests/test_kernels_shared_prefix.py &
+    A=tests/kernels/test_kernels_attention.py
+    run store tests/kernels/test_kernels_store_kv.py tests/kernels/test_kernels_spec_accept.py &
+    run sample tests/kernels/test_kernels_sample.py &
+    run shared_prefix tests/kernels/test_kernels_shared_prefix.py &
     run attn_prefill $A -k "prefill or extend" &
     run attn_decode $A -k "decode" &
     run attn_rest $A -k "not prefill and not extend and not decode" &

@@ -1,8 +1,13 @@
 import os
 import sys
 
-# Tests import the local helpers (tests/models.py) by plain name.
-sys.path.insert(0, os.path.dirname(__file__))
+# The suite mirrors the packages (tests/engine/ for rollout/engine/, ...). Tests import the shared
+# helpers of tests/support/ (tiny models, tokenizers, references) and, for a few shared cases,
+# each other's modules by plain name: every folder of the suite is on the path, support first.
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.join(HERE, "support"), *sorted(
+    os.path.join(HERE, d) for d in os.listdir(HERE)
+    if d != "support" and os.path.isdir(os.path.join(HERE, d)) and not d.startswith(("_", ".")))]
 os.environ.setdefault("WANDB_MODE", "offline")
 
 import torch  # noqa: E402

@@ -35,6 +35,7 @@ from ..spec.speculator import make_speculator
 from .chat import render_conversations
 from .commit import Committer
 from .guard import EngineGuard
+from .inspect import EngineView, view
 from .progress import progress
 from .requests import RequestTable
 from .scheduler import Scheduler
@@ -299,6 +300,15 @@ class Engine:
         s.holds_dropped = self.kv.holds_dropped
         s.forward_seconds = self.runner.forward_seconds
         return s
+
+    def inspect(self) -> EngineView:
+        """A snapshot of the engine's state (rollout/engine/inspect.py): pool, cache, holds,
+        queues, sleep, implementations; what tests and dashboards read instead of internals."""
+        return view(self)
+
+    def cached_prefix_len(self, tokens) -> int:
+        """How many leading tokens of `tokens` the prefix cache holds K/V for now."""
+        return self.cache.prefix_len(list(tokens))
 
     def implementations(self) -> dict[str, str]:
         """Which implementation each op of the engine's model runs: {"backend": the resolved

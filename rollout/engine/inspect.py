@@ -1,0 +1,34 @@
+"""What a user or a test may look at of an engine's state without reaching into its parts:
+`Engine.inspect()` returns an `EngineView`, a snapshot taken at the call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineView:
+    sleep_level: int  # 0 awake; 1 or 2 asleep (rollout/colocation/colocation.py)
+    needs_weights: bool  # update_weights must refill every weight before generating
+    kv_slots: int  # the KV pool's size in tokens (slots of one token's K/V in every layer)
+    kv_bytes: int  # bytes of the pool's buffer (0 asleep)
+    kv_free: int  # slots on the free list
+    kv_available: int  # slots an allocation can get: free, and evictable from the cache
+    cached_tokens: int  # slots the prefix cache holds (the radix tree's tokens)
+    holds: tuple  # the multi-turn KV holds in place (keys: (request id, sample index))
+    kv_sequences: int  # sequences holding KV slots (running, or preempted with K/V kept)
+    running: int  # sequences the scheduler runs
+    waiting: int  # sequences waiting for admission
+    requests: tuple[str, ...]  # ids of the running requests, oldest first
+    implementations: dict  # Engine.implementations()
+
+
+def view(engine) -> EngineView:
+    kv, scheduler = engine.kv, engine.scheduler
+    return EngineView(
+        sleep_level=engine.sleep_level, needs_weights=engine.needs_weights,
+        kv_slots=kv.num_slots, kv_bytes=engine.pool.nbytes, kv_free=engine.pool.num_free,
+        kv_available=kv.available, cached_tokens=engine.cache.total_size,
+        holds=tuple(kv.holds), kv_sequences=len(kv.attached), running=len(scheduler.running),
+        waiting=len(scheduler.waiting), requests=tuple(engine.running_requests),
+        implementations=engine.implementations())

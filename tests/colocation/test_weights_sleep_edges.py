@@ -1,0 +1,172 @@
+"""Edges of weight sync and sleep: a failed update changes nothing, sleep(1) -> sleep(2) deepens
+without touching the device, rollout.generate takes a checkpoint path, and `.data` reassignment
+counts as a weight change."""
+
+import pytest
+import torch
+from models import char_tokenizer, tiny_model
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+import rollout
+from rollout import Engine, EngineConfig, SamplingParams
+from rollout.api import engine_for
+from rollout.colocation.weights import weights_version
+from rollout.kv.pool import KVPool
+from rollout.spec import SpeculativeConfig
+from trainer_hooks import ColocatedRollout
+
+CONFIG = dict(kv_cache_tokens=512, max_model_len=64)
+PROMPTS = [[1, 2, 3, 4, 5, 6], [7, 8, 9]]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, logprobs=True)
+
+
+def tokens(outs):
+    return [[(s.token_ids, s.logprobs) for s in o.samples] for o in outs]
+
+
+def token_ids(samples):
+    return [[ids for ids, _ in o] for o in samples]
+
+
+def fresh(model):
+    return tokens(Engine(model, EngineConfig(**CONFIG)).generate(PROMPTS, GREEDY))
+
+
+# --- a failed update_weights changes nothing -------------------------------------------------
+def _bad_name(named):
+    named.insert(len(named) - 1, ("model.layers.0.mlp.bogus.weight", torch.zeros(1)))
+    return "model.layers.0.mlp.bogus.weight"
+
+
+def _bad_shape(named):
+    named[-1] = ("model.norm.weight", torch.ones(3))
+    return r"model\.norm\.weight.*\(3,\).*expected \(64,\)"
+
+
+@pytest.mark.parametrize("spoil", [_bad_name, _bad_shape])
+def test_failed_update_changes_neither_weights_nor_cache(spoil):
+    old, new = tiny_model("llama", seed=0), tiny_model("llama", seed=7)
+    engine = Engine(old, EngineConfig(**CONFIG))
+    engine.generate(PROMPTS, GREEDY)  # the prefix cache now holds the old weights' K/V
+    before = {n: p.clone() for n, p in engine.model.named_parameters()}
+    cached = engine.inspect().cached_tokens
+    named = list(new.named_parameters())
+    match = spoil(named)  # the bad tensor comes last but one: most good ones precede it
+    with pytest.raises(ValueError, match=match):
+        engine.update_weights((n, p.detach()) for n, p in named)  # a generator
+    assert all(torch.equal(p, before[n]) for n, p in engine.model.named_parameters())
+    assert engine.inspect().cached_tokens == cached > 0
+    # Prefill from the cache rounds differently from a fresh prefill: compare the tokens only.
+    assert token_ids(tokens(engine.generate(PROMPTS, GREEDY))) == token_ids(fresh(old))
+    engine.update_weights((n, p.detach()) for n, p in new.named_parameters())
+    assert tokens(engine.generate(PROMPTS, GREEDY)) == fresh(new)
+
+
+def test_failed_update_after_sleep2_still_needs_every_weight():
+    model = tiny_model("llama")
+    engine = Engine(model, EngineConfig(**CONFIG))
+    engine.sleep(2)
+    engine.wake_up()
+    with pytest.raises(ValueError, match="bogus"):
+        engine.update_weights({**dict(model.named_parameters()), "bogus.weight": torch.ones(1)})
+    assert engine.needs_weights
+    with pytest.raises(RuntimeError, match="update_weights"):
+        engine.generate(PROMPTS, GREEDY)
+
+
+# --- sleep(1) -> sleep(2) deepens in place ---------------------------------------------------
+def test_deepening_sleep_allocates_nothing_and_then_needs_weights(monkeypatch):
+    model = tiny_model("llama")
+    draft = tiny_model("llama", seed=3, num_hidden_layers=1)
+    spec = SpeculativeConfig("draft", num_speculative_tokens=2, draft_model=draft)
+    engine = Engine(model, EngineConfig(**CONFIG, speculative=spec))
+    want = tokens(engine.generate(PROMPTS, GREEDY))
+    engine.sleep(1)
+    allocations = []
+    real = KVPool.allocate
+    monkeypatch.setattr(KVPool, "allocate", lambda pool: allocations.append(pool) or real(pool))
+    engine.sleep(2)
+    assert allocations == []  # neither the target's pool nor the draft's
+    assert engine.sleep_level == 2 and engine.needs_weights
+    assert engine.memory_held() == 0  # on CPU level 1 kept the weights in place; now dropped
+    assert engine.stack.parking.host_bytes == 0
+    engine.wake_up()
+    with pytest.raises(RuntimeError, match="update_weights"):
+        engine.generate(PROMPTS, GREEDY)
+    engine.update_weights(model)
+    assert tokens(engine.generate(PROMPTS, GREEDY)) == want
+    engine.check_invariants()
+
+
+def test_parked_host_weights_are_dropped_when_deepening():
+    """On a GPU level 1 parks the weights on the host; deepening must drop that copy, not bring
+    it back. On CPU the seam (separate_host, see rollout/colocation/parking.py) parks them as a GPU does."""
+    from rollout.colocation.device_memory import tensor_bytes
+    from rollout.colocation.parking import WeightParking
+
+    model = tiny_model("llama")
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    weights = tensor_bytes(model.parameters())
+    parking = WeightParking(model, torch.device("cpu"), separate_host=True)
+    parking.park(1)
+    assert parking.host_bytes == weights and tensor_bytes(model.parameters()) == 0
+    parking.park(2)
+    assert parking.host_bytes == 0 and parking.dropped_any
+    assert {n: s for n, (s, _) in parking.dropped.items()} == shapes
+    parking.restore()
+    assert {n: p.shape for n, p in model.named_parameters()} == shapes
+    assert not parking.dropped_any
+
+
+# --- rollout.generate with a checkpoint path -------------------------------------------------
+def test_generate_accepts_a_checkpoint_path(tmp_path):
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path)
+    char_tokenizer().save_pretrained(tmp_path)
+    cfg = dict(CONFIG, device="cpu")
+    want = fresh(model)
+    assert tokens(rollout.generate(str(tmp_path), PROMPTS, GREEDY, **cfg)) == want
+    engine = engine_for(str(tmp_path), **cfg)
+    assert engine_for(tmp_path / ".", **cfg) is engine  # one engine per resolved path
+    engine.sleep(2)  # the next call reads the checkpoint again
+    assert tokens(rollout.generate(str(tmp_path), PROMPTS, GREEDY, **cfg)) == want
+    assert engine_for(str(tmp_path), **dict(cfg, max_model_len=32)) is not engine
+
+
+# --- `.data` reassignment is a weight change ------------------------------------------------
+def _assign_data(model):
+    for p in model.parameters():
+        p.data = p.data * -1
+
+
+def _vector_to_parameters(model):
+    vector_to_parameters(parameters_to_vector(model.parameters()) * -1, model.parameters())
+
+
+REASSIGNMENTS = [_assign_data, _vector_to_parameters]
+
+
+@pytest.mark.parametrize("reassign", REASSIGNMENTS)
+def test_generate_follows_data_reassignment(reassign):
+    model = tiny_model("llama")
+    before = tokens(rollout.generate(model, PROMPTS, GREEDY, **CONFIG))
+    version = weights_version(model)
+    reassign(model)
+    assert weights_version(model) != version
+    after = tokens(rollout.generate(model, PROMPTS, GREEDY, **CONFIG))
+    assert after == fresh(model) != before
+
+
+@pytest.mark.parametrize("reassign", REASSIGNMENTS)
+def test_colocated_rollout_follows_data_reassignment(reassign):
+    model = tiny_model("llama")
+    engine = Engine(model, EngineConfig(**CONFIG))
+    hook = ColocatedRollout(engine, model)
+    with hook as r:
+        before = tokens(r.generate(PROMPTS, GREEDY))
+    assert not hook.synced
+    reassign(model)
+    with hook as r:
+        after = tokens(r.generate(PROMPTS, GREEDY))
+    assert hook.synced
+    assert after == fresh(model) != before

@@ -1,0 +1,118 @@
+"""Decode steps replayed from graphs (rollout/executor/cuda_graph.py) give the outputs of eager steps.
+
+Off CUDA the graphs are an eager stand-in with the same contract (the captured function sees
+only the static buffers and what it closed over at capture), so these tests check the padding
+to buckets, the static-buffer plumbing, the fixed launch sizes (max_kv_len = max_model_len)
+and the release at sleep; tests/project/test_gpu.py checks real CUDA graphs."""
+
+import pytest
+from kernels_env import DEVICE
+from models import tiny_model
+
+from rollout import Engine, EngineConfig, SamplingParams
+from rollout.executor.cuda_graph import decode_buckets
+from rollout.spec import SpeculativeConfig
+
+pytestmark = pytest.mark.interpreter
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11], [12] * 5]
+
+
+def engine(graphs: bool, **overrides) -> Engine:
+    config = dict(kv_cache_tokens=512, max_model_len=48, max_num_seqs=16,
+                  backend="triton", cuda_graphs=graphs)
+    config.update(overrides)
+    return Engine(tiny_model("qwen3").to(DEVICE), EngineConfig(**config))
+
+
+def outputs(eng: Engine, params) -> list:
+    outs = eng.generate(PROMPTS, params)
+    eng.check_invariants()
+    return [(s.token_ids, s.logprobs) for o in outs for s in o.samples]
+
+
+def assert_same(a, b):
+    for (ids_a, lp_a), (ids_b, lp_b) in zip(a, b, strict=True):
+        assert ids_a == ids_b
+        assert max(abs(x - y) for x, y in zip(lp_a, lp_b)) < 1e-4
+
+
+def test_buckets_cover_every_batch_size():
+    for max_batch in (1, 5, 16, 100, 256):
+        buckets = decode_buckets(max_batch)
+        assert buckets == sorted(set(buckets)) and buckets[-1] == max_batch
+        assert all(b >= 1 for b in buckets)
+
+
+def test_graphed_decode_matches_eager_with_padding_and_finishing_samples():
+    # Per-sample max_tokens differ, so the decode batch shrinks step by step through
+    # several buckets (7 -> 6 -> ... with padding to 8, 4, 2).
+    params = [SamplingParams(n=n, temperature=0.8, max_tokens=m, logprobs=True, seed=s,
+                             ignore_eos=True)
+              for n, m, s in ((3, 9, 1), (2, 5, 2), (2, 12, 3))]
+    eager, graphed = engine(False), engine(True)
+    graphs = graphed.stack.graphs
+    run, storages = graphs.run, set()
+
+    def recorded(*args):
+        logits = run(*args)
+        storages.add(logits.untyped_storage().data_ptr())
+        return logits
+
+    graphs.run = recorded
+    assert_same(outputs(eager, params), outputs(graphed, params))
+    assert graphs.replays > 10 and len(graphs.graphs) >= 3
+    assert set(graphs.graphs) <= set(graphs.buckets)
+    # Every bucket's graph writes into the one shared logits buffer.
+    assert storages == {graphs.static.logits.untyped_storage().data_ptr()}
+
+
+def test_graphs_are_dropped_at_sleep_and_captured_again():
+    params = SamplingParams(n=2, temperature=0, max_tokens=8, logprobs=True)
+    eng = engine(True)
+    first = outputs(eng, params)
+    assert eng.stack.graphs.graphs
+    eng.sleep(1)
+    assert not eng.stack.graphs.graphs and eng.stack.graphs.static is None
+    eng.wake_up()
+    assert_same(first, outputs(eng, params))
+    assert eng.stack.graphs.graphs
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_verify_steps_run_eagerly_beside_graphed_decodes(method):
+    # With a draft model, the draft's own decode steps replay its graphs too.
+    draft = tiny_model("qwen3", seed=1).to(DEVICE) if method == "draft" else None
+    spec = SpeculativeConfig(method, num_speculative_tokens=3, draft_model=draft)
+    params = SamplingParams(n=2, temperature=0, max_tokens=10, logprobs=True)
+    graphed = engine(True, speculative=spec)
+    assert_same(outputs(engine(False), params), outputs(graphed, params))
+    assert graphed.stats.spec_verifications > 0
+    if method == "draft":
+        assert graphed.speculator.drafter.stack.graphs.replays > 0
+
+
+def test_cuda_graphs_need_the_triton_backend():
+    with pytest.raises(ValueError, match="cuda_graphs: needs the Triton attention backend"):
+        engine(True, backend="torch")
+
+
+def test_graphed_decode_with_split_kv():
+    # max_model_len 600: graphed steps launch attention with max_kv_len = 600, which splits the
+    # context (split-KV, most splits empty for these short rows) where eager steps do not.
+    params = SamplingParams(n=1, temperature=0.8, max_tokens=4, logprobs=True, seed=1,
+                            ignore_eos=True)
+    sizes = dict(kv_cache_tokens=600, max_model_len=600)
+    graphed = engine(True, **sizes)
+    assert_same(outputs(engine(False, **sizes), params), outputs(graphed, params))
+    assert graphed.stack.graphs.replays > 0
+
+
+def test_graphed_decode_under_preemption_with_an_odd_max_num_seqs():
+    # A pool of 48 slots preempts; max_num_seqs 11 is not a bucket of the small series.
+    params = [SamplingParams(n=n, temperature=0.8, max_tokens=m, logprobs=True, seed=s,
+                             ignore_eos=True) for n, m, s in ((3, 10, 1), (2, 8, 2), (2, 12, 3))]
+    sizes = dict(kv_cache_tokens=48, max_num_seqs=11)
+    graphed = engine(True, **sizes)
+    assert_same(outputs(engine(False, **sizes), params), outputs(graphed, params))
+    assert graphed.stats.preemptions > 0 and graphed.stack.graphs.replays > 0

@@ -1,0 +1,302 @@
+"""The training recipes (recipes/): each trainer path for 2 steps on the built-in task, a
+2-process launch, config validation, and (slow) the demo's learning claim."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from rollout_recipes.algo.advantages import gae, group_advantages
+from rollout_recipes.grpo import main
+from rollout_recipes.run.config import RecipeConfig, load_config, parse_overrides
+from rollout_recipes.tasks import REWARDS, exact_reward, math_reward
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# The built-in task and model, shrunk until a step takes a fraction of a second.
+TINY = dict(tiny_model=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                            num_key_value_heads=1),
+            train_size=256, eval_size=16, warmstart_steps=2, warmstart_batch_size=8, steps=2,
+            prompts_per_step=4, num_generations=4, max_new_tokens=4, kv_cache_tokens=1024,
+            max_model_len=32, max_num_seqs=64, micro_batch_size=8, num_threads=1,
+            wandb=False, plot=False, progress=False)
+
+STEP_KEYS = ("reward/mean", "completion/mean_length", "rollout/tokens_per_second",
+             "rollout/prefix_cache_hit_rate", "time/rollout", "time/train", "time/weight_sync",
+             "memory/engine_awake_bytes", "memory/engine_asleep_bytes",
+             "engine/asleep_at_optimizer_step")
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)  # the recipe sets its own
+
+
+def write_config(tmp_path, **overrides) -> str:
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump({**TINY, "output_dir": str(tmp_path / "run"), **overrides}))
+    return str(path)
+
+
+def read_jsonl(path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def check_steps(history: list[dict]) -> None:
+    assert [row["step"] for row in history] == [1, 2]
+    for row in history:
+        for key in STEP_KEYS:
+            assert key in row, key
+        assert 0 <= row["reward/mean"] <= 1
+        assert row["rollout/tokens_per_second"] > 0
+        # 4 samples of each prompt: 3 of every 4 prompt copies come from the radix cache.
+        assert row["rollout/prefix_cache_hit_rate"] > 0.5
+        assert row["engine/asleep_at_optimizer_step"] == 1.0
+        assert row["memory/engine_asleep_bytes"] < row["memory/engine_awake_bytes"]
+
+
+def test_custom_grpo_two_steps(tmp_path):
+    out = main(["--config", write_config(tmp_path), "--beta", "0.05", "--wandb", "true"])
+    check_steps(out["history"])
+    for row in out["history"]:
+        assert row["kl"] >= 0
+        # One optimizer step per rollout: the policy still is the behaviour policy, so the
+        # trainer's logprobs reproduce the engine's and the importance ratio is 1.
+        assert row["loss/ratio"] == pytest.approx(1.0, abs=1e-5)
+        assert row["loss/ratio_abs_dev"] < 1e-5
+        assert row["engine/optimizer_steps"] == 1
+    assert 0 <= out["accuracy_before"] <= 1 and 0 <= out["accuracy_after"] <= 1
+    # The same rows went to the JSONL file and to an offline W&B run.
+    logged = [r for r in read_jsonl(out["metrics_path"]) if "step" in r]
+    assert logged == out["history"]
+    runs = [d for d in os.listdir(out["wandb_dir"]) if d.startswith("offline-run-")]
+    assert len(runs) == 1
+    assert any(f.endswith(".wandb") for f in os.listdir(os.path.join(out["wandb_dir"], runs[0])))
+
+
+def test_custom_grpo_minibatches_use_the_importance_ratio(tmp_path, monkeypatch):
+    # A 2-step warm start earns no exact answers; a length reward gives the groups a spread,
+    # so the first optimizer step moves the policy away from the one that sampled.
+    monkeypatch.setitem(REWARDS, "exact", lambda completion, answer: float(len(completion) > 2))
+    out = main(["--config", write_config(tmp_path), "--minibatches", "2", "--epochs", "2",
+                "--learning_rate", "1e-2", "--plot", "true", "--eval_every", "1"])
+    assert [row["eval/accuracy"] for row in out["history"]][-1] == out["accuracy_after"]
+    for row in out["history"]:
+        assert row["engine/optimizer_steps"] == 4
+        assert row["engine/asleep_at_optimizer_step"] == 1.0
+        assert row["loss/ratio_abs_dev"] > 1e-4  # later minibatches are off-policy
+    assert os.path.getsize(out["plot"]) > 0
+
+
+def test_custom_ppo_two_steps_with_speculative_rollouts(tmp_path):
+    out = main(["--config", write_config(tmp_path), "--algo", "ppo", "--beta", "0.05",
+                "--speculative", "{method: ngram, num_speculative_tokens: 2}"])
+    check_steps(out["history"])
+    for row in out["history"]:
+        for key in ("loss/policy", "loss/value", "value/mean", "kl"):
+            assert key in row, key
+    assert out["engine_stats"]["spec_proposed"] > 0
+    assert any(0 <= row.get("rollout/spec_acceptance", -1) <= 1 for row in out["history"])
+
+
+def test_trl_two_steps(tmp_path):
+    pytest.importorskip("trl")
+    out = main(["--config", write_config(tmp_path), "--trainer", "trl"])
+    check_steps(out["history"])
+    for row in out["history"]:
+        assert row["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-4)
+    assert out["accuracy_after"] is not None
+
+
+def test_trl_kl_reference_and_rl_steps_match_the_custom_loop(tmp_path):
+    # beta > 0: TRL would reload the reference from the policy's config path (the tiny model
+    # has none); the recipe hands it the warm-started policy, as the custom loop's reference.
+    # minibatches x epochs: `steps` counts rollouts in both trainers, not optimizer steps.
+    pytest.importorskip("trl")
+    out = main(["--config", write_config(tmp_path, eval_size=0), "--trainer", "trl",
+                "--beta", "0.05", "--minibatches", "2", "--epochs", "2"])
+    check_steps(out["history"])  # one row per RL step, each with its own rollout
+    for row in out["history"]:
+        assert row["kl"] >= 0 and row["engine/asleep_at_optimizer_step"] == 1.0
+    assert out["history"][0]["kl"] == pytest.approx(0.0, abs=1e-6)  # reference == policy
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_custom_loop(tmp_path):
+    # `accelerate launch --cpu --num_processes 2` starts one process in accelerate 1.x (it
+    # wants mpirun for multi-CPU); `--multi_gpu` with no visible GPU starts 2 ranks, and the
+    # recipe's Accelerator(cpu=True) joins them over gloo.
+    config = write_config(tmp_path)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+           "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+           "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+           os.path.join(ROOT, "recipes", "grpo.py"), "--config", config]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    history = [r for r in rows if "step" in r]
+    check_steps(history)
+    summary = rows[-1]["summary"]
+    assert summary["processes"] == 2
+    # Each rank rolled out its own 4 prompts x 4 samples, every step.
+    assert summary["engine_stats"]["generated_tokens"] > 0
+    assert all(r["rollout/generated_tokens"] > 0 for r in history)
+
+
+# --- config validation -----------------------------------------------------------------------
+
+def test_unknown_key_in_file_is_named(tmp_path):
+    with pytest.raises(ValueError, match="learning_rat"):
+        load_config(write_config(tmp_path, learning_rat=1e-3))
+
+
+def test_unknown_override_is_named(tmp_path):
+    with pytest.raises(ValueError, match="num_generation"):
+        main(["--config", write_config(tmp_path), "--num_generation", "4"])
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ValueError, match="not found"):
+        main(["--config", str(tmp_path / "nope.yaml")])
+
+
+def test_missing_dataset_file(tmp_path):
+    cfg = write_config(tmp_path, model=str(tmp_path), dataset=str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ValueError, match="dataset"):
+        main(["--config", cfg])
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("algo", "dpo", "algo"), ("trainer", "vllm", "trainer"), ("temperature", -1.0, "temperature"),
+    ("steps", 0, "steps"), ("steps", "ten", "steps"), ("num_generations", 1, "num_generations"),
+    ("sleep_level", 3, "sleep_level"), ("wandb", "yes", "wandb"), ("dtype", "float17", "dtype"),
+    ("tiny_model", {"hidden": 8}, "tiny_model"), ("kv_cache_tokens", 8, "kv_cache_tokens"),
+    ("speculative", {"method": "magic"}, "speculative.method"),
+    ("speculative", {"k": 4}, "speculative"),
+    # NaN passes `< 0`; a non-float dtype, a seed numpy refuses, a thread count torch refuses
+    # and PPO knobs out of range used to pass and fail later, after the model was built.
+    ("beta", float("nan"), "beta"), ("max_grad_norm", float("nan"), "max_grad_norm"),
+    ("model_dtype", "int8", "model_dtype"), ("dtype", "int32", "dtype"),
+    ("seed", 2**40, "seed"), ("num_threads", -2, "num_threads"), ("vf_coef", -1.0, "vf_coef"),
+    ("value_clip", -0.5, "value_clip"), ("clip_eps", float("inf"), "clip_eps"),
+    ("tiny_model", {"hidden_size": 0}, "tiny_model.hidden_size"),
+    ("max_new_tokens", 64, "max_new_tokens"), ("minibatches", 1000, "minibatches"),
+    ("data_seed", -1, "data_seed"), ("data_seed", 2**32, "data_seed"),
+])
+def test_bad_values_name_their_key(key, value, match):
+    with pytest.raises(ValueError, match=match):
+        RecipeConfig(**{key: value})
+
+
+def test_trl_minibatches_are_checked_before_any_model_is_built():
+    with pytest.raises(ValueError, match="minibatches"):
+        RecipeConfig(trainer="trl", prompts_per_step=4, num_generations=4, minibatches=3)
+
+
+def test_overrides_are_read_as_yaml():
+    got = parse_overrides(["--learning_rate", "5e-4", "--beta=0.1", "--wandb", "false",
+                           "--run_name", "7", "--kv_cache_tokens", "null"])
+    assert got == {"learning_rate": "5e-4", "beta": 0.1, "wandb": False, "run_name": "7",
+                   "kv_cache_tokens": None}
+    assert RecipeConfig(learning_rate=got["learning_rate"]).learning_rate == 5e-4
+    with pytest.raises(ValueError, match="steps"):
+        parse_overrides(["--steps"])
+
+
+# --- pieces ----------------------------------------------------------------------------------
+
+def test_rewards():
+    assert exact_reward(" 46", "46") == 1.0 and exact_reward("461", "46") == 0.0
+    gold = "Natalia sold 48/2 = 24 clips in May.\n#### 72"
+    assert math_reward("48 + 24 = 72. The answer is 72.", gold) == 1.0
+    assert math_reward("so #### 72\nand then 5 more", gold) == 1.0
+    assert math_reward("I think 71", gold) == 0.0 and math_reward("no idea", gold) == 0.0
+    assert math_reward("#### 1,234.0", "#### 1234") == 1.0
+
+
+def test_data_seed_keeps_the_held_out_set_across_seeds():
+    from rollout_recipes.tasks import load_task
+
+    def held_out(**keys):
+        return load_task(RecipeConfig(train_size=100, eval_size=50, **keys)).eval["prompt"]
+
+    fixed = held_out(seed=0)
+    assert held_out(seed=1, data_seed=0) == held_out(seed=2, data_seed=0) == fixed
+    assert held_out(seed=1) != fixed  # unset, it follows the seed
+
+
+def test_group_advantages_and_gae():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0])
+    group = torch.tensor([0, 0, 0, 0, 1, 1])
+    adv = group_advantages(rewards, group)
+    assert adv[4:].abs().max() == 0  # equal rewards: no signal
+    assert adv[:4].sum().abs() < 1e-5 and adv[0] > 0 > adv[1]
+    # gamma = lam = 1 and zero values: every completion token's advantage is the final reward.
+    mask = torch.tensor([[0.0, 1, 1, 1, 0]])
+    r = torch.tensor([[0.0, 0, 0, 2, 0]])
+    adv, ret = gae(r, torch.zeros_like(r), mask, gamma=1.0, lam=1.0)
+    assert adv.tolist() == [[0.0, 2, 2, 2, 0]] and ret.tolist() == adv.tolist()
+
+
+@pytest.mark.slow
+def test_demo_learns(tmp_path):
+    from rollout_recipes.demo import main as demo
+
+    out = demo(["--wandb", "false", "--output_dir", str(tmp_path)])
+    assert out["accuracy_after"] >= out["accuracy_before"] + 0.15, out
+
+
+def test_missing_model_path(tmp_path):
+    with pytest.raises(ValueError, match="model"):
+        main(["--config", write_config(tmp_path), "--model", str(tmp_path / "no-such-model")])
+
+
+@pytest.mark.parametrize("trainer", ["custom", "trl"])
+def test_named_model_and_dataset_files(tmp_path, trainer):
+    """The real-model path without a download: a model directory whose tokenizer has a chat
+    template, and a JSONL of GSM8K-style rows scored by the math reward. Both trainers: TRL
+    takes the prompts as conversations and scores completions as assistant messages."""
+    from rollout_recipes.run.tiny import char_tokenizer, tiny_llama
+
+    tok = char_tokenizer("0123456789+=#abcdefghijklmnopqrstuvwxyz ?.\n")
+    tok.chat_template = ("{% for m in messages %}{{ m['role'][0] }}={{ m['content'] }}\n"
+                         "{% endfor %}{% if add_generation_prompt %}a={% endif %}")
+    tiny_llama(tok, seed=0, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+               num_key_value_heads=1).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    with open(tmp_path / "data.jsonl", "w") as f:
+        for a in range(40):
+            f.write(json.dumps({"question": f"what is {a}+{a}?", "answer": f"#### {2 * a}"}) + "\n")
+    out = main(["--config", write_config(tmp_path), "--model", str(tmp_path / "model"),
+                "--dataset", str(tmp_path / "data.jsonl"), "--prompt_template", "{question}",
+                "--eval_size", "8", "--system_prompt", "add", "--warmstart_steps", "2",
+                "--trainer", trainer])
+    check_steps(out["history"])
+    assert out["accuracy_before"] is not None
+    from rollout.engine.chat import render_conversations
+    from rollout_recipes.tasks import load_task
+
+    cfg = RecipeConfig(model=str(tmp_path / "model"), dataset=str(tmp_path / "data.jsonl"),
+                       prompt_template="{question}", system_prompt="add", eval_size=8)
+    task = load_task(cfg, tok)
+    assert task.chat and len(task.train) == 32 and len(task.eval) == 8
+    [(text, _)] = render_conversations(tok, [task.train[0]["prompt"]])
+    assert text.startswith("s=add\nu=what is ") and text.endswith("?\na=")

@@ -1,0 +1,132 @@
+"""Family-specific parity with transformers (fp32, tiny random configs) beyond the shared test of
+test_parity.py: sliding windows that cut the prompt (and the same weights without them),
+per-layer windows, Phi-3's LongRoPE and partial rotary; and the model contract itself (weight
+tables, the registry, the engine touching models only through the contract)."""
+
+import io
+import pathlib
+import tokenize
+
+import pytest
+import torch
+from models import FAMILIES, tiny_model
+from test_parity import assert_matches_reference
+
+from rollout import Engine, EngineConfig, SamplingParams
+from rollout.colocation.weights import model_tensors
+from rollout.models import MODEL_REGISTRY, model_class
+from rollout.models.loader import build_model
+
+LONG = [list(range(3, 43)), [42] * 17, [5, 99, 3, 100, 6, 7, 8, 9, 10, 11, 12, 13]]
+
+
+def generate(model, prompts=LONG, max_tokens=16, **config):
+    engine = Engine(model, EngineConfig(kv_cache_tokens=2048, max_model_len=config.pop(
+        "max_model_len", 128), **config))
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                   logprobs=True))
+    engine.check_invariants()
+    assert_matches_reference(model, prompts, outs)
+    return engine, outs
+
+
+def logprobs(outs):
+    return [lp for o in outs for s in o.samples for lp in s.logprobs]
+
+
+@pytest.mark.parametrize("family,no_window", [
+    ("gemma2", {"sliding_window": 4096}), ("gemma3_text", {"sliding_window": 4096}),
+    ("mistral", {"sliding_window": None})])
+def test_a_window_shorter_than_the_prompt_matches_transformers(family, no_window):
+    """Window 8, prompts of 12-40 tokens: each model matches its reference, and the same
+    weights without the window give other outputs (so the window was applied)."""
+    windowed = tiny_model(family, sliding_window=8)
+    engine, outs = generate(windowed)
+    assert 8 in engine.model.kv_layout.windows
+    _, unwindowed = generate(tiny_model(family, **no_window))
+    diff = max(abs(a - b) for a, b in zip(logprobs(outs), logprobs(unwindowed)))
+    assert diff > 1e-2
+
+
+def test_qwen2_sliding_layers_from_max_window_layers():
+    """Qwen2 with use_sliding_window: layers from max_window_layers on slide, the others not."""
+    model = tiny_model("qwen2", num_hidden_layers=3, use_sliding_window=True, sliding_window=6,
+                       max_window_layers=1)
+    engine, _ = generate(model)
+    assert engine.model.kv_layout.windows == (None, 6, 6)
+
+
+def longrope(head_dim=16, factor=1.0):
+    half = int(head_dim * factor) // 2
+    return {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": factor,
+            "short_factor": [1.0 + 0.1 * i for i in range(half)],
+            "long_factor": [1.0 + 0.7 * i for i in range(half)]}
+
+
+@pytest.mark.parametrize("factor", [1.0, 0.5])
+def test_phi3_longrope_short_factors(factor):
+    """max_model_len within original_max_position_embeddings (32): the short factors, as the
+    reference uses for sequences that long; partial rotary (Phi-4-mini) too."""
+    model = tiny_model("phi3", rope_parameters=longrope(factor=factor),
+                       original_max_position_embeddings=32, max_position_embeddings=128)
+    prompts = [list(range(3, 15)), [9, 8, 7], [42] * 10]
+    generate(model, prompts, max_tokens=12, max_model_len=32)
+
+
+def test_phi3_longrope_long_factors():
+    """max_model_len beyond 32: the long factors, as the reference uses once a sequence is
+    longer than 32 (every prompt here is)."""
+    model = tiny_model("phi3", rope_parameters=longrope(),
+                       original_max_position_embeddings=32, max_position_embeddings=128)
+    prompts = [list(range(3, 43)), [42] * 35]
+    generate(model, prompts, max_tokens=12, max_model_len=128)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_chunked_prefill_over_a_window_gives_the_same_tokens(family):
+    model = tiny_model(family)
+    _, big = generate(model)
+    _, small = generate(model, max_num_batched_tokens=5, max_num_seqs=2)
+    assert [o.samples[0].token_ids for o in big] == [o.samples[0].token_ids for o in small]
+
+
+# --- the contract ---------------------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_weight_table_covers_the_checkpoint_exactly(family):
+    """Every HF tensor lands somewhere, and everything expected is written once."""
+    model = tiny_model(family)
+    ours = build_model(model.config, 64, torch.float32, torch.device("cpu"))
+    named = list(model_tensors(model))
+    written = ours.load_weights(named)
+    assert written == ours.expected_weight_names()
+    for name, tensor in named:  # e.g. q_proj -> a shard of qkv_proj; Phi-3's qkv_proj whole
+        target, shard = ours.WEIGHTS.target(name)
+        param = ours.get_parameter(target)
+        if shard is None:
+            assert torch.equal(param, tensor)
+
+
+def test_every_family_is_registered_and_unknown_ones_refused():
+    for family in FAMILIES:
+        assert family in MODEL_REGISTRY
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        model_class(type("Config", (), {"model_type": "gpt2"})())
+
+
+def test_engine_reaches_models_only_through_the_contract():
+    """Outside rollout/models, nothing reads a model's internals (its submodules, rope, head,
+    head counts): the KV layout, dtype, tables, forward and logits are the interface."""
+    root = pathlib.Path(__file__).parents[2] / "rollout"
+    internals = {"model", "rope", "lm_head", "num_kv_heads", "head_dim", "embed_tokens",
+                 "layers"}
+    offenders = []
+    for path in root.rglob("*.py"):
+        if "models" in path.relative_to(root).parts:
+            continue
+        # Code only (strings and comments name HF checkpoint paths): `model.<internal>`.
+        toks = [t for t in tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+                if t.type in (tokenize.NAME, tokenize.OP)]
+        for a, dot, b in zip(toks, toks[1:], toks[2:]):
+            if a.string == "model" and dot.string == "." and b.string in internals:
+                offenders.append(f"{path.relative_to(root)}:{a.start[0]}")
+    assert not offenders

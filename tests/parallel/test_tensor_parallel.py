@@ -1,0 +1,185 @@
+"""Tensor parallelism (rollout/parallel/): engines of 2 and 4 CPU ranks (gloo, forked by
+tests/support/tp_launch.py) give the tokens of one rank, with logprobs within 1e-4 in fp32, for every
+sharding case (tests/support/tp_scenarios.py: KV heads split or replicated, biases, tied and untied
+embeddings, a padded vocabulary, fused checkpoint tensors, soft-capping), seeded samples, a
+small pool that preempts, n-gram and draft-model speculation, sleep / wake / update_weights
+from a full model (only each rank's part crossing to the "device") and from DTensor shards
+on dim 0 and dim 1 (re-sharded without whole-weight gathers), and engines of 2 ranks side by
+side in a world of 4; every rank returns the same outputs. The ranks check each step that they
+sampled alike (check_tensor_parallel)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.tensor import Replicate, Shard
+from tp_scenarios import MODELS, run_all
+
+from rollout import Engine, EngineConfig
+from rollout.parallel import SINGLE, HeadSplit, TensorParallel, split_heads, split_vocab
+
+SUPPORT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return json.loads(json.dumps(run_all(1)))  # tuples as lists, like the ranks' JSON
+
+
+def assert_close(got, want, where: str) -> None:
+    for prompt_got, prompt_want in zip(got, want, strict=True):
+        for (tokens, lps), (want_tokens, want_lps) in zip(prompt_got, prompt_want, strict=True):
+            assert tokens == want_tokens, f"{where}: tokens differ from one rank's"
+            err = max((abs(a - b) for a, b in zip(lps, want_lps)), default=0.0)
+            assert err < 1e-4, f"{where}: logprob error {err}"
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_matches_one_rank(tp, reference, tmp_path):
+    run = subprocess.run([sys.executable, os.path.join(SUPPORT, "tp_launch.py"), str(tmp_path),
+                          str(tp)], capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(tp)]
+    dp = [r.pop("dp/greedy", None) for r in ranks]
+    for r, got in enumerate(ranks[1:], 1):
+        assert got == ranks[0], f"rank {r} returned other outputs than rank 0"
+    got = ranks[0]
+    assert got["preempt/count"] and got["update/same_addresses"]
+    assert got["update/copied_only_parts"] and reference["update/copied_only_parts"]
+    for key, want in reference.items():
+        if isinstance(want, list):
+            assert_close(got[key], want, f"tp={tp} {key}")
+        elif key.endswith("/drafts"):  # speculation proposed and accepted as on one rank
+            assert got[key] == want, f"tp={tp} {key}"
+    assert got["spec/draft/drafts"]["accepted"] > 0
+    # DTensor sources: the same weights as "update/awake", each rank receiving less than a
+    # whole-weight gather would bring it ((tp - 1) / tp of the model), in one bucket: one
+    # exchange of what each rank needs and one all_to_all of the data.
+    model_bytes = sum(p.numel() * p.element_size() for p in MODELS["llama_mqa"](1).parameters())
+    for dim in (0, 1):
+        assert_close(got[f"update/dtensor{dim}"], reference["update/awake"],
+                     f"tp={tp} update/dtensor{dim}")
+        cost = got[f"update/dtensor{dim}/cost"]
+        assert cost["collectives"] == 2
+        assert 0 < cost["exchanged_bytes"] < model_bytes * (tp - 1) / tp, cost
+    for name in ("phi3", "qwen2_bias"):
+        assert_close(got[f"update/dtensor/{name}"], reference[f"{name}/greedy"],
+                     f"tp={tp} update/dtensor/{name}")
+    if tp >= 4:  # engines of 2 ranks: ranks 0-1 serve PROMPTS[0::2], ranks 2-3 PROMPTS[1::2]
+        greedy = reference["llama_gqa2/greedy"]
+        assert dp[0] == dp[1] and dp[2] == dp[3]
+        assert_close(dp[0], greedy[0::2], "dp engine 0")
+        assert_close(dp[2], greedy[1::2], "dp engine 1")
+
+
+def test_head_and_vocab_splits():
+    two, four = TensorParallel(2, 1), TensorParallel(4, 3)
+    assert split_heads(8, 4, two) == HeadSplit(q_start=4, q_heads=4, kv_start=2, kv_heads=2)
+    # Fewer KV heads than ranks: each rank keeps the KV head of its query heads.
+    assert [split_heads(8, 2, TensorParallel(4, r)).kv_start for r in range(4)] == [0, 0, 1, 1]
+    assert split_heads(8, 1, four).kv_heads == 1
+    assert split_vocab(130, four) == (33, 99, 31)
+    assert split_heads(8, 2, SINGLE).q_heads == 8
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 must divide num_attention"):
+        split_heads(6, 2, four)
+    with pytest.raises(ValueError, match="num_key_value_heads=3 must divide it"):
+        split_heads(12, 3, four)
+
+
+def test_bad_tensor_parallel_size_is_refused():
+    from models import tiny_model
+
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2: torch.distributed is not"):
+        Engine(tiny_model("llama"), EngineConfig(tensor_parallel_size=2))
+
+
+def test_group_size_must_fit_the_world():
+    from models import tiny_model
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1)
+    try:
+        with pytest.raises(ValueError, match="tensor_parallel_size=2 must divide the torch"):
+            Engine(tiny_model("llama"), EngineConfig(tensor_parallel_size=2))
+        with pytest.raises(ValueError, match="the process group given has 1 ranks"):
+            Engine(tiny_model("llama"), EngineConfig(tensor_parallel_size=2),
+                   process_group=dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_experts_slice_alike_from_stacked_and_per_expert_names(family):
+    """Each rank's slice of every expert, from the stacked tensors and from per-expert names;
+    the ranks' slices put back together are the full experts. No collective: only loading."""
+    import torch
+    from models import per_expert_tensors, tiny_model
+
+    from rollout.colocation.weights import model_tensors
+    from rollout.models.loader import build_model, load_into
+
+    model = tiny_model(family)
+    full = dict(model.named_parameters())
+    gate_ups, downs = [], []
+    for rank in range(2):
+        tp = TensorParallel(2, rank)
+        stacked, split = (build_model(model.config, 64, torch.float32, torch.device("cpu"), tp)
+                          for _ in range(2))
+        load_into(stacked, model_tensors(model))
+        load_into(split, per_expert_tensors(model))
+        for (name, a), (_, b) in zip(stacked.named_parameters(), split.named_parameters()):
+            assert torch.equal(a, b), name
+        experts = stacked.model.layers[0].mlp.experts
+        gate_ups.append(experts.gate_up_proj.chunk(2, dim=1))
+        downs.append(experts.down_proj)
+    want = full["model.layers.0.mlp.experts.gate_up_proj"]
+    gates, ups = (torch.cat([part[i] for part in gate_ups], 1) for i in range(2))
+    assert torch.equal(torch.cat([gates, ups], 1), want)
+    assert torch.equal(torch.cat(downs, 2), full["model.layers.0.mlp.experts.down_proj"])
+
+
+@pytest.mark.parametrize("placement", [Shard(0), Shard(1), Shard(-1), Replicate()], ids=str)
+@pytest.mark.parametrize("mesh_size", [2, 3, 4])
+def test_reshard_pieces_assemble_every_rank_part(placement, mesh_size):
+    """The geometry of the DTensor exchange (rollout/parallel/reshard.py), no collective: for
+    each needing rank, the pieces every holder's shard contributes (uneven torch.chunk shards
+    when the mesh size does not divide the dim) put together are its part of the full tensor,
+    for a row slice, a column slice, a fused parameter's ranges and the whole tensor; a
+    replicated tensor is read from the needing rank's own copy only."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from rollout.parallel import Concat, Slice
+    from rollout.parallel.reshard import _chunk, _needs, _pieces, _region
+
+    full = torch.arange(10 * 7, dtype=torch.float32).view(10, 7)
+    fake = SimpleNamespace(shape=full.shape, dim=full.dim, placements=[placement],
+                           device_mesh=SimpleNamespace(size=lambda: mesh_size))
+
+    def shard(holder):
+        chunk = _chunk(fake, holder)
+        return full if chunk is None else full.narrow(chunk[0], chunk[1], chunk[2] - chunk[1])
+
+    cuts = [None, Slice(0, 3, 5, 10), Slice(1, 2, 4, 7),
+            Concat((Slice(0, 1, 2, 4), Slice(0, 0, 3, 6)))]
+    for cut in cuts:
+        want = full if cut is None else cut.take(full)
+        for needer in range(mesh_size):
+            part = torch.full_like(want, float("nan"))
+            for holder in range(mesh_size):
+                pieces = _pieces(fake, _needs(fake, cut), holder, needer)
+                if isinstance(placement, Replicate) and holder != needer:
+                    assert not pieces
+                for src, dst in pieces:
+                    _region(part, dst).copy_(_region(shard(holder), src))
+            assert torch.equal(part, want), (cut, needer)

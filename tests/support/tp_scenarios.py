@@ -1,0 +1,186 @@
+"""What the tensor-parallel tests run, alike at TP=1 (in the pytest process, the reference) and
+at TP=k (tests/support/tp_launch.py, on every rank): tiny models covering the sharding cases, each
+scenario's (token ids, logprobs) per sample."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from models import tiny_model
+
+from rollout import Engine, EngineConfig, SamplingParams
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 40)), [42] * 9, [5, 99, 3, 100, 6, 7]]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, logprobs=True)
+SEEDED = SamplingParams(n=2, temperature=1.0, top_p=0.9, max_tokens=12, logprobs=True, seed=5)
+UNSEEDED = SamplingParams(n=2, temperature=1.0, max_tokens=8)
+CONFIG = dict(kv_cache_tokens=1024, max_model_len=96, max_num_seqs=16,
+              check_tensor_parallel=True)
+
+
+def _random_biases(model):
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    return model
+
+
+# name -> (model builder taking a seed). Heads 8 with 1, 2 or 4 KV heads: at TP=2 and TP=4
+# the KV heads are split (more KV heads than ranks, or as many) or replicated (fewer).
+MODELS = {
+    # MQA: one KV head, replicated on every rank; untied head; o_proj and MLP biases.
+    "llama_mqa": lambda seed: _random_biases(tiny_model(
+        "llama", seed, num_attention_heads=8, num_key_value_heads=1, attention_bias=True,
+        mlp_bias=True)),
+    # GQA, 2 KV heads: split at TP=2, replicated at TP=4; untied.
+    "llama_gqa2": lambda seed: tiny_model("llama", seed, num_attention_heads=8,
+                                          num_key_value_heads=2),
+    # GQA, 4 KV heads: split at TP=2 and 4; tied embeddings.
+    "llama_gqa4_tied": lambda seed: tiny_model("llama", seed, num_attention_heads=8,
+                                               num_key_value_heads=4, tie_word_embeddings=True),
+    # QKV biases, tied, and a vocabulary no TP size divides (the last rank's rows padded).
+    "qwen2_bias": lambda seed: _random_biases(tiny_model("qwen2", seed, vocab_size=130)),
+    # Soft-capped logits and attention, sliding windows.
+    "gemma2": lambda seed: tiny_model("gemma2", seed),
+    # QKV and gate-up stored fused in the checkpoint: sliced part by part.
+    "phi3": lambda seed: tiny_model("phi3", seed),
+    # MoE: each expert's intermediate dimension sliced, the router replicated.
+    "qwen3_moe": lambda seed: tiny_model("qwen3_moe", seed),
+    "mixtral": lambda seed: tiny_model("mixtral", seed),
+}
+
+
+def _samples(outs) -> list:
+    return [[(s.token_ids, s.logprobs) for s in o.samples] for o in outs]
+
+
+def run_all(tp: int) -> dict:
+    """Scenario name -> per prompt, per sample (token ids, logprobs)."""
+    results = {}
+    cfg = dict(CONFIG, tensor_parallel_size=tp)
+    for name, build in MODELS.items():
+        engine = Engine(build(0), EngineConfig(**cfg))
+        results[f"{name}/greedy"] = _samples(engine.generate(PROMPTS, GREEDY))
+        results[f"{name}/seeded"] = _samples(engine.generate(PROMPTS, SEEDED))
+        engine.check_invariants()
+    if tp > 1:  # unseeded: the ranks agree on the engine's seed; no TP=1 counterpart
+        results["unseeded"] = _samples(engine.generate(PROMPTS, UNSEEDED))
+    results.update(_preemption(cfg))
+    results.update(_speculation(cfg))
+    results.update(_colocation(cfg))
+    return results
+
+
+def _preemption(cfg: dict) -> dict:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(128) for _ in range(rng.randrange(5, 20))] for _ in range(6)]
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=20, logprobs=True, seed=3)
+    engine = Engine(MODELS["llama_gqa2"](0),
+                    EngineConfig(**dict(cfg, kv_cache_tokens=90, max_model_len=48)))
+    outs = engine.generate(prompts, params)
+    engine.check_invariants()
+    return {"preempt/samples": _samples(outs), "preempt/count": engine.stats.preemptions > 0}
+
+
+# Repetitive prompts give the n-gram drafter something to find.
+SPEC_PROMPTS = [[1, 2, 3, 4, 5] * 3, list(range(10, 30)) * 2, [7, 8, 9]]
+
+
+def _speculation(cfg: dict) -> dict:
+    """n-gram and draft-model speculation on the KV-split target: the draft model (unsharded,
+    replicated on every rank) the target itself, which gets most drafts accepted, and a small
+    one with rejection acceptance. The tokens, and how many drafts were proposed and accepted,
+    are those of one rank."""
+    from rollout.spec import SpeculativeConfig
+
+    target = MODELS["llama_gqa2"](0)
+    draft = tiny_model("llama", 3, num_hidden_layers=1)
+    out = {}
+    for name, spec, params in [
+            ("ngram", SpeculativeConfig("ngram", num_speculative_tokens=3), GREEDY),
+            ("draft", SpeculativeConfig("draft", num_speculative_tokens=3, draft_model=target),
+             SEEDED),
+            ("rejection", SpeculativeConfig("draft", num_speculative_tokens=3,
+                                            draft_model=draft, acceptance="rejection"), SEEDED)]:
+        engine = Engine(target, EngineConfig(**dict(cfg, speculative=spec)))
+        out[f"spec/{name}"] = _samples(engine.generate(SPEC_PROMPTS, params))
+        engine.check_invariants()
+        out[f"spec/{name}/drafts"] = {"proposed": engine.stats.spec_proposed,
+                                      "accepted": engine.stats.spec_accepted}
+    return out
+
+
+def _colocation(cfg: dict) -> dict:
+    """Built from one model, then cycled through sleep levels and updated from another (full
+    tensors, sliced per rank), in place."""
+    a, b = MODELS["llama_mqa"](0), MODELS["llama_mqa"](1)
+    engine = Engine(a, EngineConfig(**dict(cfg, extra={"separate_host_memory": True})))
+    addresses = [p.data_ptr() for p in engine.model.parameters()]
+    out = {}
+    # Host memory is not the device's here (the CPU seam of rollout/colocation/parking.py), so every
+    # tensor crosses in update_weights' buckets: what crossed must be this rank's parts only
+    # (the vocabulary divides evenly: no padding rows).
+    copied = engine.update_weights(b)["bytes"]
+    out["update/copied_only_parts"] = copied == sum(
+        p.numel() * p.element_size() for p in engine.model.parameters())
+    out["update/awake"] = _samples(engine.generate(PROMPTS, GREEDY))
+    out["update/same_addresses"] = addresses == [p.data_ptr() for p in engine.model.parameters()]
+    engine.sleep(1)
+    engine.wake_up()
+    out["update/level1"] = _samples(engine.generate(PROMPTS, GREEDY))
+    engine.sleep(2)
+    engine.wake_up()
+    engine.update_weights(a)
+    out["update/level2"] = _samples(engine.generate(PROMPTS, SEEDED))
+    return out
+
+
+def world_sharded(model, dim: int):
+    """`model` with every parameter a DTensor Shard(dim) over the whole world (FSDP2-like;
+    vectors Shard(0))."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()):
+            module, attr = name.rsplit(".", 1)
+            shard = distribute_tensor(p.detach(), mesh, [Shard(min(dim, p.dim() - 1))])
+            setattr(model.get_submodule(module), attr, torch.nn.Parameter(shard))
+    return model
+
+
+def dtensor_update(cfg: dict) -> dict:
+    """update_weights from DTensor shards over the world: Shard(0), then Shard(1) (so
+    column-parallel rows come from column shards, row-parallel columns from row shards), each
+    rank receiving only the ranges its part needs. Greedy outputs, to equal "update/awake" (the
+    same weights, full), and what each update exchanged. Then Phi-3's fused QKV and gate-up
+    (each rank's part made of ranges in several shards) and Qwen2's vocabulary of 130 (uneven
+    shards, padded rows), built from other weights, to equal their "<name>/greedy"."""
+    engine = Engine(MODELS["llama_mqa"](0), EngineConfig(**cfg))
+    out = {}
+    for dim in (0, 1):
+        cost = engine.update_weights(world_sharded(MODELS["llama_mqa"](1), dim))
+        out[f"update/dtensor{dim}"] = _samples(engine.generate(PROMPTS, GREEDY))
+        out[f"update/dtensor{dim}/cost"] = {k: cost[k] for k in ("collectives", "exchanged_bytes")}
+    for name, dim in (("phi3", 0), ("qwen2_bias", 1)):
+        engine = Engine(MODELS[name](1), EngineConfig(**cfg))
+        engine.update_weights(world_sharded(MODELS[name](0), dim))
+        out[f"update/dtensor/{name}"] = _samples(engine.generate(PROMPTS, GREEDY))
+    return out
+
+
+def data_parallel(cfg: dict, tp: int) -> list:
+    """Engines of `tp` ranks out of a larger world (data parallel x tensor parallel), built
+    from other weights and updated from DTensor shards over the whole world (so a rank's mesh
+    peers are not its engine's ranks): engine e greedy-decodes its data-parallel shard of the
+    prompts, PROMPTS[e::engines]; compare with "llama_gqa2/greedy"."""
+    import torch.distributed as dist
+
+    engines = dist.get_world_size() // tp
+    engine = Engine(MODELS["llama_gqa2"](1), EngineConfig(**dict(cfg, tensor_parallel_size=tp)))
+    engine.update_weights(world_sharded(MODELS["llama_gqa2"](0), 0))
+    return _samples(engine.generate(PROMPTS[dist.get_rank() // tp::engines], GREEDY))
