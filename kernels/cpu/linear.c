@@ -10,7 +10,7 @@
  * does not depend on the batch. */
 #include <stdint.h>
 #include <string.h>
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
@@ -63,22 +63,12 @@ static inline __attribute__((always_inline)) void panel_rows(
         }
     }
 }
-#endif
 
-/* Whether linear_f32 computes here (AVX2 and FMA in this build); without them it is never
- * called. */
-int linear_supported(void) {
-#if defined(__AVX2__) && defined(__FMA__)
-    return 1;
-#else
-    return 0;
-#endif
-}
-
-/* y [m, n] (contiguous) = x [m, k] (rows x_stride apart) times the packed weight's transpose. */
+/* y [m, n] (contiguous) = x [m, k] (rows x_stride apart) times the packed weight's transpose.
+ * Only in a build with AVX2 and FMA: without them the symbol is absent and its torch path runs
+ * (kernels/cpu/__init__.py binds each entry point on its own). */
 void linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *wp,
                 int64_t n, float *y, int num_threads) {
-#if defined(__AVX2__) && defined(__FMA__)
     const int64_t panels = (n + PANEL - 1) / PANEL;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t p = 0; p < panels; p++) {
@@ -94,7 +84,5 @@ void linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, const fl
             }
         }
     }
-#else
-    (void)x; (void)x_stride; (void)m; (void)k; (void)wp; (void)n; (void)y; (void)num_threads;
-#endif
 }
+#endif

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from . import as_rows, library
+from . import as_rows, has, library
 
 # Beyond this many rows (a long prefill chunk) each panel would be read against too many rows:
 # there the panels and F.linear (MKL) were measured level.
@@ -16,10 +16,7 @@ PANEL = 16  # output columns a panel holds (linear.c)
 
 
 def supported(device: torch.device, dtype: torch.dtype) -> bool:
-    if device.type != "cpu" or dtype != torch.float32:
-        return False
-    lib = library()  # cached itself; not cached here, so a dropped library is seen at once
-    return lib is not None and lib.linear_supported() == 1
+    return device.type == "cpu" and dtype == torch.float32 and has("pack_panels_f32", "linear_f32")
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

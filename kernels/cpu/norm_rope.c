@@ -41,8 +41,9 @@ void add_rms_norm_f32(const float *x, int64_t x_stride, const float *delta,
  * (token stride x_stride, heads contiguous) by the token's cos/sin [tokens, rot] rows:
  *     x1' = x1 cos1 - x2 sin1,   x2' = x2 cos2 + x1 sin2   (halves of the rotated part),
  * each product and sum rounded as torch's separate ops round them (no fused multiply-add), so
- * the result is the torch path's bit for bit. */
-__attribute__((optimize("fp-contract=off"))) static void rotate(
+ * the result is the torch path's bit for bit: the file is compiled with -ffp-contract=off
+ * (kernels/cpu/__init__.py FILE_FLAGS), whatever the compiler's default. */
+static void rotate(
         float *x, int64_t x_stride, int64_t heads, int64_t head_dim, const float *cos,
         const float *sin, int64_t t, int64_t rot) {
     const int64_t half = rot / 2;

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from . import as_rows, library
+from . import as_rows, has, library
 
 
 def supported(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and library() is not None
+    return (device.type == "cpu" and dtype == torch.float32
+            and has("rms_norm_f32", "add_rms_norm_f32", "rotary_f32"))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

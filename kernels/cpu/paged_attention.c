@@ -17,7 +17,7 @@
 #include <string.h>
 
 #include "exp_approx.h"
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
@@ -38,7 +38,7 @@ static inline float dot(const float *a, const float *b, int64_t d) {
  * their scores then need no horizontal sums. */
 #define WIDE_ROWS 12
 
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
 /* A vector loaded once and used by several FMAs stays in its register: left to itself GCC folds
  * the load into every FMA that uses it, and the repeated loads, not the FMAs, then bound the
  * loop (a third slower on Zen 3). */
@@ -201,7 +201,7 @@ static inline void prefetch_row(const float *p, int64_t d) {
 static inline void block_scores(const float *q, int R, const float *const k[],
                                 const float *const v[], int64_t n, int64_t d, float *s) {
     int64_t j = 0;
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
     if (d % 8 == 0) {
         /* constant shapes per call keep the accumulators in registers */
         if (R == 3)
@@ -225,7 +225,7 @@ static inline void block_scores(const float *q, int R, const float *const k[],
 /* o[r] = o[r] * alpha[r] + sum_j p[r][j] v[j] for R <= ROWS rows over the block's n keys. */
 static inline void block_values(float *o, const float *alpha, const float *p,
                                 const float *const v[], int64_t n, int64_t d, int R) {
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
     if (d % 32 == 0) {
         switch (R) {
             case 3: values_32dims(o, alpha, p, v, n, d, 3); return;
@@ -257,7 +257,7 @@ static inline __attribute__((always_inline)) void attend_range(
             k[j] = k_pool + (int64_t)slots[j0 + j] * kv_row;
             v[j] = v_pool + (int64_t)slots[j0 + j] * kv_row;
         }
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
         if (kt != NULL) {
             transpose_block(k, n, d, kt);
             block_scores_on_lanes(qs, R, kt, n, d, s);

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import library
+from . import has, library
 
 # A chunk's rows of one KV head (queries x its query heads) share each key block in L1: its
 # scores (BLOCK floats a row), queries and accumulators stay within it up to about this many.
@@ -104,5 +104,4 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 
 
 def _kernel():
-    lib = library()
-    return None if lib is None else lib.paged_attention_f32
+    return library().paged_attention_f32 if has("paged_attention_f32", "plan_chunks") else None

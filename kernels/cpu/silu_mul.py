@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from . import as_rows, library
+from . import as_rows, has, library
 
 
 def supported(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and library() is not None
+    return device.type == "cpu" and dtype == torch.float32 and has("silu_mul_f32")
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ and `w_down[e]` [H, I]:
    output does not depend on which other tokens share its experts.
 
 Rounding points, the same as the torch path it is tested against (rollout/models/layers/moe.py
-moe_torch, tests/test_kernels_fused_moe.py) and as transformers' experts: gate, up, h and each
+moe_torch, tests/kernels/test_kernels_fused_moe.py) and as transformers' experts: gate, up, h and each
 down projection are rounded to the model dtype, and so is each weighted contribution; the k
 contributions are summed in fp32 (transformers sums in the model dtype: the same in fp32, one
 rounding apart in half precision). Activation: SiLU (Qwen3-MoE, Mixtral); GELU (tanh) too.

@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import run_checked, samples
 from models import tiny_model
-from test_parity import assert_matches_reference
+from reference import assert_matches_reference
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.attention import shared_prefix as shared_prefix_attention

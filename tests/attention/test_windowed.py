@@ -10,7 +10,7 @@ import torch
 from helpers import run_checked, samples
 from kernels_env import DEVICE
 from models import tiny_model
-from test_parity import assert_matches_reference
+from reference import assert_matches_reference
 from test_torch_shared_prefix import MIXED, make_step, random_pool
 
 from rollout import Engine, EngineConfig, SamplingParams

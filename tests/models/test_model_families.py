@@ -10,7 +10,7 @@ import tokenize
 import pytest
 import torch
 from models import FAMILIES, tiny_model
-from test_parity import assert_matches_reference
+from reference import assert_matches_reference
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.colocation.weights import model_tensors

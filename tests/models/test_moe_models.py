@@ -7,7 +7,7 @@ save_pretrained) name them."""
 import pytest
 import torch
 from models import char_tokenizer, per_expert_tensors, tiny_model
-from test_parity import PROMPTS, assert_matches_reference
+from reference import PROMPTS, assert_matches_reference
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.colocation.weights import model_tensors

@@ -9,10 +9,11 @@ from models import tiny_model
 from rollout import Engine, EngineConfig
 from rollout.models.layers.norm import RMSNorm
 from rollout.models.layers.rotary import _rotate
+from rollout_kernels import cpu as native
 from rollout_kernels.cpu import norm_rope
 
-pytestmark = pytest.mark.skipif(not norm_rope.supported(torch.device("cpu"), torch.float32),
-                                reason="no C compiler here")
+pytestmark = pytest.mark.skipif(not native.has("rms_norm_f32", "rotary_f32"),
+                                reason=native.missing_reason("rms_norm_f32", "rotary_f32"))
 
 
 def cos_sin(tokens, rot, seed=0):

@@ -9,10 +9,11 @@ from models import tiny_model
 from rollout import Engine, EngineConfig
 from rollout.models.layers.mlp import GatedMLP
 from rollout.ops.backend import resolve_backend
-from rollout_kernels.cpu import norm_rope, silu_mul
+from rollout_kernels import cpu as native
+from rollout_kernels.cpu import silu_mul
 
-pytestmark = pytest.mark.skipif(not norm_rope.supported(torch.device("cpu"), torch.float32),
-                                reason="no C compiler here")
+pytestmark = pytest.mark.skipif(not native.has("silu_mul_f32"),
+                                reason=native.missing_reason("silu_mul_f32"))
 
 
 def reference(gate, up):

@@ -12,6 +12,7 @@ from torch.nn import functional as F
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.models.layers.packed_linear import NativePackedWeight, PackedWeight, can_pack
+from rollout_kernels import cpu as native
 from rollout_kernels.cpu import linear as native_linear
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32),
@@ -24,7 +25,7 @@ SAMPLED = SamplingParams(n=3, temperature=0.9, top_p=0.95, max_tokens=12, logpro
 
 PACKINGS = [PackedWeight, pytest.param(NativePackedWeight, marks=pytest.mark.skipif(
     not native_linear.supported(torch.device("cpu"), torch.float32),
-    reason="no C compiler or no AVX2 here"))]
+    reason=native.missing_reason("pack_panels_f32", "linear_f32")))]
 
 
 @pytest.mark.parametrize("packing", PACKINGS)
@@ -54,7 +55,7 @@ def test_panels_take_any_leading_shape_and_strided_rows(shape):
 
 def test_panels_hand_long_prefills_to_f_linear(monkeypatch):
     if not native_linear.supported(torch.device("cpu"), torch.float32):
-        pytest.skip("no native panels here")
+        pytest.skip(native.missing_reason("pack_panels_f32", "linear_f32"))
     monkeypatch.setattr(native_linear, "MAX_ROWS", 8)
     g = torch.Generator().manual_seed(2)
     w, x = torch.randn(20, 16, generator=g), torch.randn(9, 16, generator=g)

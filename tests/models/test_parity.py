@@ -3,29 +3,9 @@
 import pytest
 import torch
 from models import FAMILIES, tiny_model
+from reference import PROMPTS, assert_matches_reference
 
 from rollout import Engine, EngineConfig, SamplingParams
-
-PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 50)), [42] * 17, [5, 99, 3, 100, 6, 7]]
-
-
-def assert_matches_reference(model, prompts, outs, margin=1e-4, atol=1e-4):
-    """Teacher-forced check: each engine token is the reference argmax (or within `margin` of
-    it), and each logprob is within `atol` of log_softmax of the reference forward."""
-    for prompt, out in zip(prompts, outs):
-        for sample in out.samples:
-            tokens = sample.token_ids
-            full = torch.tensor([prompt + tokens], device=model.device)
-            with torch.no_grad():
-                logits = model(full).logits[0, len(prompt) - 1:-1].float().cpu()
-            top2 = logits.topk(2, dim=-1)
-            chosen = logits.gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
-            close = (top2.values[:, 0] - chosen) < margin
-            assert bool(close.all()), f"greedy token is not the reference argmax: {tokens}"
-            ref_lp = logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
-            err = (ref_lp - torch.tensor(sample.logprobs)).abs().max().item()
-            assert err < atol, f"logprob error {err}"
-
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_and_logprobs_match_transformers(family):

@@ -4,7 +4,7 @@ bf16, memory returned by sleep. Run by bench/gpu_check.sh on the GPU machine."""
 import pytest
 import torch
 from models import FAMILIES, tiny_model
-from test_parity import PROMPTS, assert_matches_reference
+from reference import PROMPTS, assert_matches_reference
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.colocation.device_memory import clear_cublas_workspaces

@@ -7,10 +7,14 @@ import torch
 
 from rollout.sample.noise import gumbel_noise, row_keys
 from rollout.sample.sampler import SamplingBatch, sample, sample_cpu
+from rollout_kernels import cpu as native
 from rollout_kernels.cpu import gumbel
 
-pytestmark = pytest.mark.skipif(gumbel._kernel() is None,
-                                reason="no C compiler, AVX2 or MKL log here")
+pytestmark = pytest.mark.skipif(
+    gumbel._kernel() is None,
+    reason=native.missing_reason("gumbel_argmax_f32", "gumbel_all_uniforms")
+    if not native.has("gumbel_argmax_f32", "gumbel_all_uniforms")
+    else "torch's CPU log is not MKL's vmsLn here")
 
 
 def argmax(candidates, seed, position, stream):

@@ -1,12 +1,19 @@
 """Tolerances from the reference's own variation on this machine, not from a fixed number.
 
-transformers' forward of a sequence alone and inside a padded batch differ in the last bits
-(other matmul shapes, other reduction orders); how much depends on the ISA (AVX2 or AVX-512),
-the BLAS and the thread count. The engine is held to a multiple of that spread, measured on the
-same model, sequences and machine in the same test.
+Two measures of how exact the reference itself is, each taken on the same model, sequences and
+machine in the same test (how large they are depends on the ISA, AVX2 or AVX-512, the BLAS and
+the thread count):
+
+- transformers' float32 forward against a float64 copy of the same model (the exact answer, to
+  float32's purposes): the engine, held to the float64 answer, may be FLOOR_MULTIPLE times as
+  far from it as transformers' own float32 forward is;
+- transformers' forward of a sequence alone against it inside a padded batch (other matmul
+  shapes, other reduction orders), where the reference is a trainer's batched forward (TRL).
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 
@@ -40,3 +47,20 @@ def alone_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_ma
         out[i, :n] = torch.log_softmax(logits, -1).gather(1, seq[0, len(prompt):, None])[:, 0]
     model.train(training)
     return out
+
+
+def exact_copy(model):
+    """A float64 copy of `model` on the CPU: the exact answer float32 forwards are judged by.
+    MoE layers take transformers' eager experts (its grouped matmul has no float64)."""
+    exact = copy.deepcopy(model).to("cpu", torch.float64)
+    if hasattr(exact.config, "_experts_implementation"):
+        exact.config._experts_implementation = "eager"
+    return exact.eval()
+
+
+@torch.no_grad()
+def token_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """log_softmax of `model`'s forward at each of `tokens` after `prompt`, float64."""
+    seq = torch.tensor([prompt + tokens])
+    logits = model(seq).logits[0, len(prompt) - 1:-1].double()
+    return logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)

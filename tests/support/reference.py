@@ -1,0 +1,42 @@
+"""The engine's outputs against transformers' own forward of the same model: teacher-forced,
+each generated token and its logprob, held to the reference's own floor (floors.py)."""
+
+from __future__ import annotations
+
+import torch
+from floors import exact_copy, token_logprobs, tolerance
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 50)), [42] * 17, [5, 99, 3, 100, 6, 7]]
+
+
+def assert_matches_reference(model, prompts, outs, margin=1e-4, atol=None):
+    """Each engine token is the reference's argmax (or within `margin` of it), and the engine's
+    logprobs are as near the exact answer (a float64 forward) as twice transformers' own
+    float32 forward is (floors.py). `atol`: a fixed bound against the model's own forward
+    instead, for references that are not float32 on the CPU (the GPU tests)."""
+    exact = exact_copy(model) if atol is None else None
+    errors, floors, values = [], [], []
+    for prompt, out in zip(prompts, outs):
+        for sample in out.samples:
+            tokens = sample.token_ids
+            full = torch.tensor([prompt + tokens], device=model.device)
+            with torch.no_grad():
+                logits = model(full).logits[0, len(prompt) - 1:-1].float().cpu()
+            top2 = logits.topk(2, dim=-1)
+            chosen = logits.gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+            close = (top2.values[:, 0] - chosen) < margin
+            assert bool(close.all()), f"greedy token is not the reference argmax: {tokens}"
+            ref = logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+            got = torch.tensor(sample.logprobs, dtype=torch.float64)
+            if exact is None:
+                err = (ref.double() - got).abs().max().item()
+                assert err < atol, f"logprob error {err}"
+                continue
+            truth = token_logprobs(exact, prompt, tokens)
+            errors.append((got - truth).abs().max().item())
+            floors.append((ref.double() - truth).abs().max().item())
+            values.append(truth)
+    if exact is not None:
+        bound = tolerance(max(floors), torch.cat(values))
+        assert max(errors) <= bound, (f"logprob error {max(errors):.3g} from the float64 forward, "
+                                      f"transformers' own fp32 error {max(floors):.3g}")
