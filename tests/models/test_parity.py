@@ -7,6 +7,7 @@ from reference import PROMPTS, assert_matches_reference
 
 from rollout import Engine, EngineConfig, SamplingParams
 
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_and_logprobs_match_transformers(family):
     model = tiny_model(family)
