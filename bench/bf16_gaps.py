@@ -3,7 +3,9 @@ transformers', reported rather than asserted (the tests hold fp32 to parity). Sm
 Instruct cast to bf16, 8 chat prompts, 48 greedy tokens each (ignore_eos). Prints how many
 sequences equal transformers' bf16 `generate`, where the others first differ, and the largest
 gap between the engine's logprobs and a transformers forward on the same tokens in bf16 and in
-fp32, beside transformers' own bf16-vs-fp32 gap. Not in CI.
+fp32, beside transformers' own bf16-vs-fp32 gap; then the same with the LM head in fp32
+(EngineConfig(lm_head_dtype=torch.float32)): the gap to the fp32 reference with and without
+it, and the memory it takes. Not in CI.
 
     python bench/bf16_gaps.py
 """
@@ -40,8 +42,15 @@ def main() -> None:
     bf16 = smollm2.load()[0].to(torch.bfloat16).eval()
     convs = [[{"role": "system", "content": "You are a helpful assistant."},
               {"role": "user", "content": q}] for q in QUESTIONS]
-    engine = Engine(bf16, EngineConfig(kv_cache_tokens=4096, max_model_len=512,
-                                       max_num_seqs=16), tokenizer=tok)
+    for head in (None, torch.float32):
+        engine = Engine(bf16, EngineConfig(kv_cache_tokens=4096, max_model_len=512,
+                                           max_num_seqs=16, lm_head_dtype=head), tokenizer=tok)
+        print(f"\n== lm_head_dtype={head}: the engine holds {engine.memory_held() / 2**20:.1f} "
+              f"MiB (weights, derived copies, KV pool)")
+        report(engine, bf16, fp32, convs)
+
+
+def report(engine, bf16, fp32, convs) -> None:
     outs = engine.chat(convs, SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
                                              logprobs=True, ignore_eos=True))
     same, firsts, gaps = 0, [], {"bf16": 0.0, "fp32": 0.0, "hf": 0.0}

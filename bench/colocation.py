@@ -2,7 +2,7 @@
 
 Prints sleep (level 1 and 2) and wake times, the engine's memory held awake / asleep, and the
 weight sync (update_weights from a separate HF model instance, as a trainer would) in seconds and
-GB/s. On CUDA also torch.cuda.memory_allocated before the engine exists and after sleep(2): the
+GB/s, and what the copies' checksums cost of a sync. On CUDA also torch.cuda.memory_allocated before the engine exists and after sleep(2): the
 two should match (everything the engine allocated is given back). Nothing is asserted.
 
     python bench/colocation.py                        # CPU, bfloat16 (~1 GB per model copy)
@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from workloads import QWEN2_05B, random_qwen2  # noqa: E402
 
 from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
+from rollout.colocation import checksum  # noqa: E402
 
 GB = 1e9
 
@@ -70,7 +71,7 @@ def main() -> None:
     engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, seed=0))  # touch the pool
     awake = engine.memory_held()
     print(f"engine memory held awake: {awake / GB:.3f} GB "
-          f"(weights + KV pool {engine.pool.nbytes / GB:.3f} GB + slot table)")
+          f"(weights + KV pool {engine.inspect().kv_bytes / GB:.3f} GB + slot table)")
     print(f"cuda memory_allocated before engine creation: {before_engine}, "
           f"engine awake: {allocated(device)}")
 
@@ -106,6 +107,19 @@ def main() -> None:
     print(f"\nweights moved per sync: {rows[0][8]['bytes'] / GB:.3f} GB; "
           f"cuda memory_allocated before engine creation {before_engine}, "
           f"after sleep(2) {rows[-1][6]}")
+    # The copies' checksums (rollout/colocation/checksum.py) against the same syncs without
+    # them, interleaved, best of --repeats each.
+    checked, unchecked, kept = [], [], (checksum.Checked.copy, checksum.Checked.verify)
+    for _ in range(args.repeats):
+        checked.append(engine.update_weights(trainer)["seconds"])
+        checksum.Checked.copy = lambda self, name, dst, src: dst.copy_(src)
+        checksum.Checked.verify = lambda self: None
+        try:
+            unchecked.append(engine.update_weights(trainer)["seconds"])
+        finally:
+            checksum.Checked.copy, checksum.Checked.verify = kept
+    print(f"sync while awake, best of {args.repeats}: checked {min(checked):.4f} s, unchecked "
+          f"{min(unchecked):.4f} s: the checksums cost {min(checked) / min(unchecked) - 1:+.1%}")
     out = engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, seed=0, logprobs=True))
     print(f"generates after the cycles: {out[0].samples[0].token_ids}")
 

@@ -16,7 +16,8 @@ from .engine.engine import Engine
 from .engine.stats import EngineStats
 from .requests.outputs import RolloutOutput, Sample
 from .sample.params import SamplingParams
+from .sample.support import Support, logprobs_on_support
 from .spec.config import SpeculativeConfig
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "RolloutOutput", "Sample", "SamplingParams",
-           "SpeculativeConfig", "generate", "watch_optimizer"]
+           "SpeculativeConfig", "Support", "generate", "logprobs_on_support", "watch_optimizer"]

@@ -33,9 +33,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
+from .engine.chat import is_conversations, render_conversations
 from .engine.engine import Engine
 from .engine.progress import progress
-from .fields import as_int
+from .fields import as_bool, as_float, as_int
 from .requests.intake import check_request
 from .requests.outputs import Sample
 from .sample.params import SamplingParams
@@ -54,6 +55,14 @@ class Step:
     reward: float = 0.0
     done: bool = False
 
+    def __post_init__(self) -> None:
+        # An environment's mistakes are refused where it makes them (the episode then ends as
+        # "abort" with the error): bytes are not token ids, NaN is no reward, "no" is not False.
+        if isinstance(self.observation, (bytes, bytearray)):
+            raise ValueError("observation: bytes; give text (str), token ids or a chat message")
+        self.reward = as_float("reward", self.reward)
+        self.done = as_bool("done", self.done)
+
 
 @dataclass
 class Episode:
@@ -61,6 +70,8 @@ class Episode:
     token_ids: list[int] = field(default_factory=list)  # model and env tokens, in order
     mask: list[int] = field(default_factory=list)  # 1: sampled by the model; 0: environment
     logprobs: list[float] = field(default_factory=list)  # sampler's; 0.0 for env tokens
+    # Under the truncated distribution each token was drawn from (Sample.sampling_logprobs)
+    sampling_logprobs: list[float] = field(default_factory=list)
     turns: int = 0  # model turns
     reward: float = 0.0  # sum of the environment's step rewards
     finish_reason: str | None = None  # "done" | "max_turns" | "length" | "abort"
@@ -74,7 +85,9 @@ def run_episodes(engine: Engine, prompts, env_factory: Callable[[], object],
     """`params.n` episodes per prompt (prompt i, sample j: `episodes[i][j]`). `max_turns`:
     model turns per episode; `max_episode_tokens`: model + env tokens after the prompt (the
     episode ends with "length"; capped by the engine's max_model_len); `params.max_tokens`
-    bounds each model turn."""
+    bounds each model turn. `prompts`: strings (encoded with the engine's tokenizer), token-id
+    lists or 1-D tensors, or chat conversations (lists of {"role", "content"} messages,
+    rendered by the tokenizer's chat template with the generation prompt, as Engine.chat)."""
     params = SamplingParams() if params is None else dataclasses.replace(params)
     max_turns = as_int("max_turns", max_turns, low=1)
     env_workers = as_int("env_workers", env_workers, low=1)
@@ -82,6 +95,8 @@ def run_episodes(engine: Engine, prompts, env_factory: Callable[[], object],
         max_episode_tokens = as_int("max_episode_tokens", max_episode_tokens, low=1)
     if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
         raise ValueError("prompts must be a list of strings or of token-id lists")
+    if is_conversations(prompts):
+        prompts = [ids for _, ids in render_conversations(engine.tokenizer, prompts)]
     if engine.has_unfinished:
         raise ValueError("engine: run_episodes steps the engine itself and needs it idle; "
                          f"{len(engine.running_requests)} requests are running")
@@ -178,6 +193,7 @@ class _Runner:
         ep.token_ids += sample.token_ids
         ep.mask += [1] * len(sample.token_ids)
         ep.logprobs += sample.logprobs
+        ep.sampling_logprobs += sample.sampling_logprobs
         if sample.finish_reason == "abort":
             return self._end(live, "abort", error or "aborted by the engine")
         future = self.pool.submit(_env_step, live.env, list(sample.token_ids), sample.text)
@@ -205,6 +221,7 @@ class _Runner:
         ep.token_ids += obs
         ep.mask += [0] * len(obs)
         ep.logprobs += [0.0] * len(obs)
+        ep.sampling_logprobs += [0.0] * len(obs)
         params = dataclasses.replace(
             self.turn_params, max_tokens=min(self.params.max_tokens, budget - len(obs)),
             seed=self._seed(*live.index, ep.turns))

@@ -48,6 +48,11 @@ class EngineConfig:
     # the caller's choice; a user's own MALLOC_* / GLIBC_TUNABLES settings are left alone.
     keep_cpu_heap: bool = False
     dtype: torch.dtype | str | None = None  # None: the model's dtype
+    # torch.float32: a bf16/fp16 model's logits multiply an fp32 copy of the LM head by the
+    # hidden state in fp32 (no rounding of the logits to the model's dtype; the copy is
+    # derived like the packed weights: made again after update_weights, dropped at sleep,
+    # counted in memory_held). None: the head in the model's dtype.
+    lm_head_dtype: torch.dtype | str | None = None
     device: torch.device | str | None = None  # None: the model's device (cuda if loading a path)
     seed: int | None = None  # default seed of unseeded requests; None draws one per request
     speculative: Any = None  # rollout.spec.SpeculativeConfig, off by default
@@ -94,6 +99,11 @@ class EngineConfig:
         self.check_tensor_parallel = as_bool("check_tensor_parallel", self.check_tensor_parallel)
         if self.dtype is not None:
             self.dtype = as_dtype(self.dtype)
+        if self.lm_head_dtype is not None:
+            self.lm_head_dtype = as_dtype(self.lm_head_dtype, "lm_head_dtype")
+            if self.lm_head_dtype != torch.float32:
+                raise ValueError(f"lm_head_dtype must be None or torch.float32, got "
+                                 f"{self.lm_head_dtype}")
         if self.device is not None:
             self.device = as_device(self.device)
         if self.seed is not None:

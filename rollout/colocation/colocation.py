@@ -22,6 +22,7 @@ import torch
 from ..journal import RollbackFailed
 from ..parallel.reshard import ReshardStats, rank_parts
 from . import host_heap
+from .checksum import Checked, CopyMismatch
 from .device_memory import release_cuda_cache, tensor_bytes
 from .weights import buckets, named_shapes_and_tensors
 
@@ -44,6 +45,8 @@ class Colocation:
         self._running, self._sleepers = running, sleepers
         self.sleep_level = 0
         self.weights_missing = False
+        # Complete update_weights so far: the version the engine's outputs are stamped with.
+        self.weights_version = 0
 
     @property
     def is_sleeping(self) -> bool:
@@ -130,15 +133,19 @@ class Colocation:
         moved, resharding = 0, ReshardStats()
         try:
             parts = rank_parts(named, model.rank_parts(shapes), dtype, bucket_bytes, resharding)
+            checked = Checked()
             for bucket in buckets(parts, self.device, dtype, bucket_bytes,
                                   separate_host=self.stack.parking.separate_host):
-                model.load_weights(bucket, local=True)
+                model.load_weights(bucket, local=True, copy=checked.copy)
+                checked.verify()
                 moved += sum(t.numel() * t.element_size() for _, t in bucket)
         except BaseException as e:
             named.close()  # at once: reading a PEFT model may hold its merge open
             self.weights_missing = True
-            if not isinstance(e, Exception):
-                raise  # KeyboardInterrupt stays what it is; needs_weights says the rest
+            if not isinstance(e, Exception) or isinstance(e, (ValueError, CopyMismatch)):
+                # KeyboardInterrupt stays what it is, a refused source a ValueError naming it;
+                # needs_weights says the rest.
+                raise
             raise RuntimeError("update_weights: a copy failed after some weights were "
                                "written; the engine's weights are incomplete and it "
                                "refuses to generate until a complete update_weights") from e
@@ -146,6 +153,7 @@ class Colocation:
             # KV computed by the old weights goes, even when a copy failed half way.
             self.stack.kv.clear_cache()
         self.weights_missing = False
+        self.weights_version += 1
         model.pack_weights()  # an interrupt here leaves the rest to pack at first use
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

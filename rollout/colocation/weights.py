@@ -198,11 +198,33 @@ def named_shapes_and_tensors(source, gather: bool = True
             check_tensor(hf_name(name), param)
         return ([(hf_name(n), p.shape) for n, p in _weight_params(model)],
                 model_tensors(source, gather))
-    named = list(source.items() if isinstance(source, dict) else source)
+    named = _pairs(source)
     for name, tensor in named:
         check_tensor(name, tensor)
     return ([(name, tensor.shape) for name, tensor in named],
             ((name, _read(tensor, gather=gather)) for name, tensor in named))
+
+
+def _pairs(source) -> list[tuple[str, torch.Tensor]]:
+    """A source that is not a model as (name, tensor) pairs: a dict or an iterable of pairs.
+    Anything else (None, a string, loose tensors) is a ValueError saying what was given."""
+    kinds = "an nn.Module, a dict of name -> tensor, or an iterable of (name, tensor) pairs"
+    if isinstance(source, (str, bytes)) or source is None:
+        raise ValueError(f"update_weights: source must be {kinds}, got {type(source).__name__}")
+    if isinstance(source, dict):
+        items = list(source.items())
+    else:
+        try:
+            items = list(source)
+        except TypeError:
+            raise ValueError(f"update_weights: source must be {kinds}, got "
+                             f"{type(source).__name__}") from None
+    for i, item in enumerate(items):
+        if (not isinstance(item, (tuple, list)) or len(item) != 2
+                or not isinstance(item[0], str)):
+            raise ValueError(f"update_weights: source item {i} must be a (name, tensor) pair "
+                             f"with a str name, got {type(item).__name__}")
+    return [(name, tensor) for name, tensor in items]
 
 
 def buckets(named: Iterable[tuple[str, torch.Tensor]], device: torch.device,

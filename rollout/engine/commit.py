@@ -18,6 +18,7 @@ from ..kv.manager import KVManager
 from ..models.base import ROUTED_EXPERTS
 from ..requests.batch import Batch, ScheduledSeq
 from ..requests.sequence import Sequence
+from ..sample.sampler import Emitted
 from .scheduler import Scheduler
 from .stop import StopChecker
 
@@ -30,8 +31,7 @@ class Failure:
 
 @dataclass
 class _Verdict:
-    tokens: list[int]  # emitted, then cut at the stop
-    logprobs: list[float]
+    emitted: Emitted  # cut at the stop
     reason: str | None
     stop_text_at: int | None
 
@@ -42,12 +42,12 @@ class Committer:
         self.kv, self.scheduler, self.stop, self.journal = kv, scheduler, stop, journal
         self.prompt_tokens_computed = 0  # prompt positions actually run through the model
 
-    def commit(self, batch: Batch, emitted: list[list[int]], logprobs: list[list[float]]
+    def commit(self, batch: Batch, emitted: list[Emitted]
                ) -> tuple[list[Sequence], dict[str, Failure]]:
         """Advance every scheduled sequence by what it kept (one token, or accepted drafts plus
         one when verifying). Returns the sequences that finished, and the requests that failed
         (their sequences are left as they were; the caller aborts them)."""
-        verdicts, failed = self._verdicts(batch, emitted, logprobs)
+        verdicts, failed = self._verdicts(batch, emitted)
         finished, prompt_tokens = [], 0
         for it, verdict in zip(batch.items, verdicts):
             if it.seq.group in failed:
@@ -59,30 +59,32 @@ class Committer:
         self.journal.add(self, "prompt_tokens_computed", prompt_tokens)
         return finished, failed
 
-    def _verdicts(self, batch: Batch, emitted, logprobs):
-        sampled = iter(zip(emitted, logprobs))
+    def _verdicts(self, batch: Batch, emitted: list[Emitted]):
+        sampled = iter(emitted)
         verdicts: list[_Verdict | None] = []
         failed: dict[str, Failure] = {}
         for it in batch.items:
             if not it.sample:
                 verdicts.append(None)
                 continue
-            tokens, lps = next(sampled)
+            drawn = next(sampled)
             seq = it.seq
             verdicts.append(None)
-            if not all(map(math.isfinite, lps)):
+            if not all(map(math.isfinite, drawn.logprobs)):
                 failed[seq.group] = Failure(
                     f"logits: the model produced non-finite values (nan/inf) for sample "
                     f"{seq.sample_index} at position {it.start + it.num_new - len(it.draft)}",
                     keep_kv=False)
                 continue
             try:
-                kept, reason, text_at = self.stop.check(seq, tokens)
+                kept, reason, text_at = self.stop.check(seq, drawn.tokens)
             except Exception as e:  # the tokenizer is user code
                 failed.setdefault(seq.group, Failure(
                     f"stop check: {type(e).__name__}: {e}", keep_kv=True))
                 continue
-            verdicts[-1] = _Verdict(tokens[:kept], lps[:kept], reason, text_at)
+            cut = Emitted(drawn.tokens[:kept], drawn.logprobs[:kept],
+                          drawn.sampling_logprobs[:kept], drawn.supports[:kept])
+            verdicts[-1] = _Verdict(cut, reason, text_at)
         return verdicts, failed
 
     def _apply(self, it: ScheduledSeq, verdict: _Verdict | None) -> bool:
@@ -93,14 +95,18 @@ class Committer:
             return False
         # Every kept token but the newest had its K/V computed (as the draft it confirmed);
         # positions of rejected drafts, and of accepted ones past a stop, drop out.
-        kept = it.num_new - len(it.draft) + len(verdict.tokens) - 1
+        emitted = verdict.emitted
+        kept = it.num_new - len(it.draft) + len(emitted.tokens) - 1
         self.kv.advance(seq, kept)
         if kept < it.num_new:
             self.kv.free(it.slots[kept:])
         self.journal.touch(seq)
-        seq.token_ids.extend(verdict.tokens)
+        seq.token_ids.extend(emitted.tokens)
         if seq.params.logprobs:
-            seq.logprobs.extend(verdict.logprobs)
+            seq.logprobs.extend(emitted.logprobs)
+            seq.sampling_logprobs.extend(emitted.sampling_logprobs)
+        if seq.params.return_support:
+            seq.support.extend(emitted.supports)
         if it.start < seq.num_prompt:
             self.kv.cache_computed(seq)  # the prompt is complete: siblings can share it now
         if verdict.reason is None:

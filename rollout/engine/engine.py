@@ -26,7 +26,7 @@ from ..kv.pool import kv_bytes_per_token, size_pool
 from ..models.base import ROUTED_EXPERTS
 from ..models.loader import build_model, eos_token_ids, load_into, resolve_model
 from ..parallel import shared_seed, tensor_parallel
-from ..requests.intake import Prompt, check_request, check_requests
+from ..requests.intake import Prompt, check_request, check_requests, hold_key
 from ..requests.outputs import RolloutOutput, build_output
 from ..requests.request import Request
 from ..requests.sequence import Sequence
@@ -91,9 +91,10 @@ class Engine:
                                      lambda: [] if drafter is None else [drafter])
         self._guard = EngineGuard()
         self._broken: str | None = None
-        check_tp = self.tp if config.check_tensor_parallel and self.tp.size > 1 else None
+        tp = self.tp if self.tp.size > 1 else None
         self._stepper = StepRunner(self.stack, self.scheduler, self.committer, self.speculator,
-                                   self.requests, self._guard, self._stats, check_tp)
+                                   self.requests, self._guard, self._stats, tp,
+                                   config.check_tensor_parallel and tp is not None)
 
     @contextlib.contextmanager
     def _entered(self, call: str) -> Iterator[None]:
@@ -128,6 +129,7 @@ class Engine:
                                      f"finished and not yet returned by step())")
             if not isinstance(hold_kv, bool):
                 raise ValueError(f"hold_kv must be True or False, got {hold_kv!r}")
+            resume = None if resume is None else hold_key(resume)
             with self.journal.unit():
                 request = self.requests.make(text, ids, params, request_id, self.eos_ids)
                 for seq in request.seqs:
@@ -222,7 +224,8 @@ class Engine:
                 f"check_invariants() tells whether slots leaked")
 
     def _output(self, request: Request) -> RolloutOutput:
-        return build_output(request, self._text)
+        return build_output(request, self._text, self.vocab_size,
+                            self.colocation.weights_version)
 
     def _text(self, seq: Sequence) -> str | None:
         if self.tokenizer is None:
@@ -342,6 +345,12 @@ class Engine:
     @property
     def is_sleeping(self) -> bool:
         return self.colocation.is_sleeping
+
+    @property
+    def weights_version(self) -> int:
+        """How many complete update_weights the engine has taken (0: the weights it was built
+        with); every RolloutOutput carries the version it was generated under."""
+        return self.colocation.weights_version
 
     @property
     def needs_weights(self) -> bool:

@@ -10,9 +10,9 @@ import time
 import torch
 
 from ..journal import RollbackFailed
-from ..parallel import check_same_tokens
+from ..parallel import check_same_batch, check_same_tokens
 from ..requests.sequence import Sequence
-from ..sample.sampler import SamplingBatch
+from ..sample.sampler import Emitted, SamplingBatch
 from .commit import Committer, Failure
 from .guard import EngineGuard
 from .requests import RequestTable
@@ -23,15 +23,17 @@ from .stats import EngineStats
 class StepRunner:
     def __init__(self, stack, scheduler: Scheduler, committer: Committer, speculator,
                  requests: RequestTable, guard: EngineGuard, stats: EngineStats,
-                 check_tp=None) -> None:
-        """`check_tp`: the tensor-parallel group whose ranks must sample the same tokens, or
-        None. Nothing here refers back to the engine (a cycle would keep a dropped engine's
-        pool alive until the garbage collector ran)."""
+                 tp=None, check_tokens: bool = False) -> None:
+        """`tp`: the tensor-parallel group of an engine of several ranks (None: one), whose
+        ranks must run the same batch every step (checked before the forward) and, with
+        `check_tokens` (EngineConfig.check_tensor_parallel), sample the same tokens. Nothing
+        here refers back to the engine (a cycle would keep a dropped engine's pool alive
+        until the garbage collector ran)."""
         self.kv, self.runner, self.sampler = stack.kv, stack.runner, stack.sampler
         self.device, self.journal = stack.device, stack.kv.journal
         self.scheduler, self.committer, self.speculator = scheduler, committer, speculator
         self.requests, self.guard, self.stats = requests, guard, stats
-        self.check_tp = check_tp
+        self.tp, self.check_tokens = tp, check_tokens
 
     def run(self) -> bool:
         """One scheduler step; False when nothing could be scheduled."""
@@ -41,6 +43,8 @@ class StepRunner:
                 batch = self.scheduler.schedule()
             if batch is None:
                 return False
+            if self.tp is not None:
+                check_same_batch(batch, self.tp, self.device)
             marks.append(time.perf_counter())
             speculating = self.speculator is not None and self.speculator.propose(batch) > 0
             marks.append(time.perf_counter())
@@ -51,14 +55,14 @@ class StepRunner:
                 logits = self.runner.run(inputs)
                 marks.append(time.perf_counter())
                 items = [it for it in batch.items if it.sample]
-                emitted, logprobs, verdicts = self._sample_items(logits, items, speculating)
-                if self.check_tp is not None:
-                    check_same_tokens(emitted, self.check_tp, self.device)
+                emitted = self._sample_items(logits, items, speculating)
+                if self.check_tokens:
+                    check_same_tokens([e.tokens for e in emitted], self.tp, self.device)
             marks.append(time.perf_counter())
             with self.journal.unit():
-                finished, failed = self.committer.commit(batch, emitted, logprobs)
+                finished, failed = self.committer.commit(batch, emitted)
                 if speculating:
-                    self.speculator.after_commit(batch, verdicts)
+                    self.speculator.after_commit(batch, emitted)
                 for request_id, failure in failed.items():
                     self._fail(request_id, failure)
                 self._retire(finished, failed)
@@ -68,8 +72,8 @@ class StepRunner:
             self._discard_pending()
             raise
         if speculating:
-            self.stats.record_verdicts([v for v, it in zip(verdicts, items) if it.draft])
-        self.stats.record_step(batch, sum(map(len, emitted)), tuple(marks))
+            self.stats.record_verdicts([v for v, it in zip(emitted, items) if it.draft])
+        self.stats.record_step(batch, sum(len(e.tokens) for e in emitted), tuple(marks))
         return True
 
     def _discard_pending(self) -> None:
@@ -80,16 +84,15 @@ class StepRunner:
         except BaseException as e:
             raise RollbackFailed("discarding a failed step's slots") from e
 
-    def _sample_items(self, logits: torch.Tensor, items, speculating: bool):
-        """Tokens and logprobs per sampled item (verification's accepted drafts plus one)."""
+    def _sample_items(self, logits: torch.Tensor, items, speculating: bool) -> list[Emitted]:
+        """What each sampled item emits (verification's accepted drafts plus one)."""
         # One row per sampled position: a verifying item has len(draft) + 1 of them.
-        rows = SamplingBatch.for_sequences(
-            [(it.seq, j) for it in items for j in range(len(it.draft) + 1)], self.device)
+        positions = [(it.seq, j) for it in items for j in range(len(it.draft) + 1)]
+        rows = SamplingBatch.for_sequences(positions, self.device)
+        want_support = tuple(seq.params.return_support for seq, _ in positions)
         if speculating:
-            verdicts = self.speculator.verify(logits, rows, items)
-            return [v.tokens for v in verdicts], [v.logprobs for v in verdicts], verdicts
-        tokens, lps = self.sampler.sample(logits, rows)
-        return [[t] for t in tokens.tolist()], [[lp] for lp in lps.tolist()], None
+            return self.speculator.verify(logits, rows, items, want_support)
+        return self.sampler.draw(logits, rows, want_support)
 
     def _fail(self, request_id: str, failure: Failure) -> None:
         """The request ends as aborted, saying why; the other requests go on."""

@@ -20,7 +20,7 @@ from ..kv.slot_table import SlotTable
 from ..models.layers.packed_linear import Projection
 from ..ops.backend import resolve_backend
 from ..ops.op import Dispatched
-from ..sample.sampler import SAMPLE, Sampler
+from ..sample.sampler import DRAW, Sampler
 from .cuda_graph import DecodeGraphs
 from .runner import ModelRunner
 
@@ -41,6 +41,8 @@ class ModelStack:
         self.kv = KVManager(self.pool, cache, self.table, journal)
         self.backend = resolve_backend(config.backend, device, config.pack_cpu_weights)
         model.use_backend(self.backend)
+        if config.lm_head_dtype == torch.float32 and model.dtype != torch.float32:
+            model.head.compute_in_float32(self.backend)
         model.pack_weights()
         self.attention = self.backend.bind(ATTENTION, model.dtype)(self.pool, layout.windows)
         self.sampler = Sampler(self.backend)
@@ -61,7 +63,7 @@ class ModelStack:
         the sampler, every dispatched layer kind, and the projections' packing."""
         out = {"backend": self.backend.name,
                "attention": self.backend.choose(ATTENTION.implementations, self.model.dtype),
-               "sample": self.backend.choose(SAMPLE.implementations, torch.float32)}
+               "sample": self.backend.choose(DRAW.implementations, torch.float32)}
         for module in self.model.modules():
             if isinstance(module, Dispatched):
                 out[type(module).__name__] = module.implementation

@@ -216,6 +216,12 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    @property
+    def head(self):
+        """The projection compute_logits multiplies by (a layers.VocabParallelEmbedding: the LM
+        head, or the embedding it is tied to)."""
+        raise NotImplementedError
+
     def slot_extras(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Name -> (shape, dtype) of what the KV pool keeps per slot beside K/V, written in the
         forward by `ctx.store_slot_values` at the tokens' slots, so it lives exactly as long as
@@ -292,21 +298,26 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                     local: bool = False) -> set[str]:
+                     local: bool = False, copy=None) -> set[str]:
         """Copy HF-named tensors into our (fused) parameters in place, so tensor addresses (and
         CUDA graphs captured against them) stay valid; returns the names written (a fused
         shard as `name[i]`, an expert's slice of a stacked parameter as `name[e]`, a shard of it
         as `name[e][i]`; a whole stacked tensor counts as all of them). `local`: the tensors
         are this rank's parts already (`rank_parts`), not full ones. An unknown name or a
         wrong shape raises ValueError when reached: check_weights first to refuse before
-        anything is copied."""
+        anything is copied. `copy(name, dst, src)`: how each tensor goes in (update_weights
+        checks each copy: rollout/colocation/checksum.py); dst.copy_(src) by default."""
         params = dict(self.named_parameters())
         written: set[str] = set()
         for name, tensor in named_tensors:
             dest = self._destination(params, name, tensor.shape, local)
             if dest is not None:
                 dst, pieces, cut = dest
-                dst.copy_(tensor if cut is None or local else cut.take(tensor))
+                src = tensor if cut is None or local else cut.take(tensor)
+                if copy is None:
+                    dst.copy_(src)
+                else:
+                    copy(name, dst, src)
                 written.update(pieces)
         return written
 

@@ -3,7 +3,7 @@ forward issues (collectives.py), which part of each checkpoint tensor a rank kee
 and the group a model is being built for (building.py)."""
 
 from .building import building_for, current
-from .collectives import all_reduce, check_same_tokens, gather_vocab
+from .collectives import all_reduce, check_same_batch, check_same_tokens, gather_vocab
 from .group import SINGLE, TensorParallel, shared_seed, tensor_parallel
 from .shard import Concat, HeadSplit, Slice, even_split, split_heads, split_vocab
 

@@ -36,18 +36,38 @@ def gather_vocab(local: torch.Tensor, tp: TensorParallel, vocab_size: int) -> to
 _MODULUS = (1 << 61) - 1  # keeps the polynomial hash in int64
 
 
-def check_same_tokens(tokens: list[list[int]], tp: TensorParallel,
-                      device: torch.device) -> None:
-    """Debug check (EngineConfig.check_tensor_parallel): every rank sampled the same tokens this
-    step. One all-reduce of two int64s: the max of the hash and of its negation agree only when
-    every rank's hash is the same. RuntimeError on every rank otherwise."""
+def check_same(rows, tp: TensorParallel, device: torch.device, what: str) -> None:
+    """Every rank holds the same `rows` (lists of ints) or RuntimeError on every rank, saying
+    `what` differs. One all-reduce of two int64s: the max of a hash and of its negation agree
+    only when every rank's hash is the same."""
     digest = 0
-    for row in tokens:
+    for row in rows:
         for t in (len(row), *row):
             digest = (digest * 1_000_003 + t + 1) % _MODULUS
     both = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=tp.group)
     if int(both[0]) != -int(both[1]):
-        raise RuntimeError(f"tensor parallel: ranks sampled different tokens this step (rank "
-                           f"{tp.rank} hash {digest}, max {int(both[0])}, min "
-                           f"{-int(both[1])}); their logits differ")
+        raise RuntimeError(f"tensor parallel: {what} (rank {tp.rank} hash {digest}, max "
+                           f"{int(both[0])}, min {-int(both[1])})")
+
+
+def check_same_tokens(tokens: list[list[int]], tp: TensorParallel,
+                      device: torch.device) -> None:
+    """Debug check (EngineConfig.check_tensor_parallel): every rank sampled the same tokens this
+    step."""
+    check_same(tokens, tp, device, "ranks sampled different tokens this step; their logits "
+                                   "differ")
+
+
+def check_same_batch(batch, tp: TensorParallel, device: torch.device) -> None:
+    """Every step of an engine of several ranks, before its forward: the ranks run the same
+    batch (each item's request id, sample, position, and the tokens it feeds). Ranks handed
+    different requests (each its own prompts) would otherwise run a forward mixing them and
+    all return the same wrong text."""
+    rows = []
+    for it in batch.items:
+        seq = it.seq
+        rows.append([*seq.group.encode(), seq.sample_index, it.start, it.num_new,
+                     *seq.token_ids[it.start:it.start + it.num_new]])
+    check_same(rows, tp, device, "ranks of one engine run different requests this step (each "
+                                 "rank must add the same requests, in the same order)")

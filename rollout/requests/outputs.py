@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..sample.support import Support
+
 
 @dataclass
 class Sample:
@@ -21,6 +23,12 @@ class Sample:
     # The last completion token is never an input: it has no row (pad it when the trainer
     # routes it). None unless asked, and for an aborted sample.
     routed_experts: torch.Tensor | None = None
+    # SamplingParams.logprobs: each token's log-probability under the distribution it was drawn
+    # from (temperature, then top-k / top-p / min-p, renormalised; 0 for a greedy token): equal
+    # to `logprobs` where nothing truncated. SamplingParams.return_support: support[j], the
+    # token ids that distribution kept (rollout/sample/support.py, logprobs_on_support).
+    sampling_logprobs: list[float] | None = None
+    support: Support | None = None
 
     @property
     def cumulative_logprob(self) -> float | None:
@@ -36,11 +44,14 @@ class RolloutOutput:
     # Why the engine aborted the request (non-finite logits, a failing stop check); the
     # samples that had finished before keep their tokens and reasons.
     error: str | None = None
+    # Engine.weights_version its tokens were sampled under (update_weights waits for running
+    # requests, so one request's tokens share one version).
+    weights_version: int = 0
 
 
-def build_output(group, decode) -> RolloutOutput:
-    """The output of a finished `requests.request.Request`. `decode(seq)` gives a sample's text (None
-    without a tokenizer); a tokenizer that fails here costs the text, not the tokens."""
+def build_output(group, decode, vocab_size: int, weights_version: int = 0) -> RolloutOutput:
+    """The output of a finished `requests.request.Request`. `decode(seq)` gives a sample's text
+    (None without a tokenizer); a tokenizer that fails here costs the text, not the tokens."""
     samples, error = [], group.error
     for seq in group.seqs:
         try:
@@ -51,5 +62,9 @@ def build_output(group, decode) -> RolloutOutput:
             index=seq.sample_index, token_ids=seq.output_ids,
             logprobs=list(seq.logprobs) if group.params.logprobs else None,
             finish_reason=seq.finish_reason, text=text,
-            routed_experts=seq.routed_experts if group.params.return_routed_experts else None))
-    return RolloutOutput(group.request_id, group.prompt_ids, samples, group.prompt, error)
+            routed_experts=seq.routed_experts if group.params.return_routed_experts else None,
+            sampling_logprobs=list(seq.sampling_logprobs) if group.params.logprobs else None,
+            support=Support(list(seq.support), vocab_size) if group.params.return_support
+            else None))
+    return RolloutOutput(group.request_id, group.prompt_ids, samples, group.prompt, error,
+                         weights_version)

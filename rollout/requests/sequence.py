@@ -33,6 +33,10 @@ class Sequence:
     stop_ids: frozenset[int]  # EOS (unless ignore_eos) and the stop_token_ids
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    # SamplingParams.logprobs: each token's log-probability under the truncated distribution it
+    # was drawn from; return_support: that distribution's kept ids (None: the whole vocabulary)
+    sampling_logprobs: list[float] = field(default_factory=list)
+    support: list = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0
     cached_len: int = 0
@@ -56,14 +60,19 @@ class Sequence:
         logprob lists are only appended to, or replaced, while a snapshot is held, so their
         objects and lengths are enough."""
         return (self.status, self.num_computed, self.cached_len, self.node, self.row,
-                self.finish_reason, self.stop_text_at,
-                self.token_ids, len(self.token_ids), self.logprobs, len(self.logprobs))
+                self.finish_reason, self.stop_text_at, *self._lists(),
+                *map(len, self._lists()))
 
     def restore(self, snapshot: tuple) -> None:
         (self.status, self.num_computed, self.cached_len, self.node, self.row,
-         self.finish_reason, self.stop_text_at,
-         self.token_ids, num_tokens, self.logprobs, num_logprobs) = snapshot
-        del self.token_ids[num_tokens:], self.logprobs[num_logprobs:]
+         self.finish_reason, self.stop_text_at, self.token_ids, self.logprobs,
+         self.sampling_logprobs, self.support, *lengths) = snapshot
+        for values, length in zip(self._lists(), lengths):
+            del values[length:]
+
+    def _lists(self) -> tuple[list, ...]:
+        """The per-token lists, appended to as the sample grows."""
+        return self.token_ids, self.logprobs, self.sampling_logprobs, self.support
 
     @property
     def num_prompt(self) -> int:

@@ -28,6 +28,8 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: bool = False
+    # Each Sample's `support`: the token ids the truncated distribution of each token kept.
+    return_support: bool = False
     # MoE models: each sample's Sample.routed_experts (outputs.py), for routing replay.
     return_routed_experts: bool = False
 
@@ -65,6 +67,7 @@ class SamplingParams:
             self.seed = as_int("seed", self.seed, 0, SEED_LIMIT - 1)
         self.ignore_eos = as_bool("ignore_eos", self.ignore_eos)
         self.logprobs = as_bool("logprobs", self.logprobs)
+        self.return_support = as_bool("return_support", self.return_support)
         self.return_routed_experts = as_bool("return_routed_experts",
                                              self.return_routed_experts)
 

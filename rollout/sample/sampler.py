@@ -1,6 +1,7 @@
 """Logits -> tokens + logprobs: Gumbel-max over the filtered log-probabilities with counter
 noise (rollout/sample/noise.py); the logprob returned is log_softmax(logits / T) at the chosen
-token.
+token, and on request its log-probability under the truncated distribution it was drawn from
+and that distribution's support (support.py).
 
 `sample` and `pick` below are the torch reference. A `Sampler` binds the engine backend's
 implementations (rollout/ops): the fused Triton sampler on CUDA (kernels/triton/
@@ -18,6 +19,7 @@ from rollout_kernels.cpu import gumbel as native_gumbel
 from ..ops.op import Op, always, on_cuda
 from .filters import filter_by_sort, filter_by_threshold
 from .noise import TOKEN_STREAM, gumbel_noise, row_keys
+from .support import sampled_at
 
 # Elements of [B, V] noise drawn at once on the CPU: 4 MB per int32/fp32 temporary, so the
 # temporaries of one block stay in a shared L3 cache.
@@ -39,6 +41,9 @@ class SamplingBatch:
     needs_filter: bool
     # Every row's temperature is 0 (divided by 1) or 1: dividing the logits is the identity.
     unit_temperature: bool = False
+    # Per row, on the host: drawn by argmax; drawn from a distribution a filter truncates.
+    greedy: tuple[bool, ...] = ()
+    truncated: tuple[bool, ...] = ()
 
     @classmethod
     def build(cls, temperature: list[float], top_k: list[int], top_p: list[float],
@@ -56,6 +61,9 @@ class SamplingBatch:
             needs_filter=any(k > 0 for k in top_k) or any(p < 1 for p in top_p)
             or any(m > 0 for m in min_p),
             unit_temperature=all(t in (0, 1) for t in temperature),
+            greedy=tuple(t == 0 for t in temperature),
+            truncated=tuple(t != 0 and (k > 0 or p < 1 or m > 0)
+                            for t, k, p, m in zip(temperature, top_k, top_p, min_p)),
         )
 
     @classmethod
@@ -141,41 +149,75 @@ def pick(logits: torch.Tensor, candidates: torch.Tensor, batch: SamplingBatch,
     return tokens
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch,
-           gumbel_argmax=gumbel_argmax_torch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return (tokens int64 [B], logprobs float32 [B]).
-
-    The logprob is log_softmax(logits / T) at the chosen token, before any top-k/p/min-p
-    filtering (T = 1 for greedy rows): the quantity a GRPO/PPO trainer recomputes.
-    """
+def draw(logits: torch.Tensor, batch: SamplingBatch, gumbel_argmax=gumbel_argmax_torch
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens int64 [B], logprobs float32 [B], candidates [B, V]): the tokens, their
+    log_softmax(logits / T) before any top-k/p/min-p filtering (T = 1 for greedy rows: the
+    quantity a GRPO/PPO trainer recomputes), and the filtered log-probabilities they were
+    drawn from."""
     logp, candidates = target_logprobs(logits, batch)
     tokens = pick(logits, candidates, batch, TOKEN_STREAM, gumbel_argmax)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1), candidates
 
 
-def sample_cpu(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    return sample(logits, batch, gumbel_argmax_cpu)
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch reference: (tokens, logprobs) of `draw`."""
+    return draw(logits, batch)[:2]
 
 
-def sample_triton(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused Triton sampler; the same noise and filters as `sample`."""
+def draw_cpu(logits: torch.Tensor, batch: SamplingBatch):
+    return draw(logits, batch, gumbel_argmax_cpu)
+
+
+def draw_triton(logits: torch.Tensor, batch: SamplingBatch):
+    """The fused Triton sampler: the same tokens as `draw`; it keeps no candidates."""
     from rollout_kernels.triton import sample as kernel_sample
 
-    return kernel_sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p,
-                         batch.seed, batch.position)
+    tokens, logprobs = kernel_sample(logits, batch.temperature, batch.top_k, batch.top_p,
+                                     batch.min_p, batch.seed, batch.position)
+    return tokens, logprobs, None
 
 
-SAMPLE = Op("sample", torch=(sample, always), cpu=(sample_cpu, native_gumbel.supported),
-            triton=(sample_triton, on_cuda))
+DRAW = Op("draw", torch=(draw, always), cpu=(draw_cpu, native_gumbel.supported),
+          triton=(draw_triton, on_cuda))
+
+
+@dataclass
+class Emitted:
+    """What one sampled item emits in a step (one token; with speculation the accepted drafts
+    and one more), on the host."""
+
+    tokens: list[int]
+    logprobs: list[float]  # log_softmax(logits / T) at each token: the untruncated policy
+    sampling_logprobs: list[float]  # under the truncated distribution it was drawn from
+    supports: list  # kept ids (int32 tensors), None: the whole vocabulary (or not asked for)
 
 
 class Sampler:
-    """`sample` and `pick` with the backend's implementations bound (rollout/ops/backend.py).
+    """`draw` and `pick` with the backend's implementations bound (rollout/ops/backend.py).
     Logits are sampled in float32 whatever the model's dtype."""
 
     def __init__(self, backend) -> None:
-        self.sample = backend.bind(SAMPLE)
+        self._draw = backend.bind(DRAW)
         self._gumbel_argmax = backend.bind(GUMBEL_ARGMAX)
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._draw(logits, batch)[:2]
+
+    def draw(self, logits: torch.Tensor, batch: SamplingBatch,
+             want_support: tuple[bool, ...] | None = None) -> list[Emitted]:
+        """One token per row with its logprob and sampling logprob, and the support of the
+        rows in `want_support` (support.py)."""
+        tokens, logprobs, candidates = self._draw(logits, batch)
+        want_support = want_support or (False,) * len(batch.greedy)
+        if candidates is None and any(batch.truncated):  # the fused kernel keeps none
+            candidates = target_logprobs(logits, batch)[1]
+        token_list, lp_list = tokens.tolist(), logprobs.tolist()
+        sampling, supports = sampled_at(candidates, list(range(len(token_list))), token_list,
+                                        lp_list, batch.greedy, batch.truncated, want_support)
+        return [Emitted([t], [lp], [s], [sup])
+                for t, lp, s, sup in zip(token_list, lp_list, sampling, supports)]
 
     def pick(self, logits: torch.Tensor, candidates: torch.Tensor, batch: SamplingBatch,
              stream: int = TOKEN_STREAM) -> torch.Tensor:

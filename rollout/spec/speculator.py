@@ -119,10 +119,10 @@ class Speculator:
         for seq in seqs:
             self._misses.pop(seq.seq_id, None)
 
-    def verify(self, logits, rows, items) -> list[Verdict]:
+    def verify(self, logits, rows, items, want_support=None) -> list[Verdict]:
         """The verdicts of one step's sampled items (rows: one per verified position)."""
         return verify(logits, rows, [it.draft for it in items], [it.draft_probs for it in items],
-                      self.config.acceptance, self.sampler.pick, self.accept)
+                      self.config.acceptance, self.sampler.pick, self.accept, want_support)
 
     def discard_pending(self) -> None:
         self.drafter.discard_pending()

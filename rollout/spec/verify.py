@@ -28,16 +28,19 @@ from dataclasses import dataclass
 import torch
 
 from ..sample.noise import ACCEPT_STREAM, RESIDUAL_STREAM, gumbel_noise, uniform_scalar
-from ..sample.sampler import SamplingBatch, pick, target_logprobs
+from ..sample.sampler import Emitted, SamplingBatch, pick, target_logprobs
+from ..sample.support import sampled_at
 from .accept import accept_drafts_ref
 
 RULES = ("coupled", "rejection")
 
 
 @dataclass
-class Verdict:
-    tokens: list[int]  # accepted drafts, then the correction or bonus token
-    logprobs: list[float]  # the target's log_softmax(logits / T) at each emitted token
+class Verdict(Emitted):
+    """Emitted: the accepted drafts, then the correction or bonus token, with the target's
+    logprobs, sampling logprobs and supports at each (the truncated distributions the
+    acceptance ran on)."""
+
     proposed: int = 0
 
     @property
@@ -61,7 +64,8 @@ def draft_distributions(drafts: list[list[int]], draft_probs: list[torch.Tensor 
 
 def verify(logits: torch.Tensor, batch: SamplingBatch, drafts: list[list[int]],
            draft_probs: list[torch.Tensor | None], rule: str = "coupled", pick=pick,
-           accept=accept_drafts_ref) -> list[Verdict]:
+           accept=accept_drafts_ref, want_support: tuple[bool, ...] | None = None
+           ) -> list[Verdict]:
     """`logits` [R, V]: for each request its len(draft)+1 rows; `batch` holds one row per
     logits row (position = the position of the token that row predicts). `pick`: the target's
     sampler (Sampler.pick), `accept`: the acceptance scan (speculator.py ACCEPT); the torch
@@ -89,10 +93,15 @@ def verify(logits: torch.Tensor, batch: SamplingBatch, drafts: list[list[int]],
         tokens = draft[:a] + [last]
         picked_rows += range(start, start + a + 1)
         picked_tokens += tokens
-        verdicts.append(Verdict(tokens, [], len(draft)))
+        verdicts.append(Verdict(tokens, [], [], [], len(draft)))
     lps = logp[torch.tensor(picked_rows), torch.tensor(picked_tokens)].tolist()
+    sampling, supports = sampled_at(candidates, picked_rows, picked_tokens, lps, batch.greedy,
+                                    batch.truncated,
+                                    want_support or (False,) * len(batch.greedy))
     at = 0
     for v in verdicts:
-        v.logprobs = lps[at:at + len(v.tokens)]
-        at += len(v.tokens)
+        end = at + len(v.tokens)
+        v.logprobs, v.sampling_logprobs, v.supports = lps[at:end], sampling[at:end], \
+            supports[at:end]
+        at = end
     return verdicts

@@ -115,7 +115,7 @@ STEP_POINTS = {
     "draft_forward": (lambda e: (e.speculator.drafter.stack.model, "forward"), ("draft",), True),
     "prepare": (lambda e: (e.runner, "prepare"), SPECS, True),
     "forward": (lambda e: (e.model, "forward"), SPECS, True),
-    "sampler": (lambda e: (e.stack.sampler, "sample"), ("plain",), True),
+    "sampler": (lambda e: (e.stack.sampler, "draw"), ("plain",), True),
     "verify": (lambda e: (e.speculator, "verify"), ("ngram", "draft"), True),
     "tokenizer": (lambda e: (e.tokenizer, "decode"), SPECS, True),
     "radix_insert": (lambda e: (e.cache, "insert"), SPECS, True),

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rollout.sample.noise import gumbel_noise, row_keys
-from rollout.sample.sampler import SamplingBatch, sample, sample_cpu
+from rollout.sample.sampler import SamplingBatch, draw_cpu, sample
 from rollout_kernels import cpu as native
 from rollout_kernels.cpu import gumbel
 
@@ -96,6 +96,6 @@ def test_sample_is_the_torch_path_with_filters_and_greedy_rows():
         top_p=[0.9 if i % 4 == 1 else 1.0 for i in range(rows)],
         min_p=[0.05 if i % 5 == 2 else 0.0 for i in range(rows)],
         seed=list(range(rows)), position=[10 * i for i in range(rows)], device="cpu")
-    native = sample_cpu(logits, b)
+    native = draw_cpu(logits, b)[:2]
     torch_path = sample(logits, b)
     assert torch.equal(native[0], torch_path[0]) and torch.equal(native[1], torch_path[1])

@@ -73,6 +73,29 @@ def run_all(tp: int) -> dict:
     return results
 
 
+def mismatched_requests(cfg: dict) -> dict:
+    """Ranks of one engine handed different requests (rank r a prompt of 5 + 2r tokens): the
+    step refuses on every rank before any forward mixes them, and once the caller aborts them
+    the engine serves the same requests again as before."""
+    engine = Engine(MODELS["llama_mqa"](0), EngineConfig(**cfg))
+    before = _samples(engine.generate(PROMPTS, GREEDY))
+    rank = torch.distributed.get_rank()
+    engine.add_request(list(range(1, 6 + 2 * rank)), GREEDY)
+    try:
+        engine.step()
+        refused = False
+    except RuntimeError as e:
+        refused = "run different requests" in str(e)
+    engine.abort_all()
+    engine.check_invariants()
+    # Tokens: the prompts' K/V now come from the prefix cache, whose logits may differ from a
+    # fresh prefill's in the last bits.
+    after = engine.generate(PROMPTS, GREEDY)
+    return {"mismatch/refused": refused,
+            "mismatch/after": [[s.token_ids for s in o.samples] for o in after]
+            == [[tokens for tokens, _ in o] for o in before]}
+
+
 def _preemption(cfg: dict) -> dict:
     rng = random.Random(0)
     prompts = [[rng.randrange(128) for _ in range(rng.randrange(5, 20))] for _ in range(6)]

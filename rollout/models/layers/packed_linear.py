@@ -108,6 +108,53 @@ class NativePackedWeight(PackedCopy):
         return 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
 
 
+class Float32Copy(PackedCopy):
+    """The weight in float32, for logits computed in float32 from the hidden state
+    (EngineConfig.lm_head_dtype): refreshed in place, so its address stays what CUDA graphs
+    captured."""
+
+    __slots__ = ()
+    kind = "fp32"
+
+    def refresh(self, weight: torch.Tensor) -> torch.Tensor:
+        key = (weight.data_ptr(), weight._version)
+        if key != self.key:
+            if self.packed is not None and self.packed.shape == weight.shape:
+                self.key = None  # stale until the copy completes
+                self.packed.copy_(weight.detach())
+            else:
+                self.drop()
+                self.packed = weight.detach().float().contiguous()
+            self.key = key
+        return self.packed
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x.float(), self.refresh(weight), None if bias is None else bias.float())
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
+
+
+class Float32Panels(NativePackedWeight):
+    """The weight in float32 panels for linear.c (the CPU backend's fp32 head)."""
+
+    __slots__ = ()
+    kind = "cpu-fp32"
+
+    def _pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return native_linear.pack_panels(weight.float())
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+        x = x.float()
+        if x.numel() // weight.shape[1] > native_linear.MAX_ROWS:
+            return F.linear(x, weight.float(), None if bias is None else bias.float())
+        y = native_linear.linear(x, self.refresh(weight), weight.shape[0])
+        return y if bias is None else y.add_(bias.float())
+
+
 class Projection:
     """Mixin of the model's projections (nn.Linear subclasses and the LM head): `project`
     multiplies by the weight, or by its packed copy under the cpu backend (use_backend)."""
@@ -120,6 +167,13 @@ class Projection:
         if backend.choose(self.implementations, dtype) == "cpu" and backend.pack_weights:
             fast = native_linear.supported(backend.device, dtype)
             self.packing = NativePackedWeight() if fast else PackedWeight()
+
+    def compute_in_float32(self, backend) -> None:
+        """Multiply in float32 whatever the weight's dtype (a float32 copy of it, derived like
+        the packed ones; EngineConfig.lm_head_dtype for the LM head)."""
+        cpu = backend.device.type == "cpu" and backend.name == "cpu"
+        fast = cpu and native_linear.supported(backend.device, torch.float32)
+        self.packing = Float32Panels() if fast else Float32Copy()
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packing is None:

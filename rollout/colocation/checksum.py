@@ -1,0 +1,73 @@
+"""Verified weight copies: every tensor update_weights writes is summed on the source side
+and read back on the destination, on the device, and a bucket's sums are compared with one
+host synchronisation. The sum is of the values' bit patterns as integers (exact, so the order
+the device adds in does not matter); the destination is also checked for non-finite values,
+which a NaN or Inf in the source, or a finite float32 too large for bf16, leaves there.
+
+A mismatch or a non-finite value raises after the bucket's copy: the engine's weights are then
+incomplete (`needs_weights`), and it refuses to generate until a complete update_weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+# The integer type of each floating dtype's width: a tensor viewed as it, bit for bit.
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bit_sum(t: torch.Tensor) -> torch.Tensor:
+    """The sum of `t`'s bit patterns as int64, a 0-d tensor on its device."""
+    return t.view(_BITS[t.element_size()]).sum(dtype=torch.int64)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """The copy itself (its own function so a test can corrupt it)."""
+    dst.copy_(src)
+
+
+class CopyMismatch(RuntimeError):
+    """A weight differs from its source after the copy."""
+
+
+@dataclass
+class Checked:
+    """The checks of one bucket's copies, compared at `verify`."""
+
+    names: list[str] = field(default_factory=list)
+    sources: list[torch.Tensor] = field(default_factory=list)
+    destinations: list[torch.Tensor] = field(default_factory=list)
+    finite: list[torch.Tensor] = field(default_factory=list)
+
+    def copy(self, name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """dst.copy_(src), recording both sides' sums (the source's in dst's dtype: what the
+        copy must leave in dst)."""
+        if src.dtype != dst.dtype:
+            src = src.to(dst.dtype)
+        self.names.append(name)
+        self.sources.append(bit_sum(src))
+        _copy(dst, src)
+        self.destinations.append(bit_sum(dst))
+        self.finite.append(torch.isfinite(dst).all())
+
+    def verify(self) -> None:
+        """Raise for the first weight whose copy differs from its source or holds a non-finite
+        value (ValueError: the source's fault; RuntimeError: the copy's)."""
+        if not self.names:
+            return
+        finite = torch.stack(self.finite)
+        same = torch.stack(self.sources) == torch.stack(self.destinations)
+        finite, same = finite.cpu(), same.cpu()  # one synchronisation a bucket
+        if not bool(finite.all()):
+            name = self.names[int((~finite).nonzero()[0])]
+            raise ValueError(f"update_weights: weight {name!r} holds non-finite values (nan or "
+                             f"inf) in the engine's dtype; refused")
+        if not bool(same.all()):
+            name = self.names[int((~same).nonzero()[0])]
+            raise CopyMismatch(f"update_weights: weight {name!r} differs from its source after "
+                               f"the copy (checksum mismatch); the engine's weights are "
+                               f"incomplete and it refuses to generate until a complete "
+                               f"update_weights")
+        self.names.clear(), self.sources.clear(), self.destinations.clear(), self.finite.clear()

@@ -1,0 +1,126 @@
+"""The distribution a token was drawn from, for the trainer: its log-probability there
+(`sampling_logprobs`) and the token ids it kept (`support`).
+
+With top-k / top-p / min-p a token is drawn from the truncated distribution: temperature, then
+the filters, renormalised over the tokens they keep. `log_softmax(logits / T)` (the engine's
+`logprobs`, what a trainer recomputes) is the untruncated policy; an importance ratio of the
+two is biased wherever the filters cut (TRL and vLLM users measured a mean ratio of 0.9 at
+top_p = 0.8). The engine reports both, and the kept set, so a trainer can renormalise its own
+logits over exactly the same tokens (`logprobs_on_support`, with autograd).
+
+A greedy token is drawn from a point mass: its sampling logprob is 0 and its support the token.
+A row nothing truncates keeps the whole vocabulary: its sampling logprob is its logprob, and its
+support is stored as "all" (`Support` gives `arange(vocab)` for it when asked).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def support_ids(candidates: torch.Tensor, rows: list[int]) -> list[torch.Tensor]:
+    """The kept token ids (int32, ascending, on the CPU) of each of `rows` of `candidates`
+    (the filtered log-probabilities, -inf where a filter cut)."""
+    if not rows:
+        return []
+    kept = candidates[torch.tensor(rows, device=candidates.device)] > float("-inf")
+    counts = kept.sum(dim=-1).tolist()
+    ids = kept.nonzero()[:, 1].to(torch.int32).cpu()
+    return list(ids.split(counts))
+
+
+def truncated_logprobs(candidates: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log p(token) under each row's renormalised candidates: candidates[t] - logsumexp."""
+    lse = torch.logsumexp(candidates, dim=-1)
+    return candidates.gather(-1, tokens[:, None]).squeeze(-1) - lse
+
+
+def sampled_at(candidates: torch.Tensor | None, rows: list[int], tokens: list[int],
+               logprobs: list[float], greedy: Sequence[bool], truncated: Sequence[bool],
+               want_support: Sequence[bool]) -> tuple[list[float], list]:
+    """For each (rows[i], tokens[i]) with its full-policy logprob: (its sampling logprob, its
+    support: kept ids, or None for the whole vocabulary; None too where not wanted). Rows are
+    indices into `candidates` and the per-row flags."""
+    sampling = [0.0 if greedy[r] else lp for r, lp in zip(rows, logprobs)]
+    cut = [i for i, r in enumerate(rows) if truncated[r]]
+    if cut:
+        index = torch.tensor([rows[i] for i in cut], device=candidates.device)
+        chosen = torch.tensor([tokens[i] for i in cut], device=candidates.device)
+        for i, lp in zip(cut, truncated_logprobs(candidates[index], chosen).tolist()):
+            sampling[i] = lp
+    supports: list = [None] * len(rows)
+    kept = iter(support_ids(candidates, [r for r in rows if truncated[r] and want_support[r]])
+                if candidates is not None else ())
+    for i, (r, token) in enumerate(zip(rows, tokens)):
+        if want_support[r] and greedy[r]:
+            supports[i] = torch.tensor([token], dtype=torch.int32)
+        elif want_support[r] and truncated[r]:
+            supports[i] = next(kept)
+    return sampling, supports
+
+
+class Support(Sequence):
+    """The kept ids of each generated token of one sample: `support[j]` is a 1-D int32 tensor.
+    Stored compactly: `None` for a token drawn from the whole vocabulary."""
+
+    __slots__ = ("_rows", "vocab_size")
+
+    def __init__(self, rows: list[torch.Tensor | None], vocab_size: int) -> None:
+        self._rows, self.vocab_size = rows, vocab_size
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, j):
+        if isinstance(j, slice):
+            return Support(self._rows[j], self.vocab_size)
+        row = self._rows[j]
+        return torch.arange(self.vocab_size, dtype=torch.int32) if row is None else row
+
+    def is_full(self, j: int) -> bool:
+        """Whether token j was drawn from the whole vocabulary (nothing truncated)."""
+        return self._rows[j] is None
+
+    def mask(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """bool [len, vocab]: True where a token was kept."""
+        out = torch.ones(len(self), self.vocab_size, dtype=torch.bool, device=device)
+        cut = [j for j, row in enumerate(self._rows) if row is not None]
+        if cut:
+            out[cut] = False
+            rows = torch.cat([torch.full((len(self._rows[j]),), j) for j in cut])
+            cols = torch.cat([self._rows[j].long() for j in cut])
+            out[rows.to(device), cols.to(device)] = True
+        return out
+
+    def __repr__(self) -> str:
+        cut = sum(row is not None for row in self._rows)
+        return f"Support({len(self)} tokens, {cut} truncated, vocab {self.vocab_size})"
+
+
+def logprobs_on_support(logits: torch.Tensor, support: Support | Sequence[torch.Tensor],
+                        temperature: float = 1.0, tokens: torch.Tensor | None = None
+                        ) -> torch.Tensor:
+    """The trainer's side: `logits` [T, V] of the generated positions (from its own forward,
+    with autograd) renormalised over each position's kept tokens, as the engine drew them:
+    log_softmax(logits / temperature) restricted to support[j], -inf outside it. With `tokens`
+    [T], the log-probabilities at them ([T]); else the whole [T, V]. `support`: a Sample's
+    Support, or a list of T id tensors."""
+    if len(support) != logits.shape[0]:
+        raise ValueError(f"support: {len(support)} positions for {logits.shape[0]} logits rows")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 (a greedy token's support is itself), got "
+                         f"{temperature!r}")
+    vocab = logits.shape[-1]
+    if isinstance(support, Support):
+        if support.vocab_size != vocab:
+            raise ValueError(f"support: vocabulary {support.vocab_size}, logits {vocab}")
+        mask = support.mask(logits.device)
+    else:
+        mask = Support(list(support), vocab).mask(logits.device)
+    scaled = (logits.float() / temperature).masked_fill(~mask, float("-inf"))
+    logp = scaled.log_softmax(dim=-1)
+    if tokens is None:
+        return logp
+    return logp.gather(-1, tokens.to(logits.device).long()[:, None]).squeeze(-1)

@@ -1,0 +1,113 @@
+"""Verified weight syncs (rollout/colocation/checksum.py): every copy is summed on both sides
+and read back for non-finite values; a corrupted copy, a NaN source or a value that overflows
+the engine's dtype leaves the engine refusing to generate until a good update, which recovers
+it; bad sources are refused before anything changes; each complete update bumps
+`weights_version`, which every output carries."""
+
+import pytest
+import torch
+from models import tiny_model
+
+from rollout import Engine, EngineConfig, SamplingParams
+from rollout.colocation import checksum
+
+CONFIG = dict(kv_cache_tokens=512, max_model_len=64)
+PROMPTS = [[1, 2, 3, 4], [5, 6, 7]]
+GREEDY = SamplingParams(temperature=0, max_tokens=6, logprobs=True)
+
+
+def tokens(engine):
+    return [o.samples[0].token_ids for o in engine.generate(PROMPTS, GREEDY)]
+
+
+@pytest.fixture(params=[False, True], ids=["in-place", "bucketed"])
+def engine_and_models(request):
+    """An engine and two other models of its shapes; `bucketed`: the GPU's code path (host
+    memory separate from the device's), every tensor through the flat buckets."""
+    a, b = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    extra = {"separate_host_memory": True} if request.param else {}
+    return Engine(a, EngineConfig(**CONFIG, extra=extra)), a, b
+
+
+def test_versions_count_complete_updates_and_are_stamped(engine_and_models):
+    engine, a, b = engine_and_models
+    assert engine.weights_version == 0
+    assert {o.weights_version for o in engine.generate(PROMPTS, GREEDY)} == {0}
+    engine.update_weights(b)
+    engine.update_weights(a)
+    assert engine.weights_version == 2
+    assert {o.weights_version for o in engine.generate(PROMPTS, GREEDY)} == {2}
+    with pytest.raises(ValueError):
+        engine.update_weights([("model.norm.weight", torch.zeros(3))])  # refused: no change
+    assert engine.weights_version == 2 and not engine.needs_weights
+
+
+def test_a_corrupted_copy_is_caught_and_a_good_update_recovers(engine_and_models, monkeypatch):
+    engine, a, b = engine_and_models
+    want = tokens(Engine(b, EngineConfig(**CONFIG)))
+    real = checksum._copy
+
+    def flipping(dst, src):
+        real(dst, src)
+        if dst.shape == engine.model.model.norm.weight.shape and dst.dim() == 1:
+            dst.view(torch.int32)[3] ^= 1  # one bit of one element of one weight
+
+    monkeypatch.setattr(checksum, "_copy", flipping)
+    with pytest.raises(RuntimeError, match="checksum mismatch"):
+        engine.update_weights(b)
+    assert engine.needs_weights and engine.weights_version == 0
+    with pytest.raises(RuntimeError, match="weights are incomplete"):
+        engine.generate(PROMPTS, GREEDY)
+    monkeypatch.setattr(checksum, "_copy", real)
+    engine.update_weights(b)
+    assert not engine.needs_weights and engine.weights_version == 1
+    assert tokens(engine) == want
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_weights_are_refused(engine_and_models, bad):
+    engine, a, b = engine_and_models
+    weights = dict(b.state_dict())
+    name = "model.layers.1.mlp.down_proj.weight"
+    weights[name] = weights[name].clone()
+    weights[name][2, 5] = bad
+    with pytest.raises(ValueError, match=f"weight '{name}' holds non-finite values"):
+        engine.update_weights(weights)
+    assert engine.needs_weights
+    engine.update_weights(b)
+    assert tokens(engine) == tokens(Engine(b, EngineConfig(**CONFIG)))
+
+
+def test_a_value_beyond_the_engines_dtype_is_refused():
+    """A finite float32 too large for bf16 becomes inf in the engine's bf16 weights."""
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    engine = Engine(model, EngineConfig(**CONFIG))
+    weights = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    weights["model.norm.weight"][0] = 3.4e38  # < float32's max, rounds to inf in bf16
+    with pytest.raises(ValueError, match="'model.norm.weight' holds non-finite"):
+        engine.update_weights(weights)
+
+
+@pytest.mark.parametrize("source, match", [
+    (None, "got NoneType"), ("a string", "got str"), (3, "got int"),
+    ([1, 2], "item 0 must be a \\(name, tensor\\) pair"),
+    ([("model.norm.weight",)], "item 0 must be a \\(name, tensor\\) pair"),
+    ({3: torch.zeros(2)}, "item 0 must be a \\(name, tensor\\) pair with a str name"),
+])
+def test_bad_sources_are_refused_and_change_nothing(source, match):
+    model = tiny_model("llama")
+    engine = Engine(model, EngineConfig(**CONFIG))
+    before = tokens(engine)
+    with pytest.raises(ValueError, match=f"^update_weights: .*{match}"):
+        engine.update_weights(source)
+    assert not engine.needs_weights and engine.weights_version == 0
+    assert tokens(engine) == before
+
+
+def test_the_checksum_sees_one_flipped_bit_anywhere():
+    t = torch.randn(1000)
+    for i in (0, 499, 999):
+        u = t.clone()
+        u.view(torch.int32)[i] ^= 1 << (i % 31)
+        assert checksum.bit_sum(u) != checksum.bit_sum(t)
+    assert checksum.bit_sum(t.to(torch.bfloat16)).dtype == torch.int64
