@@ -53,7 +53,7 @@ def main() -> None:
 def report(engine, bf16, fp32, convs) -> None:
     outs = engine.chat(convs, SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
                                              logprobs=True, ignore_eos=True))
-    same, firsts, gaps = 0, [], {"bf16": 0.0, "fp32": 0.0, "hf": 0.0}
+    same, firsts, diffs = 0, [], {"bf16": [], "fp32": [], "hf": []}
     for out in outs:
         prompt, ours = list(out.prompt_token_ids), list(out.samples[0].token_ids)
         theirs = bf16.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
@@ -65,11 +65,14 @@ def report(engine, bf16, fp32, convs) -> None:
         lp16, lp32 = token_logprobs(bf16, prompt, ours), token_logprobs(fp32, prompt, ours)
         for key, diff in (("bf16", lp16 - engine_lp), ("fp32", lp32 - engine_lp),
                           ("hf", lp16 - lp32)):
-            gaps[key] = max(gaps[key], diff.abs().max().item())
+            diffs[key].append(diff.abs())
     print(f"bf16 greedy, {len(convs)} chat prompts x {NEW_TOKENS} tokens: {same}/{len(convs)} "
           f"equal to transformers' bf16 generate; first difference at {firsts}")
-    print(f"max |engine logprob - transformers forward|: bf16 {gaps['bf16']:.3g}, fp32 "
-          f"{gaps['fp32']:.3g}; transformers bf16 vs its own fp32: {gaps['hf']:.3g}")
+    gaps = {k: torch.cat(v) for k, v in diffs.items()}
+    print("|engine logprob - transformers forward| (mean / max): "
+          f"bf16 {gaps['bf16'].mean():.4f} / {gaps['bf16'].max():.3g}, "
+          f"fp32 {gaps['fp32'].mean():.4f} / {gaps['fp32'].max():.3g}; "
+          f"transformers bf16 vs its own fp32: {gaps['hf'].mean():.4f} / {gaps['hf'].max():.3g}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """Verified weight copies: every tensor update_weights writes is summed on the source side
 and read back on the destination, on the device, and a bucket's sums are compared with one
-host synchronisation. The sum is of the values' bit patterns as integers (exact, so the order
-the device adds in does not matter); the destination is also checked for non-finite values,
-which a NaN or Inf in the source, or a finite float32 too large for bf16, leaves there.
+host synchronisation. The sum is of the values' bit patterns as 32-bit words, wrapping
+(exact modulo 2^32, so the order the device adds in does not matter, and one flipped bit
+always changes it); 32-bit words because integer sums that narrow run at memory speed where
+widening ones do not. The destination is also checked for non-finite values (its min and max,
+one pass), which a NaN or Inf in the source, or a finite float32 too large for bf16, leaves.
 
 A mismatch or a non-finite value raises after the bucket's copy: the engine's weights are then
 incomplete (`needs_weights`), and it refuses to generate until a complete update_weights.
@@ -19,8 +21,21 @@ _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def bit_sum(t: torch.Tensor) -> torch.Tensor:
-    """The sum of `t`'s bit patterns as int64, a 0-d tensor on its device."""
-    return t.view(_BITS[t.element_size()]).sum(dtype=torch.int64)
+    """The wrapping sum of `t`'s bits as 32-bit words (8-byte dtypes: 64-bit words), a 0-d
+    tensor on its device; the same for the same values whatever `t`'s layout."""
+    flat = t.contiguous().view(-1)
+    size = flat.element_size()
+    word = torch.int64 if size == 8 else torch.int32
+    per = max(1, 4 // size)
+    whole = flat.numel() - flat.numel() % per
+    try:
+        words = flat[:whole].view(word)
+    except RuntimeError:  # an offset a 32-bit view cannot start at
+        words = flat[:whole].clone().view(word)
+    total = words.sum(dtype=word)
+    if whole < flat.numel():  # the odd element or three of a narrow dtype
+        total = total + flat[whole:].view(_BITS[size]).sum(dtype=word)
+    return total
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -50,7 +65,7 @@ class Checked:
         self.sources.append(bit_sum(src))
         _copy(dst, src)
         self.destinations.append(bit_sum(dst))
-        self.finite.append(torch.isfinite(dst).all())
+        self.finite.append(torch.isfinite(torch.stack(torch.aminmax(dst))).all())
 
     def verify(self) -> None:
         """Raise for the first weight whose copy differs from its source or holds a non-finite

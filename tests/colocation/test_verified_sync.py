@@ -104,10 +104,16 @@ def test_bad_sources_are_refused_and_change_nothing(source, match):
     assert tokens(engine) == before
 
 
-def test_the_checksum_sees_one_flipped_bit_anywhere():
-    t = torch.randn(1000)
-    for i in (0, 499, 999):
-        u = t.clone()
-        u.view(torch.int32)[i] ^= 1 << (i % 31)
-        assert checksum.bit_sum(u) != checksum.bit_sum(t)
-    assert checksum.bit_sum(t.to(torch.bfloat16)).dtype == torch.int64
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("numel", [1000, 999, 3])
+def test_the_checksum_sees_one_flipped_bit_anywhere_and_not_the_layout(dtype, numel):
+    t = torch.randn(numel, dtype=torch.float64).to(dtype)
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    for i in (0, numel // 2, numel - 1):
+        for bit in (0, 7, t.element_size() * 8 - 2):
+            u = t.clone()
+            u.view(bits)[i] ^= 1 << bit
+            assert checksum.bit_sum(u) != checksum.bit_sum(t)
+    # A strided view and a copy of it at another offset: the same values, the same sum.
+    wide = torch.randn(2 * numel + 1, dtype=torch.float64).to(dtype)
+    assert checksum.bit_sum(wide[1::2]) == checksum.bit_sum(wide[1::2].clone())

@@ -41,6 +41,13 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def weight_key(weight: torch.Tensor) -> tuple:
+    """What a derived copy of `weight` is valid for: its storage and version (every in-place
+    copy bumps it). Tensors made under torch.inference_mode keep no version: their storage
+    alone (a model built for inference is not written in place)."""
+    return weight.data_ptr(), 0 if weight.is_inference() else weight._version
+
+
 class PackedCopy:
     """A packed copy of one [out, in] weight and the (storage, version) it was made from; the
     subclasses pack and multiply."""
@@ -53,7 +60,7 @@ class PackedCopy:
 
     def refresh(self, weight: torch.Tensor) -> torch.Tensor:
         """The packed copy of `weight` as it is now."""
-        key = (weight.data_ptr(), weight._version)
+        key = weight_key(weight)
         if key != self.key:
             self.drop()  # the stale copy goes before the new one is made
             self.packed = self._pack(weight.detach())
@@ -117,7 +124,7 @@ class Float32Copy(PackedCopy):
     kind = "fp32"
 
     def refresh(self, weight: torch.Tensor) -> torch.Tensor:
-        key = (weight.data_ptr(), weight._version)
+        key = weight_key(weight)
         if key != self.key:
             if self.packed is not None and self.packed.shape == weight.shape:
                 self.key = None  # stale until the copy completes
