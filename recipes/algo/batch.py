@@ -32,6 +32,9 @@ class RolloutBatch:
     group: torch.Tensor  # [N] index of the prompt each sample answers
     completions: list[str]
     episodic: bool = False  # built from multi-turn episodes: `mask` has environment gaps
+    # Per sample: (target position of its first completion token, its Support), where the
+    # sampler truncated and the trainer renormalises over the kept tokens; None: it does not.
+    supports: list | None = None
 
     @property
     def size(self) -> int:
@@ -42,27 +45,53 @@ class RolloutBatch:
         return self.mask.sum(1)
 
     def rows(self, index: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The tensors of some samples, for a minibatch or micro-batch."""
-        return {"input_ids": self.input_ids[index], "attention_mask": self.attention_mask[index],
+        """The tensors of some samples, for a minibatch or micro-batch; "keep" (bool
+        [n, L-1, V]: the tokens each position's sampler kept) where the batch has supports."""
+        rows = {"input_ids": self.input_ids[index], "attention_mask": self.attention_mask[index],
                 "mask": self.mask[index], "old_logprobs": self.old_logprobs[index]}
+        if self.supports is not None:
+            rows["keep"] = self._keep(index.tolist())
+        return rows
+
+    def _keep(self, samples: list[int]) -> torch.Tensor:
+        vocab = self.supports[0][1].vocab_size
+        keep = torch.ones(len(samples), self.mask.shape[1], vocab, dtype=torch.bool,
+                          device=self.mask.device)
+        for row, i in enumerate(samples):
+            start, support = self.supports[i]
+            keep[row, start:start + len(support)] = support.mask(keep.device)
+        return keep
 
 
 def build_batch(outputs: list[RolloutOutput], rewards: list[float], pad_id: int,
-                device: torch.device) -> RolloutBatch:
-    rows = [(out.prompt_token_ids, s.token_ids, [1] * len(s.token_ids), s.logprobs)
-            for out in outputs for s in out.samples]
+                device: torch.device, behaviour: str = "logprobs") -> RolloutBatch:
+    """`behaviour`: the engine's logprobs that fill `old_logprobs`: "logprobs" (the
+    untruncated policy's), "sampling" (the truncated distribution's, Sample.sampling_logprobs)
+    or "on_support" (those, and each sample's support for the trainer to renormalise over)."""
+    sampling = behaviour != "logprobs"
+    samples = [(out, s) for out in outputs for s in out.samples]
+    rows = [(out.prompt_token_ids, s.token_ids, [1] * len(s.token_ids),
+             s.sampling_logprobs if sampling else s.logprobs) for out, s in samples]
     groups = [g for g, out in enumerate(outputs) for _ in out.samples]
     texts = [s.text or "" for out in outputs for s in out.samples]
-    return _pack(rows, rewards, groups, texts, pad_id, device)
+    batch = _pack(rows, rewards, groups, texts, pad_id, device)
+    if behaviour == "on_support":
+        batch.supports = [(len(out.prompt_token_ids) - 1, s.support) for out, s in samples]
+    return batch
 
 
 def build_episode_batch(episodes: list[list[Episode]], rewards: list[float], pad_id: int,
-                        device: torch.device, completions: list[str]) -> RolloutBatch:
+                        device: torch.device, completions: list[str],
+                        behaviour: str = "logprobs") -> RolloutBatch:
     """`episodes[i]`: the n episodes of prompt i (one GRPO group); `rewards` and `completions`
     (their texts): one per episode, in that order. Targets are masked by each episode's mask,
     and `old_logprobs` holds the engine's logprobs at model tokens only (0 at environment
-    tokens, whatever the episode says there)."""
-    rows = [(ep.prompt_ids, ep.token_ids, ep.mask, ep.logprobs) for row in episodes for ep in row]
+    tokens, whatever the episode says there); `behaviour` "sampling": its sampling logprobs
+    (what a truncating sampler drew from; episodes carry no supports)."""
+    sampling = behaviour != "logprobs"
+    rows = [(ep.prompt_ids, ep.token_ids, ep.mask,
+             ep.sampling_logprobs if sampling else ep.logprobs)
+            for row in episodes for ep in row]
     groups = [g for g, row in enumerate(episodes) for _ in row]
     return _pack(rows, rewards, groups, completions, pad_id, device, episodic=True)
 

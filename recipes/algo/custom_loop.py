@@ -60,9 +60,17 @@ class CustomTrainer:
                                      slot.count, cfg.seed)
         # Seeds differ per engine (engine seed) and per request, so samples are independent.
         self.params = SamplingParams(n=cfg.num_generations, temperature=cfg.temperature,
+                                     top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
                                      max_tokens=cfg.max_new_tokens, logprobs=True)
         self.generator = torch.Generator().manual_seed(cfg.seed + slot.index)
         self.episodic = task.environment is not None
+        # The behaviour logprobs the batch keeps (batch.py build_batch): the sampled
+        # distribution's where the sampler truncates, with its supports for "on_support".
+        self.behaviour = "logprobs"
+        if cfg.truncates:
+            on_support = cfg.importance_ratio == "on_support" and not self.episodic
+            self.behaviour = "on_support" if on_support else "sampling"
+            self.params = dataclasses.replace(self.params, return_support=on_support)
         if self.episodic:
             # Turns end at the task's stop strings (a tool call's end tag). run_episodes seeds
             # each turn from params.seed, so draw one per step, per engine: left to
@@ -124,7 +132,8 @@ class CustomTrainer:
         else:
             rewards = [self.task.reward(s.text or "", answer)
                        for out, answer in zip(outs, answers) for s in out.samples]
-            batch = build_batch(outs, rewards, self.tokenizer.pad_token_id, self.acc.device)
+            batch = build_batch(outs, rewards, self.tokenizer.pad_token_id, self.acc.device,
+                                self.behaviour)
             if self.params.return_routed_experts:
                 self.routes = routed_expert_batch(outs, batch.input_ids.shape[1], self.acc.device)
         t1 = time.perf_counter()
@@ -171,7 +180,7 @@ class CustomTrainer:
         rewards = [self.task.reward(text, answer) for text, answer in
                    zip(texts, (a for row, a in zip(episodes, answers) for _ in row))]
         batch = build_episode_batch(episodes, rewards, self.tokenizer.pad_token_id,
-                                    self.acc.device, texts)
+                                    self.acc.device, texts, self.behaviour)
         flat = [ep for row in episodes for ep in row]
         count = len(flat)
         return batch, {
@@ -190,7 +199,7 @@ class CustomTrainer:
 
         def loss_fn(index, rows, num_tokens):
             logprobs = policy_logprobs(self.module, rows["input_ids"], rows["attention_mask"],
-                                       self.cfg.temperature)
+                                       self.cfg.temperature, rows.get("keep"))
             ref = ref_logprobs[index] if ref_logprobs is not None else None
             return grpo_loss(logprobs, rows["old_logprobs"], advantages[index], rows["mask"],
                              num_tokens, self.cfg.clip_eps, ref, self.cfg.beta)
@@ -223,7 +232,8 @@ class CustomTrainer:
         def loss_fn(index, rows, num_tokens):
             logits, values = self.module(input_ids=rows["input_ids"],
                                          attention_mask=rows["attention_mask"])
-            logprobs = token_logprobs(logits, rows["input_ids"], self.cfg.temperature)
+            logprobs = token_logprobs(logits, rows["input_ids"], self.cfg.temperature,
+                                      rows.get("keep"))
             return ppo_loss(logprobs, rows["old_logprobs"], values[:, :-1], old_values[index],
                             returns[index], advantages[index], rows["mask"], num_tokens,
                             self.cfg.clip_eps, self.cfg.value_clip, self.cfg.vf_coef)
@@ -281,8 +291,10 @@ class CustomTrainer:
 
     def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         with torch.no_grad():
+            # On the same support as the policy's, so the KL compares like with like.
             return self._chunked(batch, lambda rows: policy_logprobs(
-                self.ref, rows["input_ids"], rows["attention_mask"], self.cfg.temperature))
+                self.ref, rows["input_ids"], rows["attention_mask"], self.cfg.temperature,
+                rows.get("keep")))
 
     def _chunked(self, batch: RolloutBatch, fn) -> torch.Tensor:
         index = torch.arange(batch.size, device=self.acc.device)
@@ -306,7 +318,8 @@ class CustomTrainer:
 
 def _ratio_metrics(totals: dict, tokens: float) -> dict:
     return {"loss/clip_frac": totals["clip_frac"] / tokens, "loss/ratio": totals["ratio"] / tokens,
-            "loss/ratio_abs_dev": totals["ratio_abs_dev"] / tokens}
+            "loss/ratio_abs_dev": totals["ratio_abs_dev"] / tokens,
+            "loss/ratio_outside": totals["ratio_outside"] / tokens}
 
 
 def _groups_with_signal(batch: RolloutBatch) -> float:

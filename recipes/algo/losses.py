@@ -55,7 +55,8 @@ def _ratio_stats(ratio, clipped, mask) -> dict:
     """Token sums: how far the trained policy has moved from the one that sampled."""
     ratio = ratio.detach()
     return {"clip_frac": _sum(clipped, mask), "ratio": _sum(ratio, mask),
-            "ratio_abs_dev": _sum((ratio - 1).abs(), mask)}
+            "ratio_abs_dev": _sum((ratio - 1).abs(), mask),
+            "ratio_outside": _sum(((ratio - 1).abs() > 0.1).float(), mask)}
 
 
 def _sum(x, mask):

@@ -54,6 +54,16 @@ class RecipeConfig:
     prompts_per_step: int = 32  # per engine; each engine rolls out its own shard
     num_generations: int = 8  # samples per prompt (the GRPO group)
     temperature: float = 1.0
+    # Truncated sampling: the engine's behaviour logprobs are then the truncated distribution's
+    # (Sample.sampling_logprobs), and `importance_ratio` says what the trainer's side is:
+    # "on_support" its logprobs renormalised over the tokens the sampler kept
+    # (rollout.logprobs_on_support: a ratio of 1 on-policy), "full_policy" its untruncated
+    # logprobs (a ratio of pi / mu, below 1 by the mass the filters cut). Multi-turn episodes
+    # take "full_policy" (their environment turns carry no support).
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    importance_ratio: str = "on_support"
     max_new_tokens: int | None = None  # None: auto (see _AUTO below)
     learning_rate: float | None = None
     weight_decay: float = 0.0
@@ -122,6 +132,11 @@ class RecipeConfig:
         _check_values(self)
 
     @property
+    def truncates(self) -> bool:
+        """The sampler keeps fewer tokens than the vocabulary (top-p, top-k or min-p)."""
+        return self.top_p < 1 or self.top_k > 0 or self.min_p > 0
+
+    @property
     def split_seed(self) -> int:
         return self.seed if self.data_seed is None else self.data_seed
 
@@ -146,7 +161,8 @@ _NON_NEGATIVE = ("eval_size", "eval_every", "warmstart_steps", "beta", "weight_d
 
 def _check_values(cfg: RecipeConfig) -> None:
     for name, allowed in (("trainer", TRAINERS), ("algo", ALGOS), ("reward", REWARDS),
-                          ("task", TASKS), ("wandb_mode", ("offline", "online", "disabled"))):
+                          ("task", TASKS), ("wandb_mode", ("offline", "online", "disabled")),
+                          ("importance_ratio", ("on_support", "full_policy"))):
         if getattr(cfg, name) not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
     for name in _POSITIVE:
@@ -173,6 +189,12 @@ def _check_values(cfg: RecipeConfig) -> None:
     for name in ("learning_rate", "warmstart_lr", "temperature", "clip_eps", "value_clip"):
         if not 0 < getattr(cfg, name) < math.inf:
             raise ValueError(f"{name} must be > 0 and finite, got {getattr(cfg, name)}")
+    if not 0 < cfg.top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {cfg.top_p}")
+    if not 0 <= cfg.min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1], got {cfg.min_p}")
+    if cfg.top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0: off), got {cfg.top_k}")
     if not 0 <= cfg.vf_coef < math.inf:
         raise ValueError(f"vf_coef must be >= 0 and finite, got {cfg.vf_coef}")
     batch = cfg.prompts_per_step * cfg.num_generations

@@ -92,7 +92,8 @@ class StepRunner:
         want_support = tuple(seq.params.return_support for seq, _ in positions)
         if speculating:
             return self.speculator.verify(logits, rows, items, want_support)
-        return self.sampler.draw(logits, rows, want_support)
+        want_logprobs = tuple(seq.params.logprobs for seq, _ in positions)
+        return self.sampler.draw(logits, rows, want_support, want_logprobs)
 
     def _fail(self, request_id: str, failure: Failure) -> None:
         """The request ends as aborted, saying why; the other requests go on."""

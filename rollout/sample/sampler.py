@@ -206,16 +206,20 @@ class Sampler:
         return self._draw(logits, batch)[:2]
 
     def draw(self, logits: torch.Tensor, batch: SamplingBatch,
-             want_support: tuple[bool, ...] | None = None) -> list[Emitted]:
-        """One token per row with its logprob and sampling logprob, and the support of the
-        rows in `want_support` (support.py)."""
+             want_support: tuple[bool, ...] | None = None,
+             want_logprobs: tuple[bool, ...] | None = None) -> list[Emitted]:
+        """One token per row with its logprob and sampling logprob (rows in `want_logprobs`,
+        default all), and the support of the rows in `want_support` (support.py)."""
         tokens, logprobs, candidates = self._draw(logits, batch)
         want_support = want_support or (False,) * len(batch.greedy)
-        if candidates is None and any(batch.truncated):  # the fused kernel keeps none
+        needed = [cut and (want_logprobs is None or want_logprobs[r] or want_support[r])
+                  for r, cut in enumerate(batch.truncated)]
+        if candidates is None and any(needed):  # the fused kernel keeps none
             candidates = target_logprobs(logits, batch)[1]
         token_list, lp_list = tokens.tolist(), logprobs.tolist()
         sampling, supports = sampled_at(candidates, list(range(len(token_list))), token_list,
-                                        lp_list, batch.greedy, batch.truncated, want_support)
+                                        lp_list, batch.greedy, batch.truncated, want_support,
+                                        want_logprobs)
         return [Emitted([t], [lp], [s], [sup])
                 for t, lp, s, sup in zip(token_list, lp_list, sampling, supports)]
 

@@ -39,12 +39,15 @@ def truncated_logprobs(candidates: torch.Tensor, tokens: torch.Tensor) -> torch.
 
 def sampled_at(candidates: torch.Tensor | None, rows: list[int], tokens: list[int],
                logprobs: list[float], greedy: Sequence[bool], truncated: Sequence[bool],
-               want_support: Sequence[bool]) -> tuple[list[float], list]:
+               want_support: Sequence[bool], want_logprobs: Sequence[bool] | None = None
+               ) -> tuple[list[float], list]:
     """For each (rows[i], tokens[i]) with its full-policy logprob: (its sampling logprob, its
     support: kept ids, or None for the whole vocabulary; None too where not wanted). Rows are
-    indices into `candidates` and the per-row flags."""
+    indices into `candidates` and the per-row flags; a row not in `want_logprobs` (default:
+    all) skips the renormalisation (its sampling logprob is then its logprob, unused)."""
     sampling = [0.0 if greedy[r] else lp for r, lp in zip(rows, logprobs)]
-    cut = [i for i, r in enumerate(rows) if truncated[r]]
+    cut = [i for i, r in enumerate(rows)
+           if truncated[r] and (want_logprobs is None or want_logprobs[r])]
     if cut:
         index = torch.tensor([rows[i] for i in cut], device=candidates.device)
         chosen = torch.tensor([tokens[i] for i in cut], device=candidates.device)

@@ -85,6 +85,26 @@ def test_custom_grpo_two_steps(tmp_path):
     assert any(f.endswith(".wandb") for f in os.listdir(os.path.join(out["wandb_dir"], runs[0])))
 
 
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_truncated_sampling_on_the_samplers_support_keeps_the_ratio_at_one(tmp_path, algo):
+    """top_p = 0.8, one optimizer step per rollout (on-policy): renormalised over the tokens the
+    sampler kept, the trainer's logprobs are the engine's sampling logprobs, and every token's
+    ratio is 1; against the untruncated policy ("full_policy") the ratio is pi / mu, below 1
+    by the mass the filter cut."""
+    ratios = {}
+    for mode in ("on_support", "full_policy"):
+        (tmp_path / mode).mkdir()
+        out = main(["--config", write_config(tmp_path / mode), "--algo", algo, "--top_p", "0.8",
+                    "--importance_ratio", mode, "--steps", "1"])
+        (row,) = out["history"]
+        ratios[mode] = row
+    on = ratios["on_support"]
+    assert on["loss/ratio"] == pytest.approx(1.0, abs=1e-5)
+    assert on["loss/ratio_abs_dev"] < 1e-5 and on["loss/ratio_outside"] == 0
+    full = ratios["full_policy"]
+    assert full["loss/ratio"] < 0.99 and full["loss/ratio_outside"] > 0.01
+
+
 def test_custom_grpo_minibatches_use_the_importance_ratio(tmp_path, monkeypatch):
     # A 2-step warm start earns no exact answers; a length reward gives the groups a spread,
     # so the first optimizer step moves the policy away from the one that sampled.
