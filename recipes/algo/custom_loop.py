@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import random
 import time
 
@@ -36,7 +37,7 @@ from ..run.shard import PromptSampler, engine_slot
 from .advantages import episode_gae, gae, group_advantages, whiten
 from .batch import RolloutBatch, build_batch, build_episode_batch, episode_text
 from .logprobs import policy_logprobs, token_logprobs
-from .losses import grpo_loss, ppo_loss
+from .losses import grpo_loss, mismatch_stats, ppo_loss
 from .routing_replay import FlipCount, moe_routers, routed_expert_batch, routing_replay
 
 
@@ -163,6 +164,8 @@ class CustomTrainer:
             "engine/asleep_at_optimizer_step": float(self._awake_steps == 0
                                                      and self._optimizer_steps > 0),
             "engine/optimizer_steps": self._optimizer_steps,
+            # The weights the rollout came from (every sync is verified: a bad one raises).
+            "weights/version": self.engine.weights_version,
         }
 
     # --- multi-turn episodes -----------------------------------------------------------------
@@ -201,8 +204,10 @@ class CustomTrainer:
             logprobs = policy_logprobs(self.module, rows["input_ids"], rows["attention_mask"],
                                        self.cfg.temperature, rows.get("keep"))
             ref = ref_logprobs[index] if ref_logprobs is not None else None
-            return grpo_loss(logprobs, rows["old_logprobs"], advantages[index], rows["mask"],
-                             num_tokens, self.cfg.clip_eps, ref, self.cfg.beta)
+            loss, stats = grpo_loss(logprobs, rows["old_logprobs"], advantages[index],
+                                    rows["mask"], num_tokens, self.cfg.clip_eps, ref,
+                                    self.cfg.beta)
+            return loss, stats | self._mismatch(logprobs, rows)
 
         tokens = self._optimise(batch, loss_fn, totals)
         out = {**_ratio_metrics(totals, tokens), "loss/loss": totals["loss"],
@@ -234,9 +239,11 @@ class CustomTrainer:
                                          attention_mask=rows["attention_mask"])
             logprobs = token_logprobs(logits, rows["input_ids"], self.cfg.temperature,
                                       rows.get("keep"))
-            return ppo_loss(logprobs, rows["old_logprobs"], values[:, :-1], old_values[index],
-                            returns[index], advantages[index], rows["mask"], num_tokens,
-                            self.cfg.clip_eps, self.cfg.value_clip, self.cfg.vf_coef)
+            loss, stats = ppo_loss(logprobs, rows["old_logprobs"], values[:, :-1],
+                                   old_values[index], returns[index], advantages[index],
+                                   rows["mask"], num_tokens, self.cfg.clip_eps,
+                                   self.cfg.value_clip, self.cfg.vf_coef)
+            return loss, stats | self._mismatch(logprobs, rows)
 
         tokens = self._optimise(batch, loss_fn, totals)
         return out | {"loss/policy": totals["policy_loss"] / tokens,
@@ -248,6 +255,7 @@ class CustomTrainer:
         """epochs x minibatches optimizer steps; each minibatch in micro-batches whose
         gradients add up (DDP all-reduces only on the last one). Returns tokens seen."""
         seen, losses = 0.0, []
+        self._first_minibatch = True
         for _ in range(self.cfg.epochs):
             order = torch.randperm(batch.size, generator=self.generator).to(self.acc.device)
             for mini in order.chunk(self.cfg.minibatches):
@@ -263,10 +271,13 @@ class CustomTrainer:
                         self.acc.backward(loss)
                     minibatch_loss += loss.item()
                     for key, value in stats.items():
-                        totals[key] = totals.get(key, 0.0) + float(value.detach())
+                        totals[key] = _reduce(key, totals.get(key), float(value.detach()))
+                if self._first_minibatch:
+                    totals["mismatch/tokens"] = num_tokens.item()
                 losses.append(minibatch_loss)
                 seen += num_tokens.item()
                 self._optimizer_step()
+                self._first_minibatch = False
         totals["loss"] = sum(losses) / len(losses)
         return seen
 
@@ -279,6 +290,14 @@ class CustomTrainer:
             self.acc.clip_grad_norm_(self.module.parameters(), self.cfg.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _mismatch(self, logprobs, rows) -> dict:
+        """The rollout-vs-trainer statistics of the first minibatch (the trainer's policy is
+        still the one that sampled): keys "mismatch/...", reduced by _reduce."""
+        if not self._first_minibatch:
+            return {}
+        stats = mismatch_stats(logprobs, rows["old_logprobs"], rows["mask"])
+        return {f"mismatch/{key}": value for key, value in stats.items()}
 
     # --- helpers ----------------------------------------------------------------------------
     def _replay(self, index: torch.Tensor):
@@ -316,10 +335,33 @@ class CustomTrainer:
         return out
 
 
+def _reduce(key: str, total: float | None, value: float) -> float:
+    """Micro-batch statistics: extremes by max or min, the rest summed."""
+    if total is None:
+        return value
+    if key.endswith("_max"):
+        return max(total, value)
+    if key.endswith("_min"):
+        return min(total, value)
+    return total + value
+
+
 def _ratio_metrics(totals: dict, tokens: float) -> dict:
+    """The importance ratio over every minibatch, and the rollout-vs-trainer mismatch of the
+    first (before any optimizer step): the logprob gap (mean, max), the token probability's
+    multiplicative error exp(mean |gap|), the ratio's extremes and an estimate of
+    KL(behaviour || policy)."""
+    first = totals["mismatch/tokens"]
+    gap = totals["mismatch/gap"] / first
     return {"loss/clip_frac": totals["clip_frac"] / tokens, "loss/ratio": totals["ratio"] / tokens,
             "loss/ratio_abs_dev": totals["ratio_abs_dev"] / tokens,
-            "loss/ratio_outside": totals["ratio_outside"] / tokens}
+            "loss/ratio_outside": totals["ratio_outside"] / tokens,
+            "mismatch/logprob_gap_mean": gap,
+            "mismatch/logprob_gap_max": totals["mismatch/gap_max"],
+            "mismatch/prob_error": math.exp(gap),
+            "mismatch/ratio_min": totals["mismatch/ratio_min"],
+            "mismatch/ratio_max": totals["mismatch/ratio_max"],
+            "mismatch/kl": totals["mismatch/kl"] / first}
 
 
 def _groups_with_signal(batch: RolloutBatch) -> float:

@@ -59,5 +59,17 @@ def _ratio_stats(ratio, clipped, mask) -> dict:
             "ratio_outside": _sum(((ratio - 1).abs() > 0.1).float(), mask)}
 
 
+def mismatch_stats(logprobs, old_logprobs, mask) -> dict:
+    """How far the trainer's logprobs are from the rollout's at the same policy (the first
+    minibatch, before any step): token sums of |delta| and of old - new (an estimate of
+    KL(behaviour || policy)), and the extremes of |delta| and of the ratio, as tensors."""
+    delta = (logprobs.detach() - old_logprobs) * mask
+    ratio = torch.exp(delta)[mask > 0]
+    if not ratio.numel():
+        ratio = delta.new_ones(1)
+    return {"gap": delta.abs().sum(), "kl": -delta.sum(), "gap_max": delta.abs().max(),
+            "ratio_min": ratio.min(), "ratio_max": ratio.max()}
+
+
 def _sum(x, mask):
     return (x * mask).sum()

@@ -2,7 +2,9 @@
 
 Two series on one [0, 1] axis: the mean reward of each step's samples (temperature > 0, so it
 sits below what the policy can do greedily) and the held-out greedy accuracy, from the score
-before RL (step 0) through each `eval_every` evaluation to the final one."""
+before RL (step 0) through each `eval_every` evaluation to the final one. Below it, where the
+run logged them, the rollout-vs-trainer mismatch of each step (the mean logprob gap, and the
+importance ratio's distance from 1 at its extremes): what shows a stale or broken sync."""
 
 from __future__ import annotations
 
@@ -19,7 +21,13 @@ def reward_curve(history: list[dict], path: str, title: str, accuracy: dict | No
     rows = [r for r in history if "reward/mean" in r]
     steps = [r["step"] for r in rows]
     reward = [r["reward/mean"] for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    mismatch = [r for r in rows if "mismatch/logprob_gap_mean" in r]
+    if mismatch:
+        fig, (ax, low) = plt.subplots(2, 1, figsize=(7, 6), dpi=120, sharex=True,
+                                      gridspec_kw={"height_ratios": [2, 1]})
+        _mismatch_panel(low, mismatch)
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     ax.plot(steps, reward, color="tab:blue", alpha=0.3, label="reward per step (sampled)")
     window = max(1, len(reward) // 15)
     if window > 1:
@@ -40,6 +48,17 @@ def reward_curve(history: list[dict], path: str, title: str, accuracy: dict | No
     ax.set_title(title)
     ax.legend(loc="upper left", fontsize=8)
     return _save(fig, ax, path)
+
+
+def _mismatch_panel(ax, rows: list[dict]) -> None:
+    steps = [r["step"] for r in rows]
+    ax.semilogy(steps, [max(r["mismatch/logprob_gap_mean"], 1e-12) for r in rows],
+                color="tab:red", label="logprob gap, mean (rollout vs trainer)")
+    ax.semilogy(steps, [max(abs(r["mismatch/ratio_max"] - 1), abs(r["mismatch/ratio_min"] - 1),
+                            1e-12) for r in rows],
+                color="tab:orange", label="importance ratio, max |r - 1|")
+    ax.set_xlabel("step")
+    ax.legend(loc="upper left", fontsize=7)
 
 
 def moving_mean(xs: list[float], window: int) -> list[float]:

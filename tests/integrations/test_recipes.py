@@ -76,6 +76,14 @@ def test_custom_grpo_two_steps(tmp_path):
         assert row["loss/ratio"] == pytest.approx(1.0, abs=1e-5)
         assert row["loss/ratio_abs_dev"] < 1e-5
         assert row["engine/optimizer_steps"] == 1
+        # The rollout-vs-trainer mismatch of the first minibatch (fp32: rounding only).
+        assert 0 <= row["mismatch/logprob_gap_mean"] <= row["mismatch/logprob_gap_max"] < 1e-4
+        assert row["mismatch/prob_error"] == pytest.approx(1.0, abs=1e-4)
+        assert row["mismatch/ratio_min"] <= 1 + 1e-6 and row["mismatch/ratio_max"] >= 1 - 1e-6
+        assert abs(row["mismatch/ratio_max"] - 1) < 1e-4 and abs(row["mismatch/kl"]) < 1e-5
+    # Every step syncs the weights its last optimizer step made: one more version a step.
+    versions = [row["weights/version"] for row in out["history"]]
+    assert versions == list(range(versions[0], versions[0] + len(versions))) and versions[0] >= 1
     assert 0 <= out["accuracy_before"] <= 1 and 0 <= out["accuracy_after"] <= 1
     # The same rows went to the JSONL file and to an offline W&B run.
     logged = [r for r in read_jsonl(out["metrics_path"]) if "step" in r]
