@@ -101,9 +101,8 @@ def compiler() -> list[str] | None:
 
 
 def build_flags(cc: list[str]) -> list[str]:
-    march = os.environ.get("ROLLOUT_NATIVE_MARCH", "native")
     clang = "clang" in _version(tuple(cc)).lower()
-    flags = [*FLAGS, f"-march={march}", "-fopenmp=libgomp" if clang else "-fopenmp"]
+    flags = [*FLAGS, f"-march={_march()}", "-fopenmp=libgomp" if clang else "-fopenmp"]
     if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
         flags += X86_FLAGS
     return flags + shlex.split(os.environ.get("ROLLOUT_NATIVE_CFLAGS", ""))
@@ -137,10 +136,8 @@ def library() -> ctypes.CDLL | None:
         fn.argtypes, fn.restype = argtypes, restype
     lib.missing = frozenset(missing)
     if missing:
-        why = ("this CPU (or -march) has no AVX2 and FMA" if missing <= NEEDS_AVX2_FMA
-               else "not in this build")
-        warnings.warn(f"rollout_kernels.cpu: {', '.join(sorted(missing))}: {why}; their torch "
-                      f"paths run", stacklevel=2)
+        warnings.warn(f"rollout_kernels.cpu: {_why(missing)}; their torch paths run",
+                      stacklevel=2)
     return lib
 
 
@@ -157,10 +154,16 @@ def missing_reason(*names: str) -> str:
     lib = library()
     if lib is None:
         return "no C compiler, or the build failed (see the warning)"
-    lacking = sorted(lib.missing.intersection(names))
-    if lacking and set(lacking) <= NEEDS_AVX2_FMA:
-        return f"{', '.join(lacking)} need AVX2 and FMA (-march={_march()})"
-    return f"{', '.join(lacking)} not built" if lacking else "built"
+    lacking = lib.missing.intersection(names)
+    return _why(lacking) if lacking else "built"
+
+
+def _why(missing) -> str:
+    """Which entry points a build lacks, and why."""
+    names = ", ".join(sorted(missing))
+    if set(missing) <= NEEDS_AVX2_FMA:
+        return f"{names} need AVX2 and FMA (-march={_march()})"
+    return f"{names} not built"
 
 
 def _march() -> str:

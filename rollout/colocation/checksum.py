@@ -85,4 +85,5 @@ class Checked:
                                f"the copy (checksum mismatch); the engine's weights are "
                                f"incomplete and it refuses to generate until a complete "
                                f"update_weights")
-        self.names.clear(), self.sources.clear(), self.destinations.clear(), self.finite.clear()
+        for checks in (self.names, self.sources, self.destinations, self.finite):
+            checks.clear()

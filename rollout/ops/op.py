@@ -41,10 +41,23 @@ class Dispatched:
     """Mixin of an nn.Module with implementations per backend (see the module docstring)."""
 
     implementations: Mapping[str, Supported] = {"torch": always}
-    implementation = "torch"  # until the engine's backend chooses (use_backend)
+    _implementation = "torch"  # until the engine's backend chooses (use_backend)
+    # The chosen forward as a plain function of the class, looked up when it is chosen, not per
+    # call (a bound method kept on the module would be a reference cycle through it).
+    _chosen_forward = None
+
+    @property
+    def implementation(self) -> str:
+        return self._implementation
+
+    @implementation.setter
+    def implementation(self, name: str) -> None:
+        self._implementation = name
+        self._chosen_forward = getattr(type(self), f"forward_{name}")
 
     def use_backend(self, backend, dtype: torch.dtype) -> None:
         self.implementation = backend.choose(self.implementations, dtype)
 
     def forward(self, *args, **kwargs):
-        return getattr(self, f"forward_{self.implementation}")(*args, **kwargs)
+        forward = self._chosen_forward or type(self).forward_torch
+        return forward(self, *args, **kwargs)

@@ -201,10 +201,6 @@ class Sampler:
         self._draw = backend.bind(DRAW)
         self._gumbel_argmax = backend.bind(GUMBEL_ARGMAX)
 
-    def sample(self, logits: torch.Tensor, batch: SamplingBatch
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._draw(logits, batch)[:2]
-
     def draw(self, logits: torch.Tensor, batch: SamplingBatch,
              want_support: tuple[bool, ...] | None = None,
              want_logprobs: tuple[bool, ...] | None = None) -> list[Emitted]:

@@ -21,9 +21,12 @@ from rollout.spec import SpeculativeConfig
 
 TOK = char_tokenizer()
 PROMPTS = ["ab 1+2=", "the cat sat on", "ab 1+2=3 and 4", "zz top", "a b c d e f"]
-# Seeded sampling and greedy, logprobs, stop strings (every stop check decodes text).
+# Seeded sampling (truncated by top-p: sampling logprobs and supports, per-token state a
+# rolled-back step must leave exact) and greedy, logprobs, stop strings (every stop check
+# decodes text).
 PARAMS = [SamplingParams(n=2, temperature=1.0, seed=i, max_tokens=10, logprobs=True,
-                         stop=["q.", "\n\n"]) for i in range(4)] + \
+                         top_p=0.9, return_support=True, stop=["q.", "\n\n"])
+          for i in range(4)] + \
          [SamplingParams(n=2, temperature=0, max_tokens=12, logprobs=True, stop=["zz"])]
 SPECS = ("plain", "ngram", "draft")
 
@@ -51,11 +54,17 @@ def make(spec: str, caching: bool, model=None) -> Engine:
 
 
 def view(outs):
-    return [[(s.token_ids, s.finish_reason, s.text) for s in o.samples] for o in outs]
+    return [[(s.token_ids, s.finish_reason, s.text, _support(s)) for s in o.samples]
+            for o in outs]
+
+
+def _support(sample):
+    return None if sample.support is None else [ids.tolist() for ids in sample.support]
 
 
 def logprobs(outs):
-    return [lp for o in outs for s in o.samples for lp in s.logprobs]
+    """Each sample's logprobs, then its sampling logprobs."""
+    return [lp for o in outs for s in o.samples for lp in (*s.logprobs, *s.sampling_logprobs)]
 
 
 @functools.cache
@@ -164,12 +173,13 @@ def test_failed_decode_step_changes_nothing_and_streams_go_on(point, kind, monke
     engine = make("plain", True)
     # A stop string that never matches: the stop check decodes after every token.
     params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=14, logprobs=True,
-                            stop=["qqq"])
+                            top_p=0.9, return_support=True, stop=["qqq"])
     ids = [engine.add_request(p, params) for p in PROMPTS[:2]]
     for _ in range(4):
         engine.step()
     running = engine.running_requests
-    before = (engine.inspect().kv_free, engine.inspect().cached_tokens, engine.stats.generated_tokens)
+    before = (engine.inspect().kv_free, engine.inspect().cached_tokens,
+              engine.stats.generated_tokens)
     name = point.removesuffix("-interrupt")
     Fault(kind, at=1, after=True).install(monkeypatch, *STEP_POINTS[name][0](engine))
     with pytest.raises(kind, match="injected"):

@@ -106,9 +106,9 @@ class NativePackedWeight(PackedCopy):
                bias: torch.Tensor | None) -> torch.Tensor:
         k = weight.shape[1]
         if x.numel() // k > native_linear.MAX_ROWS or x.dtype != torch.float32:
-            return F.linear(x, weight, bias)
+            return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
         y = native_linear.linear(x, self.refresh(weight), weight.shape[0])
-        return y if bias is None else y.add_(bias)
+        return y if bias is None else y.add_(bias.to(y.dtype))
 
     @property
     def nbytes(self) -> int:
@@ -155,11 +155,7 @@ class Float32Panels(NativePackedWeight):
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None) -> torch.Tensor:
-        x = x.float()
-        if x.numel() // weight.shape[1] > native_linear.MAX_ROWS:
-            return F.linear(x, weight.float(), None if bias is None else bias.float())
-        y = native_linear.linear(x, self.refresh(weight), weight.shape[0])
-        return y if bias is None else y.add_(bias.float())
+        return super().linear(x.float(), weight, bias)
 
 
 class Projection:
