@@ -11,6 +11,7 @@ from .fields import INT32_MAX, SEED_LIMIT, as_bool, as_choice, as_float, as_int,
 from .ops.backend import BACKENDS
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
+STALE_POLICIES = ("restart", "drop", "keep")  # what a group past max_staleness becomes
 # What the Triton kernels run and are tested in: their tile sizes and dot precision assume 2- or
 # 4-byte floats (kernels/triton/paged_attention.py), so float64 is not among them.
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -62,6 +63,11 @@ class EngineConfig:
     # Debug: after every step the ranks of a tensor-parallel engine check (one small
     # all-reduce) that they sampled the same tokens.
     check_tensor_parallel: bool = False
+    # Partial rollouts (rollout/engine/carry.py): after update_weights, a group still carried
+    # whose oldest token is more than `max_staleness` versions old is restarted from its prompt,
+    # dropped or kept (`stale_groups`); None: any age.
+    max_staleness: int | None = None
+    stale_groups: str = "restart"
     extra: dict = field(default_factory=dict)
     attention_backend: str | None = None  # the former name of `backend`, still accepted
 
@@ -108,6 +114,9 @@ class EngineConfig:
             self.device = as_device(self.device)
         if self.seed is not None:
             self.seed = as_int("seed", self.seed, 0, SEED_LIMIT - 1)
+        if self.max_staleness is not None:
+            self.max_staleness = as_int("max_staleness", self.max_staleness, 0)
+        self.stale_groups = as_choice("stale_groups", self.stale_groups, STALE_POLICIES)
         if self.speculative is not None:
             from .spec.config import SpeculativeConfig
 

@@ -8,7 +8,8 @@ asleep, a copy failing half way leaves `needs_weights` True.
 
 The engine holds one `Colocation` and calls it inside its own guard (one caller at a time,
 Ctrl-C held). What it touches of the engine is named in its constructor: the model stack, the
-speculator's drafter (whose pool sleeps with the engine), and a count of running requests.
+speculator's drafter (whose pool sleeps with the engine), and how to retract running sequences
+(rollout/engine/carry.py): sleep and update_weights drop their K/V, never their tokens.
 """
 
 from __future__ import annotations
@@ -36,13 +37,14 @@ class Sleeper(Protocol):
 
 
 class Colocation:
-    def __init__(self, stack, device: torch.device, running: Callable[[], int],
+    def __init__(self, stack, device: torch.device, retract: Callable[[], None],
                  sleepers: Callable[[], list[Sleeper]] = list) -> None:
-        """`stack`: the engine's ModelStack (rollout/executor/stack.py); `running`: how many
-        requests are in flight (sleep and update_weights refuse while any are); `sleepers`:
-        what else sleeps and wakes with it."""
+        """`stack`: the engine's ModelStack (rollout/executor/stack.py); `retract`: makes every
+        running sequence give its K/V up and wait again with its tokens (before sleep and
+        update_weights, which empty the pool and the prefix cache); `sleepers`: what else
+        sleeps and wakes with it."""
         self.stack, self.device = stack, device
-        self._running, self._sleepers = running, sleepers
+        self._retract, self._sleepers = retract, sleepers
         self.sleep_level = 0
         self.weights_missing = False
         # Complete update_weights so far: the version the engine's outputs are stamped with.
@@ -60,18 +62,12 @@ class Colocation:
                                "update_weights that failed half way): call update_weights(...) "
                                "with every weight before generating")
 
-    def _check_idle(self, what: str) -> None:
-        running = self._running()
-        if running:
-            raise RuntimeError(f"{what}: {running} requests are still running; "
-                               f"let them finish or abort() them first")
-
     def sleep(self, level: int = 1) -> None:
         if level not in (1, 2):
             raise ValueError(f"level must be 1 or 2, got {level!r}")
-        self._check_idle("sleep")
         if level <= self.sleep_level:
             return
+        self._retract()
         try:
             self.stack.sleep(level)
             for sleeper in self._sleepers():
@@ -119,7 +115,6 @@ class Colocation:
     def update_weights(self, source, bucket_bytes: int = 256 << 20) -> dict:
         if self.is_sleeping:
             raise RuntimeError("update_weights: the engine is asleep: call wake_up() first")
-        self._check_idle("update_weights")
         model = self.stack.model
         t0 = time.perf_counter()
         shapes, named = named_shapes_and_tensors(source, gather=False)
@@ -129,6 +124,11 @@ class Colocation:
             if missing:
                 raise ValueError(f"update_weights: after sleep(level=2) every weight is "
                                  f"needed; {len(missing)} missing, e.g. {sorted(missing)[:3]}")
+        try:  # the source is checked: running sequences' K/V (from the old weights) goes now
+            self._retract()
+        except BaseException:
+            named.close()
+            raise
         dtype = model.dtype
         moved, resharding = 0, ReshardStats()
         try:

@@ -11,6 +11,7 @@ read from the KV pool while the sequence still holds its slots).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..journal import Journal
@@ -38,8 +39,10 @@ class _Verdict:
 
 class Committer:
     def __init__(self, kv: KVManager, scheduler: Scheduler, stop: StopChecker,
-                 journal: Journal) -> None:
+                 journal: Journal, weights_version: Callable[[], int]) -> None:
+        """`weights_version`: the engine's, stamped on every token committed."""
         self.kv, self.scheduler, self.stop, self.journal = kv, scheduler, stop, journal
+        self.weights_version = weights_version
         self.prompt_tokens_computed = 0  # prompt positions actually run through the model
 
     def commit(self, batch: Batch, emitted: list[Emitted]
@@ -101,6 +104,7 @@ class Committer:
         if kept < it.num_new:
             self.kv.free(it.slots[kept:])
         self.journal.touch(seq)
+        seq.stamp(self.weights_version(), seq.num_output)
         seq.token_ids.extend(emitted.tokens)
         if seq.params.logprobs:
             seq.logprobs.extend(emitted.logprobs)
@@ -124,5 +128,4 @@ class Committer:
         preemption."""
         slots = self.kv.table.read(seq.row, 0, seq.num_computed)
         routes = self.kv.pool.read_extra(ROUTED_EXPERTS, slots).cpu()
-        self.journal.record(lambda: setattr(seq, "routed_experts", None))
-        seq.routed_experts = routes
+        seq.routed_experts = routes  # (the journal's snapshot of seq, taken in _apply, undoes it)

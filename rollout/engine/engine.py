@@ -1,6 +1,7 @@
 """Engine: the rollout engine a trainer embeds.
 
-`add_request` / `step` / `abort` are the streaming API; `generate` is built on them. Requests
+`add_request` / `step` / `abort` are the streaming API; `generate` is built on them, and so is
+`rollout`, whose unfinished groups are carried into later calls (carry.py). Requests
 are validated completely before anything is queued, so a bad one raises ValueError and leaves
 the engine serving the others.
 
@@ -21,6 +22,7 @@ from collections.abc import Iterator
 from ..colocation.colocation import Colocation
 from ..config import EngineConfig
 from ..executor.stack import ModelStack
+from ..fields import as_bool, as_int
 from ..journal import Journal, RollbackFailed
 from ..kv.pool import kv_bytes_per_token, size_pool
 from ..models.base import ROUTED_EXPERTS
@@ -32,6 +34,7 @@ from ..requests.request import Request
 from ..requests.sequence import Sequence
 from ..sample.params import SamplingParams
 from ..spec.speculator import make_speculator
+from .carry import Carry
 from .chat import render_conversations
 from .commit import Committer
 from .guard import EngineGuard
@@ -71,7 +74,6 @@ class Engine:
         self.pool, self.cache = self.kv.pool, self.kv.cache
         self.scheduler = Scheduler(config, self.kv)
         self.stop = StopChecker(config.max_model_len, tokenizer)
-        self.committer = Committer(self.kv, self.scheduler, self.stop, self.journal)
         self.eos_ids = eos_token_ids(model, hf_config, tokenizer)
         # The ranks of a tensor-parallel engine must draw the same seeds for unseeded requests.
         seed = config.seed
@@ -79,16 +81,20 @@ class Engine:
             seed = shared_seed(self.tp, device)
         self.requests = RequestTable(self.journal, seed)
         self._stats = EngineStats()
+        self.carry = Carry(self.scheduler, self.requests, self.kv, self.journal, self._stats)
+        sleepers: list = []  # the draft model's stack, once built
+        self.colocation = colocation = Colocation(self.stack, device, self.carry.retract,
+                                                  lambda: sleepers)
+        self.committer = Committer(self.kv, self.scheduler, self.stop, self.journal,
+                                   lambda: colocation.weights_version)
         # The siblings lookup closes over the running dict, not the engine: a reference back
         # to the engine would make a cycle that keeps a dropped engine's pool alive until gc.
         running = self.requests.running
         self.speculator = make_speculator(config.speculative, self.stack, config, tokenizer,
                                           lambda seq: running[seq.group].seqs)
-        drafter = None if self.speculator is None else self.speculator.drafter
         if self.speculator is not None:
             self.requests.forget = self.speculator.forget
-        self.colocation = Colocation(self.stack, device, lambda: len(running),
-                                     lambda: [] if drafter is None else [drafter])
+            sleepers.append(self.speculator.drafter)
         self._guard = EngineGuard()
         self._broken: str | None = None
         tp = self.tp if self.tp.size > 1 else None
@@ -173,10 +179,7 @@ class Engine:
         request = self.requests.running.get(str(request_id))
         if request is None:
             raise ValueError(f"request_id: {request_id!r} is not running")
-        self.requests.end(request)
-        for seq in request.seqs:
-            if not seq.is_finished:
-                self.scheduler.finish(seq, "abort", keep_kv)
+        self.carry.abort(request, keep_kv)
 
     def release_hold(self, key: tuple[str, int]) -> bool:
         """Unlock the KV kept for a finished sample of a `hold_kv` request (the episode ended);
@@ -199,7 +202,14 @@ class Engine:
     @property
     def has_unfinished(self) -> bool:
         """Requests are running, or finished with outputs step() has yet to return."""
-        return bool(self.requests.running) or bool(self.requests.ready)
+        return bool(self.requests.running) or any(
+            not r.from_rollout for r in self.requests.ready.values())
+
+    @property
+    def carried(self) -> list[str]:
+        """Ids of rollout()'s groups not handed out yet (running, or complete beyond what the
+        last call returned), oldest first: the next rollout() returns these first."""
+        return [r.request_id for r in self.carry.carried()]
 
     # --- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RolloutOutput]:
@@ -207,12 +217,16 @@ class Engine:
         streaming requests (add_request) that finished while generate() was stepping."""
         with self._entered("step"):
             if self.scheduler.has_work:
+                self.colocation.check_ready()  # asleep, carried requests wait for wake_up
                 self._step_or_raise()
-            outs = [self._output(r) for r in self.requests.ready.values()]
+            # rollout()'s groups wait for a rollout() call.
+            handed = [r for r in self.requests.ready.values() if not r.from_rollout]
+            outs = [self._output(r) for r in handed]
             # An interrupt held through the step raises while the outputs are still kept
             # for the next step(), not after they were handed over.
             self._guard.deliver_held()
-            self.requests.ready.clear()
+            for r in handed:
+                del self.requests.ready[r.request_id]
             return outs
 
     def _step_or_raise(self) -> None:
@@ -266,6 +280,51 @@ class Engine:
             finally:
                 bar.close()
             return results
+
+    def rollout(self, prompts=(), params: SamplingParams | list[SamplingParams] | None = None,
+                groups: int | None = None, abort_rest: bool = False, use_tqdm: bool = False
+                ) -> list[RolloutOutput]:
+        """Partial rollouts (rollout/engine/carry.py): queue `prompts` (params as in generate)
+        behind the groups carried from earlier calls, and return as soon as `groups` of them
+        are complete: that many outputs, carried groups first, oldest first. The others stay
+        in the engine (`carried`), across sleep and update_weights, and a later call returns
+        them; `abort_rest=True` aborts them instead (over-sample and abort). `groups=None`:
+        every group, carried and new. An interrupted call keeps its groups carried."""
+        with self._entered("rollout"):
+            self.colocation.check_ready()
+            checked = [self._check_request(p, sp) for p, sp in check_requests(prompts, params)]
+            available = len(self.carry.carried()) + len(checked)
+            groups = available if groups is None else as_int("groups", groups, 0)
+            if groups > available:
+                raise ValueError(f"groups: {groups} asked for, but there are only {available} "
+                                 f"({available - len(checked)} carried + {len(checked)} prompts)")
+            abort_rest = as_bool("abort_rest", abort_rest)
+            with self.journal.unit():
+                for c in checked:
+                    request = self.requests.make(*c, None, self.eos_ids)
+                    request.from_rollout = True
+                    self._enqueue(request)
+            bar = progress(groups, use_tqdm, unit="group")
+            try:
+                complete = len(self.carry.complete())
+                while complete < groups and self.scheduler.has_work:
+                    self._step_or_raise()
+                    now = len(self.carry.complete())
+                    bar.update(min(now, groups) - min(complete, groups))
+                    complete = now
+            finally:
+                bar.close()
+            handed = self.carry.complete()[:groups]
+            outs = [self._output(r) for r in handed]
+            with self.journal.unit():
+                for r in handed:
+                    self.requests.take_ready(r.request_id)
+                if abort_rest:
+                    for r in self.carry.carried():
+                        self.carry.drop(r, keep_kv=True)
+                # As in step(): an interrupt held meanwhile raises with the outputs still kept.
+                self._guard.deliver_held()
+            return outs
 
     def chat(self, conversations, params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = False, chat_template_kwargs: dict | None = None
@@ -332,8 +391,8 @@ class Engine:
             queued = {s.seq_id for s in (*self.scheduler.waiting, *self.scheduler.running)}
             assert self.requests.live_sequences() == queued, (
                 "requests' sequences differ from those queued or running")
-            if self.is_sleeping:
-                assert not self.requests.running and not self.pool.is_allocated
+            if self.is_sleeping:  # carried requests wait, holding no K/V
+                assert not self.scheduler.running and not self.pool.is_allocated
             if self.speculator is not None:
                 self.speculator.check_invariants()
 
@@ -359,8 +418,10 @@ class Engine:
 
     def sleep(self, level: int = 1) -> None:
         """Free the KV pool (the prefix cache empties) and park the weights: on host memory
-        (level 1) or nowhere (level 2, update_weights must run after wake_up). A sleep that
-        fails leaves the engine awake (`needs_weights` says if weights were lost)."""
+        (level 1) or nowhere (level 2, update_weights must run after wake_up). Requests still
+        running are carried: they keep their tokens and are re-prefilled after wake-up
+        (rollout/engine/carry.py). A sleep that fails leaves the engine awake (`needs_weights`
+        says if weights were lost)."""
         with self._entered("sleep"):
             self.colocation.sleep(level)
 
@@ -373,9 +434,12 @@ class Engine:
     def update_weights(self, source, bucket_bytes: int = 256 << 20) -> dict:
         """Copy new weights in place: `source` is the trainer's model (DDP/compile/PEFT wrapped
         or not) or (HF name, tensor) pairs. Clears the prefix cache, whose KV came from the
-        old weights. Every name, shape and dtype is checked (and meta tensors refused) before
-        the first copy, so a bad source raises ValueError and changes nothing; a copy that
-        still fails half way leaves `needs_weights` True.
+        old weights; requests still running are carried, re-prefilled under the new weights
+        (their later tokens stamped with the new version), and carried groups past
+        EngineConfig.max_staleness are restarted or dropped (rollout/engine/carry.py). Every
+        name, shape and dtype is checked (and meta tensors refused) before the first copy, so a
+        bad source raises ValueError and changes nothing; a copy that still fails half way
+        leaves `needs_weights` True.
 
         Under tensor parallelism each rank cuts every source tensor to its part before
         anything moves (rollout/parallel/reshard.py): a full host tensor crosses to the device
@@ -384,7 +448,10 @@ class Engine:
         'seconds', 'exchanged_bytes' (received from other ranks re-sharding DTensors),
         'collectives' (that re-sharding issued)}."""
         with self._entered("update_weights"):
-            return self.colocation.update_weights(source, bucket_bytes)
+            result = self.colocation.update_weights(source, bucket_bytes)
+            self.carry.enforce_staleness(self.weights_version, self.config.max_staleness,
+                                         self.config.stale_groups)
+            return result
 
     def memory_held(self) -> int:
         """Bytes of tensors the engine holds on its device (weights and their packed copies,

@@ -185,12 +185,15 @@ class Scheduler:
         del self.running[i]
         self.journal.record(lambda: self.running.insert(i, seq))
 
-    def preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence, counted: bool = True) -> None:
+        """`counted`: a preemption for memory (not a retraction before sleep: carry.py)."""
+        self.journal.touch(seq)
         self._stop_running(seq, keep_kv=True)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.journal.record(self.waiting.popleft)
-        self.journal.add(self, "num_preemptions", 1)
+        if counted:
+            self.journal.add(self, "num_preemptions", 1)
 
     def finish(self, seq: Sequence, reason: str, keep_kv: bool = True) -> None:
         """`seq` ends with `reason`: running, it gives its K/V up (to the tree when

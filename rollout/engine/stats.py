@@ -19,6 +19,12 @@ class EngineStats:
     decode_steps: int = 0  # steps that advanced at least one sample by a decode token
     preemptions: int = 0
     holds_dropped: int = 0  # multi-turn KV holds released under memory pressure
+    # Partial rollouts (rollout/engine/carry.py): sequences whose K/V sleep or update_weights
+    # dropped while they ran (re-prefilled on resumption), and carried groups past
+    # max_staleness restarted from their prompts or dropped.
+    retracted: int = 0
+    stale_restarts: int = 0
+    stale_drops: int = 0
     step_seconds: float = 0.0
     forward_seconds: float = 0.0  # inside the model forward (incl. logits)
     # The rest of a step, by phase: where the host spends what the forward does not use.

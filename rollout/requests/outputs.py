@@ -29,6 +29,9 @@ class Sample:
     # token ids that distribution kept (rollout/sample/support.py, logprobs_on_support).
     sampling_logprobs: list[float] | None = None
     support: Support | None = None
+    # Engine.weights_version each token was sampled under: one value unless the sample was
+    # carried across update_weights (Engine.rollout; rollout/engine/carry.py).
+    weights_versions: list[int] = field(default_factory=list)
 
     @property
     def cumulative_logprob(self) -> float | None:
@@ -44,8 +47,8 @@ class RolloutOutput:
     # Why the engine aborted the request (non-finite logits, a failing stop check); the
     # samples that had finished before keep their tokens and reasons.
     error: str | None = None
-    # Engine.weights_version its tokens were sampled under (update_weights waits for running
-    # requests, so one request's tokens share one version).
+    # Engine.weights_version when it completed: that of its newest tokens (a group carried
+    # across update_weights has older ones too: Sample.weights_versions).
     weights_version: int = 0
 
 
@@ -65,6 +68,6 @@ def build_output(group, decode, vocab_size: int, weights_version: int = 0) -> Ro
             routed_experts=seq.routed_experts if group.params.return_routed_experts else None,
             sampling_logprobs=list(seq.sampling_logprobs) if group.params.logprobs else None,
             support=Support(list(seq.support), vocab_size) if group.params.return_support
-            else None))
+            else None, weights_versions=seq.token_versions()))
     return RolloutOutput(group.request_id, group.prompt_ids, samples, group.prompt, error,
                          weights_version)

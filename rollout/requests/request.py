@@ -18,6 +18,8 @@ class Request:
     params: SamplingParams
     seqs: list[Sequence]
     error: str | None = None  # why the request was aborted by the engine
+    # Engine.rollout's: its output goes to a rollout() call (carried until then), not step()
+    from_rollout: bool = False
 
     @property
     def done(self) -> bool:

@@ -37,6 +37,10 @@ class Sequence:
     # was drawn from; return_support: that distribution's kept ids (None: the whole vocabulary)
     sampling_logprobs: list[float] = field(default_factory=list)
     support: list = field(default_factory=list)
+    # Engine.weights_version of the output tokens, as runs: (index of the run's first output
+    # token, version). One run unless the sample was carried across update_weights
+    # (rollout/engine/carry.py).
+    versions: list[tuple[int, int]] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0
     cached_len: int = 0
@@ -60,19 +64,43 @@ class Sequence:
         logprob lists are only appended to, or replaced, while a snapshot is held, so their
         objects and lengths are enough."""
         return (self.status, self.num_computed, self.cached_len, self.node, self.row,
-                self.finish_reason, self.stop_text_at, *self._lists(),
+                self.finish_reason, self.stop_text_at, self.routed_experts, *self._lists(),
                 *map(len, self._lists()))
 
     def restore(self, snapshot: tuple) -> None:
         (self.status, self.num_computed, self.cached_len, self.node, self.row,
-         self.finish_reason, self.stop_text_at, self.token_ids, self.logprobs,
-         self.sampling_logprobs, self.support, *lengths) = snapshot
+         self.finish_reason, self.stop_text_at, self.routed_experts, self.token_ids,
+         self.logprobs, self.sampling_logprobs, self.support, self.versions,
+         *lengths) = snapshot
         for values, length in zip(self._lists(), lengths):
             del values[length:]
 
     def _lists(self) -> tuple[list, ...]:
         """The per-token lists, appended to as the sample grows."""
-        return self.token_ids, self.logprobs, self.sampling_logprobs, self.support
+        return self.token_ids, self.logprobs, self.sampling_logprobs, self.support, self.versions
+
+    def stamp(self, version: int, first: int) -> None:
+        """Output tokens from index `first` on were sampled under weights `version`."""
+        if not self.versions or self.versions[-1][1] != version:
+            self.versions.append((first, version))
+
+    def token_versions(self) -> list[int]:
+        """The weights version of each output token."""
+        bounds = [first for first, _ in self.versions[1:]] + [self.num_output]
+        return [v for (first, v), end in zip(self.versions, bounds) for _ in range(end - first)]
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The version of the first output token (None before any)."""
+        return self.versions[0][1] if self.versions else None
+
+    def restart(self) -> None:
+        """Back to the prompt, waiting: every output token, logprob and version is gone (new
+        lists, so a journal snapshot keeps the old ones whole)."""
+        self.token_ids = list(self.prompt_ids)
+        self.logprobs, self.sampling_logprobs, self.support, self.versions = [], [], [], []
+        self.status, self.finish_reason, self.stop_text_at = SeqStatus.WAITING, None, None
+        self.routed_experts = None
 
     @property
     def num_prompt(self) -> int:

@@ -41,7 +41,7 @@ def draft():
     return tiny_model("qwen2", seed=3, num_hidden_layers=1, vocab_size=len(TOK))
 
 
-def make(spec: str, caching: bool, model=None) -> Engine:
+def make(spec: str, caching: bool, model=None, **overrides) -> Engine:
     speculative = {"plain": None,
                    "ngram": SpeculativeConfig("ngram", num_speculative_tokens=3),
                    "draft": SpeculativeConfig("draft", num_speculative_tokens=3,
@@ -50,7 +50,7 @@ def make(spec: str, caching: bool, model=None) -> Engine:
     return Engine(model or target(), EngineConfig(kv_cache_tokens=64, max_model_len=40,
                                          max_num_batched_tokens=16, max_num_seqs=8,
                                          enable_prefix_caching=caching,
-                                         speculative=speculative), tokenizer=TOK)
+                                         speculative=speculative, **overrides), tokenizer=TOK)
 
 
 def view(outs):

@@ -1,0 +1,116 @@
+"""Carry: groups that outlive the call that started them (partial rollouts).
+
+`Engine.rollout` returns as soon as enough groups are complete; the others stay in the engine,
+carried into the next call. They survive `sleep` and `update_weights`: first every running
+sequence is retracted (its K/V goes to the prefix cache, which sleep and a weight update then
+empty; it waits again with its tokens, logprobs and versions), and after wake-up admission
+re-prefills prompt + tokens so far, under whatever weights the engine then holds: siblings share
+their prompt through the radix cache as at first admission. Because the sampling noise is a
+function of (seed, position, token), a group carried under unchanged weights draws what an
+uninterrupted run draws.
+
+Every token is stamped with the weights version it was sampled under (Sequence.versions). After
+an update, `EngineConfig.max_staleness` bounds how old a carried group's oldest token may be;
+`stale_groups` says what happens to an older one: "restart" from its prompt (same seeds), "drop"
+(it is aborted and its output discarded) or "keep". Every change goes through the journal, so a
+failed unit leaves requests, queues and sequences as they were.
+"""
+
+from __future__ import annotations
+
+from ..journal import Journal
+from ..kv.manager import KVManager
+from ..requests.request import Request
+from ..requests.sequence import SeqStatus
+from .requests import RequestTable
+from .scheduler import Scheduler
+from .stats import EngineStats
+
+
+class Carry:
+    def __init__(self, scheduler: Scheduler, requests: RequestTable, kv: KVManager,
+                 journal: Journal, stats: EngineStats) -> None:
+        self.scheduler, self.requests, self.kv = scheduler, requests, kv
+        self.journal, self.stats = journal, stats
+
+    # --- across sleep and weight updates ----------------------------------------------------
+    def retract(self) -> None:
+        """Every running sequence gives its K/V up and waits again, keeping its tokens, in the
+        order it ran (the oldest is re-admitted first)."""
+        with self.journal.unit():
+            running = list(self.scheduler.running)
+            for seq in reversed(running):
+                self.scheduler.preempt(seq, counted=False)
+            self.journal.add(self.stats, "retracted", len(running))
+
+    def enforce_staleness(self, version: int, max_staleness: int | None, policy: str) -> None:
+        """After weights `version` came in: every group still to be handed out whose oldest
+        token is more than `max_staleness` versions old is restarted, dropped or kept."""
+        if max_staleness is None or policy == "keep":
+            return
+        stale = [r for r in self._unreturned()
+                 if any(s.oldest_version is not None and version - s.oldest_version > max_staleness
+                        for s in r.seqs)]
+        with self.journal.unit():
+            for request in stale:
+                if policy == "restart":
+                    self._restart(request)
+                else:
+                    self.drop(request)
+            self.journal.add(self.stats, f"stale_{policy}s", len(stale))
+
+    def _unreturned(self) -> list[Request]:
+        """Groups running, and rollout groups complete but not yet handed out."""
+        ready = [r for r in self.requests.ready.values() if r.from_rollout]
+        return [*self.requests.running.values(), *ready]
+
+    def _restart(self, request: Request) -> None:
+        """Every sample of the group goes back to its prompt (it keeps its seed)."""
+        if request.request_id in self.requests.ready:
+            self.requests.take_ready(request.request_id)
+            self.requests.start(request)
+        error = request.error
+        request.error = None
+        self.journal.record(lambda: setattr(request, "error", error))
+        for seq in request.seqs:
+            if seq.status is SeqStatus.RUNNING:  # (update_weights retracts every one first)
+                self.scheduler.preempt(seq, counted=False)
+            finished = seq.is_finished
+            if finished:
+                self.kv.unhold(seq.hold_key)
+            self.journal.touch(seq)
+            seq.restart()
+            if finished:
+                self.scheduler.add(seq)
+
+    def drop(self, request: Request, keep_kv: bool = False) -> None:
+        """The group ends without an output: running, it is aborted (its K/V to the prefix
+        cache when `keep_kv`, else freed); complete, its output is discarded (and its KV
+        holds released)."""
+        if self.requests.take_ready(request.request_id) is not None:
+            for seq in request.seqs:
+                self.kv.unhold(seq.hold_key)
+            return
+        self.abort(request, keep_kv)
+
+    def abort(self, request: Request, keep_kv: bool) -> None:
+        """A running request ends: its unfinished samples abort, their K/V to the prefix cache
+        (`keep_kv`) or freed."""
+        self.requests.end(request)
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort", keep_kv)
+
+    # --- what rollout() hands out -----------------------------------------------------------
+    def complete(self) -> list[Request]:
+        """Rollout groups complete and not yet handed out, oldest first."""
+        return sorted((r for r in self.requests.ready.values() if r.from_rollout), key=_age)
+
+    def carried(self) -> list[Request]:
+        """Rollout groups not yet handed out, complete or not, oldest first."""
+        return sorted((r for r in self._unreturned() if r.from_rollout), key=_age)
+
+
+def _age(request: Request) -> int:
+    # Sequence ids count up across the engine's life: the first one orders requests by arrival.
+    return request.seqs[0].seq_id
