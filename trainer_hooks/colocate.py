@@ -5,7 +5,9 @@
     loss.backward(); optimizer.step()       # the engine is asleep: its memory is free
 
 Entering wakes the engine and syncs the weights when the trainer changed them since the last
-sync; leaving (also on error) aborts whatever is still running and puts the engine to sleep.
+sync; leaving (also on error) aborts whatever is still running and puts the engine to sleep,
+except, with `carry=True`, the groups `rollout()` carries into the next step (partial rollouts:
+docs/partial-rollouts.md), which sleep keeps.
 Blocks nest (an evaluation helper that opens its own block inside the step's, or two wrappers
 sharing one engine): only the outermost block wakes, aborts and puts the engine to sleep.
 """
@@ -26,17 +28,19 @@ _OPEN: weakref.WeakKeyDictionary[Engine, int] = weakref.WeakKeyDictionary()
 
 class ColocatedRollout:
     def __init__(self, engine: Engine, model: nn.Module, sleep_level: int = 1,
-                 gather=None, synced: bool = True, optimizer=None) -> None:
+                 gather=None, synced: bool = True, optimizer=None, carry: bool = False) -> None:
         """`gather`: optional context-manager factory that materialises sharded parameters
         (DeepSpeed ZeRO-3 / FSDP), e.g. trl's unwrap_model_for_generation bound to the
         accelerator; weights are read inside it. `synced=False` when the engine may not hold
         the model's current weights (built earlier, or before DDP broadcast rank 0's weights,
         which need not bump version counters): the first entry then syncs unconditionally.
         `optimizer`: the trainer's optimizer, whose steps then count as weight changes even
-        where its kernels bump no version counter (fused AdamW; see `watch`)."""
+        where its kernels bump no version counter (fused AdamW; see `watch`). `carry`: leaving
+        keeps the groups `rollout()` carries (Engine.carried) instead of aborting them."""
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level!r}")
         self.engine, self.model, self.sleep_level, self.gather = engine, model, sleep_level, gather
+        self.carry = carry
         self._synced_version: tuple[int, ...] | None = weights_version(model) if synced else None
         self.timings: dict[str, float] = {}
         self.synced = False  # whether the last entry copied weights in
@@ -83,6 +87,10 @@ class ColocatedRollout:
     def generate(self, prompts, params=None, **kwargs):
         return self.engine.generate(prompts, params, **kwargs)
 
+    def rollout(self, prompts=(), params=None, **kwargs):
+        """Engine.rollout: `groups` complete groups, the rest carried (kept with carry=True)."""
+        return self.engine.rollout(prompts, params, **kwargs)
+
     def __exit__(self, exc_type, exc, tb) -> None:
         t0 = time.perf_counter()
         left = _OPEN.get(self.engine, 1) - 1
@@ -93,7 +101,13 @@ class ColocatedRollout:
             return
         _OPEN.pop(self.engine, None)
         try:
-            self.engine.abort_all()
+            if self.carry:
+                carried = set(self.engine.carried)
+                for request_id in self.engine.running_requests:
+                    if request_id not in carried:
+                        self.engine.abort(request_id)
+            else:
+                self.engine.abort_all()
         finally:
             self.engine.sleep(self.sleep_level)
         self.timings["sleep"] = time.perf_counter() - t0

@@ -35,6 +35,10 @@ class RolloutBatch:
     # Per sample: (target position of its first completion token, its Support), where the
     # sampler truncated and the trainer renormalises over the kept tokens; None: it does not.
     supports: list | None = None
+    # Partial rollouts' decoupled objective (losses.py): the engine's logprobs, from whichever
+    # weights sampled each token, move here, and `old_logprobs` becomes the proximal policy's
+    # (the trainer's at the start of the step). None: old_logprobs is the behaviour policy.
+    behaviour_logprobs: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -51,6 +55,8 @@ class RolloutBatch:
                 "mask": self.mask[index], "old_logprobs": self.old_logprobs[index]}
         if self.supports is not None:
             rows["keep"] = self._keep(index.tolist())
+        if self.behaviour_logprobs is not None:
+            rows["behaviour_logprobs"] = self.behaviour_logprobs[index]
         return rows
 
     def _keep(self, samples: list[int]) -> torch.Tensor:

@@ -14,6 +14,11 @@ KL and PPO's value loss count model tokens only, the environment's tokens are co
 engine's logprobs are the behaviour policy at model tokens; GRPO normalises episode rewards
 within a prompt's n episodes, PPO runs GAE over model tokens with the environment's skipped
 (advantages.episode_gae). The single-turn path is unchanged.
+
+Partial rollouts and dynamic sampling (partial.py) draw a step's groups with Engine.rollout;
+the loss is then decoupled (losses.py): clipped against the policy at the start of the step,
+recomputed here, each token weighted by it over the engine's logprob from the weights that
+sampled the token.
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ from ..run.shard import PromptSampler, engine_slot
 from .advantages import episode_gae, gae, group_advantages, whiten
 from .batch import RolloutBatch, build_batch, build_episode_batch, episode_text
 from .logprobs import policy_logprobs, token_logprobs
-from .losses import grpo_loss, mismatch_stats, ppo_loss
+from .losses import behaviour_weights, grpo_loss, mismatch_stats, ppo_loss
+from .partial import GroupDrawer
 from .routing_replay import FlipCount, moe_routers, routed_expert_batch, routing_replay
 
 
@@ -86,6 +92,9 @@ class CustomTrainer:
         self.routes = None
         if not self.episodic and moe_routers(module):
             self.params = dataclasses.replace(self.params, return_routed_experts=True)
+        self.drawer = None
+        if cfg.partial_rollouts or cfg.dynamic_sampling:
+            self.drawer = GroupDrawer(cfg, rollout, task, tokenizer, self.sampler, self.params)
 
     # --- one RL step ------------------------------------------------------------------------
     def train(self, evaluate=None) -> float | None:
@@ -112,32 +121,38 @@ class CustomTrainer:
     def step(self) -> dict:
         self._awake_steps = self._optimizer_steps = 0
         self.flips = FlipCount()
-        rows = self.task.train[self.sampler.next()]
-        prompts, answers = rows["prompt"], rows["answer"]
         self.meter.start()
         t0 = time.perf_counter()
-        episodes, episode_metrics = None, {}
+        episodes, episode_metrics, rewards = None, {}, None
         with self.rollout:
             mem_awake = self.engine.memory_held()
             t_gen = time.perf_counter()
-            if self.episodic:
-                episodes = self._run_episodes(self.task.encode(self.tokenizer, prompts))
+            if self.drawer is not None:
+                outs, rewards, episode_metrics = self.drawer.draw()
             else:
-                outs = self.rollout.generate(self.task.encode(self.tokenizer, prompts),
-                                             self.params)
+                rows = self.task.train[self.sampler.next()]
+                prompts, answers = rows["prompt"], rows["answer"]
+                if self.episodic:
+                    episodes = self._run_episodes(self.task.encode(self.tokenizer, prompts))
+                else:
+                    outs = self.rollout.generate(self.task.encode(self.tokenizer, prompts),
+                                                 self.params)
             gen_seconds = time.perf_counter() - t_gen
         rollout_seconds = time.perf_counter() - t0
         mem_asleep = self.engine.memory_held()
         if episodes is not None:
             batch, episode_metrics = self._episode_batch(episodes, answers)
         else:
-            rewards = [self.task.reward(s.text or "", answer)
-                       for out, answer in zip(outs, answers) for s in out.samples]
+            if rewards is None:
+                rewards = [self.task.reward(s.text or "", answer)
+                           for out, answer in zip(outs, answers) for s in out.samples]
             batch = build_batch(outs, rewards, self.tokenizer.pad_token_id, self.acc.device,
                                 self.behaviour)
             if self.params.return_routed_experts:
                 self.routes = routed_expert_batch(outs, batch.input_ids.shape[1], self.acc.device)
         t1 = time.perf_counter()
+        if self.cfg.partial_rollouts:
+            self._decouple(batch)
         self.module.train()
         update = self.grpo_update(batch) if self.cfg.algo == "grpo" else self.ppo_update(batch)
         train_seconds = time.perf_counter() - t1
@@ -204,10 +219,11 @@ class CustomTrainer:
             logprobs = policy_logprobs(self.module, rows["input_ids"], rows["attention_mask"],
                                        self.cfg.temperature, rows.get("keep"))
             ref = ref_logprobs[index] if ref_logprobs is not None else None
+            weights, weight_stats = self._behaviour_weights(rows)
             loss, stats = grpo_loss(logprobs, rows["old_logprobs"], advantages[index],
                                     rows["mask"], num_tokens, self.cfg.clip_eps, ref,
-                                    self.cfg.beta)
-            return loss, stats | self._mismatch(logprobs, rows)
+                                    self.cfg.beta, weights)
+            return loss, stats | weight_stats | self._mismatch(logprobs, rows)
 
         tokens = self._optimise(batch, loss_fn, totals)
         out = {**_ratio_metrics(totals, tokens), "loss/loss": totals["loss"],
@@ -239,11 +255,12 @@ class CustomTrainer:
                                          attention_mask=rows["attention_mask"])
             logprobs = token_logprobs(logits, rows["input_ids"], self.cfg.temperature,
                                       rows.get("keep"))
+            weights, weight_stats = self._behaviour_weights(rows)
             loss, stats = ppo_loss(logprobs, rows["old_logprobs"], values[:, :-1],
                                    old_values[index], returns[index], advantages[index],
                                    rows["mask"], num_tokens, self.cfg.clip_eps,
-                                   self.cfg.value_clip, self.cfg.vf_coef)
-            return loss, stats | self._mismatch(logprobs, rows)
+                                   self.cfg.value_clip, self.cfg.vf_coef, weights)
+            return loss, stats | weight_stats | self._mismatch(logprobs, rows)
 
         tokens = self._optimise(batch, loss_fn, totals)
         return out | {"loss/policy": totals["policy_loss"] / tokens,
@@ -291,12 +308,42 @@ class CustomTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
+    def _decouple(self, batch: RolloutBatch) -> None:
+        """The decoupled objective's proximal policy: the trainer's logprobs now, before this
+        step's first optimizer step, replace old_logprobs; the engine's stay as behaviour."""
+        batch.behaviour_logprobs = batch.old_logprobs
+
+        def proximal(rows):
+            if self.cfg.algo == "ppo":  # the value-head model returns (logits, values)
+                logits = self.module(input_ids=rows["input_ids"],
+                                     attention_mask=rows["attention_mask"])[0]
+                return token_logprobs(logits, rows["input_ids"], self.cfg.temperature,
+                                      rows.get("keep"))
+            return policy_logprobs(self.module, rows["input_ids"], rows["attention_mask"],
+                                   self.cfg.temperature, rows.get("keep"))
+
+        self.module.eval()
+        with torch.no_grad():
+            batch.old_logprobs = self._chunked(batch, proximal) * batch.mask
+
+    def _behaviour_weights(self, rows) -> tuple:
+        """(the decoupled objective's token weights, their sums for is/ metrics); (None, {})
+        on-policy."""
+        if "behaviour_logprobs" not in rows:
+            return None, {}
+        cap, mask = self.cfg.behaviour_weight_cap, rows["mask"]
+        weights = behaviour_weights(rows["old_logprobs"], rows["behaviour_logprobs"], cap)
+        return weights, {"is_weight": (weights * mask).sum(),
+                         "is_capped": ((weights >= cap).float() * mask).sum()}
+
     def _mismatch(self, logprobs, rows) -> dict:
         """The rollout-vs-trainer statistics of the first minibatch (the trainer's policy is
-        still the one that sampled): keys "mismatch/...", reduced by _reduce."""
+        still the one at the step's start; a carried token's behaviour policy is older): keys
+        "mismatch/...", reduced by _reduce."""
         if not self._first_minibatch:
             return {}
-        stats = mismatch_stats(logprobs, rows["old_logprobs"], rows["mask"])
+        behaviour = rows.get("behaviour_logprobs", rows["old_logprobs"])
+        stats = mismatch_stats(logprobs, behaviour, rows["mask"])
         return {f"mismatch/{key}": value for key, value in stats.items()}
 
     # --- helpers ----------------------------------------------------------------------------
@@ -353,15 +400,18 @@ def _ratio_metrics(totals: dict, tokens: float) -> dict:
     KL(behaviour || policy)."""
     first = totals["mismatch/tokens"]
     gap = totals["mismatch/gap"] / first
-    return {"loss/clip_frac": totals["clip_frac"] / tokens, "loss/ratio": totals["ratio"] / tokens,
-            "loss/ratio_abs_dev": totals["ratio_abs_dev"] / tokens,
-            "loss/ratio_outside": totals["ratio_outside"] / tokens,
-            "mismatch/logprob_gap_mean": gap,
-            "mismatch/logprob_gap_max": totals["mismatch/gap_max"],
-            "mismatch/prob_error": math.exp(gap),
-            "mismatch/ratio_min": totals["mismatch/ratio_min"],
-            "mismatch/ratio_max": totals["mismatch/ratio_max"],
-            "mismatch/kl": totals["mismatch/kl"] / first}
+    weights = ({"is/weight_mean": totals["is_weight"] / tokens,
+                "is/capped_frac": totals["is_capped"] / tokens} if "is_weight" in totals else {})
+    return weights | {
+        "loss/clip_frac": totals["clip_frac"] / tokens, "loss/ratio": totals["ratio"] / tokens,
+        "loss/ratio_abs_dev": totals["ratio_abs_dev"] / tokens,
+        "loss/ratio_outside": totals["ratio_outside"] / tokens,
+        "mismatch/logprob_gap_mean": gap,
+        "mismatch/logprob_gap_max": totals["mismatch/gap_max"],
+        "mismatch/prob_error": math.exp(gap),
+        "mismatch/ratio_min": totals["mismatch/ratio_min"],
+        "mismatch/ratio_max": totals["mismatch/ratio_max"],
+        "mismatch/kl": totals["mismatch/kl"] / first}
 
 
 def _groups_with_signal(batch: RolloutBatch) -> float:

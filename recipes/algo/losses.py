@@ -4,6 +4,12 @@ advantages they weigh come from advantages.py).
 Losses are token-level sums divided by `num_tokens`, the completion tokens of the whole
 minibatch, so micro-batches add up to the minibatch's mean and long completions are not
 down-weighted per token (the sample-level mean of the original GRPO paper does that).
+
+Partial rollouts train on tokens sampled by older policies (rollout/engine/carry.py). Their
+objective is decoupled: the clipped ratio is taken against the *proximal* policy (the trainer's
+at the start of the step, recomputed), and each token is weighted by pi_prox / mu, its
+behaviour policy mu being the engine's logprob from the weights that sampled it, truncated at
+a cap (`behaviour_weights`). On-policy the weight is 1 and the loss is the plain one.
 """
 
 from __future__ import annotations
@@ -17,19 +23,28 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1
 
 
-def clipped_policy_loss(logprobs, old_logprobs, advantages, clip_eps):
-    """-min(r A, clip(r, 1 ± eps) A) per token, and whether the clip was active."""
+def clipped_policy_loss(logprobs, old_logprobs, advantages, clip_eps, weights=None):
+    """-w min(r A, clip(r, 1 ± eps) A) per token (w: behaviour_weights, or 1), and whether the
+    clip was active."""
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = ratio * advantages
     clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
-    return -torch.minimum(unclipped, clipped), (clipped < unclipped).float(), ratio
+    loss = -torch.minimum(unclipped, clipped)
+    return loss if weights is None else weights * loss, (clipped < unclipped).float(), ratio
+
+
+def behaviour_weights(proximal, behaviour, cap: float) -> torch.Tensor:
+    """Decoupled PPO's per-token importance weight pi_prox / mu, truncated at `cap` (the
+    variance of a token sampled by a much older policy stays bounded), without gradient."""
+    return torch.exp(proximal - behaviour).clamp(max=cap).detach()
 
 
 def grpo_loss(logprobs, old_logprobs, advantages, mask, num_tokens, clip_eps,
-              ref_logprobs=None, beta: float = 0.0):
-    """`advantages` is per sample [N]; every token of a sample shares it."""
+              ref_logprobs=None, beta: float = 0.0, weights=None):
+    """`advantages` is per sample [N]; every token of a sample shares it. `weights`: the
+    decoupled objective's behaviour_weights (old_logprobs are then the proximal policy's)."""
     per_token, clipped, ratio = clipped_policy_loss(logprobs, old_logprobs,
-                                                    advantages.unsqueeze(1), clip_eps)
+                                                    advantages.unsqueeze(1), clip_eps, weights)
     stats = {}
     if ref_logprobs is not None and beta > 0:
         kl = kl_k3(logprobs, ref_logprobs)
@@ -41,9 +56,11 @@ def grpo_loss(logprobs, old_logprobs, advantages, mask, num_tokens, clip_eps,
 
 
 def ppo_loss(logprobs, old_logprobs, values, old_values, returns, advantages, mask, num_tokens,
-             clip_eps, value_clip, vf_coef):
-    """Clipped policy loss plus vf_coef x clipped value loss (max of clipped and unclipped)."""
-    pg, clipped, ratio = clipped_policy_loss(logprobs, old_logprobs, advantages, clip_eps)
+             clip_eps, value_clip, vf_coef, weights=None):
+    """Clipped policy loss (weighted as in grpo_loss) plus vf_coef x clipped value loss (max of
+    clipped and unclipped)."""
+    pg, clipped, ratio = clipped_policy_loss(logprobs, old_logprobs, advantages, clip_eps,
+                                             weights)
     v_clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
     vf = 0.5 * torch.maximum((values - returns) ** 2, (v_clipped - returns) ** 2)
     loss = (_sum(pg, mask) + vf_coef * _sum(vf, mask)) / num_tokens

@@ -63,4 +63,5 @@ def engine_config(cfg: RecipeConfig, engine_index: int = 0) -> EngineConfig:
                         cuda_graphs=cfg.cuda_graphs,
                         speculative=speculative_config(cfg),
                         tensor_parallel_size=cfg.tensor_parallel_size,
+                        max_staleness=cfg.max_staleness if cfg.partial_rollouts else None,
                         seed=cfg.seed + 1009 * engine_index)

@@ -85,6 +85,21 @@ class RecipeConfig:
     # autocast, since AdamW on bf16 weights loses small updates.
     model_dtype: str = "float32"
 
+    # --- partial rollouts (custom trainer, single-turn: docs/partial-rollouts.md) ------------
+    # Each step trains on the first prompts_per_step groups to complete; over_sample x that
+    # many are in flight, the others carried into the next step under the new weights, at most
+    # max_staleness versions old (older ones restart from their prompts; null: any age). The
+    # loss is then decoupled: clipped against the policy at the start of the step, each token
+    # weighted by that policy over the one that sampled it, capped at behaviour_weight_cap.
+    partial_rollouts: bool = False
+    over_sample: float = 1.0
+    max_staleness: int | None = 1
+    behaviour_weight_cap: float = 2.0
+    # DAPO's dynamic sampling: groups whose rewards are all equal (no GRPO signal) are dropped
+    # and more prompts drawn, up to dynamic_sampling_draws rollout calls a step.
+    dynamic_sampling: bool = False
+    dynamic_sampling_draws: int = 4
+
     # --- multi-turn episodes (tasks with an environment: calculator) ---------------------------
     tools: bool = True  # roll out episodes with the task's environment; false: single-turn
     max_turns: int = 4  # model turns per episode
@@ -154,7 +169,8 @@ _AUTO = {"max_new_tokens": (8, 256), "max_model_len": (64, 1024), "learning_rate
 
 _POSITIVE = ("steps", "prompts_per_step", "num_generations", "max_new_tokens", "epochs",
              "minibatches", "micro_batch_size", "warmstart_batch_size", "max_model_len",
-             "max_num_seqs", "train_size", "max_turns", "tensor_parallel_size")
+             "max_num_seqs", "train_size", "max_turns", "tensor_parallel_size",
+             "dynamic_sampling_draws")
 _NON_NEGATIVE = ("eval_size", "eval_every", "warmstart_steps", "beta", "weight_decay",
                  "max_grad_norm", "seed")
 
@@ -226,6 +242,21 @@ def _check_values(cfg: RecipeConfig) -> None:
         # of one engine would admit different observations (docs/tensor-parallel.md).
         raise ValueError("tensor_parallel_size: the calculator task's episodes run on engines "
                          "of one rank only; set --tools false or tensor_parallel_size 1")
+    if not 1 <= cfg.over_sample < math.inf:
+        raise ValueError(f"over_sample must be >= 1 and finite (groups in flight per group "
+                         f"trained), got {cfg.over_sample}")
+    if not 1 <= cfg.behaviour_weight_cap < math.inf:
+        raise ValueError(f"behaviour_weight_cap must be >= 1 and finite, "
+                         f"got {cfg.behaviour_weight_cap}")
+    if cfg.max_staleness is not None and cfg.max_staleness < 0:
+        raise ValueError(f"max_staleness must be >= 0 or null (any age), got {cfg.max_staleness}")
+    for name in ("partial_rollouts", "dynamic_sampling"):
+        if getattr(cfg, name) and (cfg.trainer != "custom" or _has_environment(cfg)):
+            raise ValueError(f"{name}: the custom trainer's single-turn rollouts only "
+                             f"(--trainer custom, and --tools false for the calculator task)")
+    if cfg.dynamic_sampling and cfg.algo != "grpo":
+        raise ValueError("dynamic_sampling: groups without reward spread carry no GRPO signal; "
+                         "it is for algo grpo")
     if cfg.trainer == "trl" and cfg.algo != "grpo":
         raise ValueError(f"algo: the trl trainer runs grpo only, got {cfg.algo!r}")
     if cfg.model is None and cfg.dataset is not None:

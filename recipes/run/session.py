@@ -98,7 +98,7 @@ def _train_custom(cfg, accelerator, policy, tokenizer, task, tracker) -> dict:
     engine.sleep(cfg.sleep_level)  # asleep until the first rollout: warm start needs no engine
     # synced=False: DDP broadcast rank 0's weights into `policy` without bumping versions.
     rollout = ColocatedRollout(engine, policy, cfg.sleep_level, synced=False,
-                               optimizer=optimizer)
+                               optimizer=optimizer, carry=cfg.partial_rollouts)
     out: dict = {}
     if cfg.warmstart_steps:
         out["warmstart_loss"] = warm_start(cfg, module, tokenizer, task, accelerator)

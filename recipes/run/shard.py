@@ -32,9 +32,10 @@ class PromptSampler:
         self.rng = random.Random(seed)  # same seed on every rank: the same global order
         self.order: list[int] = []
 
-    def next(self) -> list[int]:
-        """This engine's row indices for one step; epochs reshuffle, no row repeats within one."""
-        need = self.per_engine * self.engines
+    def next(self, count: int | None = None) -> list[int]:
+        """This engine's row indices for one step (`count` of them; default per_engine);
+        epochs reshuffle, no row repeats within one."""
+        need = (self.per_engine if count is None else count) * self.engines
         while len(self.order) < need:
             epoch = list(range(self.num_rows))
             self.rng.shuffle(epoch)

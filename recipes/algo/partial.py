@@ -1,0 +1,86 @@
+"""A step's groups for the custom trainer under partial rollouts and dynamic sampling.
+
+Partial rollouts (docs/partial-rollouts.md): `over_sample` x prompts_per_step groups are in
+flight; `Engine.rollout` returns the first prompts_per_step to complete (carried ones first) and
+carries the rest into the next step, across the optimizer step and the weight sync. Dynamic
+sampling (DAPO): a group whose rewards are all equal gives GRPO no signal; it is dropped and more
+prompts are drawn, up to `dynamic_sampling_draws` calls a step (the last call's groups are kept
+whatever their rewards, so a step always trains).
+
+The answer of a carried group is looked up by its prompt ids: the group may come back steps after
+its prompt was drawn.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+
+class GroupDrawer:
+    def __init__(self, cfg, rollout, task, tokenizer, sampler, params) -> None:
+        self.cfg, self.rollout, self.engine = cfg, rollout, rollout.engine
+        self.task, self.tokenizer, self.sampler, self.params = task, tokenizer, sampler, params
+        self.answers: dict[tuple[int, ...], object] = {}
+        # Over the run so far: a step may generate nothing (its groups completed while carried)
+        # or much (it finishes carried groups of later steps), so the ratio is a running one.
+        self.generated = self.trained = 0
+
+    def draw(self):
+        """(outputs, their samples' rewards flat, metrics) of prompts_per_step groups."""
+        cfg, engine = self.cfg, self.engine
+        wanted = cfg.prompts_per_step
+        in_flight = math.ceil(cfg.over_sample * wanted) if cfg.partial_rollouts else wanted
+        draws = cfg.dynamic_sampling_draws if cfg.dynamic_sampling else 1
+        generated, restarts = engine.stats.generated_tokens, engine.stats.stale_restarts
+        kept: list = []
+        dropped = calls = 0
+        while len(kept) < wanted and calls < draws:
+            calls += 1
+            short = wanted - len(kept)
+            new = max(short, in_flight - len(engine.carried)) if cfg.partial_rollouts else short
+            prompts = self._prompts(new)
+            if cfg.partial_rollouts:
+                outs = self.rollout.rollout(prompts, self.params, groups=short)
+            else:
+                outs = self.rollout.generate(prompts, self.params)
+            for out in outs:
+                answer = self.answers[tuple(out.prompt_token_ids)]
+                rewards = [self.task.reward(s.text or "", answer) for s in out.samples]
+                if cfg.dynamic_sampling and calls < draws and len(set(rewards)) == 1:
+                    dropped += 1
+                    continue
+                kept.append((out, rewards))
+        kept = kept[:wanted]
+        outs = [out for out, _ in kept]
+        self.generated += engine.stats.generated_tokens - generated
+        self.trained += sum(len(s.token_ids) for out in outs for s in out.samples)
+        return outs, [r for _, rewards in kept for r in rewards], self._metrics(
+            outs, engine.stats.stale_restarts - restarts, dropped, calls)
+
+    def _prompts(self, count: int) -> list[list[int]]:
+        rows = self.task.train[self.sampler.next(count)]
+        prompts = self.task.encode(self.tokenizer, rows["prompt"])
+        for ids, answer in zip(prompts, rows["answer"]):
+            self.answers[tuple(ids)] = answer
+        return prompts
+
+    def _metrics(self, outs, restarts: int, dropped: int, calls: int) -> dict:
+        version = self.engine.weights_version
+        # How many versions old each trained sample's first token is (0: this step's weights).
+        staleness = Counter(version - s.weights_versions[0] for out in outs for s in out.samples
+                            if s.weights_versions)
+        count = sum(staleness.values()) or 1
+        out = {"partial/carried_groups": len(self.engine.carried),
+               "partial/stale_restarts": restarts,
+               "partial/generated_per_trained_token": self.generated / max(self.trained, 1),
+               "partial/staleness_mean": sum(k * v for k, v in staleness.items()) / count,
+               "partial/staleness_max": max(staleness, default=0),
+               # The histogram in fixed keys (ranks reduce the same keys).
+               "partial/staleness_0_frac": staleness[0] / count,
+               "partial/staleness_1_frac": staleness[1] / count,
+               "partial/staleness_2plus_frac":
+                   sum(v for k, v in staleness.items() if k >= 2) / count}
+        if self.cfg.dynamic_sampling:
+            out |= {"dynamic/dropped_groups": dropped, "dynamic/rollout_calls": calls}
+        return out

@@ -1,0 +1,139 @@
+"""The custom loop on partial rollouts (recipes/algo/partial.py): the decoupled objective against a
+hand computation, runs that carry groups across steps, dynamic sampling, and its config checks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_recipes import TINY, write_config
+
+from rollout_recipes.algo.losses import behaviour_weights, grpo_loss
+from rollout_recipes.grpo import main
+from rollout_recipes.run.config import RecipeConfig
+from rollout_recipes.tasks import REWARDS
+
+
+def test_decoupled_loss_by_hand():
+    """-w min(r A, clip(r) A) summed over masked tokens / num_tokens, with r = pi / pi_prox and
+    w = min(pi_prox / mu, cap), computed token by token in plain Python."""
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, -4.0]], requires_grad=True)
+    proximal = torch.tensor([[-1.1, -1.5, -0.5], [-0.3, -2.0, -1.0]])
+    behaviour = torch.tensor([[-1.0, -2.5, -0.2], [-2.0, -2.0, -1.0]])
+    advantages = torch.tensor([1.0, -0.5])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    eps, cap, num_tokens = 0.2, 2.0, 5.0
+    weights = behaviour_weights(proximal, behaviour, cap)
+    loss, stats = grpo_loss(logprobs, proximal, advantages, mask, num_tokens, eps,
+                            weights=weights)
+    want, capped = 0.0, 0
+    for i in range(2):
+        for t in range(3):
+            if not mask[i, t]:
+                continue
+            w = min(math.exp(proximal[i, t] - behaviour[i, t]), cap)
+            capped += w == cap
+            r = math.exp(logprobs[i, t].item() - proximal[i, t])
+            a = advantages[i].item()
+            want += -w * min(r * a, min(max(r, 1 - eps), 1 + eps) * a)
+    assert loss.item() == pytest.approx(want / num_tokens, rel=1e-6)
+    assert capped == 2  # pi_prox / mu = e^1 and e^1.7 are capped at 2
+    loss.backward()  # the weights carry no gradient: only the policy's logprobs get one
+    assert logprobs.grad is not None and not weights.requires_grad
+    # On-policy (pi_prox = mu) every weight is 1 and the loss is the plain one.
+    plain, _ = grpo_loss(logprobs, proximal, advantages, mask, num_tokens, eps)
+    ones = behaviour_weights(proximal, proximal, cap)
+    assert torch.equal(ones, torch.ones_like(ones))
+    assert grpo_loss(logprobs, proximal, advantages, mask, num_tokens, eps,
+                     weights=ones)[0].item() == plain.item()
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_partial_rollouts_carry_groups_into_later_steps(tmp_path, algo, monkeypatch):
+    """over_sample 2: each step trains on prompts_per_step groups while as many again are in
+    flight; some steps train on samples started under the previous weights (staleness 1),
+    whose behaviour logprobs then differ from the proximal policy's and whose token weights
+    pi_prox / mu are not 1. Fresh samples have weight 1 (up to fp32 rounding of the two
+    forwards), and the clipped ratio against the proximal policy is 1 in the single
+    minibatch. A length reward gives the groups a spread, so the policy does move."""
+    monkeypatch.setitem(REWARDS, "exact", lambda completion, answer: float(len(completion) > 2))
+    out = main(["--config", write_config(tmp_path), "--algo", algo, "--partial_rollouts", "true",
+                "--over_sample", "2", "--max_staleness", "3", "--steps", "4",
+                "--learning_rate", "1e-2"])
+    history = out["history"]
+    assert history[0]["partial/staleness_max"] == 0
+    assert history[0]["partial/carried_groups"] == TINY["prompts_per_step"]
+    stale = [row for row in history if row["partial/staleness_max"] >= 1]
+    fresh = [row for row in history if row["partial/staleness_max"] == 0]
+    assert stale and fresh
+    for row in fresh:
+        assert row["is/weight_mean"] == pytest.approx(1.0, abs=1e-4)
+        assert row["mismatch/logprob_gap_mean"] < 1e-4
+    for row in stale:
+        assert abs(row["is/weight_mean"] - 1) > 1e-3
+        assert row["mismatch/logprob_gap_mean"] > 1e-3
+    for row in history:
+        assert row["loss/ratio"] == pytest.approx(1.0, abs=1e-5)
+        assert 0 < row["is/weight_mean"] <= 2.0 and 0 <= row["is/capped_frac"] <= 1
+        assert row["partial/generated_per_trained_token"] > 0
+        fractions = (row["partial/staleness_0_frac"] + row["partial/staleness_1_frac"]
+                     + row["partial/staleness_2plus_frac"])
+        assert fractions == pytest.approx(1.0)
+        assert row["engine/asleep_at_optimizer_step"] == 1.0
+
+
+def test_dynamic_sampling_trains_on_groups_with_signal(tmp_path, monkeypatch):
+    """A reward that is the same for every sample of half the prompts (their answers' parity)
+    and spread for the others: dynamic sampling drops the uniform groups and draws more, so
+    every group trained on has a reward spread."""
+    def reward(completion: str, answer: str) -> float:
+        return 1.0 if int(answer) % 2 == 0 else float(len(completion) > 2)
+
+    monkeypatch.setitem(REWARDS, "exact", reward)
+    out = main(["--config", write_config(tmp_path), "--dynamic_sampling", "true",
+                "--dynamic_sampling_draws", "8", "--num_generations", "8"])
+    for row in out["history"]:
+        assert row["dynamic/dropped_groups"] >= 1
+        assert row["reward/groups_with_signal"] == 1.0
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("over_sample", 0.5, "over_sample"), ("behaviour_weight_cap", 0.5, "behaviour_weight_cap"),
+    ("max_staleness", -1, "max_staleness"), ("dynamic_sampling_draws", 0,
+                                              "dynamic_sampling_draws"),
+])
+def test_bad_partial_values_name_their_key(key, value, match):
+    with pytest.raises(ValueError, match=match):
+        RecipeConfig(**{key: value})
+
+
+def test_partial_rollouts_are_the_custom_single_turn_loops():
+    with pytest.raises(ValueError, match="partial_rollouts"):
+        RecipeConfig(trainer="trl", partial_rollouts=True)
+    with pytest.raises(ValueError, match="partial_rollouts"):
+        RecipeConfig(task="calculator", partial_rollouts=True)
+    with pytest.raises(ValueError, match="dynamic_sampling"):
+        RecipeConfig(algo="ppo", dynamic_sampling=True)
+
+
+def test_colocated_block_keeps_carried_groups_only_with_carry():
+    """ColocatedRollout(carry=True) leaves the groups rollout() carries in the sleeping engine
+    (a streaming request of the block is aborted as before); without it, leaving aborts them."""
+    from test_carry import PARAMS, PROMPTS, make, target
+
+    from trainer_hooks import ColocatedRollout
+
+    engine = make("plain", True)
+    with ColocatedRollout(engine, target(), carry=True) as rollout:
+        assert len(rollout.rollout(PROMPTS, PARAMS, groups=2)) == 2
+        stray = engine.add_request(PROMPTS[0], PARAMS[0])
+    assert engine.is_sleeping and len(engine.carried) == 3
+    assert stray not in engine.running_requests
+    with ColocatedRollout(engine, target(), carry=True) as rollout:
+        assert len(rollout.rollout(groups=1)) == 1
+    assert len(engine.carried) == 2
+    with ColocatedRollout(engine, target()) as rollout:
+        rollout.rollout(groups=1)
+    assert engine.carried == [] and not engine.running_requests
+    engine.check_invariants()
