@@ -1,0 +1,140 @@
+"""TRL's AsyncGRPOTrainer on the engine (trainer_hooks/trl_async.py), on CPU.
+
+The trainer's own training forward needs two things only a GPU has (a flash-attention kernel
+fetched at run time, a CUDA peak-FLOPs lookup); tests/support/flash_varlen.py stands in for them
+with a torch reference, so what runs here is TRL's loop, queue, staleness filter and weight sync
+around the engine's worker and transfer."""
+
+from __future__ import annotations
+
+import threading
+
+import flash_varlen
+import pytest
+import torch
+from datasets import Dataset
+from models import char_tokenizer, tiny_model
+
+from rollout import Engine, EngineConfig, SamplingParams
+from trainer_hooks.trl_async import EngineRolloutWorker, EngineWeightTransfer, engine_async_grpo
+
+AsyncGRPOConfig = pytest.importorskip("trl.experimental.async_grpo").AsyncGRPOConfig
+
+PROMPTS = ["abc", "hello", "1+1=", "xyz", "the cat", "zz top"]
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch):
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    flash_varlen.install(monkeypatch)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    tok = char_tokenizer()
+    path = tmp_path / "model"
+    tiny_model("qwen2", vocab_size=len(tok)).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path), tok
+
+
+def length_reward(prompts, completions, completion_ids, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+def async_args(tmp_path, **overrides):
+    kwargs = dict(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, report_to=[],
+                  max_steps=3, per_device_train_batch_size=8, num_generations=4,
+                  max_completion_length=8, logging_steps=1, save_strategy="no", seed=0,
+                  max_staleness=1, queue_maxsize=16)
+    kwargs.update(overrides)
+    return AsyncGRPOConfig(**kwargs)
+
+
+def test_async_grpo_trains_on_the_engine(tmp_path, checkpoint):
+    """3 optimizer steps: every sync goes through the engine (cold sync + one a step), samples
+    are tagged with the trainer's model version of their oldest token, none older than
+    max_staleness is trained on, and on the first (on-policy) step TRL's ratio against the
+    engine's logprobs is 1 up to fp32 rounding."""
+    path, tok = checkpoint
+    engine = Engine(path, EngineConfig(kv_cache_tokens=1024, max_model_len=64, max_num_seqs=32),
+                    tokenizer=tok)
+    trainer = engine_async_grpo(engine, path, length_reward, async_args(tmp_path),
+                                Dataset.from_dict({"prompt": PROMPTS}), tok)
+    worker = trainer.rollout_worker
+    pushed = []
+    put = worker.rollout_buffer.put
+    worker.rollout_buffer.put = lambda sample, *a, **k: (pushed.append(sample),
+                                                         put(sample, *a, **k))[1]
+    trainer.train()
+    steps = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(steps) == 3
+    assert engine.weights_version == 4  # the cold sync at train begin, then one per step
+    assert engine.config.max_staleness == 1  # the engine restarts what TRL would drop
+    assert abs(steps[0]["ratio"] - 1) < 1e-4 and steps[0]["kl"] < 1e-6
+    assert all(h["sample/staleness_max"] <= 1 for h in steps)
+    # The worker starts after the cold sync, which made the trainer's version 1: the first
+    # samples are version 1's; later ones are tagged up to the last sync's version.
+    assert pushed[0].model_version == 1
+    assert {s.model_version for s in pushed} >= {1, 2}
+    assert max(s.model_version for s in pushed) <= 4
+    for s in pushed:
+        completion = s.completion_mask.astype(bool)
+        assert s.input_ids.shape == s.old_log_probs.shape == s.completion_mask.shape
+        assert (s.old_log_probs[~completion] == 0).all()
+        assert (s.old_log_probs[completion] < 0).all()
+    assert not worker._thread.is_alive() and not engine.running_requests
+
+
+def test_pause_waits_for_the_engine_and_a_dead_worker_says_why(checkpoint):
+    path, tok = checkpoint
+    engine = Engine(path, EngineConfig(kv_cache_tokens=1024, max_model_len=64), tokenizer=tok)
+    failing = threading.Event()
+
+    def reward(prompts, completions, completion_ids, **kwargs):
+        if failing.is_set():
+            raise ZeroDivisionError("reward function bug")
+        return [1.0] * len(completions)
+
+    worker = EngineRolloutWorker(engine, Dataset.from_dict({"prompt": PROMPTS}), [reward], tok,
+                                 num_generations=2, params=SamplingParams(max_tokens=6),
+                                 groups_in_flight=3)
+    transfer = EngineWeightTransfer(worker)
+    worker.start()
+    worker.rollout_buffer.get(timeout=60)
+    transfer.pause()  # returns with the thread outside the engine: the update may run
+    transfer.send_weights(tiny_model("qwen2", seed=1, vocab_size=len(tok)).named_parameters())
+    worker.update_model_version(1)
+    transfer.resume()
+    # Samples sampled after the update carry version 1 from their first token on (a bounded
+    # wait: groups carried across the update still come first, tagged 0).
+    versions = [worker.rollout_buffer.get(timeout=60).model_version for _ in range(40)]
+    assert 1 in versions
+    worker.check_health(60)
+    failing.set()
+    worker._thread.join(timeout=60)
+    with pytest.raises(RuntimeError, match="rollout thread failed") as info:
+        worker.check_health(60)
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+    worker.stop()
+    engine.check_invariants()
+
+
+def test_what_the_engine_cannot_give_is_refused(tmp_path, checkpoint):
+    path, tok = checkpoint
+    engine = Engine(path, EngineConfig(kv_cache_tokens=1024, max_model_len=64), tokenizer=tok)
+    data = Dataset.from_dict({"prompt": PROMPTS})
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        engine_async_grpo(engine, path, length_reward,
+                          async_args(tmp_path, repetition_penalty=1.2), data, tok)
+    with pytest.raises(ValueError, match="tools"):
+        engine_async_grpo(engine, path, length_reward, async_args(tmp_path), data, tok,
+                          tools=[len])
+    with pytest.raises(ValueError, match="groups_in_flight"):
+        EngineRolloutWorker(engine, data, [length_reward], tok, 2, SamplingParams(),
+                            groups_in_flight=0)

@@ -1,0 +1,247 @@
+"""TRL's asynchronous GRPO trainer (`trl.experimental.async_grpo.AsyncGRPOTrainer`, TRL 1.16) on
+the engine, in the trainer's process.
+
+TRL's own worker drives a vLLM server over HTTP and syncs weights over NCCL. Here a thread owns
+the engine: it keeps `groups_in_flight` prompt groups in the engine and calls
+`Engine.rollout(groups=1)` over and over (partial rollouts: a group is handed out as soon as it
+is complete, the others stay), scores each group with the trainer's reward functions, computes
+GRPO's group-normalised advantages and pushes one `RolloutSample` per completion, its
+`old_log_probs` the engine's logprobs. Weights come in through `EngineWeightTransfer`: pause
+(the thread finishes its current call and waits), `update_weights` in place (carried groups are
+retracted and go on under the new weights), resume.
+
+Each sample is tagged with the trainer's model version of its *oldest* token, so TRL's
+`max_staleness` drops what is too old; the engine gets the same bound (EngineConfig.
+max_staleness, set by `engine_async_grpo`), so a carried group past it is restarted from its
+prompt instead of being finished and then dropped, which would bias training toward short
+answers.
+
+    trainer = engine_async_grpo(engine, model, reward_funcs, args, train_dataset, tokenizer)
+    trainer.train()
+
+What the engine cannot give is refused with a ValueError: tools and environments (TRL's async
+tool loop), `repetition_penalty`, a PEFT model's adapter-only sync (its merged weights are sent).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import queue
+import threading
+import time
+
+import numpy as np
+
+from rollout import Engine, SamplingParams
+
+
+class EngineRolloutWorker:
+    """TRL's `RolloutWorkerProtocol`, backed by an engine in a thread of this process."""
+
+    def __init__(self, engine: Engine, dataset, reward_funcs, tokenizer, num_generations: int,
+                 params: SamplingParams, groups_in_flight: int = 4, queue_maxsize: int = 0,
+                 chat_template_kwargs: dict | None = None) -> None:
+        if groups_in_flight < 1:
+            raise ValueError(f"groups_in_flight must be >= 1, got {groups_in_flight}")
+        self.engine, self.dataset, self.tokenizer = engine, dataset, tokenizer
+        self.reward_funcs = list(reward_funcs)
+        self.params = dataclasses.replace(params, n=num_generations, logprobs=True)
+        self.groups_in_flight = groups_in_flight
+        self.chat_template_kwargs = chat_template_kwargs or {}
+        self.rollout_buffer: queue.Queue = queue.Queue(maxsize=queue_maxsize)
+        self.metrics_queue: queue.Queue = queue.Queue()
+        self.model_version = 0
+        # The trainer's model version of each engine weights version (set at each sync).
+        self._versions = {engine.weights_version: 0}
+        # Dataset rows in flight, by prompt ids (oldest first): a group comes back steps later.
+        self._rows: dict[tuple[int, ...], collections.deque] = collections.defaultdict(
+            collections.deque)
+        self._group_ids = itertools.count()
+        self._run = threading.Event()  # set: the thread may call the engine
+        self._idle = threading.Event()  # set: the thread is outside every engine call
+        self._idle.set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._last_push = time.time()
+
+    # --- the protocol -----------------------------------------------------------------------
+    def start(self) -> None:
+        self._stop.clear()
+        self._run.set()
+        self._thread = threading.Thread(target=self._loop, name="engine-rollout", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._run.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+        self.engine.abort_all()
+
+    def update_model_version(self, model_version: int) -> None:
+        self.model_version = model_version
+
+    def check_health(self, stale_after_s: float) -> None:
+        if self._error is not None:
+            raise RuntimeError("the engine's rollout thread failed") from self._error
+        if self._thread is None or not self._thread.is_alive():
+            raise RuntimeError("the engine's rollout thread is not running")
+        if self._run.is_set() and time.time() - self._last_push > stale_after_s:
+            raise RuntimeError(f"the engine's rollout thread pushed nothing for "
+                               f"{stale_after_s:.0f} s")
+
+    # --- pausing for a weight update --------------------------------------------------------
+    def pause(self) -> None:
+        """Returns once the thread is outside the engine (its current call done)."""
+        self._run.clear()
+        self._idle.wait()
+
+    def resume(self) -> None:
+        self._last_push = time.time()
+        self._run.set()
+
+    def synced(self) -> None:
+        """The engine's new weights are the trainer's next model version (TRL bumps it by one
+        right after each sync)."""
+        self._versions[self.engine.weights_version] = self.model_version + 1
+
+    # --- the thread -------------------------------------------------------------------------
+    def _loop(self) -> None:
+        rows = itertools.cycle(range(len(self.dataset)))
+        try:
+            while not self._stop.is_set():
+                self._run.wait()
+                if self._stop.is_set():
+                    break
+                self._idle.clear()
+                try:
+                    if not self._run.is_set():  # a pause came in between
+                        continue
+                    new = self.groups_in_flight - len(self.engine.carried)
+                    prompts = []
+                    for _ in range(max(new, 0)):
+                        row = self.dataset[next(rows)]
+                        prompts.append(self._prompt_ids(row))
+                        self._rows[tuple(prompts[-1])].append(row)
+                    outs = self.engine.rollout(prompts, self.params, groups=1)
+                finally:
+                    self._idle.set()
+                for out in outs:
+                    self._push(out)
+        except BaseException as e:  # check_health raises it in the trainer
+            self._error = e
+
+    def _prompt_ids(self, row: dict) -> list[int]:
+        prompt = row["prompt"]
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
+                                                  tokenize=True, return_dict=True,
+                                                  **self.chat_template_kwargs)["input_ids"]
+
+    def _push(self, out) -> None:
+        row = self._rows[tuple(out.prompt_token_ids)].popleft()
+        conversational = not isinstance(row["prompt"], str)
+        texts = [s.text or "" for s in out.samples]
+        completions = [[{"role": "assistant", "content": t}] for t in texts] \
+            if conversational else texts
+        n = len(out.samples)
+        extra = {k: [v] * n for k, v in row.items() if k not in ("prompt", "completion",
+                                                                  "completion_ids")}
+        columns = [func(prompts=[row["prompt"]] * n, completions=completions,
+                        completion_ids=[s.token_ids for s in out.samples], **extra)
+                   for func in self.reward_funcs]
+        rewards = np.nansum(np.array([[np.nan if r is None else r for r in c] for c in columns],
+                                     dtype=float), axis=0)
+        advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-8)
+        group_id = next(self._group_ids)
+        prompt_ids = list(out.prompt_token_ids)
+        for s, completion, advantage, reward in zip(out.samples, completions, advantages,
+                                                    rewards):
+            oldest = min(s.weights_versions, default=self.engine.weights_version)
+            self._put(_sample(
+                row["prompt"], completion, prompt_ids, s, float(advantage),
+                self._versions.get(oldest, 0), group_id,
+                {"reward": float(reward), "reward_std": float(rewards.std())}))
+        self._last_push = time.time()
+
+    def _put(self, sample) -> None:
+        """Into the bounded queue (TRL's queue_maxsize: backpressure), giving up at stop()."""
+        while not self._stop.is_set():
+            try:
+                self.rollout_buffer.put(sample, timeout=0.5)
+                return
+            except queue.Full:  # the trainer is behind: waiting is not a stall
+                self._last_push = time.time()
+
+
+def _sample(prompt, completion, prompt_ids, s, advantage, version, group_id, metrics):
+    from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
+
+    ids = prompt_ids + list(s.token_ids)
+    return RolloutSample(
+        prompt=prompt, completion=completion, input_ids=np.asarray(ids, dtype=np.int64),
+        completion_mask=np.asarray([0] * len(prompt_ids) + [1] * len(s.token_ids),
+                                   dtype=np.int64),
+        old_log_probs=np.asarray([0.0] * len(prompt_ids) + list(s.logprobs), dtype=np.float32),
+        advantage=advantage, model_version=version, group_id=group_id, metrics=metrics,
+        enqueued_at=time.time())
+
+
+class EngineWeightTransfer:
+    """TRL's `WeightTransferProtocol`: the trainer's weights into the engine, in place."""
+
+    def __init__(self, worker: EngineRolloutWorker) -> None:
+        self.worker = worker
+
+    def init_weight_transfer(self) -> None:
+        pass
+
+    def pause(self) -> None:
+        self.worker.pause()
+
+    def send_weights(self, iterator) -> None:
+        self.worker.engine.update_weights(list(iterator))
+        self.worker.synced()
+
+    def resume(self) -> None:
+        self.worker.resume()
+
+    def destroy(self) -> None:
+        pass
+
+
+def engine_async_grpo(engine: Engine, model, reward_funcs, args, train_dataset,
+                      processing_class, groups_in_flight: int | None = None, **kwargs):
+    """An AsyncGRPOTrainer whose rollouts and weight syncs are the engine's (this module's
+    docstring); `groups_in_flight` defaults to twice the groups of one optimizer step."""
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    if kwargs.get("tools") or kwargs.get("environment_factory"):
+        raise ValueError("tools / environment_factory: the engine's async worker rolls out "
+                         "single turns; use trainer_hooks.trl.RolloutGRPOTrainer for tools")
+    if args.repetition_penalty != 1.0:
+        raise ValueError(f"repetition_penalty: the engine has none; got "
+                         f"{args.repetition_penalty}, set it to 1.0")
+    if args.token_budget is None:  # TRL would ask the vLLM server for its max_model_len
+        args.token_budget = engine.config.max_model_len
+    # The engine restarts what TRL would drop (rebinding its config: the caller's object stays).
+    engine.config = dataclasses.replace(engine.config, max_staleness=args.max_staleness)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k or 0, min_p=args.min_p or 0.0,
+                            max_tokens=args.max_completion_length)
+    if groups_in_flight is None:
+        per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        groups_in_flight = max(2, 2 * -(-per_step // args.num_generations))
+    worker = EngineRolloutWorker(engine, train_dataset,
+                                 reward_funcs if isinstance(reward_funcs, list)
+                                 else [reward_funcs], processing_class, args.num_generations,
+                                 params, groups_in_flight, args.queue_maxsize,
+                                 args.chat_template_kwargs)
+    return AsyncGRPOTrainer(model=model, reward_funcs=reward_funcs, args=args,
+                            train_dataset=train_dataset, processing_class=processing_class,
+                            rollout_worker=worker, weight_transfer=EngineWeightTransfer(worker),
+                            **kwargs)
