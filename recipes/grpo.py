@@ -24,7 +24,8 @@ import sys
 if __package__ in (None, ""):  # `accelerate launch recipes/grpo.py` runs this file as a script
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rollout_recipes.run.config import RecipeConfig, load_config, parse_overrides  # noqa: E402
+from rollout_recipes.run.config import RecipeConfig  # noqa: E402
+from rollout_recipes.run.config_file import load_config, parse_overrides  # noqa: E402
 
 
 def config_from_args(argv: list[str] | None = None) -> RecipeConfig:

@@ -45,6 +45,8 @@ class EngineRolloutWorker:
                  chat_template_kwargs: dict | None = None) -> None:
         if groups_in_flight < 1:
             raise ValueError(f"groups_in_flight must be >= 1, got {groups_in_flight}")
+        if len(dataset) == 0:
+            raise ValueError("dataset: empty; the worker needs prompts to roll out")
         self.engine, self.dataset, self.tokenizer = engine, dataset, tokenizer
         self.reward_funcs = list(reward_funcs)
         self.params = dataclasses.replace(params, n=num_generations, logprobs=True)

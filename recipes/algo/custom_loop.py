@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import random
 import time
 
@@ -42,9 +41,10 @@ from ..run.shard import PromptSampler, engine_slot
 from .advantages import episode_gae, gae, group_advantages, whiten
 from .batch import RolloutBatch, build_batch, build_episode_batch, episode_text
 from .logprobs import policy_logprobs, token_logprobs
-from .losses import behaviour_weights, grpo_loss, mismatch_stats, ppo_loss
-from .partial import GroupDrawer
+from .losses import grpo_loss, mismatch_stats, ppo_loss
+from .partial import GroupDrawer, behaviour_weight_stats, decouple
 from .routing_replay import FlipCount, moe_routers, routed_expert_batch, routing_replay
+from .update_metrics import groups_with_signal, ratio_metrics, reduce_stat
 
 
 class CustomTrainer:
@@ -219,15 +219,15 @@ class CustomTrainer:
             logprobs = policy_logprobs(self.module, rows["input_ids"], rows["attention_mask"],
                                        self.cfg.temperature, rows.get("keep"))
             ref = ref_logprobs[index] if ref_logprobs is not None else None
-            weights, weight_stats = self._behaviour_weights(rows)
+            weights, weight_stats = behaviour_weight_stats(rows, self.cfg.behaviour_weight_cap)
             loss, stats = grpo_loss(logprobs, rows["old_logprobs"], advantages[index],
                                     rows["mask"], num_tokens, self.cfg.clip_eps, ref,
                                     self.cfg.beta, weights)
             return loss, stats | weight_stats | self._mismatch(logprobs, rows)
 
         tokens = self._optimise(batch, loss_fn, totals)
-        out = {**_ratio_metrics(totals, tokens), "loss/loss": totals["loss"],
-               "reward/groups_with_signal": _groups_with_signal(batch)}
+        out = {**ratio_metrics(totals, tokens), "loss/loss": totals["loss"],
+               "reward/groups_with_signal": groups_with_signal(batch)}
         if "kl" in totals:
             out["kl"] = totals["kl"] / tokens
         return out
@@ -255,7 +255,7 @@ class CustomTrainer:
                                          attention_mask=rows["attention_mask"])
             logprobs = token_logprobs(logits, rows["input_ids"], self.cfg.temperature,
                                       rows.get("keep"))
-            weights, weight_stats = self._behaviour_weights(rows)
+            weights, weight_stats = behaviour_weight_stats(rows, self.cfg.behaviour_weight_cap)
             loss, stats = ppo_loss(logprobs, rows["old_logprobs"], values[:, :-1],
                                    old_values[index], returns[index], advantages[index],
                                    rows["mask"], num_tokens, self.cfg.clip_eps,
@@ -265,7 +265,7 @@ class CustomTrainer:
         tokens = self._optimise(batch, loss_fn, totals)
         return out | {"loss/policy": totals["policy_loss"] / tokens,
                       "loss/value": totals["value_loss"] / tokens,
-                      **_ratio_metrics(totals, tokens), "loss/loss": totals["loss"],
+                      **ratio_metrics(totals, tokens), "loss/loss": totals["loss"],
                       "value/mean": ((old_values * batch.mask).sum() / batch.mask.sum()).item()}
 
     def _optimise(self, batch: RolloutBatch, loss_fn, totals: dict) -> float:
@@ -288,7 +288,7 @@ class CustomTrainer:
                         self.acc.backward(loss)
                     minibatch_loss += loss.item()
                     for key, value in stats.items():
-                        totals[key] = _reduce(key, totals.get(key), float(value.detach()))
+                        totals[key] = reduce_stat(key, totals.get(key), float(value.detach()))
                 if self._first_minibatch:
                     totals["mismatch/tokens"] = num_tokens.item()
                 losses.append(minibatch_loss)
@@ -309,10 +309,8 @@ class CustomTrainer:
         self.optimizer.zero_grad(set_to_none=True)
 
     def _decouple(self, batch: RolloutBatch) -> None:
-        """The decoupled objective's proximal policy: the trainer's logprobs now, before this
-        step's first optimizer step, replace old_logprobs; the engine's stay as behaviour."""
-        batch.behaviour_logprobs = batch.old_logprobs
-
+        """The decoupled objective's proximal policy (partial.py): the trainer's logprobs now,
+        before this step's first optimizer step."""
         def proximal(rows):
             if self.cfg.algo == "ppo":  # the value-head model returns (logits, values)
                 logits = self.module(input_ids=rows["input_ids"],
@@ -324,22 +322,12 @@ class CustomTrainer:
 
         self.module.eval()
         with torch.no_grad():
-            batch.old_logprobs = self._chunked(batch, proximal) * batch.mask
-
-    def _behaviour_weights(self, rows) -> tuple:
-        """(the decoupled objective's token weights, their sums for is/ metrics); (None, {})
-        on-policy."""
-        if "behaviour_logprobs" not in rows:
-            return None, {}
-        cap, mask = self.cfg.behaviour_weight_cap, rows["mask"]
-        weights = behaviour_weights(rows["old_logprobs"], rows["behaviour_logprobs"], cap)
-        return weights, {"is_weight": (weights * mask).sum(),
-                         "is_capped": ((weights >= cap).float() * mask).sum()}
+            decouple(batch, self._chunked(batch, proximal))
 
     def _mismatch(self, logprobs, rows) -> dict:
         """The rollout-vs-trainer statistics of the first minibatch (the trainer's policy is
         still the one at the step's start; a carried token's behaviour policy is older): keys
-        "mismatch/...", reduced by _reduce."""
+        "mismatch/...", reduced by reduce_stat."""
         if not self._first_minibatch:
             return {}
         behaviour = rows.get("behaviour_logprobs", rows["old_logprobs"])
@@ -380,42 +368,3 @@ class CustomTrainer:
                              device=self.acc.device)
         out["engine/asleep_at_optimizer_step"] = float(self.acc.gather(flags).min())
         return out
-
-
-def _reduce(key: str, total: float | None, value: float) -> float:
-    """Micro-batch statistics: extremes by max or min, the rest summed."""
-    if total is None:
-        return value
-    if key.endswith("_max"):
-        return max(total, value)
-    if key.endswith("_min"):
-        return min(total, value)
-    return total + value
-
-
-def _ratio_metrics(totals: dict, tokens: float) -> dict:
-    """The importance ratio over every minibatch, and the rollout-vs-trainer mismatch of the
-    first (before any optimizer step): the logprob gap (mean, max), the token probability's
-    multiplicative error exp(mean |gap|), the ratio's extremes and an estimate of
-    KL(behaviour || policy)."""
-    first = totals["mismatch/tokens"]
-    gap = totals["mismatch/gap"] / first
-    weights = ({"is/weight_mean": totals["is_weight"] / tokens,
-                "is/capped_frac": totals["is_capped"] / tokens} if "is_weight" in totals else {})
-    return weights | {
-        "loss/clip_frac": totals["clip_frac"] / tokens, "loss/ratio": totals["ratio"] / tokens,
-        "loss/ratio_abs_dev": totals["ratio_abs_dev"] / tokens,
-        "loss/ratio_outside": totals["ratio_outside"] / tokens,
-        "mismatch/logprob_gap_mean": gap,
-        "mismatch/logprob_gap_max": totals["mismatch/gap_max"],
-        "mismatch/prob_error": math.exp(gap),
-        "mismatch/ratio_min": totals["mismatch/ratio_min"],
-        "mismatch/ratio_max": totals["mismatch/ratio_max"],
-        "mismatch/kl": totals["mismatch/kl"] / first}
-
-
-def _groups_with_signal(batch: RolloutBatch) -> float:
-    """Share of prompts whose samples got different rewards: only those move a GRPO step."""
-    groups = batch.group.unique()
-    mixed = [batch.rewards[batch.group == g].std() > 0 for g in groups]
-    return sum(bool(m) for m in mixed) / len(groups)

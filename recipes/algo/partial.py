@@ -9,12 +9,21 @@ whatever their rewards, so a step always trains).
 
 The answer of a carried group is looked up by its prompt ids: the group may come back steps after
 its prompt was drawn.
+
+Trained on, such a batch takes the decoupled objective (losses.py): `decouple` makes the
+trainer's logprobs at the start of the step the proximal policy, keeping the engine's as the
+behaviour policy, and `behaviour_weight_stats` gives each token's capped weight.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
+
+import torch
+
+from .batch import RolloutBatch
+from .losses import behaviour_weights
 
 
 class GroupDrawer:
@@ -84,3 +93,22 @@ class GroupDrawer:
         if self.cfg.dynamic_sampling:
             out |= {"dynamic/dropped_groups": dropped, "dynamic/rollout_calls": calls}
         return out
+
+
+def decouple(batch: RolloutBatch, proximal: torch.Tensor) -> None:
+    """The engine's logprobs (from whichever weights sampled each token) become the behaviour
+    policy; `proximal`, the trainer's logprobs before this step's first optimizer step, the
+    policy the ratio is clipped against."""
+    batch.behaviour_logprobs = batch.old_logprobs
+    batch.old_logprobs = proximal * batch.mask
+
+
+def behaviour_weight_stats(rows: dict, cap: float) -> tuple:
+    """(the decoupled objective's token weights, their sums for the is/ metrics) of a
+    micro-batch; (None, {}) for an on-policy batch (no behaviour logprobs)."""
+    if "behaviour_logprobs" not in rows:
+        return None, {}
+    mask = rows["mask"]
+    weights = behaviour_weights(rows["old_logprobs"], rows["behaviour_logprobs"], cap)
+    return weights, {"is_weight": (weights * mask).sum(),
+                     "is_capped": ((weights >= cap).float() * mask).sum()}

@@ -18,6 +18,7 @@ failed unit leaves requests, queues and sequences as they were.
 
 from __future__ import annotations
 
+from ..fields import as_int
 from ..journal import Journal
 from ..kv.manager import KVManager
 from ..requests.request import Request
@@ -93,6 +94,21 @@ class Carry:
             return
         self.abort(request, keep_kv)
 
+    def abandon(self, request_ids: list[str]) -> None:
+        """A call that failed gives its requests up (nobody will collect their outputs): what
+        still runs is aborted, K/V to the prefix cache, or freed should that fail too."""
+        for request_id in request_ids:
+            self.requests.ready.pop(request_id, None)
+            request = self.requests.running.get(request_id)
+            if request is None:
+                continue
+            try:
+                with self.journal.unit():
+                    self.abort(request, keep_kv=True)
+            except Exception:
+                with self.journal.unit():
+                    self.abort(request, keep_kv=False)
+
     def abort(self, request: Request, keep_kv: bool) -> None:
         """A running request ends: its unfinished samples abort, their K/V to the prefix cache
         (`keep_kv`) or freed."""
@@ -102,6 +118,24 @@ class Carry:
                 self.scheduler.finish(seq, "abort", keep_kv)
 
     # --- what rollout() hands out -----------------------------------------------------------
+    def groups_wanted(self, groups, new: int) -> int:
+        """rollout()'s `groups` checked against what there is: carried groups + `new` prompts
+        (None: all of them)."""
+        available = len(self.carried()) + new
+        groups = available if groups is None else as_int("groups", groups, 0)
+        if groups > available:
+            raise ValueError(f"groups: {groups} asked for, but there are only {available} "
+                             f"({available - new} carried + {new} prompts)")
+        return groups
+
+    def hand_out(self, handed: list[Request], abort_rest: bool) -> None:
+        """`handed` leave the engine; with `abort_rest`, every other rollout group ends too."""
+        for request in handed:
+            self.requests.take_ready(request.request_id)
+        if abort_rest:
+            for request in self.carried():
+                self.drop(request, keep_kv=True)
+
     def complete(self) -> list[Request]:
         """Rollout groups complete and not yet handed out, oldest first."""
         return sorted((r for r in self.requests.ready.values() if r.from_rollout), key=_age)

@@ -80,3 +80,13 @@ def _check_kwargs(kwargs) -> dict:
     if "tokenize" in kwargs:
         raise ValueError("chat_template_kwargs: 'tokenize' is the engine's to set")
     return dict(kwargs)
+
+
+def chat(engine, conversations, params, use_tqdm: bool, chat_template_kwargs: dict | None):
+    """Engine.chat: generate() over the rendered conversations, each output's `prompt` the
+    templated text."""
+    rendered = render_conversations(engine.tokenizer, conversations, chat_template_kwargs)
+    outs = engine.generate([ids for _, ids in rendered], params, use_tqdm=use_tqdm)
+    for out, (text, _) in zip(outs, rendered):
+        out.prompt = text
+    return outs

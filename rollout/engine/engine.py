@@ -21,10 +21,9 @@ from collections.abc import Iterator
 
 from ..colocation.colocation import Colocation
 from ..config import EngineConfig
-from ..executor.stack import ModelStack
-from ..fields import as_bool, as_int
+from ..executor.stack import ModelStack, pool_slots
+from ..fields import as_bool
 from ..journal import Journal, RollbackFailed
-from ..kv.pool import kv_bytes_per_token, size_pool
 from ..models.base import ROUTED_EXPERTS
 from ..models.loader import build_model, eos_token_ids, load_into, resolve_model
 from ..parallel import shared_seed, tensor_parallel
@@ -35,10 +34,10 @@ from ..requests.sequence import Sequence
 from ..sample.params import SamplingParams
 from ..spec.speculator import make_speculator
 from .carry import Carry
-from .chat import render_conversations
+from .chat import chat
 from .commit import Committer
 from .guard import EngineGuard
-from .inspect import EngineView, view
+from .inspect import EngineView, check, current_stats, view
 from .progress import progress
 from .requests import RequestTable
 from .scheduler import Scheduler
@@ -62,14 +61,9 @@ class Engine:
         self.model = build_model(hf_config, config.max_model_len, dtype, device, self.tp)
         load_into(self.model, weights)
         self.vocab_size = hf_config.vocab_size
-        layers = self.model.kv_layout.num_layers
-        per_token = kv_bytes_per_token(layers, self.model.kv_layout.kv_heads,
-                                       self.model.kv_layout.head_dim, dtype,
-                                       self.model.slot_extras())
-        num_slots = size_pool(config.kv_cache_tokens, config.kv_memory_fraction,
-                              config.max_model_len, config.max_num_seqs, per_token, device)
         self.journal = Journal()
-        self.stack = ModelStack(self.model, config, num_slots, device, self.journal)
+        self.stack = ModelStack(self.model, config, pool_slots(self.model, config, dtype, device),
+                                device, self.journal)
         self.kv, self.runner = self.stack.kv, self.stack.runner
         self.pool, self.cache = self.kv.pool, self.kv.cache
         self.scheduler = Scheduler(config, self.kv)
@@ -120,12 +114,9 @@ class Engine:
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, hold_kv: bool = False,
                     resume: tuple[str, int] | None = None) -> str:
-        """Queue a request; its output comes from a later step(). Multi-turn (see
-        rollout/agent.py): `hold_kv` keeps each finished sample's KV locked in the prefix cache
-        under the key (request_id, sample index) until `release_hold(key)`, or until memory
-        runs short (oldest first; counted in stats.holds_dropped); `resume` names the hold of
-        the previous turn, released once this request is admitted on top of it (a hold
-        dropped meanwhile costs only the recomputation)."""
+        """Queue a request; its output comes from a later step(). `hold_kv` keeps each
+        finished sample's KV locked under (request_id, sample index) for the next turn, which
+        names it in `resume` (multi-turn: rollout/agent.py, docs/multi-turn.md)."""
         with self._entered("add_request"):
             text, ids, params = self._check_request(prompt, params)
             if request_id is not None:
@@ -254,32 +245,16 @@ class Engine:
         aborted (non-finite logits) comes back with finish_reason "abort" and `error`.
         Streaming requests that finish meanwhile are kept for the next step() to return."""
         with self._entered("generate"):
-            # Every request is checked before any takes an id or a seed: a failed call changes
-            # nothing, not even the seeds later calls draw.
-            checked = [self._check_request(p, sp) for p, sp in check_requests(prompts, params)]
-            with self.journal.unit():
-                requests = [self.requests.make(*c, None, self.eos_ids) for c in checked]
-                for r in requests:
-                    self._enqueue(r)
-            wanted = {r.request_id: i for i, r in enumerate(requests)}
-            results: list[RolloutOutput | None] = [None] * len(requests)
-            bar = progress(len(requests), use_tqdm)
+            requests = self._queue(check_requests(prompts, params))
             ready = self.requests.ready
             try:
-                pending = len(requests)
-                while pending:
-                    self._step_or_raise()
-                    for request_id in [r for r in ready if r in wanted]:
-                        results[wanted[request_id]] = self._output(ready.pop(request_id))
-                        pending -= 1
-                        bar.update(1)
+                self._step_until(lambda: sum(r.request_id in ready for r in requests),
+                                 len(requests), use_tqdm, "prompt")
             except BaseException:
                 # Nobody will collect this call's outputs: stop spending compute on them.
-                self._drop([r.request_id for r in requests])
+                self.carry.abandon([r.request_id for r in requests])
                 raise
-            finally:
-                bar.close()
-            return results
+            return [self._output(ready.pop(r.request_id)) for r in requests]
 
     def rollout(self, prompts=(), params: SamplingParams | list[SamplingParams] | None = None,
                 groups: int | None = None, abort_rest: bool = False, use_tqdm: bool = False
@@ -292,39 +267,43 @@ class Engine:
         every group, carried and new. An interrupted call keeps its groups carried."""
         with self._entered("rollout"):
             self.colocation.check_ready()
-            checked = [self._check_request(p, sp) for p, sp in check_requests(prompts, params)]
-            available = len(self.carry.carried()) + len(checked)
-            groups = available if groups is None else as_int("groups", groups, 0)
-            if groups > available:
-                raise ValueError(f"groups: {groups} asked for, but there are only {available} "
-                                 f"({available - len(checked)} carried + {len(checked)} prompts)")
+            pairs = check_requests(prompts, params)
+            groups = self.carry.groups_wanted(groups, len(pairs))
             abort_rest = as_bool("abort_rest", abort_rest)
-            with self.journal.unit():
-                for c in checked:
-                    request = self.requests.make(*c, None, self.eos_ids)
-                    request.from_rollout = True
-                    self._enqueue(request)
-            bar = progress(groups, use_tqdm, unit="group")
-            try:
-                complete = len(self.carry.complete())
-                while complete < groups and self.scheduler.has_work:
-                    self._step_or_raise()
-                    now = len(self.carry.complete())
-                    bar.update(min(now, groups) - min(complete, groups))
-                    complete = now
-            finally:
-                bar.close()
+            self._queue(pairs, from_rollout=True)
+            self._step_until(lambda: len(self.carry.complete()), groups, use_tqdm, "group")
             handed = self.carry.complete()[:groups]
             outs = [self._output(r) for r in handed]
             with self.journal.unit():
-                for r in handed:
-                    self.requests.take_ready(r.request_id)
-                if abort_rest:
-                    for r in self.carry.carried():
-                        self.carry.drop(r, keep_kv=True)
+                self.carry.hand_out(handed, abort_rest)
                 # As in step(): an interrupt held meanwhile raises with the outputs still kept.
                 self._guard.deliver_held()
             return outs
+
+    def _queue(self, pairs, from_rollout: bool = False) -> list[Request]:
+        """(prompt, params) pairs queued as requests. Every one is checked before any takes an
+        id or a seed: a failed call changes nothing, not even the seeds later calls draw."""
+        checked = [self._check_request(p, sp) for p, sp in pairs]
+        with self.journal.unit():
+            requests = [self.requests.make(*c, None, self.eos_ids, from_rollout)
+                        for c in checked]
+            for r in requests:
+                self._enqueue(r)
+        return requests
+
+    def _step_until(self, done, total: int, use_tqdm: bool, unit: str) -> None:
+        """Steps until `done()` reaches `total` (or nothing is left to run), the progress bar
+        counting done()."""
+        bar = progress(total, use_tqdm, unit)
+        try:
+            count = done()
+            while count < total and self.scheduler.has_work:
+                self._step_or_raise()
+                now = done()
+                bar.update(min(now, total) - min(count, total))
+                count = now
+        finally:
+            bar.close()
 
     def chat(self, conversations, params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = False, chat_template_kwargs: dict | None = None
@@ -332,36 +311,12 @@ class Engine:
         """generate() over conversations (lists of {"role", "content"} messages), rendered by
         the tokenizer's chat template with the generation prompt (rollout/engine/chat.py). Each
         output's `prompt` is the templated text."""
-        rendered = render_conversations(self.tokenizer, conversations, chat_template_kwargs)
-        outs = self.generate([ids for _, ids in rendered], params, use_tqdm=use_tqdm)
-        for out, (text, _) in zip(outs, rendered):
-            out.prompt = text
-        return outs
-
-    def _drop(self, request_ids: list[str]) -> None:
-        """Abort what still runs of these requests and forget their outputs. Their K/V goes
-        to the prefix cache; should that fail too, it is freed instead."""
-        for request_id in request_ids:
-            self.requests.ready.pop(request_id, None)
-            if request_id not in self.requests.running:
-                continue
-            try:
-                with self.journal.unit():
-                    self._abort(request_id, keep_kv=True)
-            except Exception:
-                with self.journal.unit():
-                    self._abort(request_id, keep_kv=False)
+        return chat(self, conversations, params, use_tqdm, chat_template_kwargs)
 
     # --- inspection -------------------------------------------------------------------------
     @property
     def stats(self) -> EngineStats:
-        s = self._stats
-        s.prompt_tokens_computed = self.committer.prompt_tokens_computed
-        s.cache_hit_tokens = self.kv.cache_hit_tokens
-        s.preemptions = self.scheduler.num_preemptions
-        s.holds_dropped = self.kv.holds_dropped
-        s.forward_seconds = self.runner.forward_seconds
-        return s
+        return current_stats(self)
 
     def inspect(self) -> EngineView:
         """A snapshot of the engine's state (rollout/engine/inspect.py): pool, cache, holds,
@@ -373,28 +328,15 @@ class Engine:
         return self.cache.prefix_len(list(tokens))
 
     def implementations(self) -> dict[str, str]:
-        """Which implementation each op of the engine's model runs: {"backend": the resolved
-        EngineConfig.backend, "attention", "sample", "projection" and each dispatched layer
-        kind ("RMSNorm", "RotaryEmbedding", ...): "torch", "cpu", "triton" (or "onednn" for
-        projections on oneDNN's packed weights)}."""
+        """Which implementation each op runs: {"backend", "attention", "sample", "projection",
+        each dispatched layer kind: "torch" | "cpu" | "triton" | "onednn"} (docs/backends.md)."""
         return self.stack.implementations()
 
     def check_invariants(self) -> None:
-        """Every slot is in exactly one place (free list, tree, one sequence's private tail);
-        lock counts equal the running sequences that pin each node; the queues agree with
-        what holds KV; every request's sequences are queued, running or finished. The draft
-        model's pool, when speculating with one, is checked the same way. Asleep, nothing is
-        held."""
+        """Asserts the bookkeeping (rollout/engine/inspect.py `check`): every slot in one
+        place, lock counts, queues against KV, requests against queues, the draft's pool."""
         with self._guard.exclusive("check_invariants"):
-            self.kv.check()
-            self.scheduler.check()
-            queued = {s.seq_id for s in (*self.scheduler.waiting, *self.scheduler.running)}
-            assert self.requests.live_sequences() == queued, (
-                "requests' sequences differ from those queued or running")
-            if self.is_sleeping:  # carried requests wait, holding no K/V
-                assert not self.scheduler.running and not self.pool.is_allocated
-            if self.speculator is not None:
-                self.speculator.check_invariants()
+            check(self)
 
     # --- colocation (rollout/colocation/colocation.py) ---------------------------------------
     @property
@@ -441,12 +383,11 @@ class Engine:
         bad source raises ValueError and changes nothing; a copy that still fails half way
         leaves `needs_weights` True.
 
-        Under tensor parallelism each rank cuts every source tensor to its part before
-        anything moves (rollout/parallel/reshard.py): a full host tensor crosses to the device
-        as that part only; DTensor (FSDP2) shards are exchanged between ranks for exactly the
-        ranges each needs, never gathered whole. Returns {'bytes' (copied into the weights),
+        Under tensor parallelism each rank takes only its part of every source tensor
+        (rollout/parallel/reshard.py; DTensor shards are never gathered whole). Returns
+        {'bytes' (copied into the weights),
         'seconds', 'exchanged_bytes' (received from other ranks re-sharding DTensors),
-        'collectives' (that re-sharding issued)}."""
+        'collectives' (that re-sharding issued)}: docs/colocation.md."""
         with self._entered("update_weights"):
             result = self.colocation.update_weights(source, bucket_bytes)
             self.carry.enforce_staleness(self.weights_version, self.config.max_staleness,

@@ -1,5 +1,6 @@
 """What a user or a test may look at of an engine's state without reaching into its parts:
-`Engine.inspect()` returns an `EngineView`, a snapshot taken at the call."""
+`Engine.inspect()` returns an `EngineView`, a snapshot taken at the call; `check` is
+`Engine.check_invariants()`'s body."""
 
 from __future__ import annotations
 
@@ -32,3 +33,31 @@ def view(engine) -> EngineView:
         holds=tuple(kv.holds), kv_sequences=len(kv.attached), running=len(scheduler.running),
         waiting=len(scheduler.waiting), requests=tuple(engine.running_requests),
         implementations=engine.implementations())
+
+
+def current_stats(engine):
+    """Engine.stats: its counters, with those its parts keep brought up to date."""
+    s = engine._stats
+    s.prompt_tokens_computed = engine.committer.prompt_tokens_computed
+    s.cache_hit_tokens = engine.kv.cache_hit_tokens
+    s.preemptions = engine.scheduler.num_preemptions
+    s.holds_dropped = engine.kv.holds_dropped
+    s.forward_seconds = engine.runner.forward_seconds
+    return s
+
+
+def check(engine) -> None:
+    """Every slot is in exactly one place (free list, tree, one sequence's private tail); lock
+    counts equal the running sequences that pin each node; the queues agree with what holds
+    KV; every request's sequences are queued, running or finished; the draft model's pool,
+    when speculating with one, likewise. Asleep, nothing is held."""
+    scheduler = engine.scheduler
+    engine.kv.check()
+    scheduler.check()
+    queued = {s.seq_id for s in (*scheduler.waiting, *scheduler.running)}
+    assert engine.requests.live_sequences() == queued, (
+        "requests' sequences differ from those queued or running")
+    if engine.is_sleeping:  # carried requests wait, holding no K/V
+        assert not scheduler.running and not engine.pool.is_allocated
+    if engine.speculator is not None:
+        engine.speculator.check_invariants()

@@ -36,8 +36,10 @@ class RequestTable:
         return request_id in self.running or request_id in self.ready
 
     def make(self, text: str | None, ids: list[int], params: SamplingParams,
-             request_id: str | None, eos_ids: frozenset[int]) -> Request:
-        """Draws the request's id (unless given) and seed: only for a checked request."""
+             request_id: str | None, eos_ids: frozenset[int],
+             from_rollout: bool = False) -> Request:
+        """Draws the request's id (unless given) and seed: only for a checked request.
+        `from_rollout`: Engine.rollout's (its output waits for a rollout() call)."""
         if request_id is None:
             request_id = self._new_request_id()
         # Greedy requests take no seed, so adding an evaluation does not shift later rollouts.
@@ -50,7 +52,7 @@ class RequestTable:
         seqs = [Sequence(seq_id=next(self._seq_ids), group=request_id, sample_index=j,
                          prompt_ids=ids, params=params, seed=sample_seed(base, j),
                          stop_ids=stop_ids) for j in range(params.n)]
-        return Request(request_id, text, ids, params, seqs)
+        return Request(request_id, text, ids, params, seqs, from_rollout=from_rollout)
 
     def _new_request_id(self) -> str:
         # A counter of its own, skipping the ids in use: callers may name requests "3" too.

@@ -14,7 +14,7 @@ from ..colocation.parking import WeightParking, separate_host_memory
 from ..config import EngineConfig
 from ..journal import Journal
 from ..kv.manager import KVManager
-from ..kv.pool import KVPool
+from ..kv.pool import KVPool, kv_bytes_per_token, size_pool
 from ..kv.prefix_cache import make_prefix_cache
 from ..kv.slot_table import SlotTable
 from ..models.layers.packed_linear import Projection
@@ -99,3 +99,12 @@ class ModelStack:
             self.pool.allocate()
             self.table.allocate()
 
+
+
+def pool_slots(model, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> int:
+    """How many KV slots `model`'s pool gets under `config` (rollout/kv/pool.py size_pool)."""
+    layout = model.kv_layout
+    per_token = kv_bytes_per_token(layout.num_layers, layout.kv_heads, layout.head_dim, dtype,
+                                   model.slot_extras())
+    return size_pool(config.kv_cache_tokens, config.kv_memory_fraction, config.max_model_len,
+                     config.max_num_seqs, per_token, device)

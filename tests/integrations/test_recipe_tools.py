@@ -12,7 +12,8 @@ from rollout_recipes.algo.batch import build_episode_batch
 from rollout_recipes.algo.logprobs import token_logprobs
 from rollout_recipes.algo.losses import grpo_loss, ppo_loss
 from rollout_recipes.algo.warmstart import encode_examples
-from rollout_recipes.run.config import RecipeConfig, load_config
+from rollout_recipes.run.config import RecipeConfig
+from rollout_recipes.run.config_file import load_config
 from rollout_recipes.run.tiny import char_tokenizer, tiny_llama
 from rollout_recipes.tasks import calculator, load_task
 from rollout_recipes.tools import CONFIG, main

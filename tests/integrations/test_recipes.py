@@ -13,7 +13,8 @@ import yaml
 
 from rollout_recipes.algo.advantages import gae, group_advantages
 from rollout_recipes.grpo import main
-from rollout_recipes.run.config import RecipeConfig, load_config, parse_overrides
+from rollout_recipes.run.config import RecipeConfig
+from rollout_recipes.run.config_file import load_config, parse_overrides
 from rollout_recipes.tasks import REWARDS, exact_reward, math_reward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -14,7 +14,7 @@ import pytest
 from test_recipes import check_steps, read_jsonl, write_config
 
 from rollout_recipes.grpo import main
-from rollout_recipes.run.config import load_config
+from rollout_recipes.run.config_file import load_config
 
 SUPPORT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support")
 

@@ -135,6 +135,9 @@ def test_what_the_engine_cannot_give_is_refused(tmp_path, checkpoint):
     with pytest.raises(ValueError, match="tools"):
         engine_async_grpo(engine, path, length_reward, async_args(tmp_path), data, tok,
                           tools=[len])
+    with pytest.raises(ValueError, match="dataset"):
+        EngineRolloutWorker(engine, Dataset.from_dict({"prompt": []}), [length_reward], tok, 2,
+                            SamplingParams())
     with pytest.raises(ValueError, match="groups_in_flight"):
         EngineRolloutWorker(engine, data, [length_reward], tok, 2, SamplingParams(),
                             groups_in_flight=0)

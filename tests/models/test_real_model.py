@@ -262,7 +262,7 @@ def test_recipe_config_names_the_packaged_model(tmp_path):
 
     from rollout_recipes import smollm2_arith
     from rollout_recipes.run.build import load_tokenizer
-    from rollout_recipes.run.config import load_config
+    from rollout_recipes.run.config_file import load_config
 
     cfg = load_config(smollm2_arith.CONFIG, {"output_dir": str(tmp_path)})
     data = smollm2_arith.write_sums(str(tmp_path / "sums.jsonl"), 20, seed=0)
