@@ -12,7 +12,8 @@ Every process builds its own engine on its own device and rolls out its own shar
 accelerate (DDP) averages the gradients. With `--tensor_parallel_size k`, k consecutive
 processes share one engine (each holding 1/k of the model) and one shard of prompts. `--trainer custom` (default) runs the loop in
 recipes/algo/custom_loop.py (`--algo grpo|ppo`); `--trainer trl` runs TRL's GRPOTrainer through
-trainer_hooks.trl. With no model and no dataset, the built-in task and tiny model are used.
+trainer_hooks.trl, `--trainer trl_async` TRL's AsyncGRPOTrainer through trainer_hooks.trl_async.
+With no model and no dataset, the built-in task and tiny model are used.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import torch
 
 from . import smollm2
 
-TRAINERS = ("custom", "trl")
+TRAINERS = ("custom", "trl", "trl_async")
 ALGOS = ("grpo", "ppo")
 REWARDS = ("auto", "exact", "math")
 TASKS = ("addition", "calculator")
@@ -233,6 +233,11 @@ def _check_values(cfg: RecipeConfig) -> None:
     for name in ("max_episode_tokens", "warmstart_examples"):
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1 or null, got {getattr(cfg, name)}")
+    if cfg.trainer == "trl_async" and (_has_environment(cfg) or cfg.algo != "grpo"
+                                       or cfg.tensor_parallel_size > 1):
+        raise ValueError("trainer: trl_async (TRL's AsyncGRPOTrainer) runs grpo on single turns "
+                         "on one engine of one rank (--algo grpo, --tools false, "
+                         "--tensor_parallel_size 1)")
     if cfg.trainer == "trl" and _has_environment(cfg):
         raise ValueError("trainer: the calculator task's episodes run in the custom trainer "
                          "(--trainer custom); TRL's own tool loop is trainer_hooks.trl's tools=")
@@ -293,6 +298,8 @@ def check_world(cfg: RecipeConfig, processes: int) -> None:
     if processes % cfg.tensor_parallel_size:
         raise ValueError(f"tensor_parallel_size: {cfg.tensor_parallel_size} must divide the "
                          f"number of processes, {processes}")
+    if cfg.trainer == "trl_async" and processes > 1:
+        raise ValueError(f"trainer: trl_async runs one engine in one process, got {processes}")
 
 
 _TINY_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",

@@ -51,6 +51,10 @@ def train(cfg: RecipeConfig) -> dict:
             from ..algo.trl_loop import train_trl
 
             result = train_trl(cfg, accelerator, policy, tokenizer, task, tracker)
+        elif cfg.trainer == "trl_async":
+            from ..algo.trl_async_loop import train_trl_async
+
+            result = train_trl_async(cfg, accelerator, policy, tokenizer, task, tracker)
         else:
             result = _train_custom(cfg, accelerator, policy, tokenizer, task, tracker)
         result["seconds"] = time.perf_counter() - started

@@ -137,3 +137,22 @@ def test_colocated_block_keeps_carried_groups_only_with_carry():
         rollout.rollout(groups=1)
     assert engine.carried == [] and not engine.running_requests
     engine.check_invariants()
+
+
+def test_trl_async_recipe_trains_on_the_engine(tmp_path, monkeypatch):
+    """`--trainer trl_async`: TRL's AsyncGRPOTrainer with the engine's worker, 2 steps on the
+    built-in task (TRL's GPU-only attention kernel stood in for by a torch reference, as in
+    test_trl_async.py), the held-out set scored before and after."""
+    pytest.importorskip("trl.experimental.async_grpo")
+    import flash_varlen
+
+    flash_varlen.install(monkeypatch)
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    out = main(["--config", write_config(tmp_path), "--trainer", "trl_async"])
+    assert [row["step"] for row in out["history"]] == [1, 2]
+    for row in out["history"]:
+        assert 0 <= row["reward/mean"] <= 1 and row["sample/staleness_max"] <= 1
+    assert 0 <= out["accuracy_before"] <= 1 and 0 <= out["accuracy_after"] <= 1
+    assert out["engine_stats"]["generated_tokens"] > 0
+    with pytest.raises(ValueError, match="trl_async"):
+        RecipeConfig(trainer="trl_async", algo="ppo")

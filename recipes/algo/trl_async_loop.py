@@ -1,0 +1,75 @@
+"""`--trainer trl_async`: TRL's asynchronous GRPO trainer (`AsyncGRPOTrainer`) with the engine as
+its rollout worker and weight transfer (trainer_hooks.trl_async): generation runs on in a thread
+of this process while the trainer steps, groups are carried across weight syncs, and samples
+older than `max_staleness` versions are restarted by the engine or dropped by TRL.
+
+AsyncGRPOTrainer loads its policy from a checkpoint path, so the (warm-started) policy is saved
+under `output_dir/policy` first and both the trainer and the engine load it. TRL's training
+forward takes a flash-attention kernel: it trains on GPUs. One process, one engine."""
+
+from __future__ import annotations
+
+import os
+
+from transformers import TrainerCallback
+
+from ..run.build import engine_config
+from ..run.config import RecipeConfig
+from ..run.evaluate import held_out_accuracy
+from .trl_loop import _ALIASES, correctness_reward
+
+
+def async_args(cfg: RecipeConfig, accelerator):
+    from trl.experimental.async_grpo import AsyncGRPOConfig
+
+    return AsyncGRPOConfig(
+        output_dir=f"{cfg.output_dir}/trl_async", run_name=cfg.run_name, seed=cfg.seed,
+        use_cpu=accelerator.device.type == "cpu", bf16=False,
+        max_steps=cfg.steps, num_generations=cfg.num_generations,
+        # One optimizer step trains prompts_per_step groups, as one step of the other loops.
+        per_device_train_batch_size=cfg.prompts_per_step * cfg.num_generations,
+        max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature,
+        learning_rate=cfg.learning_rate, lr_scheduler_type="constant",
+        weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, epsilon=cfg.clip_eps,
+        max_staleness=1 if cfg.max_staleness is None else cfg.max_staleness,
+        logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=not cfg.progress)
+
+
+class _ToTracker(TrainerCallback):
+    def __init__(self, tracker) -> None:
+        self.tracker = tracker
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            row = dict(logs) | {new: logs[old] for old, new in _ALIASES.items() if old in logs}
+            self.tracker.log(row, state.global_step)
+
+
+def train_trl_async(cfg: RecipeConfig, accelerator, policy, tokenizer, task, tracker) -> dict:
+    from rollout import Engine
+    from trainer_hooks.colocate import ColocatedRollout
+    from trainer_hooks.trl_async import engine_async_grpo
+
+    from .warmstart import warm_start
+
+    out: dict = {}
+    if cfg.warmstart_steps:
+        out["warmstart_loss"] = warm_start(cfg, policy, tokenizer, task, accelerator)
+    path = os.path.join(cfg.output_dir, "policy")
+    policy.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    engine = Engine(path, engine_config(cfg), tokenizer=tokenizer)
+    trainer = engine_async_grpo(engine, path, [correctness_reward(task.reward)],
+                                async_args(cfg, accelerator), task.train, tokenizer)
+    trainer.add_callback(_ToTracker(tracker))
+    scorer = ColocatedRollout(engine, trainer.model, cfg.sleep_level, synced=False)
+    if task.eval is not None:
+        out["accuracy_before"] = held_out_accuracy(scorer, task, tokenizer, cfg.max_new_tokens,
+                                                   trainer.accelerator)
+    engine.wake_up()  # the worker rolls out while the trainer steps: awake throughout
+    trainer.train()
+    if task.eval is not None:
+        out["accuracy_after"] = held_out_accuracy(scorer, task, tokenizer, cfg.max_new_tokens,
+                                                  trainer.accelerator)
+    out["engine_stats"] = engine.stats.as_dict()
+    return out
