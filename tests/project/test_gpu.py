@@ -1,5 +1,5 @@
 """Engine checks that need CUDA (skipped elsewhere): Triton backend and sampler in the loop,
-bf16, memory returned by sleep. Run by bench/gpu_check.sh on the GPU machine."""
+bf16, memory returned by sleep, partial rollouts carried through a sleep. Run by bench/gpu_check.sh on the GPU machine."""
 
 import pytest
 import torch
@@ -108,3 +108,27 @@ def test_sleep_returns_cuda_memory(cuda_graphs):
     engine.wake_up()
     engine.update_weights(model)
     assert engine.generate(PROMPTS, params)[0].samples[0].token_ids == first[0].samples[0].token_ids
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_carried_groups_resume_on_cuda(cuda_graphs):
+    """Partial rollouts on the Triton backend (graphed decode too): groups carried through a
+    level-2 sleep and an update with the same weights draw the uninterrupted run's tokens;
+    logprobs within the graph test's fp32 bound."""
+    model = tiny_model("qwen2").cuda()
+    params = [SamplingParams(n=2, temperature=1.0, max_tokens=4 + 8 * i, logprobs=True, seed=i)
+              for i in range(len(PROMPTS))]
+    want = {tuple(o.prompt_token_ids): o for o in cuda_engine(model).generate(PROMPTS, params)}
+    engine = cuda_engine(model, cuda_graphs=cuda_graphs)
+    outs = engine.rollout(PROMPTS, params, groups=1)
+    assert engine.carried
+    engine.sleep(2)
+    engine.wake_up()
+    engine.update_weights(model)
+    outs += engine.rollout()
+    assert engine.stats.retracted > 0 and not engine.carried
+    for out in outs:
+        for a, b in zip(out.samples, want[tuple(out.prompt_token_ids)].samples):
+            assert a.token_ids == b.token_ids
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+    engine.check_invariants()
