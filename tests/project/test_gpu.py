@@ -1,5 +1,6 @@
 """Engine checks that need CUDA (skipped elsewhere): Triton backend and sampler in the loop,
-bf16, memory returned by sleep, partial rollouts carried through a sleep. Run by bench/gpu_check.sh on the GPU machine."""
+bf16, memory returned by sleep, partial rollouts carried through a sleep. Run by
+bench/gpu_check.sh on the GPU machine."""
 
 import pytest
 import torch
