@@ -35,6 +35,7 @@ import time
 import numpy as np
 
 from rollout import Engine, SamplingParams
+from rollout.engine.chat import render_conversations
 
 
 class EngineRolloutWorker:
@@ -139,10 +140,8 @@ class EngineRolloutWorker:
     def _prompt_ids(self, row: dict) -> list[int]:
         prompt = row["prompt"]
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        return self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
-                                                  tokenize=True, return_dict=True,
-                                                  **self.chat_template_kwargs)["input_ids"]
+            return self.tokenizer.encode(prompt)  # as the engine's intake encodes a string
+        return render_conversations(self.tokenizer, [prompt], self.chat_template_kwargs)[0][1]
 
     def _push(self, out) -> None:
         row = self._rows[tuple(out.prompt_token_ids)].popleft()

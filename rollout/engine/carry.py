@@ -136,6 +136,9 @@ class Carry:
             for request in self.carried():
                 self.drop(request, keep_kv=True)
 
+    def num_complete(self) -> int:
+        return sum(r.from_rollout for r in self.requests.ready.values())
+
     def complete(self) -> list[Request]:
         """Rollout groups complete and not yet handed out, oldest first."""
         return sorted((r for r in self.requests.ready.values() if r.from_rollout), key=_age)

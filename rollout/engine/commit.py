@@ -1,8 +1,9 @@
 """Commit: what a step's forward produced becomes the sequences' state.
 
-It runs inside one journal unit after the forward (see StepRunner.run (rollout/engine/step.py)), so it happens whole or
-not at all. First every sampled sequence gets its verdict without changing anything: non-finite
-logprobs, or a stop check (user tokenizer code) that raises, fail the sequence's request alone.
+It runs inside one journal unit after the forward (see StepRunner.run, rollout/engine/step.py),
+so it happens whole or not at all. First every sampled sequence gets its verdict without
+changing anything: non-finite logprobs, or a stop check (user tokenizer code) that raises, fail
+the sequence's request alone.
 Then tokens are appended, K/V advanced, rejected drafts' slots freed, finished prompts cached
 for their siblings, and finished sequences retired (with their routed experts, when asked,
 read from the KV pool while the sequence still holds its slots).
@@ -51,13 +52,14 @@ class Committer:
         one when verifying). Returns the sequences that finished, and the requests that failed
         (their sequences are left as they were; the caller aborts them)."""
         verdicts, failed = self._verdicts(batch, emitted)
+        version = self.weights_version()
         finished, prompt_tokens = [], 0
         for it, verdict in zip(batch.items, verdicts):
             if it.seq.group in failed:
                 self.kv.free(it.slots)
                 continue
             prompt_tokens += max(0, min(it.start + it.num_new, it.seq.num_prompt) - it.start)
-            if self._apply(it, verdict):
+            if self._apply(it, verdict, version):
                 finished.append(it.seq)
         self.journal.add(self, "prompt_tokens_computed", prompt_tokens)
         return finished, failed
@@ -90,7 +92,7 @@ class Committer:
             verdicts[-1] = _Verdict(cut, reason, text_at)
         return verdicts, failed
 
-    def _apply(self, it: ScheduledSeq, verdict: _Verdict | None) -> bool:
+    def _apply(self, it: ScheduledSeq, verdict: _Verdict | None, version: int) -> bool:
         """True when the sequence finished."""
         seq = it.seq
         if verdict is None:  # a prefill chunk short of the prompt's end
@@ -104,7 +106,7 @@ class Committer:
         if kept < it.num_new:
             self.kv.free(it.slots[kept:])
         self.journal.touch(seq)
-        seq.stamp(self.weights_version(), seq.num_output)
+        seq.stamp(version, seq.num_output)
         seq.token_ids.extend(emitted.tokens)
         if seq.params.logprobs:
             seq.logprobs.extend(emitted.logprobs)

@@ -271,7 +271,7 @@ class Engine:
             groups = self.carry.groups_wanted(groups, len(pairs))
             abort_rest = as_bool("abort_rest", abort_rest)
             self._queue(pairs, from_rollout=True)
-            self._step_until(lambda: len(self.carry.complete()), groups, use_tqdm, "group")
+            self._step_until(self.carry.num_complete, groups, use_tqdm, "group")
             handed = self.carry.complete()[:groups]
             outs = [self._output(r) for r in handed]
             with self.journal.unit():
@@ -292,12 +292,12 @@ class Engine:
         return requests
 
     def _step_until(self, done, total: int, use_tqdm: bool, unit: str) -> None:
-        """Steps until `done()` reaches `total` (or nothing is left to run), the progress bar
-        counting done()."""
+        """Steps until `done()` reaches `total` (a step that cannot run raises), the progress
+        bar counting done()."""
         bar = progress(total, use_tqdm, unit)
         try:
             count = done()
-            while count < total and self.scheduler.has_work:
+            while count < total:
                 self._step_or_raise()
                 now = done()
                 bar.update(min(now, total) - min(count, total))

@@ -187,7 +187,6 @@ class Scheduler:
 
     def preempt(self, seq: Sequence, counted: bool = True) -> None:
         """`counted`: a preemption for memory (not a retraction before sleep: carry.py)."""
-        self.journal.touch(seq)
         self._stop_running(seq, keep_kv=True)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)

@@ -286,6 +286,8 @@ CARRY_POINTS = {
     "retract-update": (lambda e: (e.scheduler, "preempt"), lambda e: e.update_weights(target())),
     "restart": (lambda e: (Sequence, "restart"), lambda e: e.update_weights(target())),
     "hand-out": (lambda e: (e.requests, "take_ready"), lambda e: e.rollout(groups=2)),
+    "abort-rest": (lambda e: (e.carry, "drop"),
+                   lambda e: e.rollout(groups=1, abort_rest=True)),
     "stamp": (lambda e: (e.committer, "weights_version"), lambda e: e.rollout(groups=1)),
     "resume": (lambda e: (e.scheduler, "schedule"), lambda e: e.rollout(groups=1)),
 }
@@ -301,7 +303,7 @@ def test_fault_at_a_carry_point_leaves_the_engine_exact(point, kind, monkeypatch
     engine = make("plain", True, max_staleness=0 if point == "restart" else None)
     engine.rollout(PROMPTS[:3], PARAMS[:3], groups=1)
     engine.rollout(PROMPTS[3:], PARAMS[3:], groups=1)
-    if point == "hand-out":  # two complete groups to hand out
+    if point in ("hand-out", "abort-rest"):  # complete groups to hand out (or drop)
         while engine.has_unfinished:
             engine.step()
     before = state(engine)
@@ -312,7 +314,7 @@ def test_fault_at_a_carry_point_leaves_the_engine_exact(point, kind, monkeypatch
         call(engine)
     monkeypatch.undo()
     engine.check_invariants()
-    if point in ("retract", "retract-update", "restart", "hand-out"):
+    if point in ("retract", "retract-update", "restart", "hand-out", "abort-rest"):
         assert state(engine) == before
     assert not engine.is_sleeping
     rest = by_prompt(engine.rollout())
