@@ -16,25 +16,13 @@ import sys
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "support")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "support"), os.path.join(ROOT, "bench")]
 from floors import exact_copy, token_logprobs  # noqa: E402
 from models import FAMILIES, tiny_model  # noqa: E402
 from reference import PROMPTS  # noqa: E402
+from workloads import cpu_name  # noqa: E402
 
 from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
-
-
-def cpu_name() -> str:
-    model, isa = "unknown CPU", "no AVX2"
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-        model = next(line.split(":", 1)[1].strip() for line in info.splitlines()
-                     if line.startswith("model name"))
-        isa = "AVX-512" if "avx512f" in info else "AVX2" if "avx2" in info else isa
-    except (OSError, StopIteration):
-        pass
-    return f"{model}, {isa}"
 
 
 def errors(model, prompts, backend: str) -> tuple[float, float]:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import platform
 import sys
 import time
 
@@ -42,13 +41,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from peers import SYSTEM, questions, render  # noqa: E402
-
-
-def cpu_name() -> str:
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
+from workloads import cpu_name  # noqa: E402
 
 
 def perturb(model, step: int, scale: float) -> None:

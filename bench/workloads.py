@@ -60,3 +60,17 @@ def grpo_prompts(num_prompts: int, prompt_len: int, prefix_len: int, vocab: int,
     system = [rng.randrange(vocab) for _ in range(prefix_len)]
     return [system + [rng.randrange(vocab) for _ in range(prompt_len - prefix_len)]
             for _ in range(num_prompts)]
+
+
+def cpu_name() -> str:
+    """The CPU's model name and its widest vector ISA, for the first line of a report."""
+    model, isa = "unknown CPU", "no AVX2"
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+        model = next(line.split(":", 1)[1].strip() for line in info.splitlines()
+                     if line.startswith("model name"))
+        isa = "AVX-512" if "avx512f" in info else "AVX2" if "avx2" in info else isa
+    except (OSError, StopIteration):
+        pass
+    return f"{model}, {isa}"

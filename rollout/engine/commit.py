@@ -21,6 +21,7 @@ from ..models.base import ROUTED_EXPERTS
 from ..requests.batch import Batch, ScheduledSeq
 from ..requests.sequence import Sequence
 from ..sample.sampler import Emitted
+from ..score.state import ScoreRows
 from .scheduler import Scheduler
 from .stop import StopChecker
 
@@ -45,30 +46,42 @@ class Committer:
         self.kv, self.scheduler, self.stop, self.journal = kv, scheduler, stop, journal
         self.weights_version = weights_version
         self.prompt_tokens_computed = 0  # prompt positions actually run through the model
+        self.score_tokens_computed = 0  # positions of scored sequences run (Engine.score)
 
-    def commit(self, batch: Batch, emitted: list[Emitted]
+    def commit(self, batch: Batch, emitted: list[Emitted], scored: list[ScoreRows | None]
                ) -> tuple[list[Sequence], dict[str, Failure]]:
         """Advance every scheduled sequence by what it kept (one token, or accepted drafts plus
-        one when verifying). Returns the sequences that finished, and the requests that failed
-        (their sequences are left as they were; the caller aborts them)."""
-        verdicts, failed = self._verdicts(batch, emitted)
+        one when verifying; a scored sequence its rows). Returns the sequences that finished,
+        and the requests that failed (their sequences are left as they were; the caller
+        aborts them)."""
+        verdicts, failed = self._verdicts(batch, emitted, scored)
         version = self.weights_version()
-        finished, prompt_tokens = [], 0
-        for it, verdict in zip(batch.items, verdicts):
+        finished, prompt_tokens, score_tokens = [], 0, 0
+        for it, verdict, rows in zip(batch.items, verdicts, scored):
             if it.seq.group in failed:
                 self.kv.free(it.slots)
+                continue
+            if it.seq.score is not None:
+                score_tokens += it.num_new
+                if self._apply_score(it, rows):
+                    finished.append(it.seq)
                 continue
             prompt_tokens += max(0, min(it.start + it.num_new, it.seq.num_prompt) - it.start)
             if self._apply(it, verdict, version):
                 finished.append(it.seq)
         self.journal.add(self, "prompt_tokens_computed", prompt_tokens)
+        self.journal.add(self, "score_tokens_computed", score_tokens)
         return finished, failed
 
-    def _verdicts(self, batch: Batch, emitted: list[Emitted]):
+    def _verdicts(self, batch: Batch, emitted: list[Emitted], scored: list[ScoreRows | None]):
         sampled = iter(emitted)
         verdicts: list[_Verdict | None] = []
         failed: dict[str, Failure] = {}
-        for it in batch.items:
+        for it, rows in zip(batch.items, scored):
+            if rows is not None and not bool(rows.logprobs.isfinite().all()):
+                failed[it.seq.group] = Failure(
+                    f"logits: the model produced non-finite values (nan/inf) scoring positions "
+                    f"{it.start} .. {it.start + it.num_new - 1}", keep_kv=False)
             if not it.sample:
                 verdicts.append(None)
                 continue
@@ -88,7 +101,8 @@ class Committer:
                     f"stop check: {type(e).__name__}: {e}", keep_kv=True))
                 continue
             cut = Emitted(drawn.tokens[:kept], drawn.logprobs[:kept],
-                          drawn.sampling_logprobs[:kept], drawn.supports[:kept])
+                          drawn.sampling_logprobs[:kept], drawn.supports[:kept],
+                          drawn.tops[:kept])
             verdicts[-1] = _Verdict(cut, reason, text_at)
         return verdicts, failed
 
@@ -113,6 +127,8 @@ class Committer:
             seq.sampling_logprobs.extend(emitted.sampling_logprobs)
         if seq.params.return_support:
             seq.support.extend(emitted.supports)
+        if seq.params.top_logprobs:
+            seq.top_logprobs.extend(emitted.tops)
         if it.start < seq.num_prompt:
             self.kv.cache_computed(seq)  # the prompt is complete: siblings can share it now
         if verdict.reason is None:
@@ -121,6 +137,18 @@ class Committer:
         if seq.params.return_routed_experts:
             self._read_routed_experts(seq)
         self.scheduler.finish(seq, verdict.reason)
+        return True
+
+    def _apply_score(self, it: ScheduledSeq, rows: ScoreRows | None) -> bool:
+        """A scored sequence's chunk: its rows kept; True when its last position ran (its K/V
+        then goes to the tree, for the call's sequences that share the prefix)."""
+        seq = it.seq
+        self.kv.advance(seq, it.num_new)
+        if rows is not None:
+            seq.score.add(rows, self.journal)
+        if seq.num_computed < seq.num_tokens:
+            return False
+        self.scheduler.finish(seq, "stop")
         return True
 
     def _read_routed_experts(self, seq: Sequence) -> None:

@@ -10,7 +10,7 @@ change no bookkeeping, committing is another unit; whatever is raised where, the
 slots go back and the engine is as it was after its last complete unit. The engine is
 single-threaded and holds Ctrl-C while its bookkeeping changes (guard.py). Sleep, wake-up and
 weight updates are its `colocation`'s (rollout/colocation/colocation.py), called through the
-same guard.
+same guard (colocated.py).
 """
 
 from __future__ import annotations
@@ -32,21 +32,24 @@ from ..requests.outputs import RolloutOutput, build_output
 from ..requests.request import Request
 from ..requests.sequence import Sequence
 from ..sample.params import SamplingParams
+from ..score.state import ScoreOutput
 from ..spec.speculator import make_speculator
 from .carry import Carry
 from .chat import chat
+from .colocated import ColocationCalls
 from .commit import Committer
 from .guard import EngineGuard
 from .inspect import EngineView, check, current_stats, view
 from .progress import progress
 from .requests import RequestTable
 from .scheduler import Scheduler
+from .score import score
 from .stats import EngineStats
 from .step import StepRunner
 from .stop import StopChecker
 
 
-class Engine:
+class Engine(ColocationCalls):
     def __init__(self, model, config: EngineConfig | None = None, tokenizer=None,
                  process_group=None, **overrides) -> None:
         """`process_group`: the torch.distributed group of `tensor_parallel_size` ranks to run
@@ -305,6 +308,17 @@ class Engine:
         finally:
             bar.close()
 
+    def score(self, sequences, temperature: float = 1.0, top_logprobs: int = 0,
+              start: int | list[int] = 1, use_tqdm: bool = False) -> list[ScoreOutput]:
+        """Per sequence (a string or token ids), log_softmax(logits / temperature) of each
+        token from `start` (per sequence or one for all; 1: every token but the first) given
+        the tokens before it, and `top_logprobs` alternatives (rollout/engine/score.py).
+        Sequences sharing a prefix compute it once; with `start` past a prompt the engine has
+        cached, the prompt's K/V is reused."""
+        with self._entered("score"):
+            self.colocation.check_ready()
+            return score(self, sequences, temperature, top_logprobs, start, use_tqdm)
+
     def chat(self, conversations, params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = False, chat_template_kwargs: dict | None = None
              ) -> list[RolloutOutput]:
@@ -337,64 +351,3 @@ class Engine:
         place, lock counts, queues against KV, requests against queues, the draft's pool."""
         with self._guard.exclusive("check_invariants"):
             check(self)
-
-    # --- colocation (rollout/colocation/colocation.py) ---------------------------------------
-    @property
-    def sleep_level(self) -> int:
-        return self.colocation.sleep_level
-
-    @property
-    def is_sleeping(self) -> bool:
-        return self.colocation.is_sleeping
-
-    @property
-    def weights_version(self) -> int:
-        """How many complete update_weights the engine has taken (0: the weights it was built
-        with); every RolloutOutput carries the version it was generated under."""
-        return self.colocation.weights_version
-
-    @property
-    def needs_weights(self) -> bool:
-        """True after sleep(level=2) until update_weights has refilled every weight."""
-        return self.colocation.weights_missing
-
-    def sleep(self, level: int = 1) -> None:
-        """Free the KV pool (the prefix cache empties) and park the weights: on host memory
-        (level 1) or nowhere (level 2, update_weights must run after wake_up). Requests still
-        running are carried: they keep their tokens and are re-prefilled after wake-up
-        (rollout/engine/carry.py). A sleep that fails leaves the engine awake (`needs_weights`
-        says if weights were lost)."""
-        with self._entered("sleep"):
-            self.colocation.sleep(level)
-
-    def wake_up(self) -> None:
-        """Allocate the KV pool and bring the weights back. A wake-up that fails (e.g. out
-        of memory) leaves the engine asleep."""
-        with self._entered("wake_up"):
-            self.colocation.wake_up()
-
-    def update_weights(self, source, bucket_bytes: int = 256 << 20) -> dict:
-        """Copy new weights in place: `source` is the trainer's model (DDP/compile/PEFT wrapped
-        or not) or (HF name, tensor) pairs. Clears the prefix cache, whose KV came from the
-        old weights; requests still running are carried, re-prefilled under the new weights
-        (their later tokens stamped with the new version), and carried groups past
-        EngineConfig.max_staleness are restarted or dropped (rollout/engine/carry.py). Every
-        name, shape and dtype is checked (and meta tensors refused) before the first copy, so a
-        bad source raises ValueError and changes nothing; a copy that still fails half way
-        leaves `needs_weights` True.
-
-        Under tensor parallelism each rank takes only its part of every source tensor
-        (rollout/parallel/reshard.py; DTensor shards are never gathered whole). Returns
-        {'bytes' (copied into the weights),
-        'seconds', 'exchanged_bytes' (received from other ranks re-sharding DTensors),
-        'collectives' (that re-sharding issued)}: docs/colocation.md."""
-        with self._entered("update_weights"):
-            result = self.colocation.update_weights(source, bucket_bytes)
-            self.carry.enforce_staleness(self.weights_version, self.config.max_staleness,
-                                         self.config.stale_groups)
-            return result
-
-    def memory_held(self) -> int:
-        """Bytes of tensors the engine holds on its device (weights and their packed copies,
-        KV pool and its per-slot extras, slot table)."""
-        return self.colocation.memory_held()

@@ -39,6 +39,7 @@ def current_stats(engine):
     """Engine.stats: its counters, with those its parts keep brought up to date."""
     s = engine._stats
     s.prompt_tokens_computed = engine.committer.prompt_tokens_computed
+    s.score_tokens_computed = engine.committer.score_tokens_computed
     s.cache_hit_tokens = engine.kv.cache_hit_tokens
     s.preemptions = engine.scheduler.num_preemptions
     s.holds_dropped = engine.kv.holds_dropped

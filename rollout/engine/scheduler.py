@@ -98,8 +98,8 @@ class Scheduler:
                       items: list[ScheduledSeq]) -> None:
         n = slots.numel()
         self.kv.place(seq, seq.num_computed, slots)
-        items.append(ScheduledSeq(seq, seq.num_computed, n,
-                                  seq.num_computed + n == seq.num_tokens, slots))
+        sample = seq.num_computed + n == seq.num_tokens and seq.score is None
+        items.append(ScheduledSeq(seq, seq.num_computed, n, sample, slots))
 
     def _newest_unscheduled(self, scheduled: set[int]) -> Sequence:
         for seq in reversed(self.running):
@@ -112,7 +112,7 @@ class Scheduler:
         waiting = list(self.waiting)
         if (self.config.schedule_policy == "lpm" and self.kv.shares_prefixes
                 and len(waiting) <= self.config.lpm_max_waiting):
-            waiting.sort(key=lambda s: -self.kv.prefix_len(s.token_ids[:-1]))
+            waiting.sort(key=lambda s: -self.kv.prefix_len(s.reusable_tokens()))
         return waiting
 
     def _admit(self, budget: int, items: list[ScheduledSeq]) -> int:
@@ -128,9 +128,10 @@ class Scheduler:
                 break
             if sharing and seq.group in in_flight:
                 continue
-            slots, node = self.kv.match(seq.token_ids[:-1])
+            reusable = seq.reusable_tokens()
+            slots, node = self.kv.match(reusable)
             matched = slots.numel()
-            if sharing and self._waits_for(seq, matched, in_flight):
+            if sharing and self._waits_for(reusable, matched, in_flight):
                 continue
             n = min(seq.num_tokens - matched, budget)
             # Leave every running sequence room for its next decode token, or admission
@@ -164,16 +165,16 @@ class Scheduler:
         self.journal.record(self.running.pop)
 
     @staticmethod
-    def _waits_for(seq: Sequence, matched: int, in_flight: dict[str, Sequence]) -> bool:
-        """True when a prompt being prefilled covers at least half of what `seq` would compute."""
-        todo = seq.num_tokens - 1 - matched
+    def _waits_for(reusable: list[int], matched: int, in_flight: dict[str, Sequence]) -> bool:
+        """True when a prompt being prefilled covers at least half of what a sequence could
+        take from the cache (`reusable`, of which `matched` is cached) and would compute."""
+        todo = len(reusable) - matched
         if todo <= 0:
             return False
-        tokens = seq.token_ids
         for other in in_flight.values():
-            if other.prompt_ids[0] != tokens[0]:
+            if other.prompt_ids[0] != reusable[0]:
                 continue
-            shared = common_prefix_len(other.prompt_ids, tokens[:-1], 0)
+            shared = common_prefix_len(other.prompt_ids, reusable, 0)
             if 2 * (shared - matched) >= todo:
                 return True
         return False

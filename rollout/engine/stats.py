@@ -15,6 +15,13 @@ class EngineStats:
     prompt_tokens_computed: int = 0  # prompt positions actually run through the model
     cache_hit_tokens: int = 0  # tokens matched in the radix tree at admission
     generated_tokens: int = 0
+    # Engine.score: tokens whose logprob it returned, and positions it ran through the model
+    # (fewer when sequences share prefixes).
+    scored_tokens: int = 0
+    score_tokens_computed: int = 0
+    # update_weights(probe=, probe_reference=): the last probe's largest |logprob gap| to the
+    # trainer's (nan: no reference, or none probed yet)
+    probe_gap: float = float("nan")
     steps: int = 0
     decode_steps: int = 0  # steps that advanced at least one sample by a decode token
     preemptions: int = 0

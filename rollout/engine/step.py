@@ -6,6 +6,7 @@ engine is as it was after its last complete unit."""
 from __future__ import annotations
 
 import time
+from itertools import accumulate
 
 import torch
 
@@ -13,11 +14,23 @@ from ..journal import RollbackFailed
 from ..parallel import check_same_batch, check_same_tokens
 from ..requests.sequence import Sequence
 from ..sample.sampler import Emitted, SamplingBatch
+from ..sample.top import attach_tops
+from ..score.rows import ScoreInputs
+from ..score.state import ScoreRows
 from .commit import Committer, Failure
 from .guard import EngineGuard
 from .requests import RequestTable
 from .scheduler import Scheduler
 from .stats import EngineStats
+
+
+def by_item(scored: ScoreRows | None, rows: ScoreInputs | None,
+            num_items: int) -> list[ScoreRows | None]:
+    """A step's scored rows split by item (None for an item without any)."""
+    if scored is None:
+        return [None] * num_items
+    bounds = [0, *accumulate(rows.counts)]
+    return [scored[a:b] if b > a else None for a, b in zip(bounds, bounds[1:])]
 
 
 class StepRunner:
@@ -52,7 +65,7 @@ class StepRunner:
             marks.append(time.perf_counter())
             # Nothing below changes bookkeeping until the commit: Ctrl-C may land at once.
             with self.guard.allow_interrupts():
-                logits = self.runner.run(inputs)
+                logits, scored = self.runner.run(inputs)
                 marks.append(time.perf_counter())
                 items = [it for it in batch.items if it.sample]
                 emitted = self._sample_items(logits, items, speculating)
@@ -60,7 +73,8 @@ class StepRunner:
                     check_same_tokens([e.tokens for e in emitted], self.tp, self.device)
             marks.append(time.perf_counter())
             with self.journal.unit():
-                finished, failed = self.committer.commit(batch, emitted)
+                finished, failed = self.committer.commit(
+                    batch, emitted, by_item(scored, inputs.score, len(batch.items)))
                 if speculating:
                     self.speculator.after_commit(batch, emitted)
                 for request_id, failure in failed.items():
@@ -91,9 +105,12 @@ class StepRunner:
         rows = SamplingBatch.for_sequences(positions, self.device)
         want_support = tuple(seq.params.return_support for seq, _ in positions)
         if speculating:
-            return self.speculator.verify(logits, rows, items, want_support)
-        want_logprobs = tuple(seq.params.logprobs for seq, _ in positions)
-        return self.sampler.draw(logits, rows, want_support, want_logprobs)
+            emitted = self.speculator.verify(logits, rows, items, want_support)
+        else:
+            want_logprobs = tuple(seq.params.logprobs for seq, _ in positions)
+            emitted = self.sampler.draw(logits, rows, want_support, want_logprobs)
+        attach_tops(logits, positions, emitted, [len(it.draft) + 1 for it in items])
+        return emitted
 
     def _fail(self, request_id: str, failure: Failure) -> None:
         """The request ends as aborted, saying why; the other requests go on."""

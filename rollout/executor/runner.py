@@ -13,6 +13,8 @@ from ..attention.base import AttentionBackend
 from ..attention.metadata import AttentionMetadata, indptr, ranges
 from ..kv.slot_table import SlotTable
 from ..requests.batch import Batch
+from ..score.rows import ScoreInputs, score_inputs, score_rows
+from ..score.state import ScoreRows
 from .context import ForwardContext
 
 if TYPE_CHECKING:
@@ -26,6 +28,7 @@ class StepInputs:
     meta: AttentionMetadata
     logits_index: torch.Tensor  # flat indices whose logits are sampled
     graphed: bool = False  # a decode-only step replayed from a CUDA graph
+    score: ScoreInputs | None = None  # rows of scored sequences (Engine.score)
 
 
 class ModelRunner:
@@ -57,28 +60,34 @@ class ModelRunner:
             # slots of the row at the tree's, which are the same for every sample of the prompt.
             shared_lens=[it.seq.num_prompt if it.seq.cached_len >= it.seq.num_prompt else 0
                          for it in items])
+        score = score_inputs(items, dev)
         # A decode-only step (every item one new token, sampled) can replay a graph.
         graphed = (self.graphs is not None and len(logits_index) == len(items)
-                   and max(q_lens) == 1 and self.graphs.fits(len(items)))
+                   and max(q_lens) == 1 and self.graphs.fits(len(items)) and score is None)
         if not graphed:
             meta.plan = self.attention.plan(meta)
         return StepInputs(
             input_ids=torch.tensor([t for it in items for t in it.input_ids()], device=dev),
             positions=ranges([it.start for it in items], q_lens, dev), meta=meta,
             logits_index=torch.tensor(logits_index, dtype=torch.long, device=dev),
-            graphed=graphed)
+            graphed=graphed, score=score)
 
     @torch.inference_mode()
-    def run(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits (fp32) of the sampled positions, in batch order."""
+    def run(self, inputs: StepInputs) -> tuple[torch.Tensor, ScoreRows | None]:
+        """Logits (fp32) of the sampled positions, in batch order, and the scored rows (on the
+        host) when the step has some."""
         t0 = time.perf_counter()
+        scored = None
         if inputs.graphed:
             logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
             ctx = ForwardContext(inputs.positions, inputs.meta, self.attention)
             hidden = self.model(inputs.input_ids, ctx)
             logits = self.model.compute_logits(hidden[inputs.logits_index])
+            if inputs.score is not None:
+                scored = score_rows(self.model.compute_logits, hidden, inputs.score,
+                                    self.model.vocab_size)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.forward_seconds += time.perf_counter() - t0
-        return logits
+        return logits, scored

@@ -61,27 +61,34 @@ def check_request(prompt: Prompt, params: SamplingParams | None, vocab_size: int
 
 def prompt_ids(prompt: Prompt, vocab_size: int, max_model_len: int, tokenizer
                ) -> tuple[str | None, list[int]]:
-    text = None
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise ValueError("prompt: a string prompt needs a tokenizer; pass tokenizer= "
-                             "to Engine or give token ids")
-        text, prompt = prompt, tokenizer.encode(prompt)
-    if isinstance(prompt, torch.Tensor):
-        prompt = prompt.tolist()
-    if not isinstance(prompt, (list, tuple)):
-        raise ValueError(f"prompt must be a string or a list of token ids, "
-                         f"got {type(prompt).__name__}")
-    ids = list(prompt)
-    if not ids:
-        raise ValueError("prompt: empty prompt; it needs at least 1 token")
+    text, ids = token_ids("prompt", prompt, vocab_size, tokenizer)
     limit = max_model_len - 1
     if len(ids) > limit:
         raise ValueError(f"prompt: {len(ids)} tokens, but max_model_len={max_model_len} "
                          f"allows at most {limit} so that one token can be generated")
-    ids = [as_int("prompt: token id", t) for t in ids]
+    return text, ids
+
+
+def token_ids(name: str, value: Prompt, vocab_size: int, tokenizer
+              ) -> tuple[str | None, list[int]]:
+    """A string (tokenized) or a list of token ids (a tensor too) as (text, ids), refused when
+    empty or when an id is not an int of the vocabulary; `name` is the field in the message."""
+    text = None
+    if isinstance(value, str):
+        if tokenizer is None:
+            raise ValueError(f"{name}: a string needs a tokenizer; pass tokenizer= to Engine "
+                             f"or give token ids")
+        text, value = value, tokenizer.encode(value)
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a string or a list of token ids, "
+                         f"got {type(value).__name__}")
+    if not value:
+        raise ValueError(f"{name}: empty; it needs at least 1 token")
+    ids = [as_int(f"{name}: token id", t) for t in value]
     for t in ids:
         if not 0 <= t < vocab_size:
-            raise ValueError(f"prompt: token id {t!r} is outside the vocabulary "
+            raise ValueError(f"{name}: token id {t!r} is outside the vocabulary "
                              f"[0, {vocab_size})")
     return text, ids

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..sample.support import Support
+from ..score.state import TopLogprobs
 
 
 @dataclass
@@ -32,6 +33,9 @@ class Sample:
     # Engine.weights_version each token was sampled under: one value unless the sample was
     # carried across update_weights (Engine.rollout; rollout/engine/carry.py).
     weights_versions: list[int] = field(default_factory=list)
+    # SamplingParams.top_logprobs = k: each token's k most likely alternatives under the
+    # distribution `logprobs` reports (top_logprobs[j]: {token id: logprob}).
+    top_logprobs: TopLogprobs | None = None
 
     @property
     def cumulative_logprob(self) -> float | None:
@@ -68,6 +72,15 @@ def build_output(group, decode, vocab_size: int, weights_version: int = 0) -> Ro
             routed_experts=seq.routed_experts if group.params.return_routed_experts else None,
             sampling_logprobs=list(seq.sampling_logprobs) if group.params.logprobs else None,
             support=Support(list(seq.support), vocab_size) if group.params.return_support
-            else None, weights_versions=seq.token_versions()))
+            else None, weights_versions=seq.token_versions(),
+            top_logprobs=_tops(seq) if group.params.top_logprobs else None))
     return RolloutOutput(group.request_id, group.prompt_ids, samples, group.prompt, error,
                          weights_version)
+
+
+def _tops(seq) -> TopLogprobs:
+    k = seq.params.top_logprobs
+    if not seq.top_logprobs:
+        return TopLogprobs(torch.empty(0, k, dtype=torch.long), torch.empty(0, k))
+    return TopLogprobs(torch.stack([ids for ids, _ in seq.top_logprobs]),
+                       torch.stack([lps for _, lps in seq.top_logprobs]))

@@ -14,6 +14,7 @@ import torch
 
 from ..kv.radix_cache import RadixNode
 from ..sample.params import SamplingParams
+from ..score.state import ScoreState
 
 
 class SeqStatus(enum.Enum):
@@ -37,6 +38,8 @@ class Sequence:
     # was drawn from; return_support: that distribution's kept ids (None: the whole vocabulary)
     sampling_logprobs: list[float] = field(default_factory=list)
     support: list = field(default_factory=list)
+    # SamplingParams.top_logprobs: per output token, (ids, logprobs) of its alternatives
+    top_logprobs: list = field(default_factory=list)
     # Engine.weights_version of the output tokens, as runs: (index of the run's first output
     # token, version). One run unless the sample was carried across update_weights
     # (rollout/engine/carry.py).
@@ -54,6 +57,9 @@ class Sequence:
     # hold `resume_key` (the previous turn's) once this one is admitted on top of it.
     hold_key: object = None
     resume_key: object = None
+    # Engine.score's sequences (rollout/score/state.py): prefilled, scored row by row, never
+    # sampled; None for a sample.
+    score: ScoreState | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -70,14 +76,15 @@ class Sequence:
     def restore(self, snapshot: tuple) -> None:
         (self.status, self.num_computed, self.cached_len, self.node, self.row,
          self.finish_reason, self.stop_text_at, self.routed_experts, self.token_ids,
-         self.logprobs, self.sampling_logprobs, self.support, self.versions,
-         *lengths) = snapshot
+         self.logprobs, self.sampling_logprobs, self.support, self.top_logprobs,
+         self.versions, *lengths) = snapshot
         for values, length in zip(self._lists(), lengths):
             del values[length:]
 
     def _lists(self) -> tuple[list, ...]:
         """The per-token lists, appended to as the sample grows."""
-        return self.token_ids, self.logprobs, self.sampling_logprobs, self.support, self.versions
+        return (self.token_ids, self.logprobs, self.sampling_logprobs, self.support,
+                self.top_logprobs, self.versions)
 
     def stamp(self, version: int, first: int) -> None:
         """Output tokens from index `first` on were sampled under weights `version`."""
@@ -98,7 +105,8 @@ class Sequence:
         """Back to the prompt, waiting: every output token, logprob and version is gone (new
         lists, so a journal snapshot keeps the old ones whole)."""
         self.token_ids = list(self.prompt_ids)
-        self.logprobs, self.sampling_logprobs, self.support, self.versions = [], [], [], []
+        self.logprobs, self.sampling_logprobs, self.support = [], [], []
+        self.top_logprobs, self.versions = [], []
         self.status, self.finish_reason, self.stop_text_at = SeqStatus.WAITING, None, None
         self.routed_experts = None
 
@@ -120,8 +128,16 @@ class Sequence:
 
     @property
     def is_prefilling(self) -> bool:
-        """More than the one newest token still lacks K/V."""
-        return self.num_computed < self.num_tokens - 1
+        """More than the one newest token still lacks K/V (a scored sequence: any token)."""
+        return self.num_computed < self.num_tokens - (self.score is None)
+
+    def reusable_tokens(self) -> list[int]:
+        """The tokens whose K/V admission may take from the prefix cache: all but the newest,
+        whose logits give the next sample; a scored sequence's below its first unknown row
+        (a cache hit skips the forward that would compute the rows it covers)."""
+        if self.score is not None:
+            return self.token_ids[:self.score.filled]
+        return self.token_ids[:-1]
 
     @property
     def is_finished(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 from ..fields import INT32_MAX, INT32_MIN, SEED_LIMIT, as_bool, as_float, as_int, show
@@ -13,6 +14,9 @@ MIN_TEMPERATURE = 1e-4
 MAX_TEMPERATURE = 3.4028234663852886e38
 # Every sample becomes a Sequence at intake; more than this is a mistake, not a workload.
 MAX_N = 1 << 16
+# Alternatives per token (top_logprobs, Engine.score): each costs a top-k over the vocabulary and
+# two numbers per token on the host; vLLM's default bound.
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass
@@ -27,7 +31,10 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
-    logprobs: bool = False
+    # True: each token's logprob; an int k (vLLM's semantics): that and top_logprobs = k
+    logprobs: bool | int = False
+    # Each token's k most likely alternatives under the same distribution (Sample.top_logprobs)
+    top_logprobs: int = 0
     # Each Sample's `support`: the token ids the truncated distribution of each token kept.
     return_support: bool = False
     # MoE models: each sample's Sample.routed_experts (outputs.py), for routing replay.
@@ -66,7 +73,15 @@ class SamplingParams:
         if self.seed is not None:
             self.seed = as_int("seed", self.seed, 0, SEED_LIMIT - 1)
         self.ignore_eos = as_bool("ignore_eos", self.ignore_eos)
+        if not isinstance(self.logprobs, bool) and isinstance(self.logprobs, numbers.Integral):
+            k = as_int("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
+            if self.top_logprobs not in (0, k):
+                raise ValueError(f"logprobs={k} asks for {k} alternatives but top_logprobs="
+                                 f"{show(self.top_logprobs)}: give one of them")
+            self.logprobs, self.top_logprobs = True, k
         self.logprobs = as_bool("logprobs", self.logprobs)
+        self.top_logprobs = as_int("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
+        self.logprobs = self.logprobs or self.top_logprobs > 0
         self.return_support = as_bool("return_support", self.return_support)
         self.return_routed_experts = as_bool("return_routed_experts",
                                              self.return_routed_experts)
@@ -76,6 +91,9 @@ class SamplingParams:
         return self.temperature == 0
 
     def check_vocab(self, vocab_size: int) -> None:
+        if self.top_logprobs > vocab_size:
+            raise ValueError(f"top_logprobs must be at most the vocabulary ({vocab_size}), "
+                             f"got {self.top_logprobs}")
         for t in self.stop_token_ids:
             if t >= vocab_size:
                 raise ValueError(f"stop_token_ids: {t} is outside the vocabulary [0, {vocab_size})")

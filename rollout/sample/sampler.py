@@ -10,7 +10,7 @@ reference's tokens bit for bit."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -191,6 +191,9 @@ class Emitted:
     logprobs: list[float]  # log_softmax(logits / T) at each token: the untruncated policy
     sampling_logprobs: list[float]  # under the truncated distribution it was drawn from
     supports: list  # kept ids (int32 tensors), None: the whole vocabulary (or not asked for)
+    # SamplingParams.top_logprobs: per token, (ids, logprobs) of the k most likely under the
+    # untruncated policy (rollout/sample/top.py)
+    tops: list = field(default_factory=list)
 
 
 class Sampler:

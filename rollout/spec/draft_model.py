@@ -145,7 +145,7 @@ class DraftModelDrafter(Drafter):
                 kept.append((target, shadow, k))
         if not items:
             return []
-        logits = self.runner.run(self.runner.prepare(Batch(items)))
+        logits, _ = self.runner.run(self.runner.prepare(Batch(items)))
         rows = SamplingBatch.for_sequences([(s, 0) for _, s, _ in kept], self.device)
         tokens, q = self._sample(logits, rows)
         with self.journal.unit():

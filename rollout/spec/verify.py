@@ -93,7 +93,7 @@ def verify(logits: torch.Tensor, batch: SamplingBatch, drafts: list[list[int]],
         tokens = draft[:a] + [last]
         picked_rows += range(start, start + a + 1)
         picked_tokens += tokens
-        verdicts.append(Verdict(tokens, [], [], [], len(draft)))
+        verdicts.append(Verdict(tokens, [], [], [], proposed=len(draft)))
     lps = logp[torch.tensor(picked_rows), torch.tensor(picked_tokens)].tolist()
     sampling, supports = sampled_at(candidates, picked_rows, picked_tokens, lps, batch.greedy,
                                     batch.truncated,

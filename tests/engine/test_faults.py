@@ -21,11 +21,11 @@ from rollout.spec import SpeculativeConfig
 
 TOK = char_tokenizer()
 PROMPTS = ["ab 1+2=", "the cat sat on", "ab 1+2=3 and 4", "zz top", "a b c d e f"]
-# Seeded sampling (truncated by top-p: sampling logprobs and supports, per-token state a
-# rolled-back step must leave exact) and greedy, logprobs, stop strings (every stop check
-# decodes text).
+# Seeded sampling (truncated by top-p: sampling logprobs, supports and top-k alternatives,
+# per-token state a rolled-back step must leave exact) and greedy, logprobs, stop strings
+# (every stop check decodes text).
 PARAMS = [SamplingParams(n=2, temperature=1.0, seed=i, max_tokens=10, logprobs=True,
-                         top_p=0.9, return_support=True, stop=["q.", "\n\n"])
+                         top_p=0.9, return_support=True, stop=["q.", "\n\n"], top_logprobs=2)
           for i in range(4)] + \
          [SamplingParams(n=2, temperature=0, max_tokens=12, logprobs=True, stop=["zz"])]
 SPECS = ("plain", "ngram", "draft")
@@ -54,8 +54,9 @@ def make(spec: str, caching: bool, model=None, **overrides) -> Engine:
 
 
 def view(outs):
-    return [[(s.token_ids, s.finish_reason, s.text, _support(s)) for s in o.samples]
-            for o in outs]
+    return [[(s.token_ids, s.finish_reason, s.text, _support(s),
+              None if s.top_logprobs is None else s.top_logprobs.ids.tolist())
+             for s in o.samples] for o in outs]
 
 
 def _support(sample):

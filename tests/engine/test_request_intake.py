@@ -115,7 +115,10 @@ def test_smallest_temperature_samples_finite_logprobs(model):
 @pytest.mark.parametrize("kwargs, message", [
     ({"stop_token_ids": 5}, "stop_token_ids"), ({"stop": 5}, "stop"),
     ({"ignore_eos": "no"}, "ignore_eos"), ({"logprobs": "yes"}, "logprobs"),
-    ({"logprobs": 1}, "logprobs"), ({"seed": SEED_LIMIT}, "seed.*2\\*\\*64"),
+    ({"logprobs": 21}, "logprobs must be"), ({"logprobs": -1}, "logprobs must be"),
+    ({"top_logprobs": 21}, "top_logprobs must be"), ({"top_logprobs": True}, "top_logprobs"),
+    ({"logprobs": 3, "top_logprobs": 5}, "logprobs=3 asks for 3"),
+    ({"seed": SEED_LIMIT}, "seed.*2\\*\\*64"),
     ({"seed": -1}, "seed.*2\\*\\*64"), ({"stop_token_ids": [True]}, "stop_token_ids"),
     ({"n": True}, "n"),
 ])

@@ -1,0 +1,71 @@
+"""The engine's colocation calls: sleep, wake-up and weight updates, handing memory back to the
+trainer between rollouts. The work is the engine's `colocation`'s (rollout/colocation/
+colocation.py); these run it through the engine's guard, carry what is running across it
+(carry.py) and probe the weights an update brought (score.py)."""
+
+from __future__ import annotations
+
+from .score import check_probe, run_probe
+
+
+class ColocationCalls:
+    """Mixed into Engine: its `colocation`, `carry`, `config` and `_entered` are used here."""
+
+    @property
+    def sleep_level(self) -> int:
+        return self.colocation.sleep_level
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.colocation.is_sleeping
+
+    @property
+    def weights_version(self) -> int:
+        """How many complete update_weights the engine has taken (0: the weights it was built
+        with); every RolloutOutput carries the version it was generated under."""
+        return self.colocation.weights_version
+
+    @property
+    def needs_weights(self) -> bool:
+        """True after sleep(level=2) until update_weights has refilled every weight."""
+        return self.colocation.weights_missing
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV pool (the prefix cache empties) and park the weights: on host memory
+        (level 1) or nowhere (level 2, update_weights must run after wake_up). Requests still
+        running are carried: they keep their tokens and are re-prefilled after wake-up
+        (rollout/engine/carry.py). A sleep that fails leaves the engine awake (`needs_weights`
+        says if weights were lost)."""
+        with self._entered("sleep"):
+            self.colocation.sleep(level)
+
+    def wake_up(self) -> None:
+        """Allocate the KV pool and bring the weights back. A wake-up that fails (e.g. out
+        of memory) leaves the engine asleep."""
+        with self._entered("wake_up"):
+            self.colocation.wake_up()
+
+    def update_weights(self, source, bucket_bytes: int = 256 << 20, probe=None,
+                       probe_reference=None) -> dict:
+        """Copy new weights in place (docs/colocation.md): `source` is the trainer's model
+        (DDP/compile/PEFT wrapped or not) or (HF name, tensor) pairs, checked whole before the
+        first copy (a bad one raises ValueError and changes nothing); each copy is verified
+        (docs/logprobs.md); a copy failing half way leaves `needs_weights` True. The prefix
+        cache empties; running requests are carried (rollout/engine/carry.py). Under tensor
+        parallelism each rank takes only its part (rollout/parallel/reshard.py). `probe`
+        (token ids): scored under the new weights, against `probe_reference` (the trainer's
+        logprobs of its tokens 1..) when given (rollout/engine/score.py). Returns {'bytes',
+        'seconds', 'exchanged_bytes', 'collectives'} (+ 'probe_logprobs', 'probe_gap')."""
+        with self._entered("update_weights"):
+            checked = check_probe(self, probe, probe_reference)
+            result = self.colocation.update_weights(source, bucket_bytes)
+            self.carry.enforce_staleness(self.weights_version, self.config.max_staleness,
+                                         self.config.stale_groups)
+            if checked is not None:
+                result.update(run_probe(self, *checked))
+            return result
+
+    def memory_held(self) -> int:
+        """Bytes of tensors the engine holds on its device (weights and their packed copies,
+        KV pool and its per-slot extras, slot table)."""
+        return self.colocation.memory_held()

@@ -1,0 +1,78 @@
+"""update_weights(probe=, probe_reference=): after the copy the engine scores the probe under
+the new weights; against the trainer's logprobs of it the gap goes into stats. A stale sync (the
+trainer's reference from weights the engine did not get) shows as a large gap; a bad probe is
+refused before any weight moves."""
+
+import math
+
+import pytest
+import torch
+from floors import tolerance
+from models import tiny_model
+
+from rollout import Engine, EngineConfig
+
+PROBE = [3, 17, 5, 99, 42, 8, 61, 23, 7, 70, 11, 2]
+
+
+@torch.no_grad()
+def trainer_logprobs(model, tokens):
+    """What the trainer computes of the probe: its own float32 forward."""
+    logits = model(torch.tensor([tokens])).logits[0, :-1].float()
+    return logits.log_softmax(-1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
+
+
+@pytest.fixture
+def setup():
+    a, b = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    return Engine(a, EngineConfig(kv_cache_tokens=512, max_model_len=64)), a, b
+
+
+def test_the_probe_agrees_with_the_trainer_after_a_good_sync(setup):
+    engine, a, b = setup
+    reference = trainer_logprobs(b, PROBE)
+    result = engine.update_weights(b, probe=PROBE, probe_reference=reference.tolist())
+    # The floor: the trainer's float32 forward against a float64 one of the same weights.
+    exact = trainer_logprobs(b.double(), PROBE).double()
+    b.float()
+    floor = (reference.double() - exact).abs().max().item()
+    assert result["probe_gap"] <= 2 * tolerance(floor, exact)
+    assert engine.stats.probe_gap == result["probe_gap"]
+    assert len(result["probe_logprobs"]) == len(PROBE) - 1
+
+
+def test_a_stale_sync_shows_in_the_gap(setup):
+    """The trainer's reference is of weights b, the engine was given a (a sync that copied the
+    wrong state): the gap is that of two different models."""
+    engine, a, b = setup
+    reference = trainer_logprobs(b, PROBE)
+    result = engine.update_weights(a, probe=PROBE, probe_reference=reference.tolist())
+    assert result["probe_gap"] == engine.stats.probe_gap
+    assert result["probe_gap"] > 0.1
+
+
+def test_without_a_reference_the_logprobs_are_recorded(setup):
+    engine, a, b = setup
+    result = engine.update_weights(b, probe=PROBE)
+    assert math.isnan(result["probe_gap"]) and math.isnan(engine.stats.probe_gap)
+    got = torch.tensor(result["probe_logprobs"])
+    assert torch.allclose(got, trainer_logprobs(b, PROBE), atol=1e-4)
+    assert "probe_gap" not in engine.update_weights(a)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(probe=[5]), "probe: it needs at least 2 tokens"),
+    (dict(probe=[5, 500]), r"token id 500 is outside"),
+    (dict(probe="abc"), "a string needs a tokenizer"),
+    (dict(probe_reference=[0.1]), "probe_reference needs a probe"),
+    (dict(probe=PROBE, probe_reference=[0.1, 0.2]), "probe_reference: 2 logprobs for a probe "
+                                                    "of 12 tokens"),
+    (dict(probe=PROBE, probe_reference=["x"] * 11), "probe_reference must be a real"),
+])
+def test_a_bad_probe_is_refused_before_any_weight_moves(setup, kwargs, match):
+    engine, a, b = setup
+    before = [p.clone() for p in engine.model.parameters()]
+    with pytest.raises(ValueError, match=match):
+        engine.update_weights(b, **kwargs)
+    assert engine.weights_version == 0 and not engine.needs_weights
+    assert all(torch.equal(x, y) for x, y in zip(before, engine.model.parameters()))
