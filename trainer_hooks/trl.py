@@ -93,10 +93,12 @@ class RolloutGRPOTrainer(GRPOTrainer):
 
     def __init__(self, model, reward_funcs=None, args=None, *positional,
                  engine_config: EngineConfig | None = None, sleep_level: int = 1,
-                 ref_model: nn.Module | None = None, **kwargs):
+                 ref_model: nn.Module | None = None, importance_ratio: str = "untruncated",
+                 **kwargs):
         """`ref_model`: the frozen reference for the KL term (beta > 0). TRL itself reloads one
         from the policy's config path, which an in-memory model lacks (built from a config:
-        TRL fails) or no longer matches (warm-started or edited after loading)."""
+        TRL fails) or no longer matches (warm-started or edited after loading).
+        `importance_ratio`: "untruncated" or "full_policy" (trl_rollout.EngineRollout)."""
         if ref_model is not None and isinstance(model, str):
             raise ValueError("ref_model: pass the policy as a module too (TRL loads the "
                              "reference of a model given by name from that name)")
@@ -108,7 +110,8 @@ class RolloutGRPOTrainer(GRPOTrainer):
             raise ValueError("use_transformers_continuous_batching: the rollout engine generates; "
                              "set it to False")
         self.rollout = EngineRollout(lambda t: build_engine(t, engine_config), sleep_level,
-                                     seed=None if args is None else args.seed)
+                                     seed=None if args is None else args.seed,
+                                     importance_ratio=importance_ratio)
         with _reference_model(ref_model):
             super().__init__(model, reward_funcs, args, *positional, rollout_func=self.rollout,
                              **kwargs)

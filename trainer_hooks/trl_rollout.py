@@ -16,18 +16,22 @@ from trl import GRPOTrainer
 from trl.models import unwrap_model_for_generation
 
 from rollout import Engine, EngineConfig, SamplingParams
+from rollout.fields import as_choice
 
 from .colocate import ColocatedRollout
 
 EngineFactory = Callable[["GRPOTrainer"], Engine]
+IMPORTANCE_RATIOS = ("untruncated", "full_policy")
 
 
 def make_rollout_func(engine_or_factory: Engine | EngineFactory, sleep_level: int = 1,
-                      seed: int | None = None) -> EngineRollout:
+                      seed: int | None = None, importance_ratio: str = "untruncated"
+                      ) -> EngineRollout:
     """A `rollout_func(prompts, trainer)` for GRPOTrainer. `engine_or_factory`: an Engine, or a
     callable building one from the trainer at the first rollout (on its device, after
-    `accelerator.prepare`). `seed`: makes sampling reproducible (mixed with rank and call)."""
-    return EngineRollout(engine_or_factory, sleep_level, seed)
+    `accelerator.prepare`). `seed`: makes sampling reproducible (mixed with rank and call).
+    `importance_ratio`: EngineRollout's."""
+    return EngineRollout(engine_or_factory, sleep_level, seed, importance_ratio)
 
 
 def build_engine(trainer: GRPOTrainer, config: EngineConfig | None = None) -> Engine:
@@ -55,7 +59,17 @@ class EngineRollout:
     """The rollout_func object; `engine`, `colocated` and `last_metrics` are for inspection."""
 
     def __init__(self, engine_or_factory: Engine | EngineFactory, sleep_level: int = 1,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, importance_ratio: str = "untruncated") -> None:
+        """`importance_ratio`: which engine logprobs TRL gets as the sampling logprobs its
+        importance ratio divides by. "untruncated": log_softmax(logits / T), what TRL's own
+        forward recomputes, so the ratio measures the engine-trainer mismatch alone;
+        "full_policy": the truncated distribution each token was drawn from
+        (Sample.sampling_logprobs), so under top-k/top-p/min-p the ratio also carries the
+        truncation (below 1 on every kept token). Renormalising TRL's side on the sampled
+        support ("on_support", the recipes' default) would need TRL's fused LM head to mask the
+        vocabulary; it is refused here."""
+        self.importance_ratio = as_choice("importance_ratio", importance_ratio,
+                                          IMPORTANCE_RATIOS)
         if isinstance(engine_or_factory, Engine):
             self.engine, self._factory = engine_or_factory, None
         elif callable(engine_or_factory):
@@ -175,7 +189,9 @@ class EngineRollout:
             self.generate_calls += 1
         for key, out in zip(keys, outs):
             for row, sample in zip(groups[key], out.samples):
-                completion_ids[row], logprobs[row] = list(sample.token_ids), list(sample.logprobs)
+                completion_ids[row] = list(sample.token_ids)
+                logprobs[row] = list(sample.sampling_logprobs if self.importance_ratio
+                                     == "full_policy" else sample.logprobs)
         return completion_ids[mine], logprobs[mine]
 
     @staticmethod

@@ -33,4 +33,12 @@ class EngineMeter:
             out["rollout/spec_acceptance"] = delta["spec_accepted"] / delta["spec_proposed"]
             out["rollout/spec_tokens_per_verification"] = (
                 delta["spec_emitted"] / delta["spec_verifications"])
+            # Per draft source (method "suffix": self, siblings, history).
+            before = self._before.get("spec_sources", {})
+            for source, (proposed, accepted) in now["spec_sources"].items():
+                was = before.get(source, [0, 0])
+                if proposed > was[0]:
+                    out[f"rollout/spec_acceptance/{source}"] = (
+                        (accepted - was[1]) / (proposed - was[0]))
+                    out[f"rollout/spec_proposed/{source}"] = proposed - was[0]
         return out

@@ -327,6 +327,13 @@ class Engine(ColocationCalls):
         output's `prompt` is the templated text."""
         return chat(self, conversations, params, use_tqdm, chat_template_kwargs)
 
+    def clear_draft_history(self) -> None:
+        """Forget the earlier calls' samples speculation drafts from (SpeculativeConfig(
+        method="suffix"), rollout/spec/history.py); a no-op for the other methods."""
+        with self._entered("clear_draft_history"):
+            if self.speculator is not None:
+                self.speculator.drafter.clear()
+
     # --- inspection -------------------------------------------------------------------------
     @property
     def stats(self) -> EngineStats:

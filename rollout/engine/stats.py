@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 # The parts of a step's time, as EngineStats fields (forward_seconds measured by the runner).
 STEP_PHASES = ("schedule_seconds", "draft_seconds", "prepare_seconds", "forward_seconds",
@@ -44,6 +44,15 @@ class EngineStats:
     spec_accepted: int = 0  # draft tokens accepted
     spec_verifications: int = 0  # sample-steps that verified drafts
     spec_emitted: int = 0  # tokens those verifications emitted (accepted + 1 each)
+    # Per draft source ("ngram", "draft"; method "suffix": "self", "siblings", "history"):
+    # [draft tokens proposed, accepted].
+    spec_sources: dict = field(default_factory=dict)
+    # Decode steps that drafted, and those that did not for a batch above max_batch_size.
+    spec_steps: int = 0
+    spec_skipped_steps: int = 0
+    # Method "suffix": tokens its history holds, entries evicted under its budget.
+    draft_history_tokens: int = 0
+    draft_history_evicted: int = 0
 
     def record_step(self, batch, num_emitted: int, marks: tuple[float, ...]) -> None:
         """`marks`: perf_counter() at the start and after schedule, draft, prepare, forward,
@@ -64,12 +73,15 @@ class EngineStats:
     def tokens_per_second(self) -> float:
         return self.generated_tokens / self.step_seconds if self.step_seconds else 0.0
 
-    def record_verdicts(self, verdicts) -> None:
-        for v in verdicts:
+    def record_verdicts(self, verdicts, sources) -> None:
+        for v, source in zip(verdicts, sources):
             self.spec_proposed += v.proposed
             self.spec_accepted += v.accepted
             self.spec_verifications += 1
             self.spec_emitted += len(v.tokens)
+            counts = self.spec_sources.setdefault(source, [0, 0])
+            counts[0] += v.proposed
+            counts[1] += v.accepted
 
     @property
     def acceptance_rate(self) -> float:

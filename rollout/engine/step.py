@@ -85,8 +85,14 @@ class StepRunner:
         except BaseException:
             self._discard_pending()
             raise
+        if self.speculator is not None:
+            self.stats.spec_skipped_steps += self.speculator.skipped
         if speculating:
-            self.stats.record_verdicts([v for v, it in zip(emitted, items) if it.draft])
+            self.stats.spec_steps += 1
+            drafted = [(v, it) for v, it in zip(emitted, items) if it.draft]
+            self.stats.record_verdicts([v for v, _ in drafted],
+                                       [self.speculator.sources.get(it.seq.seq_id)
+                                        for _, it in drafted])
         self.stats.record_step(batch, sum(len(e.tokens) for e in emitted), tuple(marks))
         return True
 

@@ -83,7 +83,10 @@ class ModelRunner:
         else:
             ctx = ForwardContext(inputs.positions, inputs.meta, self.attention)
             hidden = self.model(inputs.input_ids, ctx)
-            logits = self.model.compute_logits(hidden[inputs.logits_index])
+            if inputs.logits_index.numel():
+                logits = self.model.compute_logits(hidden[inputs.logits_index])
+            else:  # only scored rows (a tensor-parallel head cannot gather none)
+                logits = torch.empty(0, self.model.vocab_size, device=hidden.device)
             if inputs.score is not None:
                 scored = score_rows(self.model.compute_logits, hidden, inputs.score,
                                     self.model.vocab_size)

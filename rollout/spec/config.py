@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..fields import as_choice, as_int
+from ..fields import as_bool, as_choice, as_float, as_int
 
-METHODS = ("ngram", "draft")
+METHODS = ("ngram", "draft", "suffix")
 ACCEPTANCE = ("coupled", "rejection")
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -25,6 +25,16 @@ class SpeculativeConfig:
     # "coupled": speculation never changes an output; "rejection": textbook min(1, p/q)
     # acceptance for draft models (see spec/verify.py).
     acceptance: str = "coupled"
+    # "suffix" (spec/suffix.py, spec/history.py): the finished samples of earlier calls, kept
+    # in host memory up to this many tokens (oldest evicted first), matched on suffixes of up
+    # to history_max_match tokens (ngram_min at least); a drafted token must continue at least
+    # history_min_share of the matched positions.
+    # Per sample, draft only as far as its running acceptance makes pay at this batch size
+    # (Speculator._paying): long drafts in a rollout's tail, short ones in a full batch.
+    adaptive: bool = False
+    history_tokens: int = 1 << 20
+    history_max_match: int = 32
+    history_min_share: float = 0.3
 
     def __post_init__(self) -> None:
         self.method = as_choice("speculative.method", self.method, METHODS)
@@ -38,5 +48,14 @@ class SpeculativeConfig:
             raise ValueError(f"speculative.ngram_min must be <= ngram_max, got {self.ngram_min} "
                              f"> {self.ngram_max}")
         self.max_batch_size = as_int("speculative.max_batch_size", self.max_batch_size, 1)
+        self.adaptive = as_bool("speculative.adaptive", self.adaptive)
+        self.history_tokens = as_int("speculative.history_tokens", self.history_tokens, 1)
+        self.history_max_match = as_int("speculative.history_max_match",
+                                        self.history_max_match, self.ngram_min)
+        self.history_min_share = as_float("speculative.history_min_share",
+                                          self.history_min_share)
+        if not 0 < self.history_min_share <= 1:
+            raise ValueError(f"speculative.history_min_share must be in (0, 1], got "
+                             f"{self.history_min_share}")
         if self.method == "draft" and self.draft_model is None:
             raise ValueError("speculative.draft_model is required when method='draft'")

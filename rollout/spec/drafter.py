@@ -9,9 +9,24 @@ from abc import ABC, abstractmethod
 
 
 class Drafter(ABC):
+    # Where each draft of the last propose_batch came from, when the drafter has several
+    # sources (suffix.py); empty: the method's name says it.
+    last_sources: list = []
+    # The samples of earlier calls it drafts from (spec/history.py), if it keeps any.
+    history = None
+
     @abstractmethod
     def propose_batch(self, wanted, siblings) -> list:
         """[(draft tokens, q [k, V] or None when deterministic)] per (sequence, k)."""
+
+    def flush(self) -> None:
+        """Called first in every step's proposal, outside any journal unit."""
+
+    def remember(self, seqs) -> None:
+        """The samples of a request that left the engine (inside the unit that ended it)."""
+
+    def clear(self) -> None:
+        """Forget what earlier calls left (the history)."""
 
     def rollback(self, targets) -> None:
         """Drop state computed for proposals the target rejected."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from ..ops.op import Op, always, on_cuda
@@ -19,6 +20,10 @@ def _accept_triton(**rows):
     return accept_drafts(**rows)
 
 
+# How fast the running acceptance follows each verification: the engine's slowly (many samples
+# feed it), a sample's fast (its own text changes character within a few tokens).
+RATE_ENGINE, RATE_SAMPLE = 0.05, 0.3
+
 # The acceptance scan along each request's drafts (verify.py).
 ACCEPT = Op("accept_drafts", torch=(accept_drafts_ref, always), triton=(_accept_triton, on_cuda))
 
@@ -35,6 +40,10 @@ def make_speculator(config: SpeculativeConfig | None, stack, engine_config, toke
 
         stream = TOKEN_STREAM if config.acceptance == "coupled" else DRAFT_STREAM
         drafter = DraftModelDrafter(config.draft_model, stack, engine_config, tokenizer, stream)
+    elif config.method == "suffix":
+        from .suffix import SuffixDrafter
+
+        drafter = SuffixDrafter(config, stack.kv.journal)
     return Speculator(config, stack, engine_config.max_model_len, siblings, drafter)
 
 
@@ -52,6 +61,16 @@ class Speculator:
         # a sample whose drafts keep failing stops paying for verification, with exponential
         # back-off so it is probed again now and then.
         self._misses: dict[int, list[int]] = {}
+        # seq_id -> where this step's draft came from ("self", "siblings", "history"; the
+        # draft model's: "draft"), for the per-source stats.
+        self.sources: dict[int, str] = {}
+        # Running acceptance per draft token (exponential averages) per draft source: the
+        # engine's, and each sample's (seq_id -> source -> rate), which set the adaptive draft
+        # length (_paying).
+        self.rates: dict[str, float] = {}
+        self._rates: dict[int, dict[str, float]] = {}
+        # This step's decodes were more than max_batch_size (no drafting): for the stats.
+        self.skipped = False
 
     def _budget(self, seq: Sequence) -> int:
         """Drafts never run past max_tokens or max_model_len (one token is the target's)."""
@@ -59,19 +78,43 @@ class Speculator:
                    seq.params.max_tokens - seq.num_output - 1,
                    self.max_model_len - seq.num_tokens - 1)
 
+    def _paying(self, seq: Sequence, source: str, decodes: int) -> int:
+        """SpeculativeConfig.adaptive: the draft length whose last token still has a fair
+        chance. Draft token i is kept with about a**i (a: the running acceptance per draft
+        token of this sample's drafts from `source`, or of the engine's from it before the
+        sample has one), and a verify position is worth it while that chance beats the batch's
+        share of max_batch_size: a sample alone in a rollout's tail drafts long (the step costs
+        about the same), a full batch only what it nearly always keeps. At least one token, so
+        the estimate keeps learning (the back-off handles total misses)."""
+        a = self._rates.get(seq.seq_id, {}).get(source, self.rates.get(source, 0.5))
+        bar = decodes / self.config.max_batch_size
+        if a >= 1:
+            return self.config.num_speculative_tokens
+        if a <= 0:
+            return 1
+        return max(1, int(math.log(bar) / math.log(a)))
+
     def propose(self, batch: Batch) -> int:
         """Attach drafts to the batch's decode items; returns how many items got some."""
+        self.drafter.flush()
+        self.sources = {}
         decodes = [it for it in batch.items if it.sample and it.num_new == 1]
-        if not decodes or len(decodes) > self.config.max_batch_size:
+        self.skipped = len(decodes) > self.config.max_batch_size
+        if not decodes or self.skipped:
             return 0
         wanted = [(it, self._budget(it.seq)) for it in decodes if self._ready(it.seq)]
         wanted = [(it, k) for it, k in wanted if k > 0]
         proposals = self.drafter.propose_batch([(it.seq, k) for it, k in wanted], self.siblings)
+        origins = self.drafter.last_sources or [self.config.method] * len(wanted)
         extended = 0
         with self.kv.journal.unit():
-            for (it, _), (draft, probs) in zip(wanted, proposals):
+            for (it, _), (draft, probs), origin in zip(wanted, proposals, origins):
+                if draft and self.config.adaptive:
+                    keep = self._paying(it.seq, origin, len(decodes))
+                    draft, probs = draft[:keep], None if probs is None else probs[:keep]
                 if draft and self._add_draft(it, draft, probs):
                     extended += 1
+                    self.sources[it.seq.seq_id] = origin
         return extended
 
     def _add_draft(self, item: ScheduledSeq, draft: list[int], probs) -> bool:
@@ -100,6 +143,8 @@ class Speculator:
             if not it.draft:
                 continue
             verified.append(it.seq)
+            self._learn(it.seq.seq_id, self.sources[it.seq.seq_id],
+                        verdict.accepted / len(it.draft))
             state = self._misses.setdefault(it.seq.seq_id, [0, 0])
             if verdict.accepted:
                 state[0] = 0
@@ -108,16 +153,37 @@ class Speculator:
                 state[1] = min(2 ** state[0], 32)
         self.drafter.rollback(verified)
 
+    def _learn(self, seq_id: int, source: str, share: float) -> None:
+        """One verification's share of accepted draft tokens into the running rates
+        (journaled with the commit: a failed step teaches nothing)."""
+        engine, own = self.rates.get(source, 0.5), self._rates.get(seq_id, {})
+        before, before_own = dict(self.rates), (seq_id, dict(own) if seq_id in self._rates
+                                                else None)
+        self.rates[source] = engine + RATE_ENGINE * (share - engine)
+        mine = own.get(source, engine)
+        self._rates[seq_id] = {**own, source: mine + RATE_SAMPLE * (share - mine)}
+        self.kv.journal.record(lambda: self._restore_rates(before, *before_own))
+
+    def _restore_rates(self, rates: dict, seq_id: int, own: dict | None) -> None:
+        self.rates = rates
+        if own is None:
+            self._rates.pop(seq_id, None)
+        else:
+            self._rates[seq_id] = own
+
     @property
     def backoff_sequences(self) -> frozenset[int]:
         """Ids of the sequences that hold back-off state: only running ones should (ids only
         grow in a trainer, so an entry that outlives its request is a leak)."""
-        return frozenset(self._misses)
+        return frozenset(self._misses) | frozenset(self._rates)
 
     def forget(self, seqs: list[Sequence]) -> None:
-        """The request ended (finished or aborted): drop its back-off state."""
+        """The request ended (finished or aborted): drop its back-off state; the drafter may
+        remember its samples (suffix.py)."""
         for seq in seqs:
             self._misses.pop(seq.seq_id, None)
+            self._rates.pop(seq.seq_id, None)
+        self.drafter.remember(seqs)
 
     def verify(self, logits, rows, items, want_support=None) -> list[Verdict]:
         """The verdicts of one step's sampled items (rows: one per verified position)."""

@@ -45,7 +45,8 @@ def make(spec: str, caching: bool, model=None, **overrides) -> Engine:
     speculative = {"plain": None,
                    "ngram": SpeculativeConfig("ngram", num_speculative_tokens=3),
                    "draft": SpeculativeConfig("draft", num_speculative_tokens=3,
-                                              draft_model=draft())}[spec]
+                                              draft_model=draft()),
+                   "suffix": SpeculativeConfig("suffix", num_speculative_tokens=3)}[spec]
     # 64 slots for 10 sequences of up to ~25 tokens: admission waits, decodes preempt.
     return Engine(model or target(), EngineConfig(kv_cache_tokens=64, max_model_len=40,
                                          max_num_batched_tokens=16, max_num_seqs=8,

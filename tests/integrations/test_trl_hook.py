@@ -281,3 +281,28 @@ def test_ref_model_is_used_as_the_kl_reference(tmp_path):
         RolloutGRPOTrainer("some/model", reward_funcs=Recorder(), train_dataset=data,
                            args=grpo_args(tmp_path, beta=0.1), processing_class=tok,
                            engine_config=ENGINE, ref_model=ref)
+
+
+@pytest.mark.parametrize("importance_ratio", ["untruncated", "full_policy"])
+def test_importance_ratio_under_top_p(tmp_path, importance_ratio):
+    """top_p = 0.8, on-policy: with the untruncated logprobs TRL's ratio is the engine-trainer
+    mismatch alone (1); with the sampled distribution's it is the kept set's mass under the
+    policy, below 1 on every token (TRL's default mode multiplies them over the sequence)."""
+    tok = char_tokenizer()
+    trainer = RolloutGRPOTrainer(
+        tiny_model("qwen2", vocab_size=len(tok)), reward_funcs=Recorder(),
+        args=grpo_args(tmp_path, top_p=0.8, max_steps=1),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tok,
+        engine_config=ENGINE, importance_ratio=importance_ratio)
+    trainer.train()
+    (h,) = [h for h in trainer.state.log_history if "loss" in h]
+    ratio = h["sampling/importance_sampling_ratio/mean"]
+    if importance_ratio == "untruncated":
+        assert abs(ratio - 1) < 1e-4
+    else:
+        assert 0 < ratio < 0.95 and h["sampling/importance_sampling_ratio/max"] < 1
+
+
+def test_on_support_is_refused_for_trl(tmp_path):
+    with pytest.raises(ValueError, match="importance_ratio must be one of"):
+        make_rollout_func(lambda t: None, importance_ratio="on_support")

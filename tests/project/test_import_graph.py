@@ -23,10 +23,11 @@ LAYERS = [
     ["rollout.parallel"],
     ["rollout.colocation"],  # parking, weight sources, device and host memory
     ["rollout.kv"],
+    ["rollout.score"],  # a scored sequence's rows and the call's rounds (not its arguments)
     ["rollout.sample"],
     ["rollout.attention"],
     ["rollout.models"],
-    ["rollout.requests"],
+    ["rollout.requests", "rollout.score.intake"],
     ["rollout.executor"],
     ["rollout.spec"],
     ["rollout.engine"],

@@ -15,6 +15,8 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 40)), [42] * 9, [5, 99, 3,
 GREEDY = SamplingParams(temperature=0, max_tokens=12, logprobs=True)
 SEEDED = SamplingParams(n=2, temperature=1.0, top_p=0.9, max_tokens=12, logprobs=True, seed=5)
 UNSEEDED = SamplingParams(n=2, temperature=1.0, max_tokens=8)
+# Scored: two sharing a prompt (rows copied in a second round), one alone.
+SCORED = [PROMPTS[2] + [1, 2, 3], PROMPTS[2] + [4, 5], PROMPTS[0]]
 CONFIG = dict(kv_cache_tokens=1024, max_model_len=96, max_num_seqs=16,
               check_tensor_parallel=True)
 
@@ -64,6 +66,7 @@ def run_all(tp: int) -> dict:
         engine = Engine(build(0), EngineConfig(**cfg))
         results[f"{name}/greedy"] = _samples(engine.generate(PROMPTS, GREEDY))
         results[f"{name}/seeded"] = _samples(engine.generate(PROMPTS, SEEDED))
+        results[f"{name}/score"] = [[(o.token_ids, o.logprobs)] for o in engine.score(SCORED)]
         engine.check_invariants()
     if tp > 1:  # unseeded: the ranks agree on the engine's seed; no TP=1 counterpart
         results["unseeded"] = _samples(engine.generate(PROMPTS, UNSEEDED))

@@ -1,0 +1,80 @@
+"""Suffix drafting (SpeculativeConfig(method="suffix")): the n-gram drafter's own-tokens and
+siblings search, and the history of earlier calls' finished samples (history.py). Whichever
+source matches the longest suffix of the sequence drafts (ties: its own tokens, then its
+siblings, then history); from history the draft is the majority continuation of every position
+that matched, as long as it stays the continuation of at least `min_share` of them, so its
+length follows how much earlier samples agreed.
+
+Finished samples enter the history after the journal unit that finished them has committed
+(`remember` journals the pending entry; the next proposal flushes it), so a failed step leaves
+the history as it was. Verification makes any draft safe: coupled acceptance never changes an
+output, rejection keeps the target's distribution (verify.py).
+"""
+
+from __future__ import annotations
+
+from ..journal import Journal
+from ..requests.sequence import Sequence
+from .history import DraftHistory
+from .ngram import NgramDrafter, find_continuation
+
+# The sources a draft came from, for stats (Speculator.record).
+SOURCES = ("self", "siblings", "history")
+
+
+class SuffixDrafter(NgramDrafter):
+    def __init__(self, config, journal: Journal) -> None:
+        super().__init__(config.ngram_min, config.ngram_max)
+        self.history = DraftHistory(config.history_tokens, config.ngram_min,
+                                    config.history_max_match)
+        self.min_share, self.journal = config.history_min_share, journal
+        self._pending: list[tuple[list[int], list[int]]] = []
+        self.last_sources: list[str | None] = []
+
+    def remember(self, seqs: list[Sequence]) -> None:
+        """Samples of a request that left the engine; the finished ones join the history."""
+        for seq in seqs:
+            if seq.finish_reason in ("stop", "length") and seq.num_output:
+                self._pending.append((seq.prompt_ids, seq.output_ids))
+                self.journal.record(self._pending.pop)
+
+    def clear(self) -> None:
+        self.history.clear()
+        self._pending.clear()
+
+    def propose_batch(self, wanted: list[tuple[Sequence, int]], siblings):
+        self._flush()
+        proposals, self.last_sources = [], []
+        for seq, k in wanted:
+            draft, source = self.propose_from(seq, siblings(seq), k)
+            proposals.append((draft, None))
+            self.last_sources.append(source)
+        return proposals
+
+    def propose_from(self, seq: Sequence, siblings: list[Sequence], k: int
+                     ) -> tuple[list[int], str | None]:
+        tokens = seq.token_ids
+        own, own_len, source = [], 0, None
+        sources = [("self", tokens)] + [("siblings", s.token_ids) for s in siblings
+                                         if s is not seq]
+        for n in range(min(self.ngram_max, len(tokens) - 1), self.ngram_min - 1, -1):
+            for name, other in sources:
+                own = find_continuation(other, tokens[-n:], k)
+                if own:
+                    own_len, source = n, name
+                    break
+            if own:
+                break
+        length, positions = self.history.matches(tokens, seq.prompt_ids)
+        if length > own_len:
+            drafted = self.history.continuation(positions, k, self.min_share)
+            if drafted:
+                return drafted, "history"
+        return own, source
+
+    def _flush(self) -> None:
+        """Pending samples into the history (outside any unit: the steps that finished them
+        committed)."""
+        for prompt, completion in self._pending:
+            self.history.add(prompt, completion)
+        self._pending.clear()

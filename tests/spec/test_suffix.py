@@ -1,0 +1,215 @@
+"""Drafting from history (SpeculativeConfig(method="suffix")): the history's matches against a
+brute-force search under random insertions and evictions; drafts only continue what occurred;
+the budget holds; outputs unchanged (greedy, seeded under coupled acceptance, distribution
+under rejection); kept across sleep, cleared on request; per-source stats."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from models import tiny_model
+from scipy.stats import chisquare
+
+from rollout import Engine, EngineConfig, SamplingParams, SpeculativeConfig
+from rollout.spec.history import DraftHistory
+
+MIN, MAX = 2, 5
+
+
+def brute_matches(entries, context, prompt):
+    """(length, positions) as DraftHistory.matches defines them, by exhaustive search."""
+    def search(pool):
+        best, found = 0, set()
+        for eid, (_, tokens) in pool.items():
+            for end in range(MIN, len(tokens)):
+                n = 0
+                while (n < min(MAX, end, len(context))
+                       and tokens[end - n - 1] == context[len(context) - n - 1]):
+                    n += 1
+                if n < MIN:
+                    continue
+                if n > best:
+                    best, found = n, {(eid, end)}
+                elif n == best:
+                    found.add((eid, end))
+        return best, found
+    own = {e: v for e, v in entries.items() if v[0] == tuple(prompt)}
+    best, found = search(own)
+    return (best, found) if found else search(entries)
+
+
+tokens_st = st.lists(st.integers(0, 3), min_size=0, max_size=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([(1,), (2, 2), (3,)]), tokens_st), max_size=25),
+       st.lists(st.integers(0, 3), min_size=1, max_size=8), st.sampled_from([(1,), (2, 2)]),
+       st.integers(10, 80))
+def test_matches_equal_brute_force_under_insertions_and_evictions(adds, context, prompt,
+                                                                 budget):
+    history = DraftHistory(budget, MIN, MAX)
+    alive = {}  # eid -> (prompt, stored tokens), oldest first, as the budget evicts
+    for p, completion in adds:
+        eid = history.add(list(p), completion)
+        stored = list(p)[-MAX:] + completion
+        if eid is None:
+            assert not completion or len(stored) > budget
+            continue
+        alive[eid] = (p, stored)
+        while sum(len(t) for _, t in alive.values()) > budget:
+            del alive[next(iter(alive))]
+        assert history.tokens == sum(len(t) for _, t in alive.values()) <= budget
+        assert set(history.entries) == set(alive)
+    length, positions = history.matches(context, list(prompt))
+    want_len, want = brute_matches(alive, context, prompt)
+    assert (length, set(positions)) == (want_len, want)
+    # A draft only ever continues what followed the match somewhere.
+    draft = history.continuation(positions, 4, 0.3)
+    if draft:
+        tail = context[-length:] + draft
+        assert any(tail == t[i:i + len(tail)] for _, t in alive.values()
+                   for i in range(len(t)))
+
+
+PROMPTS = [[1, 2, 3, 4, 5, 6], [9, 8, 7], list(range(20, 40))]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model("qwen2")
+
+
+def engine(model, spec=None, **kw):
+    return Engine(model, EngineConfig(**(dict(kv_cache_tokens=4096, max_model_len=160) | kw),
+                                      speculative=spec))
+
+
+def suffix(**kw):
+    return SpeculativeConfig("suffix", num_speculative_tokens=5, **kw)
+
+
+def tokens(outs):
+    return [s.token_ids for o in outs for s in o.samples]
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
+@pytest.mark.parametrize("temperature", [0, 0.8])
+def test_epochs_draft_from_history_and_change_no_output(target, temperature, adaptive):
+    """Three epochs over the same prompts: every epoch's samples equal speculation off's; from
+    the second on, history drafts and is accepted (the same seeds sample the same answers)."""
+    params = SamplingParams(n=3, max_tokens=30, temperature=temperature, seed=1, ignore_eos=True)
+    want = tokens(engine(target).generate(PROMPTS, params))
+    spec = engine(target, suffix(adaptive=adaptive))
+    for epoch in range(3):
+        assert tokens(spec.generate(PROMPTS, params)) == want
+        history = spec.stats.spec_sources.get("history", [0, 0])
+        if epoch == 0:
+            assert history == [0, 0]
+    proposed, accepted = spec.stats.spec_sources["history"]
+    # Greedy: the same answers (all accepted); seeded: siblings differ, and a match shared by
+    # them drafts the majority continuation, not necessarily this sample's.
+    assert proposed > 0 and accepted / proposed > 0.5
+    assert spec.stats.tokens_per_verification > 3
+    spec.check_invariants()
+
+
+def test_history_survives_sleep_and_is_cleared_on_request(target):
+    params = SamplingParams(n=2, max_tokens=20, temperature=0.8, seed=2, ignore_eos=True)
+    spec = engine(target, suffix())
+    want = tokens(spec.generate(PROMPTS, params))
+    spec.generate([[5]], SamplingParams(max_tokens=2))  # flushes the first call's samples
+    held = spec.stats.draft_history_tokens
+    assert held > 0
+    for level in (1, 2):
+        spec.sleep(level)
+        spec.wake_up()
+        if level == 2:
+            spec.update_weights(target)
+        assert spec.stats.draft_history_tokens == held
+    before = spec.stats.spec_sources.get("history", [0, 0])[1]
+    assert tokens(spec.generate(PROMPTS, params)) == want
+    assert spec.stats.spec_sources["history"][1] > before
+    spec.clear_draft_history()
+    assert spec.stats.draft_history_tokens == 0
+
+
+def test_budget_bounds_the_history_and_counts_evictions(target):
+    spec = engine(target, suffix(history_tokens=100))
+    for seed in range(4):
+        spec.generate(PROMPTS, SamplingParams(n=2, max_tokens=20, seed=seed, ignore_eos=True))
+    st_ = spec.stats
+    assert 0 < st_.draft_history_tokens <= 100 and st_.draft_history_evicted > 0
+
+
+def test_rejection_acceptance_keeps_the_distribution():
+    """Vocabulary 8, one prompt: an epoch fills the history, the next draws 1500 seeded samples
+    under rejection acceptance; the (first, second) token pairs follow the model's own
+    probabilities (chi-square), with history drafts proposed and accepted."""
+    model = tiny_model("qwen2", vocab_size=8)
+    spec = engine(model, SpeculativeConfig("suffix", num_speculative_tokens=3,
+                                           acceptance="rejection", max_batch_size=4096),
+                  max_num_seqs=512, kv_cache_tokens=8192)
+    prompt = [1, 2, 3, 1, 2]
+    spec.generate([prompt], SamplingParams(n=100, max_tokens=2, seed=0, ignore_eos=True))
+    outs = spec.generate([prompt], SamplingParams(n=1500, max_tokens=2, seed=1,
+                                                  ignore_eos=True))
+    assert spec.stats.spec_sources["history"][1] > 0
+    pairs = np.bincount([8 * s.token_ids[0] + s.token_ids[1] for s in outs[0].samples],
+                        minlength=64)
+    with torch.no_grad():
+        first = model(torch.tensor([prompt])).logits[0, -1].double().softmax(-1)
+        second = torch.stack([model(torch.tensor([prompt + [t]])).logits[0, -1].double()
+                              .softmax(-1) for t in range(8)])
+    expected = (first[:, None] * second).flatten().numpy() * 1500
+    keep = expected > 5  # chi-square needs populated cells; the rest pooled
+    observed = np.append(pairs[keep], pairs[~keep].sum())
+    expected = np.append(expected[keep], expected[~keep].sum())
+    assert chisquare(observed, expected).pvalue > 1e-3
+
+
+def test_bad_history_settings_are_refused():
+    with pytest.raises(ValueError, match="history_min_share must be in"):
+        SpeculativeConfig("suffix", history_min_share=0)
+    with pytest.raises(ValueError, match="history_tokens must be"):
+        SpeculativeConfig("suffix", history_tokens=0)
+    with pytest.raises(ValueError, match="history_max_match must be"):
+        SpeculativeConfig("suffix", ngram_min=3, ngram_max=4, history_max_match=2)
+
+
+def test_carried_groups_keep_drafting_from_history_across_an_update(target):
+    """Partial rollouts: groups carried across update_weights (the same weights) resume
+    drafting from history, and every token equals speculation off's."""
+    params = [SamplingParams(n=2, max_tokens=m, temperature=0.8, seed=3, ignore_eos=True)
+              for m in (8, 40, 40)]  # the short group completes first, the others are carried
+
+    def run(spec):
+        eng = engine(target, spec)
+        eng.generate(PROMPTS, params)  # the previous epoch
+        first = eng.rollout(PROMPTS, params, groups=1)
+        assert len(eng.carried) == 2
+        eng.update_weights(target)
+        accepted = eng.stats.spec_sources.get("history", [0, 0])[1]
+        rest = eng.rollout()
+        return tokens(first + rest), eng.stats.spec_sources.get("history", [0, 0])[1] - accepted
+
+    got, after_update = run(suffix())
+    assert got == run(None)[0]
+    assert after_update > 0
+
+
+def test_adaptive_drafts_what_pays():
+    """A random model: its own-token n-grams are rarely right. Adaptive drafting proposes far
+    fewer tokens for the same outputs; a batch above max_batch_size is counted as skipped."""
+    model = tiny_model("qwen2", seed=4)
+    params = SamplingParams(n=4, max_tokens=40, temperature=1.0, seed=2, ignore_eos=True)
+    fixed, adaptive = (engine(model, SpeculativeConfig("ngram", num_speculative_tokens=5,
+                                                       adaptive=a)) for a in (False, True))
+    assert tokens(fixed.generate(PROMPTS, params)) == tokens(adaptive.generate(PROMPTS, params))
+    f, a = fixed.stats, adaptive.stats
+    assert a.spec_steps > 0 and a.spec_skipped_steps == 0
+    assert a.spec_proposed < 0.6 * f.spec_proposed
+    assert a.spec_proposed / a.spec_verifications < f.spec_proposed / f.spec_verifications
+    small = engine(model, SpeculativeConfig("ngram", max_batch_size=4))
+    small.generate(PROMPTS, params)  # 12 decoding samples > 4 until some finish
+    assert small.stats.spec_skipped_steps > 0
