@@ -6,7 +6,7 @@ draft source, and whether the three runs generated the same tokens (coupled acce
 changes an output, so the runs train alike). Runs are interleaved over --repeats; the best
 tokens/s of each step is kept. Not in CI.
 
-    python bench/spec_history.py [--steps 4] [--prompts 8] [--max-new-tokens 48] [--repeats 1]
+    python bench/spec_history.py [--steps 3] [--prompts 8] [--max-new-tokens 48] [--repeats 1]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 from workloads import cpu_name  # noqa: E402
 
 SPECS = {"off": None, "ngram": "{method: ngram, num_speculative_tokens: 5}",
-         "suffix": "{method: suffix, num_speculative_tokens: 5}"}
+         "suffix": "{method: suffix, num_speculative_tokens: 5, adaptive: true}"}
 
 
 def sums(path: str, rows: int) -> str:
@@ -47,7 +47,7 @@ def run(name: str, args, data: str, out_dir: str) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--system", default="Think step by step, then give the number.")
