@@ -83,21 +83,16 @@ class ScoreState:
     top: int  # alternatives per row (0: none)
     prefix: ScoreRows  # rows 0 .. filled0 - 1, known when the sequence was queued
     parts: list[ScoreRows] = field(default_factory=list)  # rows computed since, in order
-    filled: int = 0  # rows known so far
-
-    def __post_init__(self) -> None:
-        self.filled = len(self.prefix)
 
     @property
-    def complete(self) -> bool:
-        return self.filled == len(self.targets)
+    def filled(self) -> int:
+        """Rows known so far."""
+        return len(self.prefix) + sum(map(len, self.parts))
 
     def add(self, rows: ScoreRows, journal: Journal) -> None:
         """The next rows, computed by a step (undone with the step's unit)."""
-        filled = self.filled
         self.parts.append(rows)
-        self.filled += len(rows)
-        journal.record(lambda: (self.parts.pop(), setattr(self, "filled", filled)))
+        journal.record(self.parts.pop)
 
     def rows(self) -> ScoreRows:
         return ScoreRows.cat([self.prefix, *self.parts])
