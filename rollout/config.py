@@ -12,6 +12,7 @@ from .ops.backend import BACKENDS
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 STALE_POLICIES = ("restart", "drop", "keep")  # what a group past max_staleness becomes
+LORA_MODES = ("auto", "unmerged", "merged")  # how a PEFT LoRA model is served (rollout/lora/)
 # What the Triton kernels run and are tested in: their tile sizes and dot precision assume 2- or
 # 4-byte floats (kernels/triton/paged_attention.py), so float64 is not among them.
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -54,6 +55,12 @@ class EngineConfig:
     # derived like the packed weights: made again after update_weights, dropped at sleep,
     # counted in memory_held). None: the head in the model's dtype.
     lm_head_dtype: torch.dtype | str | None = None
+    # A PEFT LoRA model (built from or synced with): "unmerged" serves its adapter beside the
+    # base weights, loaded once (update_weights then copies the adapter only; rollout/lora/),
+    # refusing adapters it cannot serve so; "merged" folds the adapter into the weights at
+    # every sync; "auto" serves unmerged what it can and merges the rest (DoRA, several
+    # active adapters, LoRA on embeddings or MoE experts: Engine.lora_status says why).
+    lora: str = "auto"
     device: torch.device | str | None = None  # None: the model's device (cuda if loading a path)
     seed: int | None = None  # default seed of unseeded requests; None draws one per request
     speculative: Any = None  # rollout.spec.SpeculativeConfig, off by default
@@ -117,6 +124,7 @@ class EngineConfig:
         if self.max_staleness is not None:
             self.max_staleness = as_int("max_staleness", self.max_staleness, 0)
         self.stale_groups = as_choice("stale_groups", self.stale_groups, STALE_POLICIES)
+        self.lora = as_choice("lora", self.lora, LORA_MODES)
         if self.speculative is not None:
             from .spec.config import SpeculativeConfig
 

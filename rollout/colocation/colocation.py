@@ -38,13 +38,15 @@ class Sleeper(Protocol):
 
 class Colocation:
     def __init__(self, stack, device: torch.device, retract: Callable[[], None],
-                 sleepers: Callable[[], list[Sleeper]] = list) -> None:
+                 sleepers: Callable[[], list[Sleeper]] = list, lora=None) -> None:
         """`stack`: the engine's ModelStack (rollout/executor/stack.py); `retract`: makes every
         running sequence give its K/V up and wait again with its tokens (before sleep and
         update_weights, which empty the pool and the prefix cache); `sleepers`: what else
-        sleeps and wakes with it."""
+        sleeps and wakes with it; `lora`: the engine's unmerged LoRA (rollout/lora/sync.py),
+        which says what a sync from a PEFT model copies."""
         self.stack, self.device = stack, device
         self._retract, self._sleepers = retract, sleepers
+        self.lora = lora
         self.sleep_level = 0
         self.weights_missing = False
         # Complete update_weights so far: the version the engine's outputs are stamped with.
@@ -117,7 +119,13 @@ class Colocation:
             raise RuntimeError("update_weights: the engine is asleep: call wake_up() first")
         model = self.stack.model
         t0 = time.perf_counter()
-        shapes, named = named_shapes_and_tensors(source, gather=False)
+        # Served unmerged (a PEFT LoRA model): the adapter and what may have changed of the
+        # base (rollout/lora/sync.py); else every weight, adapters merged.
+        plan = None if self.lora is None else self.lora.plan(source)
+        if plan is None:
+            shapes, named = named_shapes_and_tensors(source, gather=False)
+        else:
+            shapes, named = plan.shapes, plan.tensors()
         written = model.check_weights(shapes)
         if self.weights_missing:
             missing = model.expected_weight_names() - written
@@ -132,6 +140,8 @@ class Colocation:
         dtype = model.dtype
         moved, resharding = 0, ReshardStats()
         try:
+            if self.lora is not None and self.lora.attach(plan) and self.stack.graphs is not None:
+                self.stack.graphs.release()  # captured with the projections' old adapters
             parts = rank_parts(named, model.rank_parts(shapes), dtype, bucket_bytes, resharding)
             checked = Checked()
             for bucket in buckets(parts, self.device, dtype, bucket_bytes,
@@ -139,9 +149,13 @@ class Colocation:
                 model.load_weights(bucket, local=True, copy=checked.copy)
                 checked.verify()
                 moved += sum(t.numel() * t.element_size() for _, t in bucket)
+            if plan is not None:
+                moved += self.lora.copy(plan, checked)
         except BaseException as e:
             named.close()  # at once: reading a PEFT model may hold its merge open
             self.weights_missing = True
+            if self.lora is not None:
+                self.lora.forget()  # the next sync copies the base again
             if not isinstance(e, Exception) or isinstance(e, (ValueError, CopyMismatch)):
                 # KeyboardInterrupt stays what it is, a refused source a ValueError naming it;
                 # needs_weights says the rest.
@@ -153,13 +167,16 @@ class Colocation:
             # KV computed by the old weights goes, even when a copy failed half way.
             self.stack.kv.clear_cache()
         self.weights_missing = False
+        if plan is not None:
+            self.lora.remember(plan)
         self.weights_version += 1
         model.pack_weights()  # an interrupt here leaves the rest to pack at first use
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return {"bytes": moved, "seconds": time.perf_counter() - t0,
                 "exchanged_bytes": resharding.received_bytes,
-                "collectives": resharding.collectives}
+                "collectives": resharding.collectives,
+                "adapter_only": plan is not None and plan.adapter_only}
 
     def memory_held(self) -> int:
         stack = self.stack

@@ -46,7 +46,7 @@ def hf_name(name: str) -> str:
             if name.startswith(prefix):
                 name, changed = name[len(prefix):], True
     # PEFT keeps a trained copy of `modules_to_save` per adapter beside the frozen original;
-    # _weight_params passes on only the one in use.
+    # weight_params passes on only the one in use.
     return _SAVED_COPY.sub(".", name.replace(".base_layer.", "."))
 
 
@@ -54,11 +54,11 @@ def is_peft(model: nn.Module) -> bool:
     return hasattr(model, "merge_adapter") and hasattr(model, "unmerge_adapter")
 
 
-def _is_lora(module: nn.Module) -> bool:
+def is_lora_layer(module: nn.Module) -> bool:
     return hasattr(module, "lora_A") and hasattr(module, "get_delta_weight")
 
 
-def _is_modules_to_save(module: nn.Module) -> bool:
+def is_modules_to_save(module: nn.Module) -> bool:
     """A PEFT `modules_to_save` wrapper."""
     return (isinstance(getattr(module, "modules_to_save", None), nn.ModuleDict)
             and hasattr(module, "original_module"))
@@ -82,16 +82,16 @@ def lora_layers(model: nn.Module) -> dict[str, nn.Module] | None:
     some active adapter is not a plain `weight + delta` (a variant such as DoRA, or a bias)."""
     layers = {}
     for name, module in model.named_modules():
-        if not _is_lora(module):
+        if not is_lora_layer(module):
             continue
-        for a in _unmerged_adapters(module):
+        for a in unmerged_adapters(module):
             if a in getattr(module, "lora_variant", {}) or getattr(module, "lora_bias", {}).get(a):
                 return None
         layers[f"{name}.base_layer.weight"] = module
     return layers
 
 
-def _unmerged_adapters(module: nn.Module) -> list[str]:
+def unmerged_adapters(module: nn.Module) -> list[str]:
     if getattr(module, "disable_adapters", False):
         return []
     merged = set(getattr(module, "merged_adapters", []))  # already inside the base weight
@@ -108,7 +108,7 @@ def model_tensors(model: nn.Module, gather: bool = True
     layers = lora_layers(model) if is_peft(model) else {}
     merge = merged_adapters(model) if layers is None else contextlib.nullcontext()
     with merge:
-        for name, param in _weight_params(model):
+        for name, param in weight_params(model):
             yield hf_name(name), _read(param, layers.get(name) if layers else None, gather)
 
 
@@ -124,16 +124,16 @@ def _read(tensor: torch.Tensor, lora: nn.Module | None = None,
         # rank syncs its own engine at the same point of the step).
         tensor = tensor.full_tensor()
     if lora is not None:
-        for adapter in _unmerged_adapters(lora):
+        for adapter in unmerged_adapters(lora):
             tensor = tensor + lora.get_delta_weight(adapter).to(tensor.dtype)
     return tensor
 
 
-def _weight_params(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+def weight_params(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     """The parameters that carry the model's weights: not LoRA adapters (folded in), and of
     each `modules_to_save` wrapper only the copy its forward uses now."""
     unused = tuple(f"{name}.{copy}." for name, module in model.named_modules()
-                   if _is_modules_to_save(module) for copy in _unused_copies(module))
+                   if is_modules_to_save(module) for copy in _unused_copies(module))
     for name, param in model.named_parameters():
         if "lora_" not in name and not name.startswith(unused):
             yield name, param
@@ -153,11 +153,11 @@ def _unused_copies(wrapper: nn.Module) -> list[str]:
 def _read_params(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     """Every parameter that reading the weights touches: the weights and the LoRA adapters
     folded into them."""
-    yield from _weight_params(model)
+    yield from weight_params(model)
     for name, module in model.named_modules():
-        if not _is_lora(module):
+        if not is_lora_layer(module):
             continue
-        folded = set(_unmerged_adapters(module))
+        folded = set(unmerged_adapters(module))
         for local, param in module.named_parameters():
             kind, _, rest = local.partition(".")  # e.g. lora_A.<adapter>.weight
             if kind.startswith("lora_") and rest.split(".")[0] in folded:
@@ -196,7 +196,7 @@ def named_shapes_and_tensors(source, gather: bool = True
         model = unwrap(source)
         for name, param in _read_params(model):
             check_tensor(hf_name(name), param)
-        return ([(hf_name(n), p.shape) for n, p in _weight_params(model)],
+        return ([(hf_name(n), p.shape) for n, p in weight_params(model)],
                 model_tensors(source, gather))
     named = _pairs(source)
     for name, tensor in named:

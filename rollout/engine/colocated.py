@@ -26,6 +26,13 @@ class ColocationCalls:
         return self.colocation.weights_version
 
     @property
+    def lora_status(self) -> str | None:
+        """How the adapter of the last PEFT model built from or synced with is served:
+        "unmerged", "merged: <why not unmerged>", or None (no PEFT model, or
+        EngineConfig(lora="merged"))."""
+        return self.colocation.lora.status
+
+    @property
     def needs_weights(self) -> bool:
         """True after sleep(level=2) until update_weights has refilled every weight."""
         return self.colocation.weights_missing
@@ -54,11 +61,17 @@ class ColocationCalls:
         cache empties; running requests are carried (rollout/engine/carry.py). Under tensor
         parallelism each rank takes only its part (rollout/parallel/reshard.py). `probe`
         (token ids): scored under the new weights, against `probe_reference` (the trainer's
-        logprobs of its tokens 1..) when given (rollout/engine/score.py). Returns {'bytes',
-        'seconds', 'exchanged_bytes', 'collectives'} (+ 'probe_logprobs', 'probe_gap')."""
+        logprobs of its tokens 1..) when given (rollout/engine/score.py). A PEFT LoRA model
+        served unmerged (EngineConfig.lora) sends its adapter and trainable weights only, the
+        frozen base once (rollout/lora/sync.py). Returns {'bytes', 'seconds',
+        'exchanged_bytes', 'collectives', 'adapter_only'} (+ 'probe_logprobs', 'probe_gap')."""
         with self._entered("update_weights"):
             checked = check_probe(self, probe, probe_reference)
             result = self.colocation.update_weights(source, bucket_bytes)
+            stats = self._stats
+            stats.weight_syncs += 1
+            stats.adapter_syncs += result["adapter_only"]
+            stats.weight_sync_bytes, stats.weight_sync_seconds = result["bytes"], result["seconds"]
             self.carry.enforce_staleness(self.weights_version, self.config.max_staleness,
                                          self.config.stale_groups)
             if checked is not None:

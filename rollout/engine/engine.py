@@ -19,11 +19,13 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator
 
+from ..colocation.checksum import Checked
 from ..colocation.colocation import Colocation
 from ..config import EngineConfig
 from ..executor.stack import ModelStack, pool_slots
 from ..fields import as_bool
 from ..journal import Journal, RollbackFailed
+from ..lora.sync import LoraSync
 from ..models.base import ROUTED_EXPERTS
 from ..models.loader import build_model, eos_token_ids, load_into, resolve_model
 from ..parallel import shared_seed, tensor_parallel
@@ -62,7 +64,14 @@ class Engine(ColocationCalls):
         hf_config, weights, device, dtype, tokenizer = resolve_model(model, config, tokenizer)
         self.hf_config, self.tokenizer, self.device = hf_config, tokenizer, device
         self.model = build_model(hf_config, config.max_model_len, dtype, device, self.tp)
-        load_into(self.model, weights)
+        # A PEFT LoRA model: its base unmerged, its adapter beside it (rollout/lora/).
+        self.lora = LoraSync(self.model, config.lora)
+        adapter = self.lora.plan(model)
+        load_into(self.model, weights if adapter is None else adapter.tensors())
+        if adapter is not None:
+            self.lora.attach(adapter)
+            self.lora.copy(adapter, Checked())
+            self.lora.remember(adapter)
         self.vocab_size = hf_config.vocab_size
         self.journal = Journal()
         self.stack = ModelStack(self.model, config, pool_slots(self.model, config, dtype, device),
@@ -81,7 +90,7 @@ class Engine(ColocationCalls):
         self.carry = Carry(self.scheduler, self.requests, self.kv, self.journal, self._stats)
         sleepers: list = []  # the draft model's stack, once built
         self.colocation = colocation = Colocation(self.stack, device, self.carry.retract,
-                                                  lambda: sleepers)
+                                                  lambda: sleepers, self.lora)
         self.committer = Committer(self.kv, self.scheduler, self.stop, self.journal,
                                    lambda: colocation.weights_version)
         # The siblings lookup closes over the running dict, not the engine: a reference back

@@ -22,6 +22,12 @@ class EngineStats:
     # update_weights(probe=, probe_reference=): the last probe's largest |logprob gap| to the
     # trainer's (nan: no reference, or none probed yet)
     probe_gap: float = float("nan")
+    # update_weights: how many completed, how many of them copied a LoRA adapter and not the
+    # frozen base (rollout/lora/sync.py), and the last one's bytes and seconds.
+    weight_syncs: int = 0
+    adapter_syncs: int = 0
+    weight_sync_bytes: int = 0
+    weight_sync_seconds: float = 0.0
     steps: int = 0
     decode_steps: int = 0  # steps that advanced at least one sample by a decode token
     preemptions: int = 0

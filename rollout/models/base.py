@@ -41,6 +41,16 @@ from ..parallel import Concat, Slice
 # for the token in the forward that computed its K/V, int16 [num MoE layers, top_k].
 ROUTED_EXPERTS = "routed_experts"
 
+# The attribute of a projection that holds an unmerged LoRA adapter (layers/lora.py LoraWeights):
+# its parameters are the adapter's, loaded by rollout/lora/, not by load_weights.
+LORA_MODULE = "lora"
+
+
+def is_lora_parameter(name: str) -> bool:
+    """A parameter of some projection's LoraWeights, by its model-wide name."""
+    return f".{LORA_MODULE}." in f".{name}"
+
+
 # --- registry -------------------------------------------------------------------------------
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {}
 
@@ -325,7 +335,8 @@ class CausalLM(nn.Module):
         """What a complete load writes (for checking that a checkpoint covered everything)."""
         names = set()
         for name, param in self.named_parameters():
-            names.update(self._pieces(name, param))
+            if not is_lora_parameter(name):  # adapters are loaded by rollout/lora/, not here
+                names.update(self._pieces(name, param))
         return names
 
     def _pieces(self, name: str, param: torch.Tensor) -> list[str]:

@@ -5,6 +5,7 @@ engine must produce the very same tokens and logprobs, bit for bit (same dtype, 
 """
 
 import copy
+import dataclasses
 import gc
 import weakref
 
@@ -231,7 +232,10 @@ def test_ddp_like_wrapper_updates_engine():
     assert got == fresh(b)
 
 
-def test_peft_lora_is_merged_for_the_engine_and_left_unmerged():
+def test_peft_lora_merged_mode_folds_the_adapter_and_leaves_the_trainer_unmerged():
+    """EngineConfig(lora="merged"): the adapter is folded into the engine's weights (out of
+    place: the trainer's model is left as it was). The default serves it unmerged
+    (tests/lora/)."""
     peft = pytest.importorskip("peft")
     base = tiny_model("llama", seed=0)
     model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(
@@ -244,11 +248,12 @@ def test_peft_lora_is_merged_for_the_engine_and_left_unmerged():
     merged = copy.deepcopy(model).merge_and_unload()
     assert fresh(merged) != fresh(base)
 
-    engine = Engine(base, CONFIG)
+    engine = Engine(base, dataclasses.replace(CONFIG, lora="merged"))
     rollout = ColocatedRollout(engine, model, synced=False)
     with rollout as r:
         got = run(r.engine)
     assert got == fresh(merged)
+    assert engine.lora_status is None
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]), f"{n} changed: the adapter was left merged"
     assert not any(getattr(m, "merged", False) for m in model.modules())

@@ -27,6 +27,7 @@ LAYERS = [
     ["rollout.sample"],
     ["rollout.attention"],
     ["rollout.models"],
+    ["rollout.lora"],  # a PEFT adapter served unmerged on the models' projections
     ["rollout.requests", "rollout.score.intake"],
     ["rollout.executor"],
     ["rollout.spec"],

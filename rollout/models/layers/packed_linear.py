@@ -164,6 +164,9 @@ class Projection:
 
     implementations = {"torch": always, "cpu": can_pack}
     packing = None  # a PackedWeight or NativePackedWeight
+    # An unmerged LoRA adapter (lora.py) is served here: its LoraWeights is the submodule
+    # `lora` (a class attribute of that name would shadow the submodule), set by rollout/lora/.
+    lora_active = False
 
     def use_backend(self, backend, dtype: torch.dtype) -> None:
         self.packing = None
@@ -180,8 +183,10 @@ class Projection:
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packing is None:
-            return F.linear(x, self.weight, bias)
-        return self.packing.linear(x, self.weight, bias)
+            y = F.linear(x, self.weight, bias)
+        else:
+            y = self.packing.linear(x, self.weight, bias)
+        return self.lora.add_to(x, y) if self.lora_active else y
 
     def pack(self) -> None:
         if self.packing is not None:

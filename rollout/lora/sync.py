@@ -1,0 +1,111 @@
+"""The engine's side of LoRA served unmerged: whether a source is served that way, what its
+projections hold, and what each update_weights must copy.
+
+A sync copies the adapter's A and B, every trainable weight (`requires_grad`: modules_to_save
+copies, anything the trainer unfroze; a fused optimizer may write those without bumping their
+version counters), and each frozen base weight only if it is not the very tensor, at the same
+version, that the engine last copied: so after the first sync only the adapter crosses. What
+was copied is remembered only once a sync completes; a sync that fails (or an engine that lost
+its weights at sleep(2)) forgets it all, so the next sync copies the base again.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ..colocation.weights import check_tensor
+from .layout import Layout, attach, copies, place
+from .source import Unsupported, base_weights, is_peft_lora, read_adapters
+
+
+@dataclass
+class SyncPlan:
+    layout: Layout
+    # (HF name, parameter) of the base weights this sync copies, and of all of them.
+    send: list[tuple[str, torch.nn.Parameter]]
+    base: list[tuple[str, torch.nn.Parameter]]
+
+    @property
+    def shapes(self) -> list[tuple[str, torch.Size]]:
+        return [(name, p.shape) for name, p in self.send]
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        # Detached only: a DTensor stays one, re-sharded to this rank's part by update_weights.
+        return ((name, p.detach()) for name, p in self.send)
+
+    @property
+    def adapter_only(self) -> bool:
+        return len(self.send) < len(self.base)
+
+
+def _key(param: torch.nn.Parameter) -> tuple:
+    return weakref.ref(param), param._version, param.data_ptr()
+
+
+class LoraSync:
+    def __init__(self, model, mode: str) -> None:
+        self.model, self.mode = model, mode
+        # How the last source was served: "unmerged", "merged: <why>" or None (not a PEFT
+        # model, or lora="merged").
+        self.status: str | None = None
+        self._copied: dict[str, tuple] = {}  # HF name -> _key of the frozen tensor copied
+
+    def plan(self, source) -> SyncPlan | None:
+        """What a sync from `source` copies, checked from metadata; None when it is not
+        served unmerged (the caller reads it merged). ValueError for a bad adapter, and for
+        one that cannot be served unmerged when the mode is "unmerged"."""
+        if self.mode == "merged" or not is_peft_lora(source):
+            self.status = None
+            return None
+        try:
+            layout = place(self.model, read_adapters(source))
+        except Unsupported as e:
+            if self.mode == "unmerged":
+                raise ValueError(f"lora='unmerged': {e}; it cannot be served unmerged (lora="
+                                 f"'auto' or 'merged' merges it into the weights)") from None
+            self.status = f"merged: {e}"
+            return None
+        base = list(base_weights(source))
+        send = []
+        for name, param in base:
+            check_tensor(name, param)
+            last = self._copied.get(name)
+            if (param.requires_grad or last is None or last[0]() is not param
+                    or last[1:] != _key(param)[1:]):
+                send.append((name, param))
+        return SyncPlan(layout, send, base)
+
+    def attach(self, plan: SyncPlan | None) -> bool:
+        """The projections hold the plan's adapter (none without a plan); whether that changed
+        any (captured CUDA graphs are then stale)."""
+        if plan is None:
+            self.forget()
+        return attach(self.model, {} if plan is None else plan.layout)
+
+    def copy(self, plan: SyncPlan, checked) -> int:
+        """Copy the plan's adapter into the attached projections through `checked`
+        (rollout/colocation/checksum.py) and verify; the bytes copied."""
+        moved = 0
+        for name, dst, src in copies(self.model, plan.layout):
+            checked.copy(name, dst, src)
+            moved += src.numel() * src.element_size()
+        checked.verify()
+        return moved
+
+    def remember(self, plan: SyncPlan) -> None:
+        """After a complete sync: the frozen weights are the engine's now."""
+        self._copied = {name: _key(p) for name, p in plan.base if not p.requires_grad}
+        self.status = "unmerged"
+
+    def forget(self) -> None:
+        self._copied.clear()
+
+    @property
+    def rank(self) -> int:
+        """The largest rank among the attached blocks (0: no adapter attached)."""
+        return max((b.rank for m in self.model.modules() if getattr(m, "lora_active", False)
+                    for b in m.lora.blocks), default=0)

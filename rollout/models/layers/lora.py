@@ -1,0 +1,80 @@
+"""A LoRA adapter served unmerged on one projection: y = x W^T + b + s * (x A^T) B^T.
+
+The base weight W stays as loaded; `update_weights` copies only A and B (rollout/lora/). A fused
+projection (QKV, gate-up) holds one block per checkpoint module the adapter targets: their A
+matrices stacked along the rank axis, so one shrink covers them all, and B block-diagonal (each
+block's rows are its shard's, its columns its rank's, zeros elsewhere), so one expand does.
+Zeros add exactly, so the blocks do not mix.
+
+A and B are float32 whatever the model's dtype, and so is the delta, added to the base output
+with one rounding: what PEFT computes by default (it keeps adapters in float32 and casts x to
+them), so a bf16 engine stays as close to the trainer's forward as its bf16 base allows; a
+merged bf16 weight rounds W + s*BA to bf16 instead, which costs far more than the delta's size.
+
+Tensor parallel: a column-parallel projection (MergedLinear) holds its rows of B and all of A;
+a row-parallel one (o_proj, down_proj) its input columns of A and all of B, so its delta is a
+partial sum like its base output and the same all-reduce completes both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+LORA_DTYPE = torch.float32
+
+
+@dataclass(frozen=True)
+class LoraBlock:
+    """One targeted checkpoint module inside a projection: rows [row, row + rows) of the
+    projection's (local) output, `rank` columns of B and rows of A, scaled by `scale`."""
+
+    row: int
+    rows: int
+    rank: int
+    scale: float
+
+
+class LoraWeights(nn.Module):
+    def __init__(self, in_features: int, out_features: int, blocks: tuple[LoraBlock, ...],
+                 device: torch.device) -> None:
+        super().__init__()
+        self.blocks = blocks
+        rank = sum(b.rank for b in blocks)
+        self.a = nn.Parameter(torch.zeros(rank, in_features, dtype=LORA_DTYPE, device=device),
+                              requires_grad=False)
+        self.b = nn.Parameter(torch.zeros(out_features, rank, dtype=LORA_DTYPE, device=device),
+                              requires_grad=False)
+        scales = {b.scale for b in blocks}
+        # One scale (the usual case) rides on the expand's alpha; several (PEFT's rank_pattern
+        # or alpha_pattern) scale the shrink's columns, block by block.
+        self.scale = scales.pop() if len(scales) == 1 else 1.0
+        columns = None
+        if len(scales) > 1:
+            columns = torch.cat([torch.full((b.rank,), b.scale, dtype=LORA_DTYPE)
+                                 for b in blocks]).to(device)
+        self.register_buffer("column_scales", columns, persistent=False)
+
+    def block_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(A rows, B block) of each block, views into `a` and `b`, in block order."""
+        views, col = [], 0
+        for blk in self.blocks:
+            views.append((self.a.narrow(0, col, blk.rank),
+                          self.b.narrow(0, blk.row, blk.rows).narrow(1, col, blk.rank)))
+            col += blk.rank
+        return views
+
+    def add_to(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y + the adapter's delta for input x (y: the base projection of x)."""
+        shrunk = F.linear(x.to(LORA_DTYPE), self.a)
+        if self.column_scales is not None:
+            shrunk = shrunk * self.column_scales
+        flat = shrunk.reshape(-1, shrunk.shape[-1])
+        out = y.reshape(-1, y.shape[-1])
+        if out.dtype == LORA_DTYPE:
+            return out.addmm_(flat, self.b.t(), alpha=self.scale).view(y.shape)
+        return torch.addmm(out.to(LORA_DTYPE), flat, self.b.t(),
+                           alpha=self.scale).to(y.dtype).view(y.shape)
