@@ -121,6 +121,8 @@ class Colocation:
         t0 = time.perf_counter()
         # Served unmerged (a PEFT LoRA model): the adapter and what may have changed of the
         # base (rollout/lora/sync.py); else every weight, adapters merged.
+        if self.lora is not None and self.weights_missing:
+            self.lora.forget()  # sleep(2) or a failed copy: the base is copied again
         plan = None if self.lora is None else self.lora.plan(source)
         if plan is None:
             shapes, named = named_shapes_and_tensors(source, gather=False)
@@ -151,11 +153,10 @@ class Colocation:
                 moved += sum(t.numel() * t.element_size() for _, t in bucket)
             if plan is not None:
                 moved += self.lora.copy(plan, checked)
+                self.lora.remember(plan)
         except BaseException as e:
             named.close()  # at once: reading a PEFT model may hold its merge open
             self.weights_missing = True
-            if self.lora is not None:
-                self.lora.forget()  # the next sync copies the base again
             if not isinstance(e, Exception) or isinstance(e, (ValueError, CopyMismatch)):
                 # KeyboardInterrupt stays what it is, a refused source a ValueError naming it;
                 # needs_weights says the rest.
@@ -167,8 +168,6 @@ class Colocation:
             # KV computed by the old weights goes, even when a copy failed half way.
             self.stack.kv.clear_cache()
         self.weights_missing = False
-        if plan is not None:
-            self.lora.remember(plan)
         self.weights_version += 1
         model.pack_weights()  # an interrupt here leaves the rest to pack at first use
         if self.device.type == "cuda":

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..parallel import Concat, Slice
-from ..models.layers.linear import MergedLinear, RowParallelLinear
 from ..models.base import LORA_MODULE
+from ..models.layers.linear import MergedLinear, RowParallelLinear
 from ..models.layers.lora import LoraBlock, LoraWeights
 from ..models.layers.packed_linear import Projection
+from ..parallel import Concat, Slice
 from .source import SourceLora, Unsupported
 
 
@@ -101,6 +101,8 @@ def copies(model, layout: Layout) -> Iterator[tuple[str, torch.Tensor, torch.Ten
     whole if it is a DTensor and cut to this rank's part."""
     for path, placed in layout.items():
         lora = getattr(model.get_submodule(path), LORA_MODULE)
+        with torch.no_grad():
+            lora.b.zero_()  # B is block-diagonal: what lies between the blocks must be zero
         for p, (dst_a, dst_b) in zip(placed, lora.block_views()):
             yield f"{p.source.name}.lora_A", dst_a, _part(p.source.a, p.a_cut)
             yield f"{p.source.name}.lora_B", dst_b, _part(p.source.b, p.b_cut)

@@ -18,8 +18,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..colocation.weights import (check_tensor, hf_name, is_lora_layer, is_modules_to_save,
-                                  is_peft, unmerged_adapters, unwrap, weight_params)
+from ..colocation.weights import (
+    check_tensor,
+    hf_name,
+    is_lora_layer,
+    is_modules_to_save,
+    is_peft,
+    unwrap,
+    weight_params,
+)
 
 
 class Unsupported(Exception):
@@ -59,11 +66,14 @@ def read_adapters(model: nn.Module) -> list[SourceLora]:
         if getattr(module, "merged_adapters", None):
             raise Unsupported(f"{name}: adapter {module.merged_adapters} is merged into the "
                               f"base weight (merge_adapter)")
-        adapters = unmerged_adapters(module)
-        active.update(adapters)
-        if not adapters:
+        if module.disable_adapters:
             continue
-        layers.append(_layer(hf_name(name), module, adapters))
+        # Active here in any of the layer's kinds (lora_A, lora_embedding_A, ...).
+        here = [a for a in module.active_adapters
+                if any(a in getattr(module, kind) for kind in module.adapter_layer_names)]
+        active.update(here)
+        if here:
+            layers.append(_layer(hf_name(name), module, here))
     if len(active) > 1:
         raise Unsupported(f"{len(active)} adapters are active at once ({sorted(active)}); one "
                           f"is served unmerged")
@@ -74,7 +84,8 @@ def _layer(name: str, module: nn.Module, adapters: list[str]) -> SourceLora:
     adapter = adapters[0]
     base = module.get_base_layer()
     kind = type(base).__name__
-    if not isinstance(base, nn.Linear) or getattr(base, "weight", None) is None:
+    if (not isinstance(base, nn.Linear) or getattr(base, "weight", None) is None
+            or adapter not in module.lora_A):
         raise Unsupported(f"{name}: LoRA on a {kind} (only nn.Linear layers are served "
                           f"unmerged)")
     if adapter in getattr(module, "lora_variant", {}):

@@ -1,0 +1,100 @@
+"""RuntimeError and KeyboardInterrupt at each point an unmerged LoRA sync adds: planning (nothing
+changes), attaching a new layout, copying the adapter half way, remembering what was copied.
+Afterwards the engine's bookkeeping holds, it refuses to generate with half-copied weights, and
+the next sync copies the base again and gives exactly what a fresh engine gives."""
+
+import pytest
+import torch
+from lora_models import lora_config, randomise_b
+from models import tiny_model
+
+import rollout.colocation.checksum as checksum
+import rollout.lora.layout as layout
+from rollout import Engine, EngineConfig, SamplingParams
+from rollout.lora.sync import LoraSync
+
+peft = pytest.importorskip("peft")
+
+CONFIG = dict(kv_cache_tokens=1024, max_model_len=96, max_num_seqs=16)
+PROMPT = [[3, 1, 4, 1, 5, 9, 2, 6], [7, 8, 9]]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, logprobs=True)
+
+
+def outputs(engine):
+    return [(s.token_ids, s.logprobs) for o in engine.generate(PROMPT, GREEDY) for s in o.samples]
+
+
+def model_and_engine():
+    model = peft.get_peft_model(tiny_model("qwen2"), lora_config("qwen2"))
+    model.add_adapter("other", lora_config("qwen2", r=8, target_modules=["q_proj", "o_proj"]))
+    randomise_b(model, seed=1)
+    return model.eval(), Engine(model, EngineConfig(**CONFIG))
+
+
+def step(model) -> None:
+    """What a trainer's step does to the adapter: every LoRA weight moves."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.add_(0.01)
+
+
+def fail_at(call: int, error: type[BaseException]):
+    """A wrapper that raises `error` at its `call`-th call (1-based) and passes the rest on."""
+    def wrap(fn):
+        count = [0]
+
+        def wrapped(*args, **kwargs):
+            count[0] += 1
+            if count[0] == call:
+                raise error("injected")
+            return fn(*args, **kwargs)
+        return wrapped
+    return wrap
+
+
+POINTS = {
+    # (object, attribute, call to fail at, changes the adapter selection first)
+    "attach": (layout, "LoraWeights", 2, True),
+    "copy": (checksum, "_copy", 3, False),
+    "remember": (LoraSync, "remember", 1, False),
+}
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+@pytest.mark.parametrize("point", POINTS)
+def test_a_failed_sync_leaves_the_engine_exact_after_the_next(point, error, monkeypatch):
+    model, engine = model_and_engine()
+    owner, attr, call, switch = POINTS[point]
+    if switch:
+        model.set_adapter("other")  # a new layout: projections get new LoraWeights
+    step(model)
+    monkeypatch.setattr(owner, attr, fail_at(call, error)(getattr(owner, attr)))
+    with pytest.raises(RuntimeError if error is RuntimeError else KeyboardInterrupt):
+        engine.update_weights(model)
+    monkeypatch.undo()
+    assert engine.needs_weights
+    engine.check_invariants()
+    with pytest.raises(RuntimeError, match="incomplete"):
+        engine.generate(PROMPT, GREEDY)
+    result = engine.update_weights(model)
+    assert not result["adapter_only"]  # nothing of the failed sync is trusted
+    assert outputs(engine) == outputs(Engine(model, EngineConfig(**CONFIG)))
+    step(model)
+    assert engine.update_weights(model)["adapter_only"]
+    assert outputs(engine) == outputs(Engine(model, EngineConfig(**CONFIG)))
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_a_failed_plan_changes_nothing(error, monkeypatch):
+    model, engine = model_and_engine()
+    want = outputs(engine)
+    step(model)
+    monkeypatch.setattr(LoraSync, "plan", fail_at(1, error)(LoraSync.plan))
+    with pytest.raises(error):
+        engine.update_weights(model)
+    monkeypatch.undo()
+    assert not engine.needs_weights and engine.weights_version == 0
+    engine.check_invariants()
+    assert outputs(engine)[0][0] == want[0][0]
+    assert engine.update_weights(model)["adapter_only"]

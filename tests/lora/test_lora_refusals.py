@@ -1,0 +1,126 @@
+"""What cannot be served unmerged is merged under lora="auto" (lora_status says why) and refused
+under lora="unmerged" (ValueError with the reason); a bad adapter is refused from its metadata
+before anything is copied, and the engine goes on as it was."""
+
+import copy
+
+import pytest
+import torch
+from lora_models import lora_config, peft_model, randomise_b
+from models import tiny_model
+from torch import nn
+
+from rollout import Engine, EngineConfig, SamplingParams
+
+peft = pytest.importorskip("peft")
+
+# No prefix cache: a refused sync leaves the cache as it was, and a cached prompt's logprobs
+# differ by an ulp from a computed one's; what is compared here is the weights.
+CONFIG = dict(kv_cache_tokens=1024, max_model_len=96, max_num_seqs=16, enable_prefix_caching=False)
+PROMPT = [[3, 1, 4, 1, 5, 9, 2, 6]]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, logprobs=True)
+
+
+def outputs(engine):
+    return [(s.token_ids, s.logprobs) for o in engine.generate(PROMPT, GREEDY) for s in o.samples]
+
+
+def two_active():
+    model = peft.get_peft_model(tiny_model("qwen2"), lora_config("qwen2"))
+    model.add_adapter("other", lora_config("qwen2"))
+    model.base_model.set_adapter(["default", "other"])
+    randomise_b(model, seed=1)
+    return model
+
+
+def merged_in_place():
+    model = peft_model("qwen2")
+    model.merge_adapter()
+    return model
+
+
+CASES = {
+    "dora": (lambda: peft_model("qwen2", use_dora=True), "LoRA variant"),
+    # Qwen2's q/k/v have biases (PEFT merges a LoRA bias into the base's)
+    "bias": (lambda: peft_model("qwen2", lora_bias=True, target_modules=["q_proj", "v_proj"]),
+             "LoRA bias"),
+    "two-active": (two_active, "2 adapters are active at once"),
+    "merge_adapter": (merged_in_place, "merged into the base weight"),
+    "lm_head": (lambda: peft_model("llama", target_modules=["q_proj", "lm_head"]),
+                "lm_head: the engine holds it as a VocabParallelEmbedding"),
+    "embedding": (lambda: peft_model("llama", target_modules=["embed_tokens", "q_proj"]),
+                  "LoRA on a Embedding"),
+    "moe-experts": (lambda: peft_model("qwen3_moe", target_modules=["q_proj", "gate_proj",
+                                                                     "up_proj"]), "experts"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_auto_merges_what_unmerged_cannot_serve(case):
+    make, reason = CASES[case]
+    model = make()
+    # PEFT's in-place merge (DoRA, a LoRA bias) drifts the base by an ulp per read: each engine
+    # reads a copy of the model as it was.
+    auto = Engine(copy.deepcopy(model), EngineConfig(**CONFIG))
+    assert auto.lora_status.startswith("merged: ") and reason in auto.lora_status
+    merged = Engine(copy.deepcopy(model), EngineConfig(lora="merged", **CONFIG))
+    assert outputs(auto) == outputs(merged)
+    with pytest.raises(ValueError, match=f"lora='unmerged': .*{reason}"):
+        Engine(model, EngineConfig(lora="unmerged", **CONFIG))
+
+
+def test_an_unmerged_engine_refuses_such_a_sync_and_keeps_serving():
+    model = peft_model("qwen2")
+    engine = Engine(model, EngineConfig(lora="unmerged", **CONFIG))
+    want = outputs(engine)
+    with pytest.raises(ValueError, match="LoRA variant"):
+        engine.update_weights(peft_model("qwen2", use_dora=True))
+    assert not engine.needs_weights and engine.lora_status == "unmerged"
+    assert outputs(engine) == want
+    assert engine.update_weights(model)["adapter_only"]
+
+
+def swap(model, path: str, tensor: torch.Tensor) -> None:
+    module, name = path.rsplit(".", 1)
+    setattr(model.get_submodule(module), name, nn.Parameter(tensor))
+
+
+V_B = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.default"
+V_A = "base_model.model.model.layers.1.self_attn.v_proj.lora_A.default"
+
+
+@pytest.mark.parametrize("bad, match", [
+    ((V_B, lambda w: torch.zeros(w.shape[0], w.shape[1] + 1)), "do not share a rank"),
+    ((V_A, lambda w: torch.zeros(w.shape[0], w.shape[1] + 2)), "do not fit its base weight"),
+    ((V_B, lambda w: torch.zeros(w.shape, dtype=torch.int32)), "not floating point"),
+    ((V_A, lambda w: torch.empty(w.shape, device="meta")), "a meta tensor"),
+], ids=["rank", "in-features", "integer", "meta"])
+def test_a_bad_adapter_is_refused_before_any_copy(bad, match):
+    model = peft_model("qwen2")
+    engine = Engine(model, EngineConfig(**CONFIG))
+    want = outputs(engine)
+    path, make = bad
+    linear = model.get_submodule(path)
+    old = linear.weight
+    linear.weight = nn.Parameter(make(old), requires_grad=False)
+    with pytest.raises(ValueError, match=match):
+        engine.update_weights(model)
+    assert not engine.needs_weights and outputs(engine) == want
+    linear.weight = old
+    assert engine.update_weights(model)["adapter_only"]
+
+
+def test_non_finite_adapter_values_are_refused_and_a_good_sync_restores():
+    model = peft_model("qwen2")
+    engine = Engine(model, EngineConfig(**CONFIG))
+    want = outputs(engine)
+    b = model.get_submodule(V_B).weight
+    with torch.no_grad():
+        saved = b.clone()
+        b[0, 0] = float("nan")
+        with pytest.raises(ValueError, match="non-finite"):
+            engine.update_weights(model)
+        assert engine.needs_weights  # found after the copy, as for any weight
+        b.copy_(saved)
+    assert not engine.update_weights(model)["adapter_only"]  # the base goes again
+    assert outputs(engine) == want

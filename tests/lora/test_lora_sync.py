@@ -1,0 +1,154 @@
+"""update_weights from a PEFT model served unmerged: after the first sync only the adapter (and
+what is trainable) is copied, and the engine follows PEFT's own forward through optimizer steps,
+modules_to_save, in-place writes to the base, set_adapter and disable_adapter, sleep and wake."""
+
+import copy
+
+import pytest
+import torch
+from lora_models import adapter_bytes, lora_config, peft_model, randomise_b
+from models import tiny_model
+from reference import PROMPTS, assert_matches_reference
+
+from rollout import Engine, EngineConfig, SamplingParams
+
+peft = pytest.importorskip("peft")
+
+CONFIG = dict(kv_cache_tokens=1024, max_model_len=96, max_num_seqs=16)
+GREEDY = SamplingParams(temperature=0, max_tokens=10, logprobs=True)
+
+
+def outputs(engine):
+    return [(s.token_ids, s.logprobs) for o in engine.generate(PROMPTS, GREEDY)
+            for s in o.samples]
+
+
+def train_step(model, opt, seed: int) -> None:
+    """One optimizer step on random sequences (next-token loss): moves every trainable weight."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 128, (4, 24), generator=gen)
+    model.train()
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    model.eval()
+
+
+def trainable_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "phi3"])
+def test_syncs_after_optimizer_steps_copy_the_adapter_only(family):
+    model = peft_model(family)
+    engine = Engine(model, EngineConfig(**CONFIG))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
+    before = outputs(engine)
+    for step in range(3):
+        train_step(model, opt, step)
+        result = engine.update_weights(model)
+        assert result["adapter_only"]
+        # float32 adapters: the engine's copies are the trainer's bytes, nothing else moves.
+        assert result["bytes"] == adapter_bytes(model) == trainable_bytes(model)
+        assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, GREEDY))
+    assert outputs(engine) != before  # the steps moved the adapter
+    stats = engine.stats
+    assert (stats.weight_syncs, stats.adapter_syncs) == (3, 3)
+    assert stats.weight_sync_bytes == adapter_bytes(model) and stats.weight_sync_seconds > 0
+
+
+def test_trainable_weights_and_modules_to_save_are_sent_every_sync():
+    """modules_to_save copies and weights the trainer unfroze may change under a fused optimizer
+    without a version bump: they go every time, with the adapter."""
+    model = peft_model("llama", modules_to_save=["lm_head"])
+    norm = model.base_model.model.model.norm.weight
+    norm.requires_grad_(True)
+    engine = Engine(model, EngineConfig(**CONFIG))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
+    for step in range(2):
+        train_step(model, opt, step)
+        result = engine.update_weights(model)
+        assert result["adapter_only"] and result["bytes"] == trainable_bytes(model)
+        assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, GREEDY))
+
+
+def test_a_frozen_weight_written_since_the_last_sync_is_sent_again():
+    model = peft_model("qwen2")
+    engine = Engine(model, EngineConfig(**CONFIG))
+    down = model.base_model.model.model.layers[1].mlp.down_proj.base_layer.weight
+    gate = model.base_model.model.model.layers[0].mlp.gate_proj.base_layer.weight
+    with torch.no_grad():
+        down.mul_(1.5)  # in place: its version counter moves
+    gate.data = gate.data * 0.5  # a new storage, the counter untouched
+    result = engine.update_weights(model)
+    assert result["adapter_only"]
+    assert result["bytes"] == adapter_bytes(model) + 4 * (down.numel() + gate.numel())
+    assert outputs(engine) == outputs(Engine(model, EngineConfig(**CONFIG)))  # read whole
+    assert engine.update_weights(model)["bytes"] == adapter_bytes(model)
+
+
+def two_adapters():
+    """'default' (r=4 on attention and MLP) and 'other' (r=8 on q and o only)."""
+    model = peft.get_peft_model(tiny_model("qwen2"), lora_config("qwen2"))
+    model.add_adapter("other", lora_config("qwen2", r=8, target_modules=["q_proj", "o_proj"]))
+    randomise_b(model, seed=1)
+    return model.eval()
+
+
+def active_blocks(engine) -> dict[str, tuple]:
+    return {name: m.lora.blocks for name, m in engine.model.named_modules()
+            if getattr(m, "lora_active", False)}
+
+
+def test_set_adapter_and_disable_adapter_change_what_is_served():
+    model = two_adapters()
+    engine = Engine(model, EngineConfig(**CONFIG))
+    default = active_blocks(engine)
+    model.set_adapter("other")
+    result = engine.update_weights(model)  # another adapter, the same base: not sent again
+    assert result["adapter_only"] and result["bytes"] == adapter_bytes(model)
+    other = active_blocks(engine)
+    assert other.keys() != default.keys() and {b.rank for v in other.values() for b in v} == {8}
+    assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, GREEDY))
+    with model.disable_adapter():
+        engine.update_weights(model)
+        assert active_blocks(engine) == {} and engine.lora_status == "unmerged"
+        assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, GREEDY))
+    model.set_adapter("default")
+    engine.update_weights(model)
+    assert active_blocks(engine) == default
+    assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, GREEDY))
+
+
+def test_a_plain_engine_takes_the_adapter_at_its_first_peft_sync():
+    base = tiny_model("qwen2")
+    model = peft.get_peft_model(copy.deepcopy(base), lora_config("qwen2"))
+    randomise_b(model, seed=1)
+    engine = Engine(base, EngineConfig(**CONFIG))
+    assert engine.lora_status is None
+    first = engine.update_weights(model)
+    assert not first["adapter_only"] and engine.lora_status == "unmerged"
+    assert engine.update_weights(model)["adapter_only"]
+    assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, GREEDY))
+    engine.update_weights(base)  # a plain model again: no adapter served
+    assert active_blocks(engine) == {} and engine.lora_status is None
+    assert outputs(engine) == outputs(Engine(base, EngineConfig(**CONFIG)))
+
+
+@pytest.mark.parametrize("separate", [False, True], ids=["cpu", "separate-host"])
+def test_sleep_keeps_the_base_and_level_2_is_refilled_by_a_full_sync(separate):
+    model = peft_model("llama")
+    engine = Engine(model, EngineConfig(extra={"separate_host_memory": separate}, **CONFIG))
+    want = outputs(engine)
+    engine.sleep(1)
+    engine.wake_up()
+    assert outputs(engine) == want
+    assert engine.update_weights(model)["adapter_only"]
+    engine.sleep(2)
+    engine.wake_up()
+    assert engine.needs_weights
+    result = engine.update_weights(model)
+    assert not result["adapter_only"] and not engine.needs_weights
+    assert outputs(engine) == want
+    assert engine.update_weights(model)["adapter_only"]
