@@ -6,7 +6,8 @@ import torch
 
 from rollout import Engine, EngineConfig
 
-from .config import RecipeConfig, speculative_config
+from .config import RecipeConfig
+from .options import lora_config, speculative_config
 from .smollm2 import resolve
 from .tiny import char_tokenizer, tiny_llama
 
@@ -34,6 +35,11 @@ def load_model(cfg: RecipeConfig, tokenizer, device: torch.device):
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
+    lora = lora_config(cfg)
+    if lora is not None:  # only the adapter trains; the engine serves it (EngineConfig.lora)
+        import peft
+
+        model = peft.get_peft_model(model, lora)
     return model.to(device)
 
 
@@ -64,4 +70,5 @@ def engine_config(cfg: RecipeConfig, engine_index: int = 0) -> EngineConfig:
                         speculative=speculative_config(cfg),
                         tensor_parallel_size=cfg.tensor_parallel_size,
                         max_staleness=cfg.max_staleness if cfg.partial_rollouts else None,
+                        lora=cfg.lora_mode,
                         seed=cfg.seed + 1009 * engine_index)

@@ -16,7 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rollout.config import LORA_MODES
+
 from . import smollm2
+from .options import lora_config, speculative_config
 
 TRAINERS = ("custom", "trl", "trl_async")
 ALGOS = ("grpo", "ppo")
@@ -122,6 +125,11 @@ class RecipeConfig:
     cuda_graphs: bool = False  # replay decode steps from CUDA graphs (GPU, Triton backend)
     # rollout.spec.SpeculativeConfig keys, e.g. {method: ngram, num_speculative_tokens: 4}
     speculative: dict | None = None
+    # Train a LoRA adapter instead of every weight: peft.LoraConfig keys, e.g. {r: 16,
+    # lora_alpha: 32, target_modules: all-linear}. The engine serves it unmerged (base loaded
+    # once, each sync copies the adapter: rollout/lora/) or as `lora_mode` says.
+    lora: dict | None = None
+    lora_mode: str = "auto"  # EngineConfig.lora: auto | unmerged | merged
     # Ranks per engine: `accelerate launch --num_processes W` runs W / k engines of k ranks,
     # each holding 1/k of the model (rollout/parallel/); prompts are sharded across the
     # engines. Must divide W (checked at launch, when W is known).
@@ -177,7 +185,8 @@ _NON_NEGATIVE = ("eval_size", "eval_every", "warmstart_steps", "beta", "weight_d
 def _check_values(cfg: RecipeConfig) -> None:
     for name, allowed in (("trainer", TRAINERS), ("algo", ALGOS), ("reward", REWARDS),
                           ("task", TASKS), ("wandb_mode", ("offline", "online", "disabled")),
-                          ("importance_ratio", ("on_support", "full_policy"))):
+                          ("importance_ratio", ("on_support", "full_policy")),
+                          ("lora_mode", LORA_MODES)):
         if getattr(cfg, name) not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
     for name in _POSITIVE:
@@ -268,6 +277,8 @@ def _check_values(cfg: RecipeConfig) -> None:
                          "characters; name a model (--model) to train on a dataset")
     if cfg.speculative is not None:
         speculative_config(cfg)  # raises ValueError naming the bad speculative.* key
+    if cfg.lora is not None:
+        lora_config(cfg)  # likewise for lora.*
     unknown = set(cfg.tiny_model) - set(_TINY_KEYS)
     if unknown:
         raise ValueError(f"tiny_model: unknown key(s) {sorted(unknown)}; known: {_TINY_KEYS}")
@@ -304,18 +315,6 @@ def check_world(cfg: RecipeConfig, processes: int) -> None:
 
 _TINY_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "intermediate_size", "max_position_embeddings")
-
-
-def speculative_config(cfg: RecipeConfig):
-    if cfg.speculative is None:
-        return None
-    from rollout.spec import SpeculativeConfig
-
-    known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
-    unknown = sorted(set(cfg.speculative) - known)
-    if unknown:
-        raise ValueError(f"speculative: unknown key(s) {unknown}; known: {sorted(known)}")
-    return SpeculativeConfig(**cfg.speculative)
 
 
 DATA_FILE_TYPES = {"json": "json", "jsonl": "json", "csv": "csv", "parquet": "parquet"}

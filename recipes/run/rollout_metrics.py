@@ -1,5 +1,5 @@
 """Per-step engine numbers from its cumulative EngineStats: throughput, prefix-cache hit rate,
-and speculative acceptance when the engine reports it."""
+weight syncs, and speculative acceptance when the engine reports it."""
 
 from __future__ import annotations
 
@@ -27,6 +27,12 @@ class EngineMeter:
             "rollout/prompt_tokens_computed": delta.get("prompt_tokens_computed", 0),
             "rollout/preemptions": delta.get("preemptions", 0),
         }
+        # The step's weight syncs (ColocatedRollout's, on entering): bytes and seconds of the
+        # last, and whether it copied a LoRA adapter only (rollout/lora/).
+        if delta.get("weight_syncs"):
+            out["weights/sync_bytes"] = now["weight_sync_bytes"]
+            out["weights/sync_seconds"] = now["weight_sync_seconds"]
+            out["weights/adapter_only"] = delta.get("adapter_syncs", 0) / delta["weight_syncs"]
         # Only when speculative decoding proposed drafts this step (it may be off, or switched
         # off for large batches, where a 0/0 rate would read as "nothing accepted").
         if delta.get("spec_proposed"):

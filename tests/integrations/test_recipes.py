@@ -94,6 +94,24 @@ def test_custom_grpo_two_steps(tmp_path):
     assert any(f.endswith(".wandb") for f in os.listdir(os.path.join(out["wandb_dir"], runs[0])))
 
 
+def test_custom_grpo_trains_a_lora_adapter_served_unmerged(tmp_path):
+    """lora: the policy is a PEFT model; after the first sync each step's copies only its
+    adapter into the engine, and the trainer's logprobs still reproduce the engine's."""
+    pytest.importorskip("peft")
+    out = main(["--config", write_config(tmp_path), "--lora",
+                "{r: 4, lora_alpha: 8, target_modules: all-linear}"])
+    check_steps(out["history"])
+    synced = [row for row in out["history"] if "weights/sync_bytes" in row]
+    stats = out["engine_stats"]  # evaluation and warm start sync too, outside the steps
+    assert synced and stats["adapter_syncs"] == stats["weight_syncs"] >= len(synced)
+    for row in out["history"]:
+        assert row["loss/ratio"] == pytest.approx(1.0, abs=1e-5)
+        assert row["mismatch/logprob_gap_max"] < 1e-4
+    for row in synced:  # the base was loaded when the engine was built, never again
+        assert row["weights/adapter_only"] == 1.0
+        assert row["weights/sync_bytes"] == synced[0]["weights/sync_bytes"]
+
+
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_truncated_sampling_on_the_samplers_support_keeps_the_ratio_at_one(tmp_path, algo):
     """top_p = 0.8, one optimizer step per rollout (on-policy): renormalised over the tokens the
@@ -220,6 +238,8 @@ def test_missing_dataset_file(tmp_path):
     ("tiny_model", {"hidden": 8}, "tiny_model"), ("kv_cache_tokens", 8, "kv_cache_tokens"),
     ("speculative", {"method": "magic"}, "speculative.method"),
     ("speculative", {"k": 4}, "speculative"),
+    ("lora", {"rank": 4}, "lora: unknown key"), ("lora", {"r": 0}, "lora.r"),
+    ("lora_mode", "fused", "lora_mode"),
     # NaN passes `< 0`; a non-float dtype, a seed numpy refuses, a thread count torch refuses
     # and PPO knobs out of range used to pass and fail later, after the model was built.
     ("beta", float("nan"), "beta"), ("max_grad_norm", float("nan"), "max_grad_norm"),

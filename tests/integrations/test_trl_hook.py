@@ -228,7 +228,10 @@ def test_two_processes_each_with_its_own_engine(tmp_path):
     assert seen[0].isdisjoint(seen[1])
 
 
-def test_peft_lora_training_syncs_merged_weights(tmp_path):
+def test_peft_lora_training_serves_the_adapter_unmerged(tmp_path):
+    """RolloutGRPOTrainer(peft_config=...): the engine loads the base once and each sync after
+    a step copies the adapter's A and B only (rollout/lora/); TRL's logprobs stay the engine's
+    within the floor, and the trainer's frozen base is never written."""
     peft = pytest.importorskip("peft")
     tok = char_tokenizer()
     args = grpo_args(tmp_path, learning_rate=1e-2, temperature=0.7)
@@ -239,8 +242,13 @@ def test_peft_lora_training_syncs_merged_weights(tmp_path):
                       processing_class=tok, peft_config=lora, engine_config=ENGINE)
     base = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" not in n}
     trainer.train()
-    # lora_B starts at zero: only the second rollout (after a step moved it) tests the merge.
+    # lora_B starts at zero: only the second rollout (after a step moved it) tests the adapter.
     assert_engine_within_floor(trainer.captured)
+    engine = trainer.engine
+    assert engine.lora_status == "unmerged" and engine.stats.adapter_syncs >= 1
+    adapter = sum(p.numel() * p.element_size() for n, p in trainer.model.named_parameters()
+                  if "lora_" in n)
+    assert engine.stats.weight_sync_bytes == adapter
     for n, p in trainer.model.named_parameters():
         if "lora_" not in n:
             assert torch.equal(p, base[n]), f"{n}: the frozen base weights were written"

@@ -73,6 +73,7 @@ def run_all(tp: int) -> dict:
     results.update(_preemption(cfg))
     results.update(_speculation(cfg))
     results.update(_colocation(cfg))
+    results.update(_lora(cfg))
     return results
 
 
@@ -160,6 +161,28 @@ def _colocation(cfg: dict) -> dict:
     engine.wake_up()
     engine.update_weights(a)
     out["update/level2"] = _samples(engine.generate(PROMPTS, SEEDED))
+    return out
+
+
+def _lora(cfg: dict) -> dict:
+    """PEFT LoRA served unmerged (every projection targeted): column-parallel blocks hold the
+    rank's rows of B, row-parallel ones its columns of A; then an adapter-only sync."""
+    import peft
+    from lora_models import DENSE, TARGETS, randomise_b
+
+    out = {}
+    for name in ("llama_mqa", "phi3", "qwen2_bias"):
+        family = "phi3" if name == "phi3" else "llama"
+        lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                               target_modules=TARGETS.get(family, DENSE))
+        model = peft.get_peft_model(MODELS[name](0), lora)
+        randomise_b(model, seed=3)
+        engine = Engine(model, EngineConfig(**cfg))
+        out[f"lora/{name}/unmerged"] = engine.lora_status == "unmerged"
+        out[f"lora/{name}/greedy"] = _samples(engine.generate(PROMPTS, GREEDY))
+        randomise_b(model, seed=4)
+        out[f"lora/{name}/adapter_only"] = engine.update_weights(model)["adapter_only"]
+        out[f"lora/{name}/synced"] = _samples(engine.generate(PROMPTS, SEEDED))
     return out
 
 
