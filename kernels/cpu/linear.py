@@ -19,13 +19,25 @@ def supported(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and has("pack_panels_f32", "linear_f32")
 
 
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [n, k] (fp32, CPU) in panels of PANEL rows, k-major, the last padded."""
+def pack_panels(weight: torch.Tensor, out: torch.Tensor | None = None,
+                threads: int | None = None) -> torch.Tensor:
+    """`weight` [n, k] (fp32, CPU) in panels of PANEL rows, k-major, the last padded; into
+    `out` when given (of panels_numel elements), on `threads` threads (None: torch's)."""
     n, k = weight.shape
     w = weight.contiguous()
-    packed = torch.empty(-(-n // PANEL) * PANEL * k, dtype=torch.float32)
-    library().pack_panels_f32(w.data_ptr(), n, k, packed.data_ptr(), torch.get_num_threads())
+    size = panels_numel(weight.shape)
+    packed = torch.empty(size, dtype=torch.float32) if out is None else out
+    if packed.numel() != size or packed.dtype != torch.float32:
+        raise ValueError(f"pack_panels: out holds {packed.numel()} {packed.dtype}, needs {size} "
+                         f"float32")
+    library().pack_panels_f32(w.data_ptr(), n, k, packed.data_ptr(),
+                              threads or torch.get_num_threads())
     return packed
+
+
+def panels_numel(shape) -> int:
+    n, k = shape
+    return -(-n // PANEL) * PANEL * k
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:

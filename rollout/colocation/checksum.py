@@ -23,6 +23,8 @@ _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 def bit_sum(t: torch.Tensor) -> torch.Tensor:
     """The wrapping sum of `t`'s bits as 32-bit words (8-byte dtypes: 64-bit words), a 0-d
     tensor on its device; the same for the same values whatever `t`'s layout."""
+    if t.element_size() == 4 and t.is_contiguous():  # float32: its words as they lie
+        return t.view(torch.int32).sum(dtype=torch.int32)
     flat = t.contiguous().view(-1)
     size = flat.element_size()
     word = torch.int64 if size == 8 else torch.int32
@@ -76,14 +78,49 @@ class Checked:
         same = torch.stack(self.sources) == torch.stack(self.destinations)
         finite, same = finite.cpu(), same.cpu()  # one synchronisation a bucket
         if not bool(finite.all()):
-            name = self.names[int((~finite).nonzero()[0])]
-            raise ValueError(f"update_weights: weight {name!r} holds non-finite values (nan or "
-                             f"inf) in the engine's dtype; refused")
+            raise _non_finite(self.names[int((~finite).nonzero()[0])])
         if not bool(same.all()):
-            name = self.names[int((~same).nonzero()[0])]
-            raise CopyMismatch(f"update_weights: weight {name!r} differs from its source after "
-                               f"the copy (checksum mismatch); the engine's weights are "
-                               f"incomplete and it refuses to generate until a complete "
-                               f"update_weights")
+            raise _mismatch(self.names[int((~same).nonzero()[0])])
         for checks in (self.names, self.sources, self.destinations, self.finite):
             checks.clear()
+
+
+def copy_all_verified(copies: list[tuple[str, torch.Tensor, torch.Tensor]],
+                      covers: list[torch.Tensor]) -> None:
+    """Many small copies (name, dst, src) checked as one: the bit sums of the sources against
+    those of `covers`, the destination tensors the copies fill, whole (anything else they hold
+    must be +0.0, whose bits add nothing), and the covers' value sums for non-finite values (a
+    NaN or Inf makes its sum so; large finite values can too, and are then cleared copy by
+    copy). Nothing is concatenated: that would allocate, and page-fault on CPU, as much as it
+    checks. A mismatch is traced to its weight copy by copy, as `Checked` would name it."""
+    if not copies:
+        return
+    dtype = covers[0].dtype
+    word = torch.int64 if dtype.itemsize == 8 else torch.int32
+    sources = []
+    for _, dst, src in copies:
+        src = src.to(dtype)
+        sources.append(bit_sum(src))
+        _copy(dst, src)
+    written = torch.stack([bit_sum(c) for c in covers]).sum(dtype=word)
+    finite = torch.isfinite(torch.stack([c.sum() for c in covers]).sum())
+    if bool(finite) and bool(torch.stack(sources).sum(dtype=word) == written):
+        return
+    for name, dst, src in copies:
+        if not bool(torch.isfinite(dst).all()):
+            raise _non_finite(name)
+        if not bool(bit_sum(dst) == bit_sum(src.to(dst.dtype))):
+            raise _mismatch(name)
+    if not bool(torch.stack(sources).sum(dtype=word) == written):
+        raise _mismatch(copies[0][0].rsplit(".", 1)[0] + " (outside the copied blocks)")
+
+
+def _non_finite(name: str) -> ValueError:
+    return ValueError(f"update_weights: weight {name!r} holds non-finite values (nan or inf) "
+                      f"in the engine's dtype; refused")
+
+
+def _mismatch(name: str) -> CopyMismatch:
+    return CopyMismatch(f"update_weights: weight {name!r} differs from its source after the "
+                        f"copy (checksum mismatch); the engine's weights are incomplete and it "
+                        f"refuses to generate until a complete update_weights")

@@ -152,7 +152,7 @@ class Colocation:
                 checked.verify()
                 moved += sum(t.numel() * t.element_size() for _, t in bucket)
             if plan is not None:
-                moved += self.lora.copy(plan, checked)
+                moved += self.lora.copy(plan)
                 self.lora.remember(plan)
         except BaseException as e:
             named.close()  # at once: reading a PEFT model may hold its merge open

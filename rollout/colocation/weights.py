@@ -17,6 +17,7 @@ bad source raises ValueError and leaves the engine's weights as they were.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import weakref
 from collections.abc import Generator, Iterable, Iterator
@@ -38,6 +39,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
+@functools.lru_cache(maxsize=65536)  # names recur at every sync; a pure function of them
 def hf_name(name: str) -> str:
     changed = True
     while changed:
@@ -133,13 +135,13 @@ def weight_params(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     """The parameters that carry the model's weights: not LoRA adapters (folded in), and of
     each `modules_to_save` wrapper only the copy its forward uses now."""
     unused = tuple(f"{name}.{copy}." for name, module in model.named_modules()
-                   if is_modules_to_save(module) for copy in _unused_copies(module))
+                   if is_modules_to_save(module) for copy in unused_copies(module))
     for name, param in model.named_parameters():
         if "lora_" not in name and not name.startswith(unused):
             yield name, param
 
 
-def _unused_copies(wrapper: nn.Module) -> list[str]:
+def unused_copies(wrapper: nn.Module) -> list[str]:
     """What PEFT's ModulesToSaveWrapper.forward skips: it runs the active adapter's copy, or the
     frozen original while adapters are disabled or an active adapter has no copy here."""
     active = wrapper.active_adapters

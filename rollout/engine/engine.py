@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator
 
-from ..colocation.checksum import Checked
 from ..colocation.colocation import Colocation
 from ..config import EngineConfig
 from ..executor.stack import ModelStack, pool_slots
@@ -68,14 +67,15 @@ class Engine(ColocationCalls):
         self.lora = LoraSync(self.model, config.lora)
         adapter = self.lora.plan(model)
         load_into(self.model, weights if adapter is None else adapter.tensors())
-        if adapter is not None:
-            self.lora.attach(adapter)
-            self.lora.copy(adapter, Checked())
-            self.lora.remember(adapter)
         self.vocab_size = hf_config.vocab_size
         self.journal = Journal()
         self.stack = ModelStack(self.model, config, pool_slots(self.model, config, dtype, device),
                                 device, self.journal)
+        if adapter is not None:  # on the projections as the stack's backend set them up
+            self.lora.attach(adapter)
+            self.lora.copy(adapter)
+            self.lora.remember(adapter)
+            self.model.pack_weights()
         self.kv, self.runner = self.stack.kv, self.stack.runner
         self.pool, self.cache = self.kv.pool, self.kv.cache
         self.scheduler = Scheduler(config, self.kv)

@@ -17,6 +17,7 @@ from ..kv.manager import KVManager
 from ..kv.pool import KVPool, kv_bytes_per_token, size_pool
 from ..kv.prefix_cache import make_prefix_cache
 from ..kv.slot_table import SlotTable
+from ..models.layers.lora import LoraWeights
 from ..models.layers.packed_linear import Projection
 from ..ops.backend import resolve_backend
 from ..ops.op import Dispatched
@@ -70,6 +71,8 @@ class ModelStack:
             elif isinstance(module, Projection):
                 packing = module.packing
                 out["projection"] = "torch" if packing is None else packing.kind
+            elif isinstance(module, LoraWeights):  # an unmerged LoRA adapter (rollout/lora/)
+                out["lora"] = "torch" if module.panels is None else "cpu"
         return out
 
     def sleep(self, level: int) -> None:

@@ -15,9 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
+from rollout_kernels.cpu import linear as native_linear
+
 from ..models.base import LORA_MODULE
 from ..models.layers.linear import MergedLinear, RowParallelLinear
-from ..models.layers.lora import LoraBlock, LoraWeights
+from ..models.layers.lora import LORA_DTYPE, LoraBlock, LoraWeights
 from ..models.layers.packed_linear import Projection
 from ..parallel import Concat, Slice
 from .source import SourceLora, Unsupported
@@ -43,9 +45,11 @@ def place(model, layers: list[SourceLora]) -> Layout:
     does not have (or of another shape), Unsupported for one we hold but not as a projection
     that serves LoRA (embeddings, the LM head, MoE experts)."""
     found: dict[str, list[Placed]] = {}
+    shapes = [(f"{layer.name}.weight", layer.base_shape) for layer in layers]
+    model.check_weights(shapes)  # ValueError naming the weight
+    parts = model.rank_parts(shapes)
     for layer in layers:
         weight = f"{layer.name}.weight"
-        model.check_weights([(weight, layer.base_shape)])  # ValueError naming the weight
         if model.WEIGHTS.expert(weight) is not None:
             raise Unsupported(f"{layer.name}: LoRA on MoE experts")
         target, shard = model.WEIGHTS.target(weight)
@@ -56,7 +60,7 @@ def place(model, layers: list[SourceLora]) -> Layout:
                               f"{type(module).__name__}, which does not serve LoRA")
         # Column-parallel: this rank's output rows of B; row-parallel: its input columns of
         # A (the delta is then a partial sum, all-reduced with the base's).
-        cut = model.rank_parts([(weight, layer.base_shape)])[weight]
+        cut = parts[weight]
         b_cut = cut if cut is not None and cut.dim == 0 else None
         a_cut = cut if cut is not None and cut.dim == 1 else None
         if shard is None:
@@ -90,19 +94,26 @@ def attach(model, layout: Layout) -> bool:
             delattr(module, LORA_MODULE)
         if want:
             device = module.weight.device
-            setattr(module, LORA_MODULE,
-                    LoraWeights(module.in_features, module.out_features, want, device))
+            # Where the base multiplies by packed weights (the cpu backend), the adapter takes
+            # the C kernel's panels if it builds here.
+            native = module.packing is not None and native_linear.supported(device, LORA_DTYPE)
+            setattr(module, LORA_MODULE, LoraWeights(module.in_features, module.out_features,
+                                                     want, device, native))
             module.lora_active = True
     return changed
 
 
-def copies(model, layout: Layout) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+def copies(model, layout: Layout, clear: bool
+           ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
     """(name, destination, source) of every A and B the layout places, the source gathered
-    whole if it is a DTensor and cut to this rank's part."""
+    whole if it is a DTensor and cut to this rank's part. `clear`: zero each B first (B is
+    block-diagonal: between its blocks it must hold zeros, which a new LoraWeights has and
+    weights restored uninitialised after sleep(2) do not)."""
     for path, placed in layout.items():
         lora = getattr(model.get_submodule(path), LORA_MODULE)
-        with torch.no_grad():
-            lora.b.zero_()  # B is block-diagonal: what lies between the blocks must be zero
+        if clear:
+            with torch.no_grad():
+                lora.b.zero_()
         for p, (dst_a, dst_b) in zip(placed, lora.block_views()):
             yield f"{p.source.name}.lora_A", dst_a, _part(p.source.a, p.a_cut)
             yield f"{p.source.name}.lora_B", dst_b, _part(p.source.b, p.b_cut)

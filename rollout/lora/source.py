@@ -12,21 +12,13 @@ as PEFT's forward does in eval mode.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ..colocation.weights import (
-    check_tensor,
-    hf_name,
-    is_lora_layer,
-    is_modules_to_save,
-    is_peft,
-    unwrap,
-    weight_params,
-)
+from ..colocation.weights import (check_tensor, hf_name, is_lora_layer, is_modules_to_save,
+                                  is_peft, unused_copies, unwrap)
 
 
 class Unsupported(Exception):
@@ -52,32 +44,49 @@ def is_peft_lora(model) -> bool:
     return isinstance(model, nn.Module) and is_peft(unwrap(model))
 
 
-def read_adapters(model: nn.Module) -> list[SourceLora]:
-    """The active adapter's layers (none inside `disable_adapter()`), each checked from its
-    metadata (check_tensor) and for its shapes; Unsupported for what cannot be served."""
+def read_source(model: nn.Module) -> tuple[list[SourceLora], list[tuple[str, nn.Parameter]]]:
+    """One walk of the model: the active adapter's layers (none inside `disable_adapter()`),
+    each checked from its metadata (check_tensor) and for its shapes, Unsupported for what
+    cannot be served; and (HF name, parameter) of the base weights: every weight but the
+    adapters, unmerged, and of a `modules_to_save` wrapper the copy in use."""
     model = unwrap(model)
-    layers, active = [], set()
+    layers, base, active, seen = [], [], set(), set()
+    unused: tuple[str, ...] = ()  # modules_to_save copies the forward skips, as "name."
     for name, module in model.named_modules():
-        if not hasattr(type(module), "adapter_layer_names") or is_modules_to_save(module):
-            continue  # modules_to_save copies are weights like any other (base_weights)
-        if not is_lora_layer(module):
-            raise Unsupported(f"{name}: a {type(module).__name__} adapter (only LoRA is served "
-                              f"unmerged)")
-        if getattr(module, "merged_adapters", None):
-            raise Unsupported(f"{name}: adapter {module.merged_adapters} is merged into the "
-                              f"base weight (merge_adapter)")
-        if module.disable_adapters:
+        if unused and f"{name}.".startswith(unused):
             continue
-        # Active here in any of the layer's kinds (lora_A, lora_embedding_A, ...).
-        here = [a for a in module.active_adapters
-                if any(a in getattr(module, kind) for kind in module.adapter_layer_names)]
-        active.update(here)
-        if here:
-            layers.append(_layer(hf_name(name), module, here))
+        if is_modules_to_save(module):
+            unused += tuple(f"{name}.{c}." for c in unused_copies(module))
+        elif hasattr(type(module), "adapter_layer_names"):
+            here = _active_here(name, module)
+            active.update(here)
+            if here:
+                layers.append(_layer(hf_name(name), module, here))
+        for local, param in module._parameters.items():
+            if param is None or id(param) in seen or local.startswith("lora_") \
+                    or ".lora_" in f".{name}":
+                continue
+            seen.add(id(param))  # tied weights once, under their first name
+            base.append((hf_name(f"{name}.{local}" if name else local), param))
     if len(active) > 1:
         raise Unsupported(f"{len(active)} adapters are active at once ({sorted(active)}); one "
                           f"is served unmerged")
-    return layers
+    return layers, base
+
+
+def _active_here(name: str, module: nn.Module) -> list[str]:
+    """The adapters active in a PEFT tuner layer, in any of its kinds (lora_A,
+    lora_embedding_A, ...); Unsupported for a layer no LoRA or merged into its base."""
+    if not is_lora_layer(module):
+        raise Unsupported(f"{name}: a {type(module).__name__} adapter (only LoRA is served "
+                          f"unmerged)")
+    if getattr(module, "merged_adapters", None):
+        raise Unsupported(f"{name}: adapter {module.merged_adapters} is merged into the base "
+                          f"weight (merge_adapter)")
+    if module.disable_adapters:
+        return []
+    return [a for a in module.active_adapters
+            if any(a in getattr(module, kind) for kind in module.adapter_layer_names)]
 
 
 def _layer(name: str, module: nn.Module, adapters: list[str]) -> SourceLora:
@@ -108,10 +117,3 @@ def _layer(name: str, module: nn.Module, adapters: list[str]) -> SourceLora:
                          f"lora_B {tuple(b.shape)} do not fit its base weight "
                          f"{tuple(base.weight.shape)} (expected [r, {inner}] and [{out}, r])")
     return SourceLora(name, a, b, float(module.scaling[adapter]), base.weight.shape)
-
-
-def base_weights(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
-    """(HF name, parameter) of the weights the engine's base holds: every weight but the
-    adapters, unmerged, and of a `modules_to_save` wrapper the copy in use."""
-    for name, param in weight_params(unwrap(model)):
-        yield hf_name(name), param

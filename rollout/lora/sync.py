@@ -11,15 +11,18 @@ its weights at sleep(2)) forgets it all, so the next sync copies the base again.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
+from ..colocation.checksum import copy_all_verified
 from ..colocation.weights import check_tensor
+from ..models.base import LORA_MODULE
 from .layout import Layout, attach, copies, place
-from .source import Unsupported, base_weights, is_peft_lora, read_adapters
+from .source import SourceLora, Unsupported, is_peft_lora, read_source
 
 
 @dataclass
@@ -53,6 +56,7 @@ class LoraSync:
         # model, or lora="merged").
         self.status: str | None = None
         self._copied: dict[str, tuple] = {}  # HF name -> _key of the frozen tensor copied
+        self._placed: tuple[tuple, Layout] | None = None  # _place's last (key, layout)
 
     def plan(self, source) -> SyncPlan | None:
         """What a sync from `source` copies, checked from metadata; None when it is not
@@ -62,14 +66,14 @@ class LoraSync:
             self.status = None
             return None
         try:
-            layout = place(self.model, read_adapters(source))
+            layers, base = read_source(source)
+            layout = self._place(layers)
         except Unsupported as e:
             if self.mode == "unmerged":
                 raise ValueError(f"lora='unmerged': {e}; it cannot be served unmerged (lora="
                                  f"'auto' or 'merged' merges it into the weights)") from None
             self.status = f"merged: {e}"
             return None
-        base = list(base_weights(source))
         send = []
         for name, param in base:
             check_tensor(name, param)
@@ -79,6 +83,16 @@ class LoraSync:
                 send.append((name, param))
         return SyncPlan(layout, send, base)
 
+    def _place(self, layers: list[SourceLora]) -> Layout:
+        """place(), reused while the adapter's names, shapes and scales stay those it was
+        computed for (every sync of a training run): only the source tensors are new."""
+        key = tuple((x.name, x.base_shape, x.a.shape, x.b.shape, x.scale) for x in layers)
+        if self._placed is None or self._placed[0] != key:
+            self._placed = key, place(self.model, layers)
+        by_name = {x.name: x for x in layers}
+        return {path: tuple(dataclasses.replace(p, source=by_name[p.source.name]) for p in placed)
+                for path, placed in self._placed[1].items()}
+
     def attach(self, plan: SyncPlan | None) -> bool:
         """The projections hold the plan's adapter (none without a plan); whether that changed
         any (captured CUDA graphs are then stale)."""
@@ -86,15 +100,18 @@ class LoraSync:
             self.forget()
         return attach(self.model, {} if plan is None else plan.layout)
 
-    def copy(self, plan: SyncPlan, checked) -> int:
-        """Copy the plan's adapter into the attached projections through `checked`
-        (rollout/colocation/checksum.py) and verify; the bytes copied."""
-        moved = 0
-        for name, dst, src in copies(self.model, plan.layout):
-            checked.copy(name, dst, src)
-            moved += src.numel() * src.element_size()
-        checked.verify()
-        return moved
+    def copy(self, plan: SyncPlan) -> int:
+        """Copy the plan's adapter into the attached projections, verified as a whole
+        (rollout/colocation/checksum.py); the bytes copied."""
+        # A full sync follows a sleep(2) or a failed copy: what B holds between blocks is then
+        # unknown. After a complete sync, only copies into the blocks ever write it.
+        pairs = list(copies(self.model, plan.layout, clear=not plan.adapter_only))
+        covers = []
+        for path in plan.layout:
+            lora = getattr(self.model.get_submodule(path), LORA_MODULE)
+            covers += [lora.a, lora.b]
+        copy_all_verified(pairs, covers)
+        return sum(src.numel() * src.element_size() for _, _, src in pairs)
 
     def remember(self, plan: SyncPlan) -> None:
         """After a complete sync: the frozen weights are the engine's now."""

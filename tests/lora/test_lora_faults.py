@@ -98,3 +98,43 @@ def test_a_failed_plan_changes_nothing(error, monkeypatch):
     engine.check_invariants()
     assert outputs(engine)[0][0] == want[0][0]
     assert engine.update_weights(model)["adapter_only"]
+
+
+def test_a_corrupted_adapter_copy_is_caught_and_a_good_sync_recovers(monkeypatch):
+    model, engine = model_and_engine()
+    step(model)
+    real = checksum._copy
+    calls = [0]
+
+    def flipping(dst, src):
+        real(dst, src)
+        calls[0] += 1
+        if calls[0] == 7:  # one bit of one adapter tensor
+            dst.view(-1)[:1].view(torch.int32).bitwise_xor_(1)
+
+    monkeypatch.setattr(checksum, "_copy", flipping)
+    with pytest.raises(checksum.CopyMismatch, match="lora_"):
+        engine.update_weights(model)
+    monkeypatch.undo()
+    assert engine.needs_weights
+    engine.update_weights(model)
+    assert outputs(engine) == outputs(Engine(model, EngineConfig(**CONFIG)))
+
+
+def test_batched_verification_names_the_bad_copy_and_clears_large_values():
+    """copy_all_verified: a NaN and a flipped bit are named; values whose sum overflows to
+    inf are finite and pass; a non-zero left between the copied blocks is caught."""
+    def case(src_values, garbage=False):
+        covers = [torch.zeros(4, 4), torch.zeros(2, 4)]
+        srcs = [torch.full((2, 4), v) for v in src_values]
+        copies = [("w0", covers[0][:2], srcs[0]), ("w1", covers[1], srcs[1])]
+        if garbage:
+            covers[0][3, 3] = 1.0
+        checksum.copy_all_verified(copies, covers)
+
+    case([1.0, 2.0])
+    case([3e38, 3e38])  # their sum is inf; each is finite
+    with pytest.raises(ValueError, match="'w1' holds non-finite"):
+        case([1.0, float("nan")])
+    with pytest.raises(checksum.CopyMismatch, match="outside the copied blocks"):
+        case([1.0, 2.0], garbage=True)
