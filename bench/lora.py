@@ -28,6 +28,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 from workloads import cpu_name  # noqa: E402
+
 from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
 from rollout_recipes.run import smollm2  # noqa: E402
 

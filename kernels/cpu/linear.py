@@ -19,6 +19,11 @@ def supported(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and has("pack_panels_f32", "linear_f32")
 
 
+def add_supported(device: torch.device) -> bool:
+    """linear_add is built here (with linear: same ISA needs)."""
+    return supported(device, torch.float32) and has("linear_add_f32")
+
+
 def pack_panels(weight: torch.Tensor, out: torch.Tensor | None = None,
                 threads: int | None = None) -> torch.Tensor:
     """`weight` [n, k] (fp32, CPU) in panels of PANEL rows, k-major, the last padded; into
@@ -49,3 +54,17 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
         library().linear_f32(rows.data_ptr(), rows.stride(0), rows.shape[0], k,
                              packed.data_ptr(), n, y.data_ptr(), torch.get_num_threads())
     return y.view(*x.shape[:-1], n)
+
+
+def linear_add(x: torch.Tensor, packed: torch.Tensor, y: torch.Tensor, alpha: float) -> None:
+    """y [m, n] (unit stride within a row; a column slice of a wider output is fine) +=
+    alpha * x [m, k] times the packed [n, k] weight's transpose, in place."""
+    rows = as_rows(x)
+    m, n = y.shape
+    if y.stride(1) != 1 or rows.shape[0] != m or y.dtype != torch.float32:
+        raise ValueError(f"linear_add: y {tuple(y.shape)} strides {y.stride()} {y.dtype} does "
+                         f"not fit x {tuple(rows.shape)}")
+    if m:
+        library().linear_add_f32(rows.data_ptr(), rows.stride(0), m, rows.shape[1],
+                                 packed.data_ptr(), n, y.data_ptr(), y.stride(0), alpha,
+                                 torch.get_num_threads())

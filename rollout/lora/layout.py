@@ -19,7 +19,7 @@ from rollout_kernels.cpu import linear as native_linear
 
 from ..models.base import LORA_MODULE
 from ..models.layers.linear import MergedLinear, RowParallelLinear
-from ..models.layers.lora import LORA_DTYPE, LoraBlock, LoraWeights
+from ..models.layers.lora import LoraBlock, LoraWeights
 from ..models.layers.packed_linear import Projection
 from ..parallel import Concat, Slice
 from .source import SourceLora, Unsupported
@@ -96,7 +96,7 @@ def attach(model, layout: Layout) -> bool:
             device = module.weight.device
             # Where the base multiplies by packed weights (the cpu backend), the adapter takes
             # the C kernel's panels if it builds here.
-            native = module.packing is not None and native_linear.supported(device, LORA_DTYPE)
+            native = module.packing is not None and native_linear.add_supported(device)
             setattr(module, LORA_MODULE, LoraWeights(module.in_features, module.out_features,
                                                      want, device, native))
             module.lora_active = True

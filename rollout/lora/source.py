@@ -17,8 +17,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..colocation.weights import (check_tensor, hf_name, is_lora_layer, is_modules_to_save,
-                                  is_peft, unused_copies, unwrap)
+from ..colocation.weights import (
+    check_tensor,
+    hf_name,
+    is_lora_layer,
+    is_modules_to_save,
+    is_peft,
+    unused_copies,
+    unwrap,
+)
 
 
 class Unsupported(Exception):

@@ -12,6 +12,7 @@ from models import FAMILIES
 from reference import PROMPTS, assert_matches_reference
 
 from rollout import Engine, EngineConfig, SamplingParams
+from rollout_kernels.cpu import linear as native_linear
 
 pytest.importorskip("peft")
 
@@ -31,9 +32,23 @@ def test_unmerged_lora_matches_peft(family):
     model = peft_model(family)
     engine = Engine(model, EngineConfig(**CONFIG))
     assert engine.lora_status == "unmerged"
+    # The cpu backend multiplies by linear.c's panels where it builds.
+    native = native_linear.add_supported(torch.device("cpu"))
+    assert engine.stack.implementations()["lora"] == ("cpu" if native else "torch")
     assert greedy_differs_from_base(model, engine)  # the adapter matters to what is compared
     assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, GREEDY))
     assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, SAMPLED), greedy=False)
+
+
+@pytest.mark.parametrize("backend", [dict(backend="torch"), dict(pack_cpu_weights=False)],
+                         ids=["torch", "cpu-unpacked"])
+def test_the_torch_path_matches_peft(backend):
+    """The delta by F.linear and addmm (the torch backend, and the cpu backend without packed
+    weights) rather than linear.c's panels."""
+    model = peft_model("llama")
+    engine = Engine(model, EngineConfig(**CONFIG, **backend))
+    assert engine.stack.implementations()["lora"] == "torch"
+    assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, GREEDY))
 
 
 @pytest.mark.parametrize("lora", [dict(rank_pattern={"v_proj": 2}, alpha_pattern={"o_proj": 3}),

@@ -40,6 +40,26 @@ def test_equals_f_linear_to_rounding(packing, rows, bias):
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.skipif(not native_linear.add_supported(torch.device("cpu")),
+                    reason=native.missing_reason("linear_add_f32"))
+@pytest.mark.parametrize("rows", [0, 1, 7, 64])
+def test_linear_add_accumulates_into_a_column_slice(rows):
+    """linear_add (a LoRA block's expand): y[:, cols] += alpha * x W^T in place, x a column
+    slice of a wider tensor, y a column slice of a wider output (300 columns: a last panel of
+    12); what lies outside the slice is untouched."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(300, 16, generator=g)
+    wide_x = torch.randn(rows, 48, generator=g)
+    y = torch.randn(rows, 500, generator=g)
+    want = y.clone()
+    want[:, 100:400] += 0.5 * F.linear(wide_x[:, 16:32], w)
+    native_linear.linear_add(wide_x[:, 16:32], native_linear.pack_panels(w), y[:, 100:400], 0.5)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(y[:, :100], want[:, :100]) and torch.equal(y[:, 400:], want[:, 400:])
+    with pytest.raises(ValueError, match="does not fit"):
+        native_linear.linear_add(wide_x, native_linear.pack_panels(w), y[:, :300].t(), 1.0)
+
+
 @pytest.mark.parametrize("shape", [(5, 3, 40), (2, 1, 7)])
 def test_panels_take_any_leading_shape_and_strided_rows(shape):
     g = torch.Generator().manual_seed(1)

@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from rollout_kernels.cpu import linear as native_linear
+
 from .packed_linear import SmallPanels
 
 LORA_DTYPE = torch.float32
@@ -41,11 +43,13 @@ class LoraBlock:
 
 
 class LoraWeights(nn.Module):
-    """`native`: multiply by packed panels of A and B through rollout_kernels.cpu's linear.c
-    (the cpu backend, where it builds): at decode batch sizes a matmul whose inner dimension
-    is a rank costs F.linear two to three times the C kernel's time (docs/benchmarks.md). The
-    panels are derived like the projections' packed weights: packed after update_weights,
-    dropped at sleep, checked against the weights' versions at every use."""
+    """`native`: multiply by packed panels through rollout_kernels.cpu's linear.c (the cpu
+    backend, where it builds): A's for the shrink, and each block's own part of B for its
+    expand, added in place into that block's rows of the base output (no zeros multiplied, no
+    delta tensor). At decode batch sizes a matmul whose inner dimension is a rank costs
+    F.linear two to three times the C kernel's time (docs/benchmarks.md). The panels are derived
+    like the projections' packed weights: packed after update_weights, dropped at sleep,
+    checked against the weights' versions at every use."""
 
     def __init__(self, in_features: int, out_features: int, blocks: tuple[LoraBlock, ...],
                  device: torch.device, native: bool = False) -> None:
@@ -65,7 +69,8 @@ class LoraWeights(nn.Module):
             columns = torch.cat([torch.full((b.rank,), b.scale, dtype=LORA_DTYPE)
                                  for b in blocks]).to(device)
         self.register_buffer("column_scales", columns, persistent=False)
-        self.panels = (SmallPanels(), SmallPanels()) if native else None
+        # [A's panels, then one per block of B]
+        self.panels = [SmallPanels() for _ in range(len(blocks) + 1)] if native else None
 
     def block_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(A rows, B block) of each block, views into `a` and `b`, in block order."""
@@ -79,34 +84,38 @@ class LoraWeights(nn.Module):
     def add_to(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y + the adapter's delta for input x (y: the base projection of x)."""
         x = x.to(LORA_DTYPE)
-        if self.panels is None:
-            shrunk = F.linear(x, self.a)
-        else:
-            shrunk = self.panels[0].linear(x, self.a, None)
+        out = y.reshape(-1, y.shape[-1])
+        if self.panels is not None and out.shape[0] <= native_linear.MAX_ROWS:
+            return self._add_native(x, out).view(y.shape)
+        shrunk = F.linear(x, self.a)
         if self.column_scales is not None:
             shrunk = shrunk * self.column_scales
         flat = shrunk.reshape(-1, shrunk.shape[-1])
-        out = y.reshape(-1, y.shape[-1])
-        if self.panels is not None:
-            delta = self.panels[1].linear(flat, self.b, None)
-            if out.dtype == LORA_DTYPE:
-                return out.add_(delta, alpha=self.scale).view(y.shape)
-            return out.to(LORA_DTYPE).add_(delta, alpha=self.scale).to(y.dtype).view(y.shape)
         if out.dtype == LORA_DTYPE:
             return out.addmm_(flat, self.b.t(), alpha=self.scale).view(y.shape)
         return torch.addmm(out.to(LORA_DTYPE), flat, self.b.t(),
                            alpha=self.scale).to(y.dtype).view(y.shape)
 
+    def _add_native(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        shrunk = self.panels[0].linear(x, self.a, None).reshape(out.shape[0], -1)
+        acc = out if out.dtype == LORA_DTYPE else out.to(LORA_DTYPE)
+        col = 0
+        for blk, panel, (_, b) in zip(self.blocks, self.panels[1:], self.block_views()):
+            native_linear.linear_add(shrunk[:, col:col + blk.rank], panel.refresh(b),
+                                     acc[:, blk.row:blk.row + blk.rows], blk.scale)
+            col += blk.rank
+        return acc if acc is out else acc.to(out.dtype)
+
     # Derived panels, as CausalLM handles a projection's packed weights (base.py).
     def pack(self) -> None:
         if self.panels is not None:
             self.panels[0].refresh(self.a)
-            self.panels[1].refresh(self.b)
+            for panel, (_, b) in zip(self.panels[1:], self.block_views()):
+                panel.refresh(b)
 
     def drop_derived(self) -> None:
-        if self.panels is not None:
-            for panel in self.panels:
-                panel.drop()
+        for panel in self.panels or ():
+            panel.drop()
 
     def derived_bytes(self) -> int:
-        return 0 if self.panels is None else sum(p.nbytes for p in self.panels)
+        return sum(p.nbytes for p in self.panels or ())
