@@ -63,7 +63,8 @@ if [ "$what" = owed ]; then
   # Correctness first, in parallel (mostly Triton compilation on the CPU); timings after, alone.
   # Limits add up to 560 s, so the whole mode fits one device call (timeout_s 590).
   ( timeout 200 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_shared_prefix.py \
-      tests/kernels/test_kernels_spec_accept.py > "$O/kernel_tests_owed.log" 2>&1
+      tests/kernels/test_kernels_spec_accept.py tests/kernels/test_kernels_lora.py \
+      > "$O/kernel_tests_owed.log" 2>&1
     echo "=== owed kernel tests: rc=$? $(tail -n 1 "$O/kernel_tests_owed.log")" ) &
   kernel_tests=$!
   moe_kernel_tests

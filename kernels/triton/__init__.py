@@ -6,6 +6,7 @@ interpreter only if the process set TRITON_INTERPRET=1 before this package was f
 """
 
 from .counter_noise import gumbel_noise_triton
+from .lora import lora_add_ref, lora_expand_add, lora_shrink
 from .merge_states import merge_states
 from .paged_attention import choose_num_kv_splits, paged_attention, paged_attention_ref
 from .sample import sample
@@ -17,6 +18,9 @@ __all__ = [
     "accept_drafts",
     "choose_num_kv_splits",
     "gumbel_noise_triton",
+    "lora_add_ref",
+    "lora_expand_add",
+    "lora_shrink",
     "merge_states",
     "paged_attention",
     "paged_attention_ref",

@@ -71,6 +71,7 @@ class Engine(ColocationCalls):
         self.journal = Journal()
         self.stack = ModelStack(self.model, config, pool_slots(self.model, config, dtype, device),
                                 device, self.journal)
+        self.lora.backend = self.stack.backend
         if adapter is not None:  # on the projections as the stack's backend set them up
             self.lora.attach(adapter)
             self.lora.copy(adapter)

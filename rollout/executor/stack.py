@@ -72,7 +72,7 @@ class ModelStack:
                 packing = module.packing
                 out["projection"] = "torch" if packing is None else packing.kind
             elif isinstance(module, LoraWeights):  # an unmerged LoRA adapter (rollout/lora/)
-                out["lora"] = "torch" if module.panels is None else "cpu"
+                out["lora"] = module.implementation
         return out
 
     def sleep(self, level: int) -> None:

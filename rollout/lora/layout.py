@@ -15,11 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout_kernels.cpu import linear as native_linear
-
 from ..models.base import LORA_MODULE
 from ..models.layers.linear import MergedLinear, RowParallelLinear
-from ..models.layers.lora import LoraBlock, LoraWeights
+from ..models.layers.lora import LORA_DTYPE, LoraBlock, LoraWeights
+from ..models.layers.lora import implementations as lora_implementations
 from ..models.layers.packed_linear import Projection
 from ..parallel import Concat, Slice
 from .source import SourceLora, Unsupported
@@ -78,9 +77,12 @@ def blocks_of(module: Projection) -> tuple[LoraBlock, ...] | None:
     return getattr(module, LORA_MODULE).blocks if module.lora_active else None
 
 
-def attach(model, layout: Layout) -> bool:
-    """Make every projection hold the blocks `layout` gives it (none if absent); whether any
-    projection changed (captured CUDA graphs are then stale)."""
+def attach(model, layout: Layout, backend=None) -> bool:
+    """Make every projection hold the blocks `layout` gives it (none if absent), each delta
+    the implementation `backend` (the engine's, rollout/ops/backend.py; None: torch) chooses;
+    whether any projection changed (captured CUDA graphs are then stale)."""
+    choice = "torch" if backend is None else backend.choose(
+        lora_implementations(backend.pack_weights), LORA_DTYPE)
     changed = False
     for path, module in model.named_modules():
         if not isinstance(module, (MergedLinear, RowParallelLinear)):
@@ -93,12 +95,8 @@ def attach(model, layout: Layout) -> bool:
         if hasattr(module, LORA_MODULE):
             delattr(module, LORA_MODULE)
         if want:
-            device = module.weight.device
-            # Where the base multiplies by packed weights (the cpu backend), the adapter takes
-            # the C kernel's panels if it builds here.
-            native = module.packing is not None and native_linear.add_supported(device)
             setattr(module, LORA_MODULE, LoraWeights(module.in_features, module.out_features,
-                                                     want, device, native))
+                                                     want, module.weight.device, choice))
             module.lora_active = True
     return changed
 

@@ -57,6 +57,9 @@ class LoraSync:
         self.status: str | None = None
         self._copied: dict[str, tuple] = {}  # HF name -> _key of the frozen tensor copied
         self._placed: tuple[tuple, Layout] | None = None  # _place's last (key, layout)
+        # The engine's backend (set once its model stack is built): which implementation of
+        # the delta an attached adapter runs.
+        self.backend = None
 
     def plan(self, source) -> SyncPlan | None:
         """What a sync from `source` copies, checked from metadata; None when it is not
@@ -98,7 +101,7 @@ class LoraSync:
         any (captured CUDA graphs are then stale)."""
         if plan is None:
             self.forget()
-        return attach(self.model, {} if plan is None else plan.layout)
+        return attach(self.model, {} if plan is None else plan.layout, self.backend)
 
     def copy(self, plan: SyncPlan) -> int:
         """Copy the plan's adapter into the attached projections, verified as a whole

@@ -12,6 +12,7 @@ from models import FAMILIES
 from reference import PROMPTS, assert_matches_reference
 
 from rollout import Engine, EngineConfig, SamplingParams
+from rollout.models.layers import lora as lora_layer
 from rollout_kernels.cpu import linear as native_linear
 
 pytest.importorskip("peft")
@@ -49,6 +50,19 @@ def test_the_torch_path_matches_peft(backend):
     engine = Engine(model, EngineConfig(**CONFIG, **backend))
     assert engine.stack.implementations()["lora"] == "torch"
     assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, GREEDY))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_the_triton_kernels_match_peft(family, monkeypatch):
+    """The Triton backend's shrink and per-block expand (kernels/triton/lora.py), end to end:
+    on the CPU under TRITON_INTERPRET=1, where the engine would otherwise keep them for CUDA."""
+    monkeypatch.setattr(lora_layer, "on_cuda", lambda device, dtype: True)
+    model = peft_model(family, rank_pattern={"v_proj": 2})
+    engine = Engine(model, EngineConfig(backend="triton", **CONFIG))
+    assert engine.stack.implementations()["lora"] == "triton"
+    prompts = PROMPTS[:3]
+    assert_matches_reference(model, prompts, engine.generate(prompts, GREEDY))
 
 
 @pytest.mark.parametrize("lora", [dict(rank_pattern={"v_proj": 2}, alpha_pattern={"o_proj": 3}),

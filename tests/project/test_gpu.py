@@ -133,3 +133,25 @@ def test_carried_groups_resume_on_cuda(cuda_graphs):
             assert a.token_ids == b.token_ids
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
     engine.check_invariants()
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_lora_unmerged_on_cuda(cuda_graphs):
+    """The Triton shrink and expand (kernels/triton/lora.py) in the engine, graphed decode
+    included: PEFT's forward within the GPU bound, and an adapter-only sync followed by the
+    graphs (replayed on the new A and B, copied in place)."""
+    pytest.importorskip("peft")
+    from lora_models import adapter_bytes, peft_model, randomise_b
+
+    model = peft_model("llama").cuda()
+    engine = cuda_engine(model, cuda_graphs=cuda_graphs)
+    assert engine.lora_status == "unmerged"
+    assert engine.stack.implementations()["lora"] == "triton"
+    greedy = SamplingParams(temperature=0, max_tokens=24, logprobs=True)
+    assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, greedy), margin=1e-3,
+                             atol=2e-4)
+    randomise_b(model, seed=9)
+    result = engine.update_weights(model)
+    assert result["adapter_only"] and result["bytes"] == adapter_bytes(model)
+    assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, greedy), margin=1e-3,
+                             atol=2e-4)

@@ -26,6 +26,7 @@ from torch.nn import functional as F
 
 from rollout_kernels.cpu import linear as native_linear
 
+from ...ops.op import always, on_cuda
 from .packed_linear import SmallPanels
 
 LORA_DTYPE = torch.float32
@@ -42,19 +43,28 @@ class LoraBlock:
     scale: float
 
 
+def implementations(pack_weights: bool) -> dict:
+    """The delta's implementations (rollout/ops/op.py), chosen by the engine's backend when an
+    adapter is attached: "cpu" where the base multiplies by packed weights too and linear.c
+    builds, "triton" (kernels/triton/lora.py) on CUDA."""
+    return {"torch": always, "triton": on_cuda,
+            "cpu": lambda device, dtype: pack_weights and native_linear.add_supported(device)}
+
+
 class LoraWeights(nn.Module):
-    """`native`: multiply by packed panels through rollout_kernels.cpu's linear.c (the cpu
-    backend, where it builds): A's for the shrink, and each block's own part of B for its
-    expand, added in place into that block's rows of the base output (no zeros multiplied, no
-    delta tensor). At decode batch sizes a matmul whose inner dimension is a rank costs
-    F.linear two to three times the C kernel's time (docs/benchmarks.md). The panels are derived
-    like the projections' packed weights: packed after update_weights, dropped at sleep,
-    checked against the weights' versions at every use."""
+    """`implementation` "torch": F.linear and one addmm over the block-diagonal B. "cpu":
+    packed panels through rollout_kernels.cpu's linear.c, A's for the shrink, and each block's
+    own part of B for its expand, added in place into that block's rows of the base output (no
+    zeros multiplied, no delta tensor); at decode batch sizes a matmul whose inner dimension is
+    a rank costs F.linear two to three times the C kernel's time (docs/benchmarks.md). The
+    panels are derived like the projections' packed weights: packed after update_weights,
+    dropped at sleep, checked against the weights' versions at every use. "triton": the shrink
+    and the per-block expand of kernels/triton/lora.py, the blocks as device tensors."""
 
     def __init__(self, in_features: int, out_features: int, blocks: tuple[LoraBlock, ...],
-                 device: torch.device, native: bool = False) -> None:
+                 device: torch.device, implementation: str = "torch") -> None:
         super().__init__()
-        self.blocks = blocks
+        self.blocks, self.implementation = blocks, implementation
         rank = sum(b.rank for b in blocks)
         self.a = nn.Parameter(torch.zeros(rank, in_features, dtype=LORA_DTYPE, device=device),
                               requires_grad=False)
@@ -70,16 +80,32 @@ class LoraWeights(nn.Module):
                                  for b in blocks]).to(device)
         self.register_buffer("column_scales", columns, persistent=False)
         # [A's panels, then one per block of B]
+        native = implementation == "cpu"
         self.panels = [SmallPanels() for _ in range(len(blocks) + 1)] if native else None
+        triton = implementation == "triton"
+        self.register_buffer("block_rows", torch.tensor(
+            [[b.row, b.rows, col] for b, col in zip(blocks, self._columns())],
+            dtype=torch.int32, device=device) if triton else None, persistent=False)
+        self.register_buffer("block_ranks", torch.tensor(
+            [b.rank for b in blocks], dtype=torch.int32, device=device) if triton else None,
+            persistent=False)
+        self.register_buffer("block_scales", torch.tensor(
+            [b.scale for b in blocks], dtype=LORA_DTYPE, device=device) if triton else None,
+            persistent=False)
+
+    def _columns(self) -> list[int]:
+        """Each block's first column of B (row of A)."""
+        cols, col = [], 0
+        for blk in self.blocks:
+            cols.append(col)
+            col += blk.rank
+        return cols
 
     def block_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(A rows, B block) of each block, views into `a` and `b`, in block order."""
-        views, col = [], 0
-        for blk in self.blocks:
-            views.append((self.a.narrow(0, col, blk.rank),
-                          self.b.narrow(0, blk.row, blk.rows).narrow(1, col, blk.rank)))
-            col += blk.rank
-        return views
+        return [(self.a.narrow(0, col, blk.rank),
+                 self.b.narrow(0, blk.row, blk.rows).narrow(1, col, blk.rank))
+                for blk, col in zip(self.blocks, self._columns())]
 
     def add_to(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y + the adapter's delta for input x (y: the base projection of x)."""
@@ -87,6 +113,8 @@ class LoraWeights(nn.Module):
         out = y.reshape(-1, y.shape[-1])
         if self.panels is not None and out.shape[0] <= native_linear.MAX_ROWS:
             return self._add_native(x, out).view(y.shape)
+        if self.implementation == "triton":
+            return self._add_triton(x.reshape(-1, x.shape[-1]), out).view(y.shape)
         shrunk = F.linear(x, self.a)
         if self.column_scales is not None:
             shrunk = shrunk * self.column_scales
@@ -105,6 +133,15 @@ class LoraWeights(nn.Module):
                                      acc[:, blk.row:blk.row + blk.rows], blk.scale)
             col += blk.rank
         return acc if acc is out else acc.to(out.dtype)
+
+    def _add_triton(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        from rollout_kernels.triton.lora import lora_expand_add, lora_shrink
+
+        shrunk = lora_shrink(x if x.stride(-1) == 1 else x.contiguous(), self.a)
+        lora_expand_add(shrunk, self.b, out, self.block_rows, self.block_ranks,
+                        self.block_scales, max(b.rows for b in self.blocks),
+                        max(b.rank for b in self.blocks))
+        return out
 
     # Derived panels, as CausalLM handles a projection's packed weights (base.py).
     def pack(self) -> None:

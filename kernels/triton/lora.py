@@ -1,0 +1,103 @@
+"""An unmerged LoRA adapter's delta on a projection's output, in two kernels (the shrink and
+expand of punica-style LoRA serving): s = x A^T for all the projection's blocks at once, then
+each block's y[:, rows] += scale * s[:, cols] B[rows, cols]^T in place, block by block, so the
+zeros of a block-diagonal B are never multiplied and no delta tensor is made.
+
+Blocks (rollout/models/layers/lora.py LoraBlock) are given as tensors on the device: `rows`
+[nb, 3] int32 (first output row, row count, first rank column), `ranks` [nb] int32 and `scales`
+[nb] float32, so a launch needs no host values beyond the shapes (CUDA graphs capture it as is).
+Both accumulate in float32 (x and y may be 16-bit; A and B are float32).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _shrink_kernel(x, a, s, T, K, R, stride_xt, stride_ar, stride_st,
+                   BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    pt, pr = tl.program_id(0), tl.program_id(1)
+    t = pt * BLOCK_T + tl.arange(0, BLOCK_T)
+    r = pr * BLOCK_R + tl.arange(0, BLOCK_R)
+    acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        xt = tl.load(x + t[:, None].to(tl.int64) * stride_xt + k[None, :],
+                     mask=(t[:, None] < T) & (k[None, :] < K), other=0.0).to(tl.float32)
+        at = tl.load(a + r[None, :] * stride_ar + k[:, None],
+                     mask=(r[None, :] < R) & (k[:, None] < K), other=0.0)
+        acc += tl.dot(xt, at, input_precision="ieee")
+    tl.store(s + t[:, None].to(tl.int64) * stride_st + r[None, :], acc,
+             mask=(t[:, None] < T) & (r[None, :] < R))
+
+
+@triton.jit
+def _expand_kernel(s, b, y, rows, ranks, scales, T, stride_st, stride_br, stride_yt,
+                   BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    pt, pn, blk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row0 = tl.load(rows + blk * 3)
+    count = tl.load(rows + blk * 3 + 1)
+    col0 = tl.load(rows + blk * 3 + 2)
+    rank = tl.load(ranks + blk)
+    scale = tl.load(scales + blk)
+    if pn * BLOCK_N < count:
+        t = pt * BLOCK_T + tl.arange(0, BLOCK_T)
+        n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        r = tl.arange(0, BLOCK_R)
+        st = tl.load(s + t[:, None].to(tl.int64) * stride_st + col0 + r[None, :],
+                     mask=(t[:, None] < T) & (r[None, :] < rank), other=0.0)
+        bt = tl.load(b + (row0 + n[None, :]).to(tl.int64) * stride_br + col0 + r[:, None],
+                     mask=(n[None, :] < count) & (r[:, None] < rank), other=0.0)
+        delta = tl.dot(st, bt, input_precision="ieee")
+        out = y + t[:, None].to(tl.int64) * stride_yt + row0 + n[None, :]
+        keep = (t[:, None] < T) & (n[None, :] < count)
+        base = tl.load(out, mask=keep, other=0.0).to(tl.float32)
+        tl.store(out, (base + scale * delta).to(y.dtype.element_ty), mask=keep)
+
+
+def _tile(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))  # tl.dot wants every dimension >= 16
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """x [T, K] (unit stride within a row) times a [R, K] (float32, contiguous)'s transpose:
+    [T, R] float32, new."""
+    num_tokens, k = x.shape
+    rank = a.shape[0]
+    assert a.shape[1] == k and x.stride(1) == 1 and a.is_contiguous() and a.dtype == torch.float32
+    s = torch.empty(num_tokens, rank, dtype=torch.float32, device=x.device)
+    if num_tokens:
+        block_r = min(_tile(rank), 64)
+        grid = (triton.cdiv(num_tokens, 16), triton.cdiv(rank, block_r))
+        _shrink_kernel[grid](x, a, s, num_tokens, k, rank, x.stride(0), a.stride(0), s.stride(0),
+                             BLOCK_T=16, BLOCK_R=block_r, BLOCK_K=64)
+    return s
+
+
+def lora_expand_add(s: torch.Tensor, b: torch.Tensor, y: torch.Tensor, rows: torch.Tensor,
+                    ranks: torch.Tensor, scales: torch.Tensor, max_rows: int,
+                    max_rank: int) -> None:
+    """y [T, N] += each block's scale * s[:, its columns] B[its rows, its columns]^T, in place
+    (s [T, R] and b [N, R] float32, contiguous; y with unit stride within a row). `max_rows`
+    and `max_rank`: the largest block's, which size the grid and the rank tile."""
+    num_tokens = s.shape[0]
+    assert s.is_contiguous() and b.is_contiguous() and y.stride(1) == 1
+    if num_tokens == 0 or rows.shape[0] == 0:
+        return
+    grid = (triton.cdiv(num_tokens, 16), triton.cdiv(max_rows, 64), rows.shape[0])
+    _expand_kernel[grid](s, b, y, rows, ranks, scales, num_tokens, s.stride(0), b.stride(0),
+                         y.stride(0), BLOCK_T=16, BLOCK_N=64, BLOCK_R=_tile(max_rank))
+
+
+def lora_add_ref(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, y: torch.Tensor,
+                 blocks: list[tuple[int, int, int, int, float]]) -> None:
+    """Torch reference: the same in place, blocks as (row, rows, col, rank, scale)."""
+    s = x.float() @ a.t()
+    for row, count, col, rank, scale in blocks:
+        part = y[:, row:row + count]
+        part.copy_((part.float() + scale * (s[:, col:col + rank] @ b[row:row + count,
+                                                                     col:col + rank].t()))
+                   .to(y.dtype))
