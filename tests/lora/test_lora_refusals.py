@@ -124,3 +124,8 @@ def test_non_finite_adapter_values_are_refused_and_a_good_sync_restores():
         b.copy_(saved)
     assert not engine.update_weights(model)["adapter_only"]  # the base goes again
     assert outputs(engine) == want
+
+
+def test_lora_mode_is_checked():
+    with pytest.raises(ValueError, match="lora must be one of"):
+        EngineConfig(lora="fused")
