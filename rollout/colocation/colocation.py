@@ -60,9 +60,12 @@ class Colocation:
         if self.is_sleeping:
             raise RuntimeError("the engine is asleep: call wake_up() first")
         if self.weights_missing:
-            raise RuntimeError("the engine's weights are incomplete (sleep(level=2), or an "
-                               "update_weights that failed half way): call update_weights(...) "
-                               "with every weight before generating")
+            served = self.lora is not None and self.lora.status == "unmerged"
+            refill = ("update_weights(peft_model): it copies the base and the adapter again"
+                      if served else "update_weights(...) with every weight")
+            raise RuntimeError(f"the engine's weights are incomplete (sleep(level=2), or an "
+                               f"update_weights that failed half way): call {refill} before "
+                               f"generating")
 
     def sleep(self, level: int = 1) -> None:
         if level not in (1, 2):

@@ -148,6 +148,8 @@ def test_sleep_keeps_the_base_and_level_2_is_refilled_by_a_full_sync(separate):
     engine.sleep(2)
     engine.wake_up()
     assert engine.needs_weights
+    with pytest.raises(RuntimeError, match=r"update_weights\(peft_model\): it copies the base"):
+        engine.generate(PROMPTS, GREEDY)
     result = engine.update_weights(model)
     assert not result["adapter_only"] and not engine.needs_weights
     assert outputs(engine) == want
