@@ -123,9 +123,3 @@ class LoraSync:
 
     def forget(self) -> None:
         self._copied.clear()
-
-    @property
-    def rank(self) -> int:
-        """The largest rank among the attached blocks (0: no adapter attached)."""
-        return max((b.rank for m in self.model.modules() if getattr(m, "lora_active", False)
-                    for b in m.lora.blocks), default=0)
