@@ -49,7 +49,9 @@ def hf_name(name: str) -> str:
                 name, changed = name[len(prefix):], True
     # PEFT keeps a trained copy of `modules_to_save` per adapter beside the frozen original;
     # weight_params passes on only the one in use.
-    return _SAVED_COPY.sub(".", name.replace(".base_layer.", "."))
+    while ".base_layer." in name:  # nested wrappers (PEFT's ParamWrapper per MoE parameter)
+        name = name.replace(".base_layer.", ".")
+    return _SAVED_COPY.sub(".", name)
 
 
 def is_peft(model: nn.Module) -> bool:
@@ -81,11 +83,16 @@ def merged_adapters(model: nn.Module):
 
 def lora_layers(model: nn.Module) -> dict[str, nn.Module] | None:
     """Base-weight parameter name -> its LoRA layer, for adding deltas out of place; None when
-    some active adapter is not a plain `weight + delta` (a variant such as DoRA, or a bias)."""
+    some active adapter is not a plain `weight + delta` (a variant such as DoRA, a bias, LoRA
+    on a parameter)."""
     layers = {}
     for name, module in model.named_modules():
         if not is_lora_layer(module):
             continue
+        if hasattr(module, "parameter_name"):
+            # LoRA on a parameter (PEFT's ParamWrapper: MoE experts' stacked 3-D weights): its
+            # delta has the parameter's layout, not a linear's; PEFT's own merge folds it in.
+            return None
         for a in unmerged_adapters(module):
             if a in getattr(module, "lora_variant", {}) or getattr(module, "lora_bias", {}).get(a):
                 return None

@@ -8,6 +8,7 @@ import pytest
 import torch
 from lora_models import lora_config, peft_model, randomise_b
 from models import tiny_model
+from reference import assert_matches_reference
 from torch import nn
 
 from rollout import Engine, EngineConfig, SamplingParams
@@ -50,8 +51,11 @@ CASES = {
                 "lm_head: the engine holds it as a VocabParallelEmbedding"),
     "embedding": (lambda: peft_model("llama", target_modules=["embed_tokens", "q_proj"]),
                   "LoRA on a Embedding"),
-    "moe-experts": (lambda: peft_model("qwen3_moe", target_modules=["q_proj", "gate_proj",
-                                                                     "up_proj"]), "experts"),
+    # PEFT wraps each stacked expert parameter (nested, with down_proj too).
+    "moe-experts": (lambda: peft_model("qwen3_moe", target_modules=[
+        "q_proj", "gate_proj", "up_proj", "down_proj"]), "experts"),
+    "mixtral-experts": (lambda: peft_model("mixtral", target_modules=["q_proj", "w1", "w3"]),
+                        "experts"),
 }
 
 
@@ -64,7 +68,9 @@ def test_auto_merges_what_unmerged_cannot_serve(case):
     auto = Engine(copy.deepcopy(model), EngineConfig(**CONFIG))
     assert auto.lora_status.startswith("merged: ") and reason in auto.lora_status
     merged = Engine(copy.deepcopy(model), EngineConfig(lora="merged", **CONFIG))
-    assert outputs(auto) == outputs(merged)
+    outs = auto.generate(PROMPT, GREEDY)
+    assert [(s.token_ids, s.logprobs) for o in outs for s in o.samples] == outputs(merged)
+    assert_matches_reference(model, PROMPT, outs)  # what is merged is PEFT's adapter
     with pytest.raises(ValueError, match=f"lora='unmerged': .*{reason}"):
         Engine(model, EngineConfig(lora="unmerged", **CONFIG))
 
