@@ -27,19 +27,11 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
-from workloads import cpu_name  # noqa: E402
-
+from workloads import CHAT_QUESTIONS, cpu_name  # noqa: E402
 from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
 from rollout_recipes.run import smollm2  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-QUESTIONS = ["What is 13 + 7?", "Name three primary colours.",
-             "Write a Python function that reverses a string.",
-             "What is the capital of France?", "Explain recursion in one sentence.",
-             "Give me a haiku about rain.", "Is 17 a prime number? Answer yes or no.",
-             "List the planets of the solar system."]
-
-
 def peft_model(base, rank: int, seed: int = 0):
     import peft
 
@@ -140,7 +132,7 @@ def main() -> None:
 
     texts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                      add_generation_prompt=True)
-             for q in (QUESTIONS * args.prompts)[:args.prompts]]
+             for q in (CHAT_QUESTIONS * args.prompts)[:args.prompts]]
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     step = decode(base, model, tok, config, prompts, args.n, args.steps)
     print(f"decode step ({args.prompts} x {args.n} samples)  plain {step['plain'] * 1e3:.1f} ms"

@@ -20,15 +20,9 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
-from workloads import cpu_name  # noqa: E402
+from workloads import CHAT_QUESTIONS, cpu_name  # noqa: E402
 from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
 from rollout_recipes.run import smollm2  # noqa: E402
-
-QUESTIONS = ["What is 13 + 7?", "Name three primary colours.",
-             "Write a Python function that reverses a string.",
-             "What is the capital of France?", "Explain recursion in one sentence.",
-             "Give me a haiku about rain.", "Is 17 a prime number? Answer yes or no.",
-             "List the planets of the solar system."]
 
 
 @torch.inference_mode()
@@ -54,7 +48,7 @@ def main() -> None:
     model.eval()
     config = EngineConfig(kv_cache_tokens=16384, max_model_len=512, max_num_seqs=128)
     engine = Engine(model, config, tokenizer=tok)
-    convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    convs = [[{"role": "user", "content": q}] for q in CHAT_QUESTIONS]
     outs = engine.chat(convs, SamplingParams(n=args.n, temperature=1.0, seed=0,
                                              max_tokens=args.max_tokens))
     prompts = [list(o.prompt_token_ids) for o in outs for _ in o.samples]

@@ -74,3 +74,11 @@ def cpu_name() -> str:
     except (OSError, StopIteration):
         pass
     return f"{model}, {isa}"
+
+
+# Chat prompts of the real-model benchmarks (bench/score.py, bench/lora.py).
+CHAT_QUESTIONS = ["What is 13 + 7?", "Name three primary colours.",
+                  "Write a Python function that reverses a string.",
+                  "What is the capital of France?", "Explain recursion in one sentence.",
+                  "Give me a haiku about rain.", "Is 17 a prime number? Answer yes or no.",
+                  "List the planets of the solar system."]

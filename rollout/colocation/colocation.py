@@ -145,7 +145,8 @@ class Colocation:
         dtype = model.dtype
         moved, resharding = 0, ReshardStats()
         try:
-            if self.lora is not None and self.lora.attach(plan) and self.stack.graphs is not None:
+            if (self.lora is not None and self.lora.attach(plan, self.stack.backend)
+                    and self.stack.graphs is not None):
                 self.stack.graphs.release()  # captured with the projections' old adapters
             parts = rank_parts(named, model.rank_parts(shapes), dtype, bucket_bytes, resharding)
             checked = Checked()

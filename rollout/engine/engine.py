@@ -71,9 +71,9 @@ class Engine(ColocationCalls):
         self.journal = Journal()
         self.stack = ModelStack(self.model, config, pool_slots(self.model, config, dtype, device),
                                 device, self.journal)
-        self.lora.backend = self.stack.backend
-        if adapter is not None:  # on the projections as the stack's backend set them up
-            self.lora.attach(adapter)
+        # On the projections as the stack's backend set them up (none: a plain or merged model).
+        self.lora.attach(adapter, self.stack.backend)
+        if adapter is not None:
             self.lora.copy(adapter)
             self.lora.remember(adapter)
             self.model.pack_weights()

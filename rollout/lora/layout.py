@@ -77,12 +77,11 @@ def blocks_of(module: Projection) -> tuple[LoraBlock, ...] | None:
     return getattr(module, LORA_MODULE).blocks if module.lora_active else None
 
 
-def attach(model, layout: Layout, backend=None) -> bool:
+def attach(model, layout: Layout, backend) -> bool:
     """Make every projection hold the blocks `layout` gives it (none if absent), each delta
-    the implementation `backend` (the engine's, rollout/ops/backend.py; None: torch) chooses;
-    whether any projection changed (captured CUDA graphs are then stale)."""
-    choice = "torch" if backend is None else backend.choose(
-        lora_implementations(backend.pack_weights), LORA_DTYPE)
+    the implementation `backend` (the engine's, rollout/ops/backend.py) chooses; whether any
+    projection changed (captured CUDA graphs are then stale)."""
+    choice = backend.choose(lora_implementations(backend.pack_weights), LORA_DTYPE)
     changed = False
     for path, module in model.named_modules():
         if not isinstance(module, (MergedLinear, RowParallelLinear)):

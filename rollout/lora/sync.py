@@ -52,21 +52,20 @@ def _key(param: torch.nn.Parameter) -> tuple:
 class LoraSync:
     def __init__(self, model, mode: str) -> None:
         self.model, self.mode = model, mode
-        # How the last source was served: "unmerged", "merged: <why>" or None (not a PEFT
-        # model, or lora="merged").
+        # How the source of the last sync that took effect is served: "unmerged", "merged:
+        # <why>" or None (not a PEFT model, or lora="merged"); set when that sync changes what
+        # the projections hold (attach), so a sync refused before has left it as it was.
         self.status: str | None = None
+        self._next_status: str | None = None  # the planned sync's, until it attaches
         self._copied: dict[str, tuple] = {}  # HF name -> _key of the frozen tensor copied
         self._placed: tuple[tuple, Layout] | None = None  # _place's last (key, layout)
-        # The engine's backend (set once its model stack is built): which implementation of
-        # the delta an attached adapter runs.
-        self.backend = None
 
     def plan(self, source) -> SyncPlan | None:
         """What a sync from `source` copies, checked from metadata; None when it is not
         served unmerged (the caller reads it merged). ValueError for a bad adapter, and for
         one that cannot be served unmerged when the mode is "unmerged"."""
         if self.mode == "merged" or not is_peft_lora(source):
-            self.status = None
+            self._next_status = None
             return None
         try:
             layers, base = read_source(source)
@@ -75,7 +74,7 @@ class LoraSync:
             if self.mode == "unmerged":
                 raise ValueError(f"lora='unmerged': {e}; it cannot be served unmerged (lora="
                                  f"'auto' or 'merged' merges it into the weights)") from None
-            self.status = f"merged: {e}"
+            self._next_status = f"merged: {e}"
             return None
         send = []
         for name, param in base:
@@ -96,12 +95,14 @@ class LoraSync:
         return {path: tuple(dataclasses.replace(p, source=by_name[p.source.name]) for p in placed)
                 for path, placed in self._placed[1].items()}
 
-    def attach(self, plan: SyncPlan | None) -> bool:
-        """The projections hold the plan's adapter (none without a plan); whether that changed
-        any (captured CUDA graphs are then stale)."""
+    def attach(self, plan: SyncPlan | None, backend) -> bool:
+        """The projections hold the plan's adapter (none without a plan), its delta the
+        implementation the engine's `backend` chooses; whether that changed any (captured CUDA
+        graphs are then stale)."""
         if plan is None:
             self.forget()
-        return attach(self.model, {} if plan is None else plan.layout, self.backend)
+            self.status = self._next_status
+        return attach(self.model, {} if plan is None else plan.layout, backend)
 
     def copy(self, plan: SyncPlan) -> int:
         """Copy the plan's adapter into the attached projections, verified as a whole

@@ -86,6 +86,22 @@ def test_an_unmerged_engine_refuses_such_a_sync_and_keeps_serving():
     assert engine.update_weights(model)["adapter_only"]
 
 
+def test_a_refused_sync_leaves_what_is_served_and_its_status():
+    """A plain model (or a DoRA one under "auto") refused from its metadata changes neither
+    the adapter the projections hold nor Engine.lora_status."""
+    model = peft_model("qwen2")
+    engine = Engine(model, EngineConfig(**CONFIG))
+    want = outputs(engine)
+    wrong = tiny_model("qwen2", hidden_size=32)  # shapes the engine's weights do not have
+    dora = peft.get_peft_model(tiny_model("qwen2", hidden_size=32),
+                               lora_config("qwen2", use_dora=True))
+    for source in (wrong, dora):
+        with pytest.raises(ValueError, match="shape"):
+            engine.update_weights(source)
+        assert engine.lora_status == "unmerged" and not engine.needs_weights
+        assert outputs(engine) == want
+
+
 def swap(model, path: str, tensor: torch.Tensor) -> None:
     module, name = path.rsplit(".", 1)
     setattr(model.get_submodule(module), name, nn.Parameter(tensor))

@@ -65,6 +65,10 @@ class LoraWeights(nn.Module):
                  device: torch.device, implementation: str = "torch") -> None:
         super().__init__()
         self.blocks, self.implementation = blocks, implementation
+        # Each block's first column of B (row of A), and the largest block's rows and rank (the
+        # Triton grid's): fixed with the blocks, so worked out here, not per forward.
+        self.columns = tuple(sum(b.rank for b in blocks[:i]) for i in range(len(blocks)))
+        self.max_rows, self.max_rank = max(b.rows for b in blocks), max(b.rank for b in blocks)
         rank = sum(b.rank for b in blocks)
         self.a = nn.Parameter(torch.zeros(rank, in_features, dtype=LORA_DTYPE, device=device),
                               requires_grad=False)
@@ -84,7 +88,7 @@ class LoraWeights(nn.Module):
         self.panels = [SmallPanels() for _ in range(len(blocks) + 1)] if native else None
         triton = implementation == "triton"
         self.register_buffer("block_rows", torch.tensor(
-            [[b.row, b.rows, col] for b, col in zip(blocks, self._columns())],
+            [[b.row, b.rows, col] for b, col in zip(blocks, self.columns)],
             dtype=torch.int32, device=device) if triton else None, persistent=False)
         self.register_buffer("block_ranks", torch.tensor(
             [b.rank for b in blocks], dtype=torch.int32, device=device) if triton else None,
@@ -93,19 +97,11 @@ class LoraWeights(nn.Module):
             [b.scale for b in blocks], dtype=LORA_DTYPE, device=device) if triton else None,
             persistent=False)
 
-    def _columns(self) -> list[int]:
-        """Each block's first column of B (row of A)."""
-        cols, col = [], 0
-        for blk in self.blocks:
-            cols.append(col)
-            col += blk.rank
-        return cols
-
     def block_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(A rows, B block) of each block, views into `a` and `b`, in block order."""
         return [(self.a.narrow(0, col, blk.rank),
                  self.b.narrow(0, blk.row, blk.rows).narrow(1, col, blk.rank))
-                for blk, col in zip(self.blocks, self._columns())]
+                for blk, col in zip(self.blocks, self.columns)]
 
     def add_to(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y + the adapter's delta for input x (y: the base projection of x)."""
@@ -127,11 +123,10 @@ class LoraWeights(nn.Module):
     def _add_native(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         shrunk = self.panels[0].linear(x, self.a, None).reshape(out.shape[0], -1)
         acc = out if out.dtype == LORA_DTYPE else out.to(LORA_DTYPE)
-        col = 0
-        for blk, panel, (_, b) in zip(self.blocks, self.panels[1:], self.block_views()):
+        for blk, col, panel, (_, b) in zip(self.blocks, self.columns, self.panels[1:],
+                                           self.block_views()):
             native_linear.linear_add(shrunk[:, col:col + blk.rank], panel.refresh(b),
                                      acc[:, blk.row:blk.row + blk.rows], blk.scale)
-            col += blk.rank
         return acc if acc is out else acc.to(out.dtype)
 
     def _add_triton(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -139,8 +134,7 @@ class LoraWeights(nn.Module):
 
         shrunk = lora_shrink(x if x.stride(-1) == 1 else x.contiguous(), self.a)
         lora_expand_add(shrunk, self.b, out, self.block_rows, self.block_ranks,
-                        self.block_scales, max(b.rows for b in self.blocks),
-                        max(b.rank for b in self.blocks))
+                        self.block_scales, self.max_rows, self.max_rank)
         return out
 
     # Derived panels, as CausalLM handles a projection's packed weights (base.py).
