@@ -18,6 +18,11 @@ and `w_down[e]` [H, I]:
 4. combine: y.view(T, k, H) summed over k in fp32, in a fixed order: no atomics, so a token's
    output does not depend on which other tokens share its experts.
 
+An unmerged LoRA adapter on gate-up or down (rollout/models/layers/expert_lora.py) is two more
+grouped GEMMs over the same sorted pairs (`_pair_matmul_kernel`: the shrink by the pair's
+expert's A, the expand by its B, fp32), whose delta per pair the gate-up or down kernel adds to
+its accumulator before rounding.
+
 Rounding points, the same as the torch path it is tested against (rollout/models/layers/moe.py
 moe_torch, tests/kernels/test_kernels_fused_moe.py) and as transformers' experts: gate, up, h and each
 down projection are rounded to the model dtype, and so is each weighted contribution; the k
@@ -80,11 +85,11 @@ def _expert_matmul(a, a_rows, stride_a, valid, w_e, stride_wn, stride_wk, n, n_o
 
 
 @triton.jit
-def _gate_up_kernel(x, w, h, sorted_pairs, block_expert, num_pairs,
-                    stride_xt, stride_we, stride_wn, stride_wk, stride_ht,
+def _gate_up_kernel(x, w, h, delta, sorted_pairs, block_expert, num_pairs,
+                    stride_xt, stride_we, stride_wn, stride_wk, stride_ht, stride_dt,
                     TOP_K: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr,
-                    ACT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    ACT: tl.constexpr, HAS_DELTA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     e = tl.load(block_expert + tl.program_id(0)).to(tl.int64)
     if e < 0:
         return
@@ -92,6 +97,11 @@ def _gate_up_kernel(x, w, h, sorted_pairs, block_expert, num_pairs,
     acc_gate, acc_up = _expert_matmul(x, pair // TOP_K, stride_xt, valid, w + e * stride_we,
                                       stride_wn, stride_wk, n, n_ok, HIDDEN, INTER,
                                       DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    if HAS_DELTA:  # a LoRA adapter's gate and up deltas, fp32 [T*k, 2I], before the rounding
+        d = delta + pair[:, None] * stride_dt + n[None, :]
+        ok = valid[:, None] & n_ok[None, :]
+        acc_gate += tl.load(d, mask=ok, other=0.0)
+        acc_up += tl.load(d + INTER, mask=ok, other=0.0)
     dtype = h.dtype.element_ty
     gate = acc_gate.to(dtype).to(tl.float32)
     up = acc_up.to(dtype).to(tl.float32)
@@ -102,20 +112,64 @@ def _gate_up_kernel(x, w, h, sorted_pairs, block_expert, num_pairs,
 
 
 @triton.jit
-def _down_kernel(h, w, y, weights, sorted_pairs, block_expert, num_pairs,
-                 stride_ht, stride_we, stride_wn, stride_wk, stride_yt,
-                 HIDDEN: tl.constexpr, INTER: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _down_kernel(h, w, y, weights, delta, sorted_pairs, block_expert, num_pairs,
+                 stride_ht, stride_we, stride_wn, stride_wk, stride_yt, stride_dt,
+                 HIDDEN: tl.constexpr, INTER: tl.constexpr, HAS_DELTA: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
     e = tl.load(block_expert + tl.program_id(0)).to(tl.int64)
     if e < 0:
         return
     pair, valid, n, n_ok = _tile(sorted_pairs, num_pairs, HIDDEN, BLOCK_M, BLOCK_N)
     acc, _ = _expert_matmul(h, pair, stride_ht, valid, w + e * stride_we, stride_wn, stride_wk,
                             n, n_ok, INTER, 0, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    if HAS_DELTA:  # a LoRA adapter's down delta, fp32 [T*k, H], before the rounding
+        acc += tl.load(delta + pair[:, None] * stride_dt + n[None, :],
+                       mask=valid[:, None] & n_ok[None, :], other=0.0)
     dtype = y.dtype.element_ty
     weight = tl.load(weights + pair, mask=valid, other=0.0)
     out = (acc.to(dtype).to(tl.float32) * weight[:, None]).to(dtype)
     tl.store(y + pair[:, None] * stride_yt + n[None, :], out, mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _pair_matmul_kernel(a, w, out, sorted_pairs, block_expert, num_pairs, scale,
+                        stride_at, stride_we, stride_wn, stride_wk, stride_ot,
+                        ROWS_PER_A: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[p] = scale * a[p // ROWS_PER_A] @ w[e]^T for each pair p of expert e, fp32: a LoRA
+    adapter's shrink (a: tokens, w: A [E, r, in]) or expand (a: the shrunk pairs, w: B
+    [E, out, r]) as a grouped GEMM over the same sorted pairs as the experts."""
+    e = tl.load(block_expert + tl.program_id(0)).to(tl.int64)
+    if e < 0:
+        return
+    pair, valid, n, n_ok = _tile(sorted_pairs, num_pairs, N, BLOCK_M, BLOCK_N)
+    acc, _ = _expert_matmul(a, pair // ROWS_PER_A, stride_at, valid, w + e * stride_we,
+                            stride_wn, stride_wk, n, n_ok, K, 0, "ieee", BLOCK_M, BLOCK_N,
+                            BLOCK_K)
+    tl.store(out + pair[:, None] * stride_ot + n[None, :], acc * scale,
+             mask=valid[:, None] & n_ok[None, :])
+
+
+def _lora_delta(rows: torch.Tensor, rows_per_row: int, factors, sorted_pairs: torch.Tensor,
+                block_expert: torch.Tensor, num_pairs: int, block_m: int, block_n: int,
+                block_k: int, warps: int) -> torch.Tensor:
+    """fp32 [T*k, out]: each pair's s * (row A_e^T) B_e^T, its row rows[p // rows_per_row]."""
+    a, b, scale = factors
+    rank, out_features = a.shape[1], b.shape[1]
+    rows = rows.float().contiguous()
+    tile_r = min(64, max(16, triton.next_power_of_2(rank)))  # tl.dot takes 16 at least
+    shrunk = torch.empty(num_pairs, rank, dtype=torch.float32, device=rows.device)
+    delta = torch.empty(num_pairs, out_features, dtype=torch.float32, device=rows.device)
+    num_blocks = block_expert.numel()
+    for src, w, dst, per, k, n, bn, bk, s in (
+            (rows, a, shrunk, rows_per_row, a.shape[2], rank, tile_r, block_k, 1.0),
+            (shrunk, b, delta, 1, rank, out_features, block_n, tile_r, scale)):
+        _pair_matmul_kernel[(num_blocks, triton.cdiv(n, bn))](
+            src, w, dst, sorted_pairs, block_expert, num_pairs, s, src.stride(0), w.stride(0),
+            w.stride(1), w.stride(2), dst.stride(0), ROWS_PER_A=per, K=k, N=n, BLOCK_M=block_m,
+            BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+    return delta
 
 
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int
@@ -157,9 +211,10 @@ def _config(num_pairs: int, num_experts: int, on_gpu: bool) -> tuple[int, int, i
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              activation: str = "silu") -> torch.Tensor:
+              activation: str = "silu", lora=None) -> torch.Tensor:
     """x [T, H]; w_gate_up [E, 2I, H]; w_down [E, H, I]; topk_weights [T, k] (fp32);
-    topk_ids [T, k] (ints in [0, E)). Returns [T, H] in x's dtype."""
+    topk_ids [T, k] (ints in [0, E)); `lora`: (gate-up's, down's) LoRA adapter (A [E, r, in],
+    B [E, out, r], scale), fp32, either None. Returns [T, H] in x's dtype."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"fused_moe: activation must be one of {ACTIVATIONS}, got "
                          f"{activation!r}")
@@ -182,15 +237,21 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
     weights = topk_weights.reshape(-1).float().contiguous()
     # fp32 inputs would otherwise be rounded to tf32 on the GPU.
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    gate_up_lora, down_lora = lora or (None, None)
+    tiles = (sorted_pairs, block_expert, num_pairs, block_m, block_n, block_k, warps)
+    delta = None if gate_up_lora is None else _lora_delta(x, top_k, gate_up_lora, *tiles)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
-        x, w_gate_up, h, sorted_pairs, block_expert, num_pairs,
+        x, w_gate_up, h, h if delta is None else delta, sorted_pairs, block_expert, num_pairs,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), w_gate_up.stride(2), h.stride(0),
-        TOP_K=top_k, HIDDEN=hidden, INTER=inter, ACT=activation, DOT_PRECISION=precision,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+        0 if delta is None else delta.stride(0), TOP_K=top_k, HIDDEN=hidden, INTER=inter,
+        ACT=activation, HAS_DELTA=delta is not None, DOT_PRECISION=precision, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+    delta = None if down_lora is None else _lora_delta(h, 1, down_lora, *tiles)
     _down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
-        h, w_down, y, weights, sorted_pairs, block_expert, num_pairs,
-        h.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), y.stride(0),
-        HIDDEN=hidden, INTER=inter, DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n,
+        h, w_down, y, weights, y if delta is None else delta, sorted_pairs, block_expert,
+        num_pairs, h.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2),
+        y.stride(0), 0 if delta is None else delta.stride(0), HIDDEN=hidden, INTER=inter,
+        HAS_DELTA=delta is not None, DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, num_warps=warps)
     return y.view(num_tokens, top_k, hidden).float().sum(1).to(x.dtype)
 

@@ -7,6 +7,13 @@ version counters), and each frozen base weight only if it is not the very tensor
 version, that the engine last copied: so after the first sync only the adapter crosses. What
 was copied is remembered only once a sync completes; a sync that fails (or an engine that lost
 its weights at sleep(2)) forgets it all, so the next sync copies the base again.
+
+A weight PEFT adapts as a parameter (`target_parameters`: the MoE experts' stacks) is compared
+by its bits instead of its version (checksum.bit_sum, one read of it on its device): PEFT's
+forward puts a parametrization on it and takes it off, and torch's register_parametrization
+sets the tensor to itself, which bumps its version at every forward without changing a value.
+A write that keeps the sum of its 32-bit words (a permutation of its values) is not seen
+there.
 """
 
 from __future__ import annotations
@@ -18,10 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..colocation.checksum import copy_all_verified
+from ..colocation.checksum import bit_sum, copy_all_verified
 from ..colocation.weights import check_tensor
-from ..models.base import LORA_MODULE
-from .layout import Layout, attach, copies, place
+from .layout import Layout, attach, copies, held, place
 from .source import SourceLora, Unsupported, is_peft_lora, read_source
 
 
@@ -31,6 +37,7 @@ class SyncPlan:
     # (HF name, parameter) of the base weights this sync copies, and of all of them.
     send: list[tuple[str, torch.nn.Parameter]]
     base: list[tuple[str, torch.nn.Parameter]]
+    keys: dict[str, tuple]  # HF name -> _key of each frozen base weight, at planning
 
     @property
     def shapes(self) -> list[tuple[str, torch.Size]]:
@@ -45,8 +52,9 @@ class SyncPlan:
         return len(self.send) < len(self.base)
 
 
-def _key(param: torch.nn.Parameter) -> tuple:
-    return weakref.ref(param), param._version, param.data_ptr()
+def _key(param: torch.nn.Parameter, by_bits: bool) -> tuple:
+    state = int(bit_sum(param.detach())) if by_bits else param._version
+    return weakref.ref(param), state, param.data_ptr()
 
 
 class LoraSync:
@@ -76,23 +84,27 @@ class LoraSync:
                                  f"'auto' or 'merged' merges it into the weights)") from None
             self._next_status = f"merged: {e}"
             return None
-        send = []
+        send, keys = [], {}
+        parametrized = {layer.weight for layer in layers if layer.parametrized}
         for name, param in base:
             check_tensor(name, param)
+            if not param.requires_grad:
+                keys[name] = _key(param, name in parametrized)
             last = self._copied.get(name)
             if (param.requires_grad or last is None or last[0]() is not param
-                    or last[1:] != _key(param)[1:]):
+                    or last[1:] != keys[name][1:]):
                 send.append((name, param))
-        return SyncPlan(layout, send, base)
+        return SyncPlan(layout, send, base, keys)
 
     def _place(self, layers: list[SourceLora]) -> Layout:
         """place(), reused while the adapter's names, shapes and scales stay those it was
         computed for (every sync of a training run): only the source tensors are new."""
-        key = tuple((x.name, x.base_shape, x.a.shape, x.b.shape, x.scale) for x in layers)
+        key = tuple((x.weight, x.base_shape, x.a.shape, x.b.shape, x.scale) for x in layers)
         if self._placed is None or self._placed[0] != key:
             self._placed = key, place(self.model, layers)
-        by_name = {x.name: x for x in layers}
-        return {path: tuple(dataclasses.replace(p, source=by_name[p.source.name]) for p in placed)
+        by_weight = {x.weight: x for x in layers}
+        return {path: tuple(dataclasses.replace(p, source=by_weight[p.source.weight])
+                            for p in placed)
                 for path, placed in self._placed[1].items()}
 
     def attach(self, plan: SyncPlan | None, backend) -> bool:
@@ -110,16 +122,12 @@ class LoraSync:
         # A full sync follows a sleep(2) or a failed copy: what B holds between blocks is then
         # unknown. After a complete sync, only copies into the blocks ever write it.
         pairs = list(copies(self.model, plan.layout, clear=not plan.adapter_only))
-        covers = []
-        for path in plan.layout:
-            lora = getattr(self.model.get_submodule(path), LORA_MODULE)
-            covers += [lora.a, lora.b]
-        copy_all_verified(pairs, covers)
+        copy_all_verified(pairs, held(self.model, plan.layout))
         return sum(src.numel() * src.element_size() for _, _, src in pairs)
 
     def remember(self, plan: SyncPlan) -> None:
         """After a complete sync: the frozen weights are the engine's now."""
-        self._copied = {name: _key(p) for name, p in plan.base if not p.requires_grad}
+        self._copied = dict(plan.keys)
         self.status = "unmerged"
 
     def forget(self) -> None:

@@ -23,18 +23,31 @@ def routing(num_tokens: int, num_experts: int, top_k: int, gen: torch.Generator,
     return (weights / weights.sum(-1, keepdim=True)).to(DEVICE), pool[picks].to(DEVICE)
 
 
+def adapter(num_experts, out_features, in_features, rank, gen):
+    """A LoRA adapter on a stacked expert parameter: (A [E, r, in], B [E, out, r], scale)."""
+    if rank is None:
+        return None
+    a = torch.randn(num_experts, rank, in_features, generator=gen) / in_features ** 0.5
+    b = torch.randn(num_experts, out_features, rank, generator=gen) / rank ** 0.5
+    return a.to(DEVICE), b.to(DEVICE), 0.7
+
+
 def check(num_tokens, num_experts, top_k, hidden, inter, dtype, experts=None,
-          activation="silu", seed=0):
+          activation="silu", seed=0, ranks=(None, None)):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(num_tokens, hidden, generator=gen).to(DEVICE, dtype)
     w_gate_up = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5)
     w_down = (torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5)
     w_gate_up, w_down = w_gate_up.to(DEVICE, dtype), w_down.to(DEVICE, dtype)
     weights, ids = routing(num_tokens, num_experts, top_k, gen, experts)
-    got = fused_moe(x, w_gate_up, w_down, weights, ids, activation)
-    ref = moe_torch(x, w_gate_up, w_down, weights, ids, activation)
+    lora = (adapter(num_experts, 2 * inter, hidden, ranks[0], gen),
+            adapter(num_experts, hidden, inter, ranks[1], gen))
+    lora = None if lora == (None, None) else lora
+    got = fused_moe(x, w_gate_up, w_down, weights, ids, activation, lora)
+    ref = moe_torch(x, w_gate_up, w_down, weights, ids, activation, lora)
     assert got.dtype == dtype and got.shape == x.shape
     torch.testing.assert_close(got.float(), ref.float(), atol=ATOL[dtype], rtol=ATOL[dtype])
+    return x, w_gate_up, w_down, weights, ids, lora, ref
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -64,6 +77,26 @@ def test_gelu_activation_and_no_tokens():
     assert fused_moe(x, w_gate_up, w_down, empty, empty.long()).shape == (0, 32)
     with pytest.raises(ValueError, match="activation"):
         fused_moe(x, w_gate_up, w_down, empty, empty.long(), "relu")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ranks", [(4, 8), (16, None), (None, 1), (24, 40)],
+                         ids=["both", "gate-up", "down-rank-1", "ranks-past-a-tile"])
+def test_lora_on_the_experts(dtype, ranks):
+    """An unmerged LoRA adapter's delta (kernels' grouped shrink and expand, moe_torch's per
+    expert matmuls) against the experts with the adapter merged into their weights, in fp32."""
+    x, w_gate_up, w_down, weights, ids, lora, ours = check(29, 8, 2, 48, 40, dtype, ranks=ranks)
+    merged = []
+    for w, factors in zip((w_gate_up, w_down), lora):
+        w = w.float()
+        if factors is not None:
+            a, b, scale = factors
+            w = w + scale * torch.bmm(b, a)
+        merged.append(w)
+    ref = moe_torch(x.float(), *merged, weights, ids)
+    assert (ours.float() - moe_torch(x, w_gate_up, w_down, weights, ids).float()).abs().max() \
+        > 50 * ATOL[dtype]  # the adapter matters
+    torch.testing.assert_close(ours.float(), ref, atol=ATOL[dtype], rtol=ATOL[dtype])
 
 
 def test_align_pads_each_experts_run_to_whole_blocks():

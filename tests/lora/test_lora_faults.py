@@ -10,6 +10,7 @@ from models import tiny_model
 
 import rollout.colocation.checksum as checksum
 import rollout.lora.layout as layout
+import rollout.models.layers.moe as moe_layer
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.lora.sync import LoraSync
 
@@ -24,9 +25,15 @@ def outputs(engine):
     return [(s.token_ids, s.logprobs) for o in engine.generate(PROMPT, GREEDY) for s in o.samples]
 
 
-def model_and_engine():
-    model = peft.get_peft_model(tiny_model("qwen2"), lora_config("qwen2"))
-    model.add_adapter("other", lora_config("qwen2", r=8, target_modules=["q_proj", "o_proj"]))
+# The second adapter's targets; on the MoE family PEFT wants every adapter on the same
+# parameters, so "other" adapts the experts too (at another rank: new ExpertLora modules).
+OTHER = {"qwen2": ["q_proj", "o_proj"], "qwen3_moe": ["q_proj", "gate_proj", "up_proj",
+                                                      "down_proj"]}
+
+
+def model_and_engine(family: str = "qwen2"):
+    model = peft.get_peft_model(tiny_model(family), lora_config(family))
+    model.add_adapter("other", lora_config(family, r=8, target_modules=OTHER[family]))
     randomise_b(model, seed=1)
     return model.eval(), Engine(model, EngineConfig(**CONFIG))
 
@@ -54,18 +61,20 @@ def fail_at(call: int, error: type[BaseException]):
 
 
 POINTS = {
-    # (object, attribute, call to fail at, changes the adapter selection first)
-    "attach": (layout, "LoraWeights", 2, True),
-    "copy": (checksum, "_copy", 3, False),
-    "remember": (LoraSync, "remember", 1, False),
+    # (object, attribute, call to fail at, changes the adapter selection first, family)
+    "attach": (layout, "LoraWeights", 2, True, "qwen2"),
+    "attach-experts": (moe_layer, "ExpertLora", 2, True, "qwen3_moe"),
+    "copy": (checksum, "_copy", 3, False, "qwen2"),
+    "copy-experts": (checksum, "_copy", 3, False, "qwen3_moe"),
+    "remember": (LoraSync, "remember", 1, False, "qwen2"),
 }
 
 
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
 @pytest.mark.parametrize("point", POINTS)
 def test_a_failed_sync_leaves_the_engine_exact_after_the_next(point, error, monkeypatch):
-    model, engine = model_and_engine()
-    owner, attr, call, switch = POINTS[point]
+    owner, attr, call, switch, family = POINTS[point]
+    model, engine = model_and_engine(family)
     if switch:
         model.set_adapter("other")  # a new layout: projections get new LoraWeights
     step(model)

@@ -88,6 +88,52 @@ def test_only_targeted_shards_carry_blocks():
     assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, GREEDY))
 
 
+EXPERTS = {"qwen3_moe": ["gate_proj", "up_proj", "down_proj"], "mixtral": ["w1", "w2", "w3"]}
+
+
+@pytest.mark.parametrize("family", EXPERTS)
+def test_the_experts_adapters_match_peft(family):
+    """Only the experts targeted (PEFT's ParamWrapper on the stacked gate_up_proj and
+    down_proj): each stack holds A [E, r, in] and B [E, out, r], read from PEFT's interleaved
+    layout; a wrong expert or rank order would not give PEFT's tokens."""
+    model = peft_model(family, target_modules=EXPERTS[family])
+    engine = Engine(model, EngineConfig(**CONFIG))
+    assert engine.lora_status == "unmerged"
+    experts = engine.model.model.layers[0].mlp.experts
+    assert experts.lora_active and set(experts.lora) == {"gate_up_proj", "down_proj"}
+    assert not engine.model.model.layers[0].self_attn.qkv_proj.lora_active
+    assert greedy_differs_from_base(model, engine)
+    assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, GREEDY))
+    assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, SAMPLED), greedy=False)
+
+
+def test_a_targeted_linear_weight_is_served_as_its_projection_block():
+    """`target_parameters` on a linear's 2-D weight (PEFT's ParamWrapper, delta B A) is a
+    block of our projection like a targeted module."""
+    model = peft_model("qwen3_moe", target_modules=["q_proj"],
+                       target_parameters=["self_attn.k_proj.weight"])
+    engine = Engine(model, EngineConfig(**CONFIG))
+    qkv = engine.model.model.layers[0].self_attn.qkv_proj
+    q, k, _ = qkv.shard_sizes
+    assert [(b.row, b.rows) for b in qkv.lora.blocks] == [(0, q), (q, k)]
+    assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, GREEDY))
+
+
+@pytest.mark.interpreter
+def test_the_triton_experts_serve_the_experts_adapters(monkeypatch):
+    """The Triton experts (kernels/triton/fused_moe.py: grouped shrink and expand, the deltas
+    added before rounding) end to end against PEFT, under TRITON_INTERPRET=1."""
+    from rollout.models.layers import moe as moe_layer
+
+    monkeypatch.setitem(moe_layer.SparseMoE.implementations, "triton",
+                        lambda device, dtype: True)
+    model = peft_model("qwen3_moe")
+    engine = Engine(model, EngineConfig(backend="triton", **CONFIG))
+    assert engine.stack.implementations()["SparseMoE"] == "triton"
+    prompts = PROMPTS[:3]
+    assert_matches_reference(model, prompts, engine.generate(prompts, GREEDY))
+
+
 def bf16_gaps(family: str, seed: int) -> dict[str, float]:
     """Mean |logprob gap| to PEFT's bf16 forward (adapters in float32, PEFT's default) over the
     same sequences, scored by an unmerged and a merged engine."""

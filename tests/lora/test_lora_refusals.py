@@ -51,11 +51,10 @@ CASES = {
                 "lm_head: the engine holds it as a VocabParallelEmbedding"),
     "embedding": (lambda: peft_model("llama", target_modules=["embed_tokens", "q_proj"]),
                   "LoRA on a Embedding"),
-    # PEFT wraps each stacked expert parameter (nested, with down_proj too).
-    "moe-experts": (lambda: peft_model("qwen3_moe", target_modules=[
-        "q_proj", "gate_proj", "up_proj", "down_proj"]), "experts"),
-    "mixtral-experts": (lambda: peft_model("mixtral", target_modules=["q_proj", "w1", "w3"]),
-                        "experts"),
+    # A 2-D targeted parameter the engine holds outside a projection: the MoE router.
+    "router": (lambda: peft_model("qwen3_moe", target_modules=["q_proj"],
+                                  target_parameters=["mlp.gate.weight"]),
+               "mlp.gate: the engine holds it as a Linear"),
 }
 
 
@@ -125,6 +124,28 @@ def test_a_bad_adapter_is_refused_before_any_copy(bad, match):
     linear = model.get_submodule(path)
     old = linear.weight
     linear.weight = nn.Parameter(make(old), requires_grad=False)
+    with pytest.raises(ValueError, match=match):
+        engine.update_weights(model)
+    assert not engine.needs_weights and outputs(engine) == want
+    linear.weight = old
+    assert engine.update_weights(model)["adapter_only"]
+
+
+EXPERTS_A = "base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.default"
+
+
+@pytest.mark.parametrize("rows, match", [(1, "do not share a rank over 8 experts"),
+                                         (8, "do not share a rank")],
+                         ids=["not-a-multiple-of-E", "rank-mismatch"])
+def test_a_bad_expert_adapter_is_refused_before_any_copy(rows, match):
+    """PEFT's expert A holds E*r rows: one row more, or one more rank per expert than B has."""
+    model = peft_model("qwen3_moe")
+    engine = Engine(model, EngineConfig(**CONFIG))
+    want = outputs(engine)
+    linear = model.get_submodule(EXPERTS_A)
+    old = linear.weight
+    linear.weight = nn.Parameter(torch.zeros(old.shape[0] + rows, old.shape[1]),
+                                 requires_grad=False)
     with pytest.raises(ValueError, match=match):
         engine.update_weights(model)
     assert not engine.needs_weights and outputs(engine) == want

@@ -39,7 +39,7 @@ def trainable_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama", "phi3"])
+@pytest.mark.parametrize("family", ["qwen2", "llama", "phi3", "qwen3_moe"])
 def test_syncs_after_optimizer_steps_copy_the_adapter_only(family):
     model = peft_model(family)
     engine = Engine(model, EngineConfig(**CONFIG))
@@ -86,6 +86,25 @@ def test_a_frozen_weight_written_since_the_last_sync_is_sent_again():
     assert result["bytes"] == adapter_bytes(model) + 4 * (down.numel() + gate.numel())
     assert outputs(engine) == outputs(Engine(model, EngineConfig(**CONFIG)))  # read whole
     assert engine.update_weights(model)["bytes"] == adapter_bytes(model)
+
+
+def test_an_expert_stack_is_compared_by_its_bits():
+    """PEFT's forward bumps the version of a parameter it adapts (the MoE experts' stacks)
+    without changing it: not sent again; a write to it is."""
+    model = peft_model("qwen3_moe")
+    engine = Engine(model, EngineConfig(**CONFIG))
+    experts = model.base_model.model.model.layers[1].mlp.experts.get_base_layer()
+    version = experts.down_proj._version
+    with torch.no_grad():
+        model(torch.tensor([PROMPTS[0]]))
+    assert experts.down_proj._version > version
+    assert engine.update_weights(model)["bytes"] == adapter_bytes(model)
+    with torch.no_grad():
+        experts.down_proj[3].mul_(1.5)
+    result = engine.update_weights(model)
+    assert result["adapter_only"]
+    assert result["bytes"] == adapter_bytes(model) + 4 * experts.down_proj.numel()
+    assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, GREEDY))
 
 
 def two_adapters():
@@ -136,9 +155,11 @@ def test_a_plain_engine_takes_the_adapter_at_its_first_peft_sync():
     assert outputs(engine) == outputs(Engine(base, EngineConfig(**CONFIG)))
 
 
-@pytest.mark.parametrize("separate", [False, True], ids=["cpu", "separate-host"])
-def test_sleep_keeps_the_base_and_level_2_is_refilled_by_a_full_sync(separate):
-    model = peft_model("llama")
+@pytest.mark.parametrize("family, separate", [("llama", False), ("llama", True),
+                                              ("qwen3_moe", False)],
+                         ids=["cpu", "separate-host", "experts"])
+def test_sleep_keeps_the_base_and_level_2_is_refilled_by_a_full_sync(family, separate):
+    model = peft_model(family)
     engine = Engine(model, EngineConfig(extra={"separate_host_memory": separate}, **CONFIG))
     want = outputs(engine)
     engine.sleep(1)

@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
-from tp_scenarios import MODELS, run_all
+from tp_scenarios import LORA_MODELS, MODELS, run_all
 
 from rollout import Engine, EngineConfig
 from rollout.parallel import SINGLE, HeadSplit, TensorParallel, split_heads, split_vocab
@@ -60,7 +60,7 @@ def test_tensor_parallel_matches_one_rank(tp, reference, tmp_path):
         elif key.endswith("/drafts"):  # speculation proposed and accepted as on one rank
             assert got[key] == want, f"tp={tp} {key}"
     assert got["spec/draft/drafts"]["accepted"] > 0
-    for name in ("llama_mqa", "phi3", "qwen2_bias"):  # LoRA unmerged on every rank
+    for name in LORA_MODELS:  # LoRA unmerged on every rank
         assert got[f"lora/{name}/unmerged"] and got[f"lora/{name}/adapter_only"]
     # DTensor sources: the same weights as "update/awake", each rank receiving less than a
     # whole-weight gather would bring it ((tp - 1) / tp of the model), in one bucket: one

@@ -5,11 +5,14 @@ from __future__ import annotations
 import torch
 from models import MOE, tiny_model
 
-# Phi-3 stores q/k/v and gate/up fused: PEFT targets the fused linears. MoE experts are 3-D
-# parameters, served merged only: their attention is targeted.
+# Phi-3 stores q/k/v and gate/up fused: PEFT targets the fused linears. On the MoE families
+# PEFT turns the experts' module names into `target_parameters` (the stacked gate_up_proj and
+# down_proj, a ParamWrapper each, nested).
 DENSE = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 TARGETS = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
-           **{f: ["q_proj", "k_proj", "v_proj", "o_proj"] for f in MOE}}
+           "mixtral": [*ATTENTION, "w1", "w2", "w3"]}
+assert set(MOE) == {"qwen3_moe", "mixtral"}  # qwen3_moe: DENSE's names
 
 
 def lora_config(family: str = "qwen2", **lora):

@@ -54,6 +54,10 @@ MODELS = {
 }
 
 
+# The LoRA scenario's models (its adapters' targets as lora_models.TARGETS gives them).
+LORA_MODELS = ("llama_mqa", "phi3", "qwen2_bias", "qwen3_moe", "mixtral")
+
+
 def _samples(outs) -> list:
     return [[(s.token_ids, s.logprobs) for s in o.samples] for o in outs]
 
@@ -165,14 +169,15 @@ def _colocation(cfg: dict) -> dict:
 
 
 def _lora(cfg: dict) -> dict:
-    """PEFT LoRA served unmerged (every projection targeted): column-parallel blocks hold the
-    rank's rows of B, row-parallel ones its columns of A; then an adapter-only sync."""
+    """PEFT LoRA served unmerged (every projection targeted, and the MoE experts' stacks):
+    column-parallel blocks hold the rank's rows of B, row-parallel ones its columns of A (the
+    experts' gate-up its rows of B, their down its columns of A); then an adapter-only sync."""
     import peft
     from lora_models import DENSE, TARGETS, randomise_b
 
     out = {}
-    for name in ("llama_mqa", "phi3", "qwen2_bias"):
-        family = "phi3" if name == "phi3" else "llama"
+    for name in LORA_MODELS:
+        family = name if name in TARGETS else "llama"
         lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
                                target_modules=TARGETS.get(family, DENSE))
         model = peft.get_peft_model(MODELS[name](0), lora)

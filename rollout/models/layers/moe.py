@@ -14,7 +14,8 @@
   rollout/requests/outputs.py Sample.routed_experts).
 - the experts themselves run as the engine's backend chooses (rollout/ops/backend.py):
   `moe_torch` below (the reference, and every backend off CUDA) or the Triton kernel
-  (kernels/triton/fused_moe.py, on CUDA).
+  (kernels/triton/fused_moe.py, on CUDA), with an unmerged LoRA adapter's delta where one is
+  attached (layers/expert_lora.py).
 """
 
 from __future__ import annotations
@@ -29,7 +30,11 @@ from transformers.activations import ACT2FN
 
 from ...ops.op import Dispatched, always, on_cuda
 from ...parallel import Concat, Slice, all_reduce, current, even_split
-from ..base import ROUTED_EXPERTS
+from ..base import LORA_MODULE, ROUTED_EXPERTS
+from .expert_lora import ExpertBlock, ExpertLora, add_expert_delta
+
+# (gate-up's, down's) adapter factors (A, B, scale), either None: ExpertLora.factors
+ExpertFactors = tuple[tuple[torch.Tensor, torch.Tensor, float] | None, ...]
 
 
 @dataclass(frozen=True)
@@ -53,10 +58,14 @@ def route(logits: torch.Tensor, options: RouterOptions) -> tuple[torch.Tensor, t
 
 def moe_torch(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              activation: str = "silu") -> torch.Tensor:
+              activation: str = "silu", lora: ExpertFactors | None = None) -> torch.Tensor:
     """The experts in torch, one batched matmul pair per expert that any token chose (as
     transformers' eager experts): x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I],
-    topk_weights [T, k] fp32, topk_ids [T, k]. Same rounding points as kernels/triton/fused_moe.py."""
+    topk_weights [T, k] fp32, topk_ids [T, k]; `lora`: the (A, B, scale) of an adapter on
+    gate-up and on down, either None (layers/expert_lora.py). Same rounding points as
+    kernels/triton/fused_moe.py, but for an adapter's delta, added here to the rounded base
+    projection (the kernel adds it before its one rounding)."""
+    gate_up_lora, down_lora = lora or (None, None)
     num_tokens, top_k = topk_ids.shape
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -71,8 +80,11 @@ def moe_torch(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
         pairs = order[start:start + count]
         start += count
         tokens = pairs // top_k
-        gate, up = F.linear(x[tokens], w_gate_up[expert]).chunk(2, dim=-1)
-        down = F.linear(act(gate) * up, w_down[expert])
+        rows = x[tokens]
+        gate_up = add_expert_delta(F.linear(rows, w_gate_up[expert]), rows, gate_up_lora, expert)
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = act(gate) * up
+        down = add_expert_delta(F.linear(h, w_down[expert]), h, down_lora, expert)
         out.index_add_(0, tokens, (down.float() * weights[pairs, None]).to(x.dtype).float())
     return out.to(x.dtype)
 
@@ -97,6 +109,34 @@ class StackedExperts(nn.Module):
         # Negative dims: the same cut for one expert's tensor and for all of them stacked.
         self._rows = Slice(-2, start, local, intermediate_size)
         self._cols = Slice(-1, start, local, intermediate_size)
+
+    lora_active = False  # an unmerged LoRA adapter is attached (rollout/lora/layout.py)
+
+    def lora_blocks(self) -> tuple[ExpertBlock, ...] | None:
+        if not self.lora_active:
+            return None
+        return tuple(m.block for m in getattr(self, LORA_MODULE).values())
+
+    def attach_lora(self, blocks: tuple[ExpertBlock, ...]) -> None:
+        """Hold an adapter on each of `blocks`' parameters (zeros until copied), or none."""
+        self.lora_active = False  # before the adapter goes: never half attached in a forward
+        if hasattr(self, LORA_MODULE):
+            delattr(self, LORA_MODULE)
+        if blocks:
+            held = {}
+            for block in blocks:
+                weight = getattr(self, block.attr)
+                held[block.attr] = ExpertLora(self.num_experts, weight.shape[1], weight.shape[2],
+                                              block, weight.device)
+            setattr(self, LORA_MODULE, nn.ModuleDict(held))
+            self.lora_active = True
+
+    def lora_factors(self) -> ExpertFactors | None:
+        if not self.lora_active:
+            return None
+        held = getattr(self, LORA_MODULE)
+        return tuple(held[attr].factors() if attr in held else None
+                     for attr in ("gate_up_proj", "down_proj"))
 
     def tp_slice(self, attr: str, shard: int | None) -> Slice | Concat | None:
         if self.tp.size == 1:
@@ -133,5 +173,5 @@ class SparseMoE(Dispatched, nn.Module):
         weights, ids = route(F.linear(x, self.gate.weight), self.options)
         ctx.store_slot_values(ROUTED_EXPERTS, self.moe_index, ids)
         out = experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
-                      self.activation)
+                      self.activation, self.experts.lora_factors())
         return all_reduce(out, self.experts.tp)  # each rank's part of every expert's down
