@@ -135,15 +135,17 @@ def test_carried_groups_resume_on_cuda(cuda_graphs):
     engine.check_invariants()
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
 @pytest.mark.parametrize("cuda_graphs", [False, True])
-def test_lora_unmerged_on_cuda(cuda_graphs):
-    """The Triton shrink and expand (kernels/triton/lora.py) in the engine, graphed decode
-    included: PEFT's forward within the GPU bound, and an adapter-only sync followed by the
-    graphs (replayed on the new A and B, copied in place)."""
+def test_lora_unmerged_on_cuda(cuda_graphs, family):
+    """The Triton shrink and expand (kernels/triton/lora.py; on the MoE experts the grouped
+    ones of kernels/triton/fused_moe.py) in the engine, graphed decode included: PEFT's
+    forward within the GPU bound, and an adapter-only sync followed by the graphs (replayed on
+    the new A and B, copied in place)."""
     pytest.importorskip("peft")
     from lora_models import adapter_bytes, peft_model, randomise_b
 
-    model = peft_model("llama").cuda()
+    model = peft_model(family).cuda()
     engine = cuda_engine(model, cuda_graphs=cuda_graphs)
     assert engine.lora_status == "unmerged"
     assert engine.stack.implementations()["lora"] == "triton"
