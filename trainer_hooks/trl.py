@@ -53,6 +53,7 @@ from trl import GRPOTrainer
 from rollout import EngineConfig
 
 from .trl_rollout import EngineGeneration, EngineRollout, build_engine, make_rollout_func
+from .trl_support import on_support_logps
 
 __all__ = ["EngineGeneration", "RolloutGRPOTrainer", "make_rollout_func"]
 
@@ -98,7 +99,9 @@ class RolloutGRPOTrainer(GRPOTrainer):
         """`ref_model`: the frozen reference for the KL term (beta > 0). TRL itself reloads one
         from the policy's config path, which an in-memory model lacks (built from a config:
         TRL fails) or no longer matches (warm-started or edited after loading).
-        `importance_ratio`: "untruncated" or "full_policy" (trl_rollout.EngineRollout)."""
+        `importance_ratio`: "untruncated", "full_policy" or "on_support"
+        (trl_rollout.EngineRollout; "on_support": the policy's logprobs renormalised on each
+        token's sampled support, trl_support.py; single turns only)."""
         if ref_model is not None and isinstance(model, str):
             raise ValueError("ref_model: pass the policy as a module too (TRL loads the "
                              "reference of a model given by name from that name)")
@@ -121,6 +124,10 @@ class RolloutGRPOTrainer(GRPOTrainer):
         # Built now so a bad EngineConfig fails here, not mid-training, and, for a
         # tensor-parallel engine, at the same point on every rank; asleep until used.
         self.engine = self.rollout.setup(self, synced=False)
+        if self.tools and importance_ratio == "on_support":
+            raise ValueError("importance_ratio='on_support': tool and environment turns put "
+                             "tokens the engine did not sample into the completion; use "
+                             "'untruncated' or 'full_policy'")
         if self.tools and self.engine.tp.size > 1:
             raise ValueError("tools / environment_factory: need tensor_parallel_size 1 (the "
                              "ranks of one engine must run the same turns, and each rank's "
@@ -133,6 +140,20 @@ class RolloutGRPOTrainer(GRPOTrainer):
             # TRL checks this in __init__, where use_vllm was still False.
             raise ValueError("vllm_importance_sampling_mode: loss_type='vespo' needs "
                              "'token_truncate' or 'token_mask'")
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask,
+                                           logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False,
+                                           **multimodal):
+        # The policy and the reference (its KL term) alike: both on the sampled support.
+        if self.rollout.importance_ratio != "on_support":
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                compute_aux_loss, **multimodal)
+        return on_support_logps(model, self.rollout.supports, input_ids, attention_mask,
+                                logits_to_keep, self.temperature,
+                                batch_size or input_ids.size(0), compute_entropy,
+                                compute_aux_loss, self.accelerator.autocast)
 
     def _generate(self, prompts: list):
         # One awake period for the whole rollout: the first turn (the rollout_func) and, with

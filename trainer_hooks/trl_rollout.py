@@ -19,9 +19,10 @@ from rollout import Engine, EngineConfig, SamplingParams
 from rollout.fields import as_choice
 
 from .colocate import ColocatedRollout
+from .trl_support import SupportTable
 
 EngineFactory = Callable[["GRPOTrainer"], Engine]
-IMPORTANCE_RATIOS = ("untruncated", "full_policy")
+IMPORTANCE_RATIOS = ("untruncated", "full_policy", "on_support")
 
 
 def make_rollout_func(engine_or_factory: Engine | EngineFactory, sleep_level: int = 1,
@@ -30,7 +31,12 @@ def make_rollout_func(engine_or_factory: Engine | EngineFactory, sleep_level: in
     """A `rollout_func(prompts, trainer)` for GRPOTrainer. `engine_or_factory`: an Engine, or a
     callable building one from the trainer at the first rollout (on its device, after
     `accelerator.prepare`). `seed`: makes sampling reproducible (mixed with rank and call).
-    `importance_ratio`: EngineRollout's."""
+    `importance_ratio`: EngineRollout's, but "on_support", which needs the trainer's side
+    renormalised too (RolloutGRPOTrainer)."""
+    if importance_ratio == "on_support":
+        raise ValueError("importance_ratio='on_support': a plain GRPOTrainer computes its "
+                         "logprobs over the whole vocabulary; use RolloutGRPOTrainer, which "
+                         "renormalises them on the sampled support")
     return EngineRollout(engine_or_factory, sleep_level, seed, importance_ratio)
 
 
@@ -65,11 +71,12 @@ class EngineRollout:
         forward recomputes, so the ratio measures the engine-trainer mismatch alone;
         "full_policy": the truncated distribution each token was drawn from
         (Sample.sampling_logprobs), so under top-k/top-p/min-p the ratio also carries the
-        truncation (below 1 on every kept token). Renormalising TRL's side on the sampled
-        support ("on_support", the recipes' default) would need TRL's fused LM head to mask the
-        vocabulary; it is refused here."""
+        truncation (below 1 on every kept token). "on_support" (the recipes' default): the
+        same sampling logprobs, each completion's kept sets kept in `supports`
+        (trl_support.py) for RolloutGRPOTrainer to renormalise TRL's side over them."""
         self.importance_ratio = as_choice("importance_ratio", importance_ratio,
                                           IMPORTANCE_RATIOS)
+        self.supports = SupportTable()
         if isinstance(engine_or_factory, Engine):
             self.engine, self._factory = engine_or_factory, None
         elif callable(engine_or_factory):
@@ -143,6 +150,7 @@ class EngineRollout:
         engine = self.setup(trainer)
         prompt_ids = tokenize_prompts(prompts, trainer)
         sampling_params(trainer, engine)  # bad settings fail before the engine wakes
+        self.supports.clear()  # a new generation batch
         with self.session(trainer):
             completion_ids, logprobs = self.generate_rows(trainer, prompt_ids, first_turn=True)
         self.calls += 1
@@ -164,6 +172,9 @@ class EngineRollout:
             for ids in prompt_ids:
                 session.origins.setdefault(len(ids), set()).add(tuple(ids))
         params = sampling_params(trainer, engine)
+        on_support = self.importance_ratio == "on_support"
+        if on_support:
+            params = dataclasses.replace(params, return_support=True)
         at = (int(not trainer.model.training), trainer.state.global_step)
         self._index = self._index + 1 if at == self._at else 0
         self._at = at
@@ -190,8 +201,10 @@ class EngineRollout:
         for key, out in zip(keys, outs):
             for row, sample in zip(groups[key], out.samples):
                 completion_ids[row] = list(sample.token_ids)
-                logprobs[row] = list(sample.sampling_logprobs if self.importance_ratio
-                                     == "full_policy" else sample.logprobs)
+                logprobs[row] = list(sample.logprobs if self.importance_ratio == "untruncated"
+                                     else sample.sampling_logprobs)
+                if on_support:
+                    self.supports.add(key, sample.token_ids, sample.support)
         return completion_ids[mine], logprobs[mine]
 
     @staticmethod

@@ -45,7 +45,8 @@ def grpo_args(cfg: RecipeConfig, accelerator):
         # into `minibatches` optimizer steps, each reused `epochs` times (num_iterations).
         per_device_train_batch_size=cfg.prompts_per_step * cfg.num_generations // cfg.minibatches,
         steps_per_generation=cfg.minibatches, num_iterations=cfg.epochs,
-        max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature, top_p=1.0,
+        max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+        top_k=cfg.top_k, min_p=cfg.min_p or None,
         learning_rate=cfg.learning_rate, lr_scheduler_type="constant",
         weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, beta=cfg.beta,
         epsilon=cfg.clip_eps, logging_steps=_optimizer_steps_per_rollout(cfg),
@@ -122,6 +123,7 @@ def train_trl(cfg: RecipeConfig, accelerator, policy, tokenizer, task, tracker) 
         policy, reward_funcs=[correctness_reward(task.reward)], args=grpo_args(cfg, accelerator),
         train_dataset=task.train, processing_class=tokenizer,
         engine_config=engine_config(cfg, slot.index), sleep_level=cfg.sleep_level,
+        importance_ratio=cfg.importance_ratio,
         # The KL reference is the policy RL starts from (after the warm start), as in the
         # custom loop; left to TRL it would reload the model's path (none for the tiny model).
         ref_model=frozen_copy(policy) if cfg.beta > 0 else None)

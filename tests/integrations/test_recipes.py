@@ -132,6 +132,23 @@ def test_truncated_sampling_on_the_samplers_support_keeps_the_ratio_at_one(tmp_p
     assert full["loss/ratio"] < 0.99 and full["loss/ratio_outside"] > 0.01
 
 
+def test_trl_truncated_sampling_on_the_samplers_support(tmp_path):
+    """The same through TRL (--trainer trl, RolloutGRPOTrainer): the recipe's top_p reaches
+    the engine, and TRL's importance ratio is 1 on the support, pi / mu below 1 without."""
+    pytest.importorskip("trl")
+    rows = {}
+    for mode in ("on_support", "full_policy"):
+        (tmp_path / mode).mkdir()
+        out = main(["--config", write_config(tmp_path / mode, eval_size=0), "--trainer", "trl",
+                    "--top_p", "0.8", "--importance_ratio", mode, "--steps", "1"])
+        (rows[mode],) = out["history"]
+    on, full = rows["on_support"], rows["full_policy"]
+    assert on["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-4)
+    assert 1 - 1e-4 < on["sampling/importance_sampling_ratio/min"]
+    assert on["sampling/importance_sampling_ratio/max"] < 1 + 1e-4
+    assert full["sampling/importance_sampling_ratio/mean"] < 0.99
+
+
 def test_custom_grpo_minibatches_use_the_importance_ratio(tmp_path, monkeypatch):
     # A 2-step warm start earns no exact answers; a length reward gives the groups a spread,
     # so the first optimizer step moves the policy away from the one that sampled.

@@ -291,26 +291,77 @@ def test_ref_model_is_used_as_the_kl_reference(tmp_path):
                            engine_config=ENGINE, ref_model=ref)
 
 
-@pytest.mark.parametrize("importance_ratio", ["untruncated", "full_policy"])
+@pytest.mark.parametrize("importance_ratio", ["untruncated", "full_policy", "on_support"])
 def test_importance_ratio_under_top_p(tmp_path, importance_ratio):
     """top_p = 0.8, on-policy: with the untruncated logprobs TRL's ratio is the engine-trainer
     mismatch alone (1); with the sampled distribution's it is the kept set's mass under the
-    policy, below 1 on every token (TRL's default mode multiplies them over the sequence)."""
+    policy, below 1 on every token (TRL's default mode multiplies them over the sequence);
+    on the support, TRL's side renormalised over the same kept sets, it is 1 again, now with
+    the truncated distribution as the behaviour policy."""
     tok = char_tokenizer()
     trainer = RolloutGRPOTrainer(
         tiny_model("qwen2", vocab_size=len(tok)), reward_funcs=Recorder(),
-        args=grpo_args(tmp_path, top_p=0.8, max_steps=1),
+        args=grpo_args(tmp_path, top_p=0.8, max_steps=1, per_device_train_batch_size=16,
+                       num_generations=8, max_completion_length=16),
         train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tok,
         engine_config=ENGINE, importance_ratio=importance_ratio)
     trainer.train()
     (h,) = [h for h in trainer.state.log_history if "loss" in h]
     ratio = h["sampling/importance_sampling_ratio/mean"]
-    if importance_ratio == "untruncated":
-        assert abs(ratio - 1) < 1e-4
-    else:
+    if importance_ratio == "full_policy":
         assert 0 < ratio < 0.95 and h["sampling/importance_sampling_ratio/max"] < 1
+    else:  # fp32 engine vs trainer: 1 within its floor, no token outside [0.9, 1.1]
+        assert abs(ratio - 1) < 1e-4
+        assert 1 - 1e-4 < h["sampling/importance_sampling_ratio/min"]
+        assert h["sampling/importance_sampling_ratio/max"] < 1 + 1e-4
+    if importance_ratio == "on_support":
+        assert len(trainer.rollout.supports) > 0
 
 
-def test_on_support_is_refused_for_trl(tmp_path):
-    with pytest.raises(ValueError, match="importance_ratio must be one of"):
+def test_on_support_logps_against_a_masked_log_softmax():
+    """trl_support.on_support_logps against a naive masked log-softmax of the model's own
+    logits, gradients included; padding rows get the full log-softmax."""
+    from rollout.sample.support import Support
+    from trainer_hooks.trl_support import SupportTable, on_support_logps
+
+    torch.manual_seed(0)
+    model = tiny_model("qwen2")
+    vocab, prompt, width = model.config.vocab_size, [5, 6, 7], 4
+    completions = [[9, 3, 11, 2], [4, 4]]  # the second right-padded to the width
+    kept = [[torch.tensor(sorted({t, 1, 2, 30 + j})) for j, t in enumerate(c)]
+            for c in completions]
+    table = SupportTable()
+    ids, mask = [], []
+    for c, k in zip(completions, kept):
+        table.add(prompt, c, Support(k, vocab))
+        ids.append(prompt + c + [0] * (width - len(c)))
+        mask.append([1] * (len(prompt) + len(c)) + [0] * (width - len(c)))
+    ids, mask = torch.tensor(ids), torch.tensor(mask)
+    got, entropy, _ = on_support_logps(model, table, ids, mask, width, 0.7, 1, True, False,
+                                       torch.enable_grad)
+    got.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    logits = model(ids, attention_mask=mask).logits[:, -width - 1:-1].float() / 0.7
+    want = logits.log_softmax(-1).gather(-1, ids[:, -width:, None]).squeeze(-1).clone()
+    for r, (c, k) in enumerate(zip(completions, kept)):
+        for j, support in enumerate(k):
+            masked = torch.full((vocab,), float("-inf")).index_copy(0, support,
+                                                                    logits[r, j, support])
+            want[r, j] = masked.log_softmax(-1)[c[j]]
+    want.sum().backward()
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(g, p.grad, atol=1e-6, rtol=1e-5)
+    probs = logits.softmax(-1)
+    torch.testing.assert_close(entropy, -(probs * probs.log()).sum(-1), atol=1e-5, rtol=0)
+    with pytest.raises(RuntimeError, match="no sampled support"):
+        on_support_logps(model, SupportTable(), ids, mask, width, 0.7, 2, False, False,
+                         torch.no_grad)
+
+
+def test_on_support_needs_the_rollout_trainer(tmp_path):
+    with pytest.raises(ValueError, match="use RolloutGRPOTrainer"):
         make_rollout_func(lambda t: None, importance_ratio="on_support")
+    with pytest.raises(ValueError, match="importance_ratio must be one of"):
+        make_rollout_func(lambda t: None, importance_ratio="support")
