@@ -1,13 +1,16 @@
-"""How far seeded samples depend on what else shares the batch, in fp32 and bf16.
+"""How far seeded samples depend on what else shares the batch, and what
+EngineConfig(batch_invariant=True) costs, on SmolLM2-135M-Instruct in fp32 and bf16 (CPU).
 
-Each seeded request is generated alone, then inside one batch with the others (and n = 8
-siblings each): the counter noise is the same, so any difference comes from the logits, whose
-last bits can depend on the batch shape (matmul blocking, attention splits). Prints, per dtype,
-the share of samples whose tokens are identical and the largest logprob difference over the
-tokens up to the first divergence. Nothing asserted.
+Each seeded request is generated alone (no prefix cache), then inside one batch with the others
+(n samples each, prompts behind one system prompt): the counter noise is the same, so any
+difference comes from the logits, whose last bits can depend on the batch shape (matmul
+blocking, attention splits, SDPA prefill). Prints, per dtype and mode, the share of samples
+whose tokens are identical, the largest logprob difference before a sample's divergence, and
+the batched rollout's tokens/s, the modes interleaved and the best of --repeats kept (the
+machine is shared). Nothing asserted.
 
-    python bench/batch_invariance.py                        # CPU, ~25M Qwen2-style model
-    python bench/batch_invariance.py --device cuda --model-shape 0.5b
+    python bench/batch_invariance.py                     # SmolLM2-135M, fp32 and bf16
+    python bench/batch_invariance.py --model-shape 25m   # a random 25M Qwen2 instead
 """
 
 from __future__ import annotations
@@ -15,12 +18,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from workloads import QWEN2_05B, QWEN2_25M, grpo_prompts, random_qwen2  # noqa: E402
+from workloads import QWEN2_25M, cpu_name, grpo_prompts, random_qwen2  # noqa: E402
 
 from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
 
@@ -39,26 +43,53 @@ def compare(alone, batched) -> tuple[int, int, float]:
     return same, total, worst
 
 
+def load(name: str, dtype: torch.dtype):
+    if name == "25m":
+        return random_qwen2(QWEN2_25M, dtype), QWEN2_25M["vocab_size"]
+    from rollout_recipes.run import smollm2
+
+    model = smollm2.load_model(dtype)
+    return model, model.config.vocab_size
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--model-shape", choices=["25m", "0.5b"], default="25m")
+    ap.add_argument("--model-shape", choices=["smollm2", "25m"], default="smollm2")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-new", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    shape = QWEN2_25M if args.model_shape == "25m" else QWEN2_05B
-    prompts = grpo_prompts(args.prompts, 96, 64, shape["vocab_size"])
-    params = [SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_new, seed=i,
-                             logprobs=True, ignore_eos=True) for i in range(len(prompts))]
+    print(f"{cpu_name()}, {torch.get_num_threads()} threads; {args.model_shape}, "
+          f"{args.prompts} prompts x n={args.n} x {args.max_new} tokens")
     for dtype in (torch.float32, torch.bfloat16):
-        model = random_qwen2(shape, dtype, args.device)
-        engine = Engine(model, EngineConfig(kv_cache_tokens=65536, max_model_len=512))
-        alone = [engine.generate([p], [sp])[0] for p, sp in zip(prompts, params)]
-        batched = engine.generate(prompts, params)
-        same, total, worst = compare(alone, batched)
-        print(f"{str(dtype):15s} identical samples {same}/{total} ({same / total:.0%}), "
-              f"max logprob diff before divergence {worst:.2e}")
+        model, vocab = load(args.model_shape, dtype)
+        prompts = grpo_prompts(args.prompts, 96, 64, vocab)
+        params = [SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_new, seed=i,
+                                 logprobs=True, ignore_eos=True) for i in range(len(prompts))]
+        best = {}
+        for invariant in (False, True):
+            config = dict(kv_cache_tokens=16384, max_model_len=512, batch_invariant=invariant)
+            solo = Engine(model, EngineConfig(**config, enable_prefix_caching=False))
+            alone = [solo.generate([p], [sp])[0] for p, sp in zip(prompts, params)]
+            del solo
+            batched = Engine(model, EngineConfig(**config)).generate(prompts, params)
+            same, total, worst = compare(alone, batched)
+            print(f"{str(dtype)[6:]:9s} batch_invariant={invariant!s:5s}: identical samples "
+                  f"{same}/{total}, max logprob diff before divergence {worst:.2e}")
+        for _ in range(args.repeats):  # interleaved: both modes see the same machine load
+            for invariant in (False, True):
+                # a fresh engine (cold cache: the prompts' prefill counts), built untimed
+                engine = Engine(model, EngineConfig(kv_cache_tokens=16384, max_model_len=512,
+                                                    batch_invariant=invariant))
+                start = time.perf_counter()
+                outs = engine.generate(prompts, params)
+                seconds = time.perf_counter() - start
+                tokens = sum(len(s.token_ids) for o in outs for s in o.samples)
+                best[invariant] = max(best.get(invariant, 0.0), tokens / seconds)
+        print(f"{str(dtype)[6:]:9s} rollout tok/s (best of {args.repeats}): default "
+              f"{best[False]:.1f}, batch_invariant {best[True]:.1f}: cost "
+              f"{1 - best[True] / best[False]:+.1%}")
 
 
 if __name__ == "__main__":

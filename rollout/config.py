@@ -49,6 +49,11 @@ class EngineConfig:
     # back at sleep). It changes malloc's behaviour for the whole trainer process, so it is
     # the caller's choice; a user's own MALLOC_* / GLIBC_TUNABLES settings are left alone.
     keep_cpu_heap: bool = False
+    # A request's tokens and logprobs are the same bits whatever else is in the batch: how its
+    # prefill is chunked, what the radix cache held, who shares its steps, preemption and
+    # speculation change nothing (rollout/attention/invariant.py; the cpu backend, dense
+    # models). Costs speed: docs/benchmarks.md.
+    batch_invariant: bool = False
     dtype: torch.dtype | str | None = None  # None: the model's dtype
     # torch.float32: a bf16/fp16 model's logits multiply an fp32 copy of the LM head by the
     # hidden state in fp32 (no rounding of the logits to the model's dtype; the copy is
@@ -108,6 +113,7 @@ class EngineConfig:
         self.cuda_graphs = as_bool("cuda_graphs", self.cuda_graphs)
         self.pack_cpu_weights = as_bool("pack_cpu_weights", self.pack_cpu_weights)
         self.keep_cpu_heap = as_bool("keep_cpu_heap", self.keep_cpu_heap)
+        self.batch_invariant = as_bool("batch_invariant", self.batch_invariant)
         self.tensor_parallel_size = as_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         self.check_tensor_parallel = as_bool("check_tensor_parallel", self.check_tensor_parallel)
         if self.dtype is not None:

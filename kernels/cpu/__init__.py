@@ -54,7 +54,7 @@ _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c
 # ctypes passes Python ints as C ints, truncating 64-bit pointers and sizes.
 SIGNATURES = {
     "paged_attention_f32": ([_P, _I64, *[_P] * 11, _I64, _I64, _I64, _I64, _F32, _I64, _F32,
-                             _P, _I64, _P, _I64, _P, _I64, _I64, _INT], _I64),
+                             _P, _I64, _P, _I64, _P, _I64, _I64, _INT, _INT], _I64),
     "plan_chunks": ([_P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P], _I64),
     "gumbel_argmax_f32": ([_P, _I64, _I64, _I64, _P, _F32, _P, _P, _I64, _INT], None),
     "gumbel_all_uniforms": ([_P, _P, _P, _I64], None),

@@ -13,6 +13,17 @@ static inline __m128 sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+/* q . k summed as scores_keys sums each of its scores (8 lanes of FMAs over d, then sum4's
+ * tree), for the keys a block's register tiles leave over: so a score's bits do not depend on
+ * which rows or keys shared its tile (the batch-invariant mode relies on it). */
+static inline float dot_lanes(const float *q, const float *k, int64_t d) {
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8)
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), a);
+    const __m256 zero = _mm256_setzero_ps();
+    return _mm_cvtss_f32(sum4(a, zero, zero, zero));
+}
+
 /* s[r * BLOCK + j] = q[r] . k[j] for R rows and K keys (constants after inlining): R x K
  * accumulators and the R query and K key vectors of a step all in registers (3 x 3 or 2 x 4:
  * 15 or 14 of 16; 3 x 4 would spill). */

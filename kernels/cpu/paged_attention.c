@@ -73,6 +73,11 @@ static inline void block_scores(const float *q, int R, const float *const k[],
                 else scores_keys(q, 1, k + j, d, 4, s + j);
             }
     }
+    if (d % 8 == 0) {
+        for (; j < n; j++)
+            for (int r = 0; r < R; r++) s[r * BLOCK + j] = dot_lanes(q + r * d, k[j], d);
+        return;
+    }
 #endif
     for (; j < n; j++)
         for (int r = 0; r < R; r++) s[r * BLOCK + j] = dot(q + r * d, k[j], d);
@@ -160,7 +165,7 @@ static inline __attribute__((always_inline)) void attend_chunk(
         const float *q, int64_t q_stride, float scale, float softcap, const float *k_pool,
         const float *v_pool, float *out, Requests rq, int64_t first, int64_t count,
         int64_t prefix, int64_t hq, int64_t hkv, const int64_t d, int64_t window, float *work,
-        int64_t max_rows) {
+        int64_t max_rows, int invariant) {
     const int64_t rep = hq / hkv, kv_row = hkv * d;
     float *qs = work, *o = qs + max_rows * d, *s = o + max_rows * d, *m = s + max_rows * BLOCK,
           *l = m + max_rows, *alpha = l + max_rows, *kt = alpha + max_rows;
@@ -170,6 +175,10 @@ static inline __attribute__((always_inline)) void attend_chunk(
         /* A window that starts past the first key leaves the prefix to each row. */
         if (window > 0 && rq.kv_len[req] > window) prefix = 0;
     }
+    /* Batch-invariant: a row's key blocks start at multiples of BLOCK whether or not it shares
+     * a prefix, and every row's scores take the same tiles, so its online softmax rounds alike
+     * alone and in any chunk. */
+    if (invariant) prefix -= prefix % BLOCK;
     for (int64_t h = 0, row = 0; h < hkv; h++) {
         for (int64_t req = first; req < first + count; req++) {
             for (int64_t i = 0; i < rq.q_len[req]; i++, row += rep) {
@@ -186,7 +195,7 @@ static inline __attribute__((always_inline)) void attend_chunk(
             attend_range(qs + h * R * d, R, softcap, k_pool + h * d, v_pool + h * d,
                          rq.kv_indices + rq.kv_start[first], 0, prefix, kv_row, d,
                          o + h * R * d, s, m + h * R, l + h * R, alpha,
-                         R >= WIDE_ROWS && d % 8 == 0 ? kt : NULL);
+                         R >= WIDE_ROWS && d % 8 == 0 && !invariant ? kt : NULL);
     }
     for (int64_t req = first, row = 0; req < first + count; req++) {
         const int64_t nq = rq.q_len[req], nk = rq.kv_len[req];
@@ -253,8 +262,10 @@ int64_t plan_chunks(const int32_t *q_len, const int32_t *kv_start, const int32_t
  * token strides k_stride/v_stride) into slot new_slots[t] (negative: padding, skipped), every
  * thread a share, all done before any thread attends. In the same parallel region as the
  * attention they cost no dispatch of their own; two torch index_copy_ calls a layer took
- * ~2 ms of a batch-128 step on one thread. Returns -1, or the first token whose slot is past
- * the pool's num_slots (then nothing is written or computed). */
+ * ~2 ms of a batch-128 step on one thread. `invariant` (EngineConfig.batch_invariant): each
+ * row's result is the same whatever chunk it is attended in (see attend_chunk). Returns -1, or
+ * the first token whose slot is past the pool's num_slots (then nothing is written or
+ * computed). */
 int64_t paged_attention_f32(const float *q, int64_t q_stride, float *k_pool, float *v_pool,
                          float *out, const int32_t *q_start, const int32_t *q_len,
                          const int32_t *kv_start, const int32_t *kv_len,
@@ -263,7 +274,8 @@ int64_t paged_attention_f32(const float *q, int64_t q_stride, float *k_pool, flo
                          int64_t num_chunks, int64_t hq, int64_t hkv, int64_t d, float scale,
                          int64_t window, float softcap, const float *k_new, int64_t k_stride,
                          const float *v_new, int64_t v_stride, const int64_t *new_slots,
-                         int64_t num_new, int64_t num_slots, int num_threads) {
+                         int64_t num_new, int64_t num_slots, int invariant,
+                         int num_threads) {
     for (int64_t t = 0; t < num_new; t++)
         if (new_slots[t] >= num_slots) return t;  /* nothing written: index_copy_ would raise */
     const Requests rq = {q_start, q_len, kv_start, kv_len, kv_indices};
@@ -290,7 +302,7 @@ int64_t paged_attention_f32(const float *q, int64_t q_stride, float *k_pool, flo
         for (int64_t c = 0; c < num_chunks; c++) {
 #define CHUNK(D) attend_chunk(q, q_stride, scale, softcap, k_pool, v_pool, out, rq,         \
                               chunk_first[c], chunk_count[c], chunk_prefix[c], hq, hkv, D, \
-                              window, work, max_rows)
+                              window, work, max_rows, invariant)
             switch (d) {  /* a constant d for the common head sizes (unrolled d-loops) */
                 case 64: CHUNK(64); break;
                 case 128: CHUNK(128); break;

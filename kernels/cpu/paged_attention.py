@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import has, library
+from . import has, library, missing_reason
 
 # A chunk's rows of one KV head (queries x its query heads) share each key block in L1: its
 # scores (BLOCK floats a row), queries and accumulators stay within it up to about this many.
@@ -71,12 +71,14 @@ def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     out: torch.Tensor, rows: NativeRows, scale: float, window: int | None,
                     softcap: float | None,
-                    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-                    ) -> None:
+                    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                    invariant: bool = False) -> None:
     """Write into `out` [T, Hq, D] (contiguous) the rows' attention; q [T, Hq, D] with its
     heads contiguous, k_pool/v_pool [slots, Hkv, D] contiguous. `store` = (k, v, slots): the
     step's new K/V [N, Hkv, D] go into the pool at int64 `slots` [N] (negative: skipped) first,
-    as `k_pool.index_copy_(0, slots, k)` would put them."""
+    as `k_pool.index_copy_(0, slots, k)` would put them. `invariant`: every row's result
+    independent of the other rows (key blocks at multiples of the kernel's block, one score
+    tiling), for EngineConfig.batch_invariant."""
     hq, d = q.shape[1:]
     hkv = k_pool.shape[1]
     q = _heads_contiguous(q)
@@ -97,10 +99,18 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                  chunks.first.data_ptr(), chunks.count.data_ptr(), chunks.prefix.data_ptr(),
                  chunks.first.numel(), hq, hkv, d, scale, window or 0, softcap or 0.0,
                  k_new.data_ptr(), k_new.stride(0), v_new.data_ptr(), v_new.stride(0),
-                 slots.data_ptr(), slots.numel(), k_pool.shape[0], threads)
+                 slots.data_ptr(), slots.numel(), k_pool.shape[0], int(invariant), threads)
     if bad >= 0:
         raise IndexError(f"store: slot {int(slots[bad])} of token {bad} is past the pool's "
                          f"{k_pool.shape[0]} slots")
+
+
+def built() -> bool:
+    return _kernel() is not None
+
+
+def why_not() -> str:
+    return missing_reason("paged_attention_f32", "plan_chunks")
 
 
 def _kernel():

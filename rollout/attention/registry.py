@@ -8,6 +8,7 @@ import torch
 
 from ..ops.op import Op, always
 from . import cpu
+from .invariant import InvariantCpuAttention
 from .sdpa import TorchAttention
 
 # What the Triton kernels run and are tested in: their tile sizes and dot precision assume 2- or
@@ -28,3 +29,22 @@ def _triton_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 ATTENTION = Op("attention", torch=(TorchAttention, always),
                cpu=(cpu.CpuAttention, cpu.supported), triton=(_triton, _triton_supported))
+
+
+def attention_name(backend, dtype: torch.dtype) -> str:
+    """The attention implementation a backend runs for a model of `dtype`."""
+    if backend.batch_invariant:
+        return "cpu-invariant"
+    return backend.choose(ATTENTION.implementations, dtype)
+
+
+def make_attention(backend, dtype: torch.dtype, pool, windows):
+    """The attention backend of an engine's backend, for a model of `dtype`."""
+    if not backend.batch_invariant:
+        return backend.bind(ATTENTION, dtype)(pool, windows)
+    from rollout_kernels.cpu import paged_attention as kernel
+
+    if not kernel.built():
+        raise ValueError(f"batch_invariant: needs the C attention kernel, which is off here "
+                         f"({kernel.why_not()})")
+    return InvariantCpuAttention(pool, windows)

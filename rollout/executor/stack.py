@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.registry import ATTENTION
+from ..attention.registry import attention_name, make_attention
 from ..colocation import host_heap
 from ..colocation.parking import WeightParking, separate_host_memory
 from ..config import EngineConfig
@@ -40,12 +40,13 @@ class ModelStack:
         # window, global layers need the whole context anyway.
         cache = make_prefix_cache(config.enable_prefix_caching, device)
         self.kv = KVManager(self.pool, cache, self.table, journal)
-        self.backend = resolve_backend(config.backend, device, config.pack_cpu_weights)
+        self.backend = resolve_backend(config.backend, device, config.pack_cpu_weights,
+                                       config.batch_invariant)
         model.use_backend(self.backend)
         if config.lm_head_dtype == torch.float32 and model.dtype != torch.float32:
             model.head.compute_in_float32(self.backend)
         model.pack_weights()
-        self.attention = self.backend.bind(ATTENTION, model.dtype)(self.pool, layout.windows)
+        self.attention = make_attention(self.backend, model.dtype, self.pool, layout.windows)
         self.sampler = Sampler(self.backend)
         self.graphs = None
         if config.cuda_graphs:
@@ -63,7 +64,7 @@ class ModelStack:
         """Which implementation each op runs (rollout/ops/backend.py): the attention backend,
         the sampler, every dispatched layer kind, and the projections' packing."""
         out = {"backend": self.backend.name,
-               "attention": self.backend.choose(ATTENTION.implementations, self.model.dtype),
+               "attention": attention_name(self.backend, self.model.dtype),
                "sample": self.backend.choose(DRAW.implementations, torch.float32)}
         for module in self.model.modules():
             if isinstance(module, Dispatched):

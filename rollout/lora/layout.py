@@ -98,6 +98,9 @@ def attach(model, layout: Layout, backend) -> bool:
     rollout/ops/backend.py) chooses; whether any changed (captured CUDA graphs are then
     stale)."""
     choice = backend.choose(lora_implementations(backend.pack_weights), LORA_DTYPE)
+    if backend.batch_invariant and choice != "cpu" and layout:
+        raise ValueError("batch_invariant: an unmerged LoRA adapter needs the C linear kernel "
+                         "(AVX2 and FMA), which this machine did not build; use lora='merged'")
     changed = False
     for path, module in model.named_modules():
         if not isinstance(module, (MergedLinear, RowParallelLinear, StackedExperts)):
@@ -114,7 +117,8 @@ def attach(model, layout: Layout, backend) -> bool:
             delattr(module, LORA_MODULE)
         if want:
             setattr(module, LORA_MODULE, LoraWeights(module.in_features, module.out_features,
-                                                     want, module.weight.device, choice))
+                                                     want, module.weight.device, choice,
+                                                     backend.batch_invariant))
             module.lora_active = True
     return changed
 

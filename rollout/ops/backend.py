@@ -40,6 +40,9 @@ class Backend:
     device: torch.device
     # cpu: projections multiply by a packed copy of their weight (EngineConfig.pack_cpu_weights)
     pack_weights: bool = True
+    # EngineConfig.batch_invariant: ops whose per-row results do not depend on the other rows
+    # (rollout/attention/invariant.py, packed_linear.invariant_packing)
+    batch_invariant: bool = False
 
     def choose(self, implementations: Mapping[str, Supported], dtype: torch.dtype) -> str:
         """The name of the implementation this backend runs for an op on `dtype`."""
@@ -59,7 +62,8 @@ class Backend:
         return self.name == "triton"
 
 
-def resolve_backend(name: str, device: torch.device, pack_weights: bool = True) -> Backend:
+def resolve_backend(name: str, device: torch.device, pack_weights: bool = True,
+                    batch_invariant: bool = False) -> Backend:
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     if name == "auto":
@@ -70,4 +74,21 @@ def resolve_backend(name: str, device: torch.device, pack_weights: bool = True) 
         raise ValueError("backend 'triton' off CUDA runs the kernels in Triton's interpreter: "
                          "set TRITON_INTERPRET=1 in the environment before the process imports "
                          "triton (the engine does not set it for you)")
-    return Backend(name, device, pack_weights)
+    if batch_invariant:
+        _check_invariant(name, device, pack_weights)
+    return Backend(name, device, pack_weights, batch_invariant)
+
+
+def _check_invariant(name: str, device: torch.device, pack_weights: bool) -> None:
+    """Refuse a batch-invariant engine on what cannot keep its rows apart."""
+    if name == "torch":
+        raise ValueError("batch_invariant: backend 'torch' runs SDPA and F.linear, whose rows "
+                         "round differently with the batch's shape; use backend 'cpu' or "
+                         "'auto'")
+    if device.type != "cpu" or name != "cpu":
+        raise ValueError(f"batch_invariant: runs on the cpu backend only for now (backend "
+                         f"{name!r} on {device}: its projections' matmuls and split-KV "
+                         f"attention are not row-invariant)")
+    if not pack_weights:
+        raise ValueError("batch_invariant: needs pack_cpu_weights=True (F.linear's rows round "
+                         "differently with the number of rows)")

@@ -114,6 +114,26 @@ def test_carried_groups_resume_as_the_uninterrupted_run(spec, caching, cycles):
             assert s.weights_versions == sorted(s.weights_versions)
 
 
+@pytest.mark.parametrize("spec,cycles,dtype", [("plain", 5, torch.float32),
+                                               ("draft", 2, torch.float32),
+                                               ("plain", 2, torch.bfloat16),
+                                               ("ngram", 5, torch.bfloat16)])
+def test_batch_invariant_resume_is_bit_for_bit(spec, cycles, dtype):
+    """EngineConfig(batch_invariant=True): re-prefilled K/V are the decoded K/V's bits, so a
+    carried group's logprobs too are exactly the uninterrupted run's, in bf16 as well."""
+    model = tiny_model("qwen2", vocab_size=len(TOK), dtype=dtype)
+
+    def record(outs):
+        return {p: [(s.token_ids, s.logprobs, s.sampling_logprobs) for s in samples]
+                for p, samples in outs.items()}
+
+    want = by_prompt(make(spec, True, model, batch_invariant=True).generate(PROMPTS, PARAMS))
+    engine = make(spec, True, model, batch_invariant=True)
+    got = carried_run(engine, cycles, weights=model)
+    assert engine.stats.retracted > 0
+    assert record(got) == record(want)
+
+
 def test_tokens_after_an_update_are_the_new_weights_on_the_same_context():
     """A group carried across a real update: tokens before it are stamped 0, after it 1; those
     after are what a fresh engine on the new weights draws from the same context (sample j of

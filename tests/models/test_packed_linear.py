@@ -95,6 +95,26 @@ def test_a_row_does_not_depend_on_the_others(packing):
     assert torch.equal(packed.linear(x[5:21], w, None), whole[5:21])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_batch_invariant_packing_keeps_rows_apart_at_every_row_count(dtype):
+    """EngineConfig(batch_invariant=True)'s projections: a row's bits the same alone, in a
+    decode-sized batch and in a prefill past the panels' MAX_ROWS (where the default hands
+    rows to F.linear, whose rows depend on how many there are)."""
+    from rollout.models.layers.packed_linear import invariant_packing
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(300, 96, generator=g).to(dtype)
+    x = torch.randn(native_linear.MAX_ROWS + 300, 96, generator=g).to(dtype)
+    packing = invariant_packing(torch.device("cpu"), dtype)
+
+    def project(rows):
+        return F.linear(rows, w) if packing is None else packing.linear(rows, w, None)
+
+    whole = project(x)
+    for lo, hi in [(0, 1), (7, 8), (5, 21), (0, 64), (100, 1100), (3, native_linear.MAX_ROWS)]:
+        assert torch.equal(project(x[lo:hi]), whole[lo:hi]), (lo, hi)
+
+
 @pytest.mark.parametrize("packing", PACKINGS)
 def test_follows_in_place_changes_and_swapped_storage(packing):
     w = torch.nn.Parameter(torch.randn(64, 32))

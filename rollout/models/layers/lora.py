@@ -62,9 +62,13 @@ class LoraWeights(nn.Module):
     and the per-block expand of kernels/triton/lora.py, the blocks as device tensors."""
 
     def __init__(self, in_features: int, out_features: int, blocks: tuple[LoraBlock, ...],
-                 device: torch.device, implementation: str = "torch") -> None:
+                 device: torch.device, implementation: str = "torch",
+                 all_rows: bool = False) -> None:
+        """`all_rows`: "cpu" runs the panels for any number of rows, not only up to
+        native_linear.MAX_ROWS (the batch-invariant mode: a row must not depend on how many
+        there are)."""
         super().__init__()
-        self.blocks, self.implementation = blocks, implementation
+        self.blocks, self.implementation, self.all_rows = blocks, implementation, all_rows
         # Each block's first column of B (row of A), and the largest block's rows and rank (the
         # Triton grid's): fixed with the blocks, so worked out here, not per forward.
         self.columns = tuple(sum(b.rank for b in blocks[:i]) for i in range(len(blocks)))
@@ -85,7 +89,7 @@ class LoraWeights(nn.Module):
         self.register_buffer("column_scales", columns, persistent=False)
         # [A's panels, then one per block of B]
         native = implementation == "cpu"
-        self.panels = [SmallPanels() for _ in range(len(blocks) + 1)] if native else None
+        self.panels = [SmallPanels(all_rows) for _ in range(len(blocks) + 1)] if native else None
         triton = implementation == "triton"
         self.register_buffer("block_rows", torch.tensor(
             [[b.row, b.rows, col] for b, col in zip(blocks, self.columns)],
@@ -107,7 +111,8 @@ class LoraWeights(nn.Module):
         """y + the adapter's delta for input x (y: the base projection of x)."""
         x = x.to(LORA_DTYPE)
         out = y.reshape(-1, y.shape[-1])
-        if self.panels is not None and out.shape[0] <= native_linear.MAX_ROWS:
+        rows_fit = self.all_rows or out.shape[0] <= native_linear.MAX_ROWS
+        if self.panels is not None and rows_fit:
             return self._add_native(x, out).view(y.shape)
         if self.implementation == "triton":
             return self._add_triton(x.reshape(-1, x.shape[-1]), out).view(y.shape)

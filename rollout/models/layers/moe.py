@@ -160,6 +160,13 @@ class SparseMoE(Dispatched, nn.Module):
         self.gate = nn.Linear(hidden_size, options.num_experts, bias=False)
         self.experts = StackedExperts(options.num_experts, hidden_size, intermediate_size)
 
+    def use_backend(self, backend, dtype: torch.dtype) -> None:
+        if backend.batch_invariant:
+            # The router's and each expert's F.linear round a row by how many rows share it.
+            raise ValueError("batch_invariant: not available for MoE models yet (the router's "
+                             "and experts' matmuls are not row-invariant)")
+        super().use_backend(backend, dtype)
+
     def forward_torch(self, x: torch.Tensor, ctx) -> torch.Tensor:
         return self._forward(x, ctx, moe_torch)
 

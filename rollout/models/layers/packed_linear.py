@@ -100,10 +100,15 @@ class PackedWeight(PackedCopy):
 
 class NativePackedWeight(PackedCopy):
     """fp32 panels for rollout_kernels.cpu's linear.c: faster than oneDNN's layout up to
-    native_linear.MAX_ROWS rows; longer prefill chunks take F.linear."""
+    native_linear.MAX_ROWS rows; longer prefill chunks take F.linear, unless `all_rows`
+    (batch-invariant: the panels for every row count, since F.linear's rows depend on it)."""
 
-    __slots__ = ()
+    __slots__ = ("all_rows",)
     kind = "cpu"
+
+    def __init__(self, all_rows: bool = False) -> None:
+        super().__init__()
+        self.all_rows = all_rows
 
     def _pack(self, weight: torch.Tensor, stale: torch.Tensor | None) -> torch.Tensor:
         return native_linear.pack_panels(weight)
@@ -111,7 +116,8 @@ class NativePackedWeight(PackedCopy):
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None) -> torch.Tensor:
         k = weight.shape[1]
-        if x.numel() // k > native_linear.MAX_ROWS or x.dtype != torch.float32:
+        long = not self.all_rows and x.numel() // k > native_linear.MAX_ROWS
+        if long or x.dtype != torch.float32:
             return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
         y = native_linear.linear(x, self.refresh(weight), weight.shape[0])
         return y if bias is None else y.add_(bias.to(y.dtype))
@@ -172,6 +178,17 @@ class Float32Panels(NativePackedWeight):
         return super().linear(x.float(), weight, bias)
 
 
+def invariant_packing(device: torch.device, dtype: torch.dtype) -> PackedCopy | None:
+    """The packing of a batch-invariant engine's projections: one whose rows do not depend
+    on the other rows, for every row count. The panels (fp32), else oneDNN's packed layout,
+    else (bf16 without AVX-512 BF16) F.linear: the last two measured row-invariant for 1 to
+    4096 rows on an AVX-512 host, which no documentation promises: tests/engine/
+    test_batch_invariant.py checks every packing on the machine it runs on."""
+    if native_linear.supported(device, dtype):
+        return NativePackedWeight(all_rows=True)
+    return PackedWeight() if can_pack(device, dtype) else None
+
+
 class Projection:
     """Mixin of the model's projections (nn.Linear subclasses and the LM head): `project`
     multiplies by the weight, or by its packed copy under the cpu backend (use_backend)."""
@@ -184,16 +201,21 @@ class Projection:
 
     def use_backend(self, backend, dtype: torch.dtype) -> None:
         self.packing = None
-        if backend.choose(self.implementations, dtype) == "cpu" and backend.pack_weights:
+        if backend.batch_invariant:
+            self.packing = invariant_packing(backend.device, dtype)
+        elif backend.choose(self.implementations, dtype) == "cpu" and backend.pack_weights:
             fast = native_linear.supported(backend.device, dtype)
             self.packing = NativePackedWeight() if fast else PackedWeight()
 
     def compute_in_float32(self, backend) -> None:
         """Multiply in float32 whatever the weight's dtype (a float32 copy of it, derived like
         the packed ones; EngineConfig.lm_head_dtype for the LM head)."""
-        cpu = backend.device.type == "cpu" and backend.name == "cpu"
+        cpu = backend.device.type == "cpu" and (backend.name == "cpu" or backend.batch_invariant)
         fast = cpu and native_linear.supported(backend.device, torch.float32)
-        self.packing = Float32Panels() if fast else Float32Copy()
+        if backend.batch_invariant and not fast:
+            raise ValueError("batch_invariant with lm_head_dtype=float32: needs the C linear "
+                             "kernel (AVX2 and FMA), which this machine did not build")
+        self.packing = Float32Panels(backend.batch_invariant) if fast else Float32Copy()
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packing is None:

@@ -1,0 +1,146 @@
+"""EngineConfig(batch_invariant=True): a request's tokens and logprobs are the same bits alone
+and in any batch. The reference is each request generated alone on an engine with no prefix
+cache (nothing shared, nothing cut); the same requests then run together under everything that
+changes a step's shape: mixed lengths and sampling settings, siblings, a system prompt the radix
+tree shares, chunked prefill, preemption, a warm cache, speculation. fp32 and bf16, on families
+with GQA, sliding windows with soft-capping (Gemma 2), and q/k norms (Qwen3)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from models import tiny_model
+
+from rollout import Engine, EngineConfig, SamplingParams
+from rollout.spec import SpeculativeConfig
+from rollout_kernels.cpu import paged_attention as native_attention
+
+pytestmark = pytest.mark.skipif(not native_attention.built(),
+                                reason=native_attention.why_not())
+
+SYSTEM = [5, 9, 2, 77, 31, 8, 8, 40, 3, 61, 12, 90]  # shared by a third of the prompts
+
+
+def requests(count: int = 24, seed: int = 0):
+    """Prompts of 3 to 70 tokens (a third behind SYSTEM, a few repeating themselves for the
+    n-gram drafter) and per prompt its own settings: greedy, temperature, top-k, top-p, min-p,
+    1 to 4 samples, 4 to 24 tokens; 66 samples in all (count 24)."""
+    rng = random.Random(seed)
+    prompts, params = [], []
+    for i in range(count):
+        body = [rng.randrange(128) for _ in range(rng.randrange(3, 58))]
+        if i % 4 == 3:
+            body = (body[:6] * 6)[:rng.randrange(12, 40)]
+        prompts.append(SYSTEM + body if i % 3 == 0 else body)
+        kind = i % 5
+        params.append(SamplingParams(
+            n=(1, 3, 3, 4)[i % 4], max_tokens=rng.randrange(4, 25), seed=1000 + i,
+            temperature=0.0 if kind == 0 else 0.8, top_k=20 if kind == 2 else -1,
+            top_p=0.9 if kind == 3 else 1.0, min_p=0.05 if kind == 4 else 0.0,
+            logprobs=True, top_logprobs=2, ignore_eos=True))
+    return prompts, params
+
+
+def record(outs) -> list:
+    """Every sample's tokens, logprobs, sampling logprobs and top-2 alternatives, exactly."""
+    return [[(s.token_ids, s.logprobs, s.sampling_logprobs, s.top_logprobs.ids.tolist(),
+              s.top_logprobs.logprobs.tolist()) for s in out.samples] for out in outs]
+
+
+def engine(model, **config) -> Engine:
+    return Engine(model, EngineConfig(**{"kv_cache_tokens": 8192, "max_model_len": 160,
+                                         "batch_invariant": True, **config}))
+
+
+def alone(model, prompts, params) -> list:
+    solo = engine(model, enable_prefix_caching=False)
+    return [record(solo.generate([p], [sp]))[0] for p, sp in zip(prompts, params)]
+
+
+CASES = [("llama", torch.float32), ("gemma2", torch.float32), ("qwen3", torch.float32),
+         ("llama", torch.bfloat16), ("gemma2", torch.bfloat16)]
+
+
+@pytest.mark.parametrize("family,dtype", CASES, ids=[f"{f}-{str(d)[6:]}" for f, d in CASES])
+def test_alone_equals_batched(family, dtype):
+    model = tiny_model(family, seed=1, dtype=dtype)
+    prompts, params = requests()
+    reference = alone(model, prompts, params)
+
+    batched = engine(model)
+    assert record(batched.generate(prompts, params)) == reference
+    assert batched.stats.cache_hit_tokens > 0  # siblings and the system prompt
+    # Every prompt now cached whole, the requests in reverse order.
+    assert record(batched.generate(prompts[::-1], params[::-1])) == reference[::-1]
+
+    # Prefill cut into 24-token chunks beside decodes, and a pool too small for everyone.
+    tight = engine(model, max_num_batched_tokens=24, kv_cache_tokens=400)
+    assert record(tight.generate(prompts, params)) == reference
+    assert tight.stats.preemptions > 0
+    tight.check_invariants()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_speculation_changes_nothing(dtype):
+    """Coupled acceptance keeps every token; verify rows (k + 1 per sample) must round as the
+    decode rows of a run without speculation do."""
+    model = tiny_model("llama", seed=1, dtype=dtype)
+    prompts, params = requests(count=12)
+    reference = alone(model, prompts, params)
+    draft = tiny_model("llama", seed=4, dtype=dtype, num_hidden_layers=1)
+    for spec in (SpeculativeConfig("ngram", num_speculative_tokens=3),
+                 SpeculativeConfig("draft", num_speculative_tokens=3, draft_model=draft)):
+        speculating = engine(model, speculative=spec)
+        assert record(speculating.generate(prompts, params)) == reference
+        assert speculating.stats.spec_proposed > 0
+
+
+def test_fp32_head_of_a_bf16_model():
+    model = tiny_model("llama", seed=2, dtype=torch.bfloat16)
+    prompts, params = requests(count=9)
+    solo = engine(model, enable_prefix_caching=False, lm_head_dtype=torch.float32)
+    reference = [record(solo.generate([p], [sp]))[0] for p, sp in zip(prompts, params)]
+    batched = engine(model, lm_head_dtype=torch.float32, max_num_batched_tokens=40)
+    assert record(batched.generate(prompts, params)) == reference
+
+
+def test_unmerged_lora():
+    """A PEFT adapter served unmerged: its shrink and expand take the panels for any number
+    of rows, like the base projections."""
+    from lora_models import peft_model
+
+    model = peft_model("llama")
+    prompts, params = requests(count=9)
+    reference = alone(model, prompts, params)
+    batched = engine(model, max_num_batched_tokens=40)
+    assert batched.lora_status == "unmerged"
+    assert record(batched.generate(prompts, params)) == reference
+
+
+def test_default_mode_is_not_invariant_where_it_says():
+    """The check above can fail: without the mode, the same requests batched differ in some
+    logprob (shared-prefix blocks, SDPA prefill, F.linear past the panels' row limit)."""
+    model = tiny_model("llama", seed=1)
+    prompts, params = requests()
+    solo = Engine(model, EngineConfig(kv_cache_tokens=8192, max_model_len=160,
+                                      enable_prefix_caching=False))
+    reference = [record(solo.generate([p], [sp]))[0] for p, sp in zip(prompts, params)]
+    batched = Engine(model, EngineConfig(kv_cache_tokens=8192, max_model_len=160))
+    assert record(batched.generate(prompts, params)) != reference
+
+
+@pytest.mark.parametrize("config,message", [
+    (dict(backend="torch"), "backend 'torch'"),
+    (dict(pack_cpu_weights=False), "pack_cpu_weights"),
+    (dict(batch_invariant="yes"), "batch_invariant"),
+])
+def test_refused_where_rows_cannot_be_kept_apart(config, message):
+    with pytest.raises(ValueError, match=message):
+        Engine(tiny_model("llama"), EngineConfig(**{"batch_invariant": True, **config}))
+
+
+def test_moe_refused():
+    with pytest.raises(ValueError, match="MoE"):
+        Engine(tiny_model("qwen3_moe"), EngineConfig(batch_invariant=True))
