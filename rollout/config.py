@@ -51,8 +51,8 @@ class EngineConfig:
     keep_cpu_heap: bool = False
     # A request's tokens and logprobs are the same bits whatever else is in the batch: how its
     # prefill is chunked, what the radix cache held, who shares its steps, preemption and
-    # speculation change nothing (rollout/attention/invariant.py; the cpu backend, dense
-    # models). Costs speed: docs/benchmarks.md.
+    # speculation change nothing (docs/backends.md: on the CPU, cpu backend or triton under
+    # the interpreter). Its cost: docs/benchmarks.md.
     batch_invariant: bool = False
     dtype: torch.dtype | str | None = None  # None: the model's dtype
     # torch.float32: a bf16/fp16 model's logits multiply an fp32 copy of the LM head by the

@@ -43,6 +43,8 @@ MAX_SPLIT_Q_LEN = 8
 # Below this many KV positions per split, the merge costs more than the extra parallelism saves.
 MIN_KV_PER_SPLIT = 256
 MAX_KV_SPLITS = 64
+# The batch-invariant mode sizes every tile as for queries this long: the widest tile.
+INVARIANT_Q_LEN = 1 << 16
 
 
 @triton.jit
@@ -115,6 +117,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr, VARLEN_GRID: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     # Programs run in reverse: under causality the later query blocks see more context, and
     # starting them first keeps the long programs from trailing at the end of the grid.
@@ -175,6 +178,11 @@ def _paged_attention_kernel(
         # up to the last row's window start, some rows see a key and others do not: masked
         # blocks, which end at `edge`.
         first_seen = first_tok + shift - window + 1
+        if ALIGNED:
+            # Blocks at multiples of BLOCK_N, whichever row begins the tile: a row's blocks
+            # then do not depend on how its request's queries were tiled or chunked (those
+            # before its own window are fully masked for it, which changes none of its bits).
+            first_seen = tl.maximum(first_seen, 0) // BLOCK_N * BLOCK_N
         all_seen = tl.minimum(first_tok + BLOCK_Q, q_len) - 1 + shift - window + 1
         lo = tl.maximum(lo, first_seen)
         edge = lo + (tl.maximum(all_seen - lo, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
@@ -260,12 +268,14 @@ def launch_paged_attention(q, k_pool, v_pool, out, qo_indptr, kv_indptr, kv_indi
                            sm_scale: float, max_q_len: int, max_kv_len: int, causal: bool,
                            num_kv_splits: int, part_out=None, part_lse=None, split_base: int = 0,
                            tile: tuple[int, int, int] | None = None, window: int | None = None,
-                           softcap: float | None = None):
+                           softcap: float | None = None, invariant: bool = False):
     """Launch the kernel once. With `part_out`/`part_lse` ([T, Hq, S, D] / [T, Hq, S] fp32) it
     writes normalised partials into splits split_base .. split_base+num_kv_splits-1 instead of
     `out`; the caller merges. Shared with the shared-prefix path. `tile` = (BLOCK_N, num_warps,
     num_stages) overrides the heuristic (benchmark sweeps). `window`: sliding window (keys a
-    query sees, itself included; None: all); `softcap`: score soft-capping (None: off)."""
+    query sees, itself included; None: all); `softcap`: score soft-capping (None: off).
+    `invariant`: the tile's shape is the widest, whatever max_q_len, and window blocks start
+    at multiples of BLOCK_N (see paged_attention)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
     assert num_q_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
@@ -276,7 +286,7 @@ def launch_paged_attention(q, k_pool, v_pool, out, qo_indptr, kv_indptr, kv_indi
     for t in (q, k_pool, v_pool, out):
         assert t.stride(-1) == 1, "the head dimension must be contiguous"
     block_q, block_m, block_n, num_warps, num_stages = _tile_config(
-        group, max_q_len, head_dim, q.dtype, _interpreting())
+        group, INVARIANT_Q_LEN if invariant else max_q_len, head_dim, q.dtype, _interpreting())
     if tile is not None:
         block_n, num_warps, num_stages = tile
     if num_kv_splits > 1:
@@ -311,7 +321,7 @@ def launch_paged_attention(q, k_pool, v_pool, out, qo_indptr, kv_indptr, kv_indi
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal, SLIDING=window is not None,
         SOFTCAP=softcap is not None, WRITE_PARTIAL=write_partial,
-        VARLEN_GRID=varlen_grid,
+        VARLEN_GRID=varlen_grid, ALIGNED=invariant,
         # fp32 inputs would otherwise be rounded to tf32 on the GPU.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
@@ -323,7 +333,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     kv_indices: torch.Tensor, *, sm_scale: float, max_q_len: int,
                     max_kv_len: int, causal: bool = True,
                     num_kv_splits: int | None = None, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, invariant: bool = False) -> torch.Tensor:
     """Attention of q [T, Hq, D] over the paged context, written into out [T, Hq, D].
 
     k_pool, v_pool: [S, Hkv, D]; qo_indptr, kv_indptr: int32 [B+1]; kv_indices: int32 or int64
@@ -334,9 +344,16 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     window: sliding window, query i of a request sees positions j with
     i + kv_len - q_len - window < j (None: no window). softcap: scores become
     softcap * tanh(scores / softcap) (None: off).
+    invariant (EngineConfig.batch_invariant): a row's result independent of the rest of the
+    step: no split-KV (its ranges follow the batch), one tile shape for every step (the rows
+    of a tile each get their own dot products; a tile's other rows, masked or not, change
+    none of a row's bits), key blocks at multiples of the tile's width for every row, sliding
+    windows included.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     batch = qo_indptr.shape[0] - 1
+    if invariant:
+        num_kv_splits = 1
     if num_kv_splits is None:
         programs = batch * k_pool.shape[1]  # one query block per request at these q lengths
         num_kv_splits = choose_num_kv_splits(programs, max_q_len, max_kv_len, _num_sms(q.device))
@@ -344,7 +361,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if num_kv_splits == 1:
         launch_paged_attention(q, k_pool, v_pool, out, qo_indptr, kv_indptr, kv_indices,
                                sm_scale=sm_scale, max_q_len=max_q_len, max_kv_len=max_kv_len,
-                               causal=causal, num_kv_splits=1, window=window, softcap=softcap)
+                               causal=causal, num_kv_splits=1, window=window, softcap=softcap,
+                               invariant=invariant)
         return out
     part_out = torch.empty(num_tokens, num_q_heads, num_kv_splits, head_dim,
                            dtype=torch.float32, device=q.device)

@@ -16,10 +16,10 @@ from .sdpa import TorchAttention
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _triton(pool, windows):
+def _triton(pool, windows, invariant: bool = False):
     from .triton import TritonAttention  # imports triton: only when this backend is built
 
-    return TritonAttention(pool, windows)
+    return TritonAttention(pool, windows, invariant)
 
 
 def _triton_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -34,7 +34,7 @@ ATTENTION = Op("attention", torch=(TorchAttention, always),
 def attention_name(backend, dtype: torch.dtype) -> str:
     """The attention implementation a backend runs for a model of `dtype`."""
     if backend.batch_invariant:
-        return "cpu-invariant"
+        return f"{'triton' if backend.name == 'triton' else 'cpu'}-invariant"
     return backend.choose(ATTENTION.implementations, dtype)
 
 
@@ -42,6 +42,11 @@ def make_attention(backend, dtype: torch.dtype, pool, windows):
     """The attention backend of an engine's backend, for a model of `dtype`."""
     if not backend.batch_invariant:
         return backend.bind(ATTENTION, dtype)(pool, windows)
+    if backend.name == "triton":
+        if not _triton_supported(backend.device, dtype):
+            raise ValueError(f"batch_invariant: the Triton attention does not run {dtype} on "
+                             f"{backend.device}")
+        return _triton(pool, windows, invariant=True)
     from rollout_kernels.cpu import paged_attention as kernel
 
     if not kernel.built():

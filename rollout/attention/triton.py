@@ -53,8 +53,16 @@ class TritonPlan:
 
 
 class TritonAttention(AttentionBackend):
+    """`invariant` (EngineConfig.batch_invariant): the paged kernel's invariant mode for every
+    step, never the shared-prefix path (its prefix/suffix split follows the batch)."""
+
+    def __init__(self, pool, windows=None, invariant: bool = False) -> None:
+        super().__init__(pool, windows)
+        self.invariant = invariant
+
     def plan(self, meta: AttentionMetadata) -> TritonPlan:
-        usable = any(w is None or w >= meta.max_kv_len for w in self.windows)
+        usable = not self.invariant and any(w is None or w >= meta.max_kv_len
+                                            for w in self.windows)
         return TritonPlan(meta.max_q_len, meta.max_kv_len,
                           _shared_prefix_plan(meta) if usable else None)
 
@@ -75,7 +83,8 @@ class TritonAttention(AttentionBackend):
         if shared is None or window is not None:
             paged_attention(q, k_pool, v_pool, out, meta.qo_indptr, meta.kv_indptr,
                             meta.kv_indices, sm_scale=scale, max_q_len=plan.max_q_len,
-                            max_kv_len=plan.max_kv_len, window=window, softcap=softcap)
+                            max_kv_len=plan.max_kv_len, window=window, softcap=softcap,
+                            invariant=self.invariant)
             return out
         grouped_q = q if shared.perm is None else q.index_select(0, shared.perm)
         grouped_out = out if shared.perm is None else torch.empty_like(q)

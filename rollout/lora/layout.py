@@ -101,6 +101,11 @@ def attach(model, layout: Layout, backend) -> bool:
     if backend.batch_invariant and choice != "cpu" and layout:
         raise ValueError("batch_invariant: an unmerged LoRA adapter needs the C linear kernel "
                          "(AVX2 and FMA), which this machine did not build; use lora='merged'")
+    if backend.batch_invariant and any(isinstance(m, StackedExperts) and layout.get(path)
+                                       for path, m in model.named_modules()):
+        # refused before anything is attached: a sync that raises leaves the adapter as it was
+        raise ValueError("batch_invariant: LoRA on the MoE experts is served unmerged with "
+                         "torch.mm, whose rows round with the row count; use lora='merged'")
     changed = False
     for path, module in model.named_modules():
         if not isinstance(module, (MergedLinear, RowParallelLinear, StackedExperts)):

@@ -85,10 +85,9 @@ def _check_invariant(name: str, device: torch.device, pack_weights: bool) -> Non
         raise ValueError("batch_invariant: backend 'torch' runs SDPA and F.linear, whose rows "
                          "round differently with the batch's shape; use backend 'cpu' or "
                          "'auto'")
-    if device.type != "cpu" or name != "cpu":
-        raise ValueError(f"batch_invariant: runs on the cpu backend only for now (backend "
-                         f"{name!r} on {device}: its projections' matmuls and split-KV "
-                         f"attention are not row-invariant)")
+    if device.type != "cpu":
+        raise ValueError(f"batch_invariant: runs on the CPU only for now (on {device} the "
+                         f"projections' cuBLAS matmuls are not row-invariant)")
     if not pack_weights:
         raise ValueError("batch_invariant: needs pack_cpu_weights=True (F.linear's rows round "
                          "differently with the number of rows)")

@@ -7,6 +7,7 @@ with GQA, sliding windows with soft-capping (Gemma 2), and q/k norms (Qwen3)."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -97,6 +98,27 @@ def test_speculation_changes_nothing(dtype):
         assert speculating.stats.spec_proposed > 0
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available(),
+                    reason="the Triton backend on the CPU runs under TRITON_INTERPRET=1")
+def test_triton_backend_under_the_interpreter():
+    """The Triton attention's invariant mode (one tile shape, no split-KV, no shared-prefix
+    path, window blocks aligned: Gemma 2's sliding window found that one), the projections as
+    on the cpu backend, the torch sampler. The kernel's own cases: tests/attention/
+    test_invariant_attention.py."""
+    model = tiny_model("gemma2", seed=1)
+    prompts, params = requests(count=4)
+    solo = engine(model, backend="triton", enable_prefix_caching=False)
+    reference = [record(solo.generate([p], [sp]))[0] for p, sp in zip(prompts, params)]
+    batched = engine(model, backend="triton", max_num_batched_tokens=40)
+    assert batched.implementations()["attention"] == "triton-invariant"
+    assert record(batched.generate(prompts, params)) == reference
+    assert batched.stats.cache_hit_tokens > 0
+    # and the default Triton attention on the same requests is not invariant
+    default = Engine(model, EngineConfig(kv_cache_tokens=8192, max_model_len=160,
+                                         backend="triton", max_num_batched_tokens=40))
+    assert record(default.generate(prompts, params)) != reference
+
+
 def test_fp32_head_of_a_bf16_model():
     model = tiny_model("llama", seed=2, dtype=torch.bfloat16)
     prompts, params = requests(count=9)
@@ -141,6 +163,24 @@ def test_refused_where_rows_cannot_be_kept_apart(config, message):
         Engine(tiny_model("llama"), EngineConfig(**{"batch_invariant": True, **config}))
 
 
-def test_moe_refused():
-    with pytest.raises(ValueError, match="MoE"):
-        Engine(tiny_model("qwen3_moe"), EngineConfig(batch_invariant=True))
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_moe(family):
+    """The router and every expert multiply through packed copies (rows apart), made with
+    the engine, dropped at sleep and made again."""
+    model = tiny_model(family, seed=1)
+    prompts, params = requests(count=9)
+    reference = alone(model, prompts, params)
+    batched = engine(model, max_num_batched_tokens=40)
+    held = batched.memory_held()
+    assert record(batched.generate(prompts, params)) == reference
+    batched.sleep(1)
+    batched.wake_up()
+    assert batched.memory_held() == held
+    assert record(batched.generate(prompts[::-1], params[::-1])) == reference[::-1]
+
+
+def test_expert_lora_refused():
+    from lora_models import peft_model
+
+    with pytest.raises(ValueError, match="MoE experts"):
+        Engine(peft_model("qwen3_moe"), EngineConfig(batch_invariant=True, lora="unmerged"))

@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ from ...ops.op import Dispatched, always, on_cuda
 from ...parallel import Concat, Slice, all_reduce, current, even_split
 from ..base import LORA_MODULE, ROUTED_EXPERTS
 from .expert_lora import ExpertBlock, ExpertLora, add_expert_delta
+from .expert_packing import PackedExperts
 
 # (gate-up's, down's) adapter factors (A, B, scale), either None: ExpertLora.factors
 ExpertFactors = tuple[tuple[torch.Tensor, torch.Tensor, float] | None, ...]
@@ -58,13 +60,15 @@ def route(logits: torch.Tensor, options: RouterOptions) -> tuple[torch.Tensor, t
 
 def moe_torch(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              activation: str = "silu", lora: ExpertFactors | None = None) -> torch.Tensor:
+              activation: str = "silu", lora: ExpertFactors | None = None,
+              packed: PackedExperts | None = None) -> torch.Tensor:
     """The experts in torch, one batched matmul pair per expert that any token chose (as
     transformers' eager experts): x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I],
     topk_weights [T, k] fp32, topk_ids [T, k]; `lora`: the (A, B, scale) of an adapter on
     gate-up and on down, either None (layers/expert_lora.py). Same rounding points as
     kernels/triton/fused_moe.py, but for an adapter's delta, added here to the rounded base
-    projection (the kernel adds it before its one rounding)."""
+    projection (the kernel adds it before its one rounding). `packed`: the experts' packed
+    copies (the batch-invariant mode) multiply instead of F.linear."""
     gate_up_lora, down_lora = lora or (None, None)
     num_tokens, top_k = topk_ids.shape
     flat = topk_ids.reshape(-1)
@@ -81,10 +85,18 @@ def moe_torch(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
         start += count
         tokens = pairs // top_k
         rows = x[tokens]
-        gate_up = add_expert_delta(F.linear(rows, w_gate_up[expert]), rows, gate_up_lora, expert)
+        if packed is None:
+            base_gate_up = F.linear(rows, w_gate_up[expert])
+        else:
+            base_gate_up = packed.linear(packed.gate_up[expert], rows, w_gate_up[expert])
+        gate_up = add_expert_delta(base_gate_up, rows, gate_up_lora, expert)
         gate, up = gate_up.chunk(2, dim=-1)
         h = act(gate) * up
-        down = add_expert_delta(F.linear(h, w_down[expert]), h, down_lora, expert)
+        if packed is None:
+            base_down = F.linear(h, w_down[expert])
+        else:
+            base_down = packed.linear(packed.down[expert], h, w_down[expert])
+        down = add_expert_delta(base_down, h, down_lora, expert)
         out.index_add_(0, tokens, (down.float() * weights[pairs, None]).to(x.dtype).float())
     return out.to(x.dtype)
 
@@ -160,15 +172,36 @@ class SparseMoE(Dispatched, nn.Module):
         self.gate = nn.Linear(hidden_size, options.num_experts, bias=False)
         self.experts = StackedExperts(options.num_experts, hidden_size, intermediate_size)
 
+    packed: PackedExperts | None = None  # the batch-invariant mode's copies (use_backend)
+
     def use_backend(self, backend, dtype: torch.dtype) -> None:
-        if backend.batch_invariant:
-            # The router's and each expert's F.linear round a row by how many rows share it.
-            raise ValueError("batch_invariant: not available for MoE models yet (the router's "
-                             "and experts' matmuls are not row-invariant)")
         super().use_backend(backend, dtype)
+        self.packed = None
+        if backend.batch_invariant:
+            # F.linear rounds a row by how many rows share it: the router's and every
+            # expert's matmuls go through row-invariant packed copies, in moe_torch.
+            self.implementation = "torch"
+            self.packed = PackedExperts(self.options.num_experts, backend.device, dtype)
+
+    # The packed copies' life, as a projection's (models/base.py finds these methods).
+    def pack(self) -> None:
+        if self.packed is not None:
+            self.packed.pack(self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj)
+
+    def drop_derived(self) -> None:
+        if self.packed is not None:
+            self.packed.drop()
+
+    def derived_bytes(self) -> int:
+        return 0 if self.packed is None else self.packed.nbytes()
 
     def forward_torch(self, x: torch.Tensor, ctx) -> torch.Tensor:
-        return self._forward(x, ctx, moe_torch)
+        if self.packed is None:
+            return self._forward(x, ctx, moe_torch)
+        weights, ids = route(self.packed.linear(self.packed.router, x, self.gate.weight),
+                             self.options)
+        return self._experts(x, ctx, weights, ids,
+                             functools.partial(moe_torch, packed=self.packed))
 
     def forward_triton(self, x: torch.Tensor, ctx) -> torch.Tensor:
         from rollout_kernels.triton.fused_moe import ACTIVATIONS, fused_moe
@@ -178,6 +211,10 @@ class SparseMoE(Dispatched, nn.Module):
 
     def _forward(self, x: torch.Tensor, ctx, experts: Callable[..., torch.Tensor]) -> torch.Tensor:
         weights, ids = route(F.linear(x, self.gate.weight), self.options)
+        return self._experts(x, ctx, weights, ids, experts)
+
+    def _experts(self, x: torch.Tensor, ctx, weights: torch.Tensor, ids: torch.Tensor,
+                 experts: Callable[..., torch.Tensor]) -> torch.Tensor:
         ctx.store_slot_values(ROUTED_EXPERTS, self.moe_index, ids)
         out = experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
                       self.activation, self.experts.lora_factors())
