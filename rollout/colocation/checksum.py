@@ -6,6 +6,10 @@ always changes it); 32-bit words because integer sums that narrow run at memory 
 widening ones do not. The destination is also checked for non-finite values (its min and max,
 one pass), which a NaN or Inf in the source, or a finite float32 too large for bf16, leaves.
 
+On the CPU a same-dtype contiguous copy takes rollout_kernels.cpu's checked_copy instead:
+the same sums and check in the copy's one pass over memory (each block read back while it is
+in the cache), where the torch passes read everything three more times.
+
 A mismatch or a non-finite value raises after the bucket's copy: the engine's weights are then
 incomplete (`needs_weights`), and it refuses to generate until a complete update_weights.
 """
@@ -15,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from rollout_kernels.cpu import checked_copy as native_copy
 
 # The integer type of each floating dtype's width: a tensor viewed as it, bit for bit.
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -45,6 +51,11 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
 
+def _native_copy(dst: torch.Tensor, src: torch.Tensor) -> tuple[int, int, bool]:
+    """The C kernel's checked copy (its own function so a test can corrupt it)."""
+    return native_copy.checked_copy(dst, src)
+
+
 class CopyMismatch(RuntimeError):
     """A weight differs from its source after the copy."""
 
@@ -64,6 +75,12 @@ class Checked:
         if src.dtype != dst.dtype:
             src = src.to(dst.dtype)
         self.names.append(name)
+        if native_copy.supported(dst, src):
+            source, written, finite = _native_copy(dst, src)
+            self.sources.append(torch.tensor(source, dtype=torch.int32))
+            self.destinations.append(torch.tensor(written, dtype=torch.int32))
+            self.finite.append(torch.tensor(finite))
+            return
         self.sources.append(bit_sum(src))
         _copy(dst, src)
         self.destinations.append(bit_sum(dst))

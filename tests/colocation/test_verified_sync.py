@@ -10,6 +10,8 @@ from models import tiny_model
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.colocation import checksum
+from rollout_kernels import cpu as native
+from rollout_kernels.cpu import checked_copy as native_copy
 
 CONFIG = dict(kv_cache_tokens=512, max_model_len=64)
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7]]
@@ -42,23 +44,41 @@ def test_versions_count_complete_updates_and_are_stamped(engine_and_models):
     assert engine.weights_version == 2 and not engine.needs_weights
 
 
-def test_a_corrupted_copy_is_caught_and_a_good_update_recovers(engine_and_models, monkeypatch):
+@pytest.mark.parametrize("path", ["torch", "native"])
+def test_a_corrupted_copy_is_caught_and_a_good_update_recovers(engine_and_models, path,
+                                                               monkeypatch):
+    """A bit flipped in one weight's destination: by the torch copy (its checks read the
+    destination afterwards), or as the C checked copy would read it back (rollout_kernels.cpu
+    checked_copy; off the CPU, or without the library, the torch path serves both cases)."""
     engine, a, b = engine_and_models
     want = tokens(Engine(b, EngineConfig(**CONFIG)))
-    real = checksum._copy
+    norm = engine.model.model.norm.weight
 
-    def flipping(dst, src):
-        real(dst, src)
-        if dst.shape == engine.model.model.norm.weight.shape and dst.dim() == 1:
+    def flip(dst):
+        if dst.shape == norm.shape and dst.dim() == 1:
             dst.view(torch.int32)[3] ^= 1  # one bit of one element of one weight
 
+    real_copy, real_native = checksum._copy, checksum._native_copy
+
+    def flipping(dst, src):
+        real_copy(dst, src)
+        flip(dst)
+
+    def flipping_native(dst, src):
+        source, _, finite = real_native(dst, src)
+        flip(dst)
+        return source, int(checksum.bit_sum(dst)), finite
+
+    if path == "torch":
+        monkeypatch.setattr(checksum.native_copy, "supported", lambda dst, src: False)
     monkeypatch.setattr(checksum, "_copy", flipping)
+    monkeypatch.setattr(checksum, "_native_copy", flipping_native)
     with pytest.raises(RuntimeError, match="checksum mismatch"):
         engine.update_weights(b)
     assert engine.needs_weights and engine.weights_version == 0
     with pytest.raises(RuntimeError, match="weights are incomplete"):
         engine.generate(PROMPTS, GREEDY)
-    monkeypatch.setattr(checksum, "_copy", real)
+    monkeypatch.undo()
     engine.update_weights(b)
     assert not engine.needs_weights and engine.weights_version == 1
     assert tokens(engine) == want
@@ -117,3 +137,22 @@ def test_the_checksum_sees_one_flipped_bit_anywhere_and_not_the_layout(dtype, nu
     # A strided view and a copy of it at another offset: the same values, the same sum.
     wide = torch.randn(2 * numel + 1, dtype=torch.float64).to(dtype)
     assert checksum.bit_sum(wide[1::2]) == checksum.bit_sum(wide[1::2].clone())
+
+
+@pytest.mark.skipif(not native.has("checked_copy"), reason=native.missing_reason("checked_copy"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("numel", [1, 3, 1000, 8192 * 4 + 1, 300_001])
+def test_the_c_checked_copy_sums_as_bit_sum_and_sees_non_finite(dtype, numel):
+    """checked_copy.c against the torch checks: the copy, both sums as bit_sum's (odd 2-byte
+    tails, sizes past one block and one thread's share), and a nan, +inf or -inf anywhere."""
+    src = torch.randn(numel, dtype=torch.float64).to(dtype)
+    dst = torch.empty_like(src)
+    version = dst._version
+    source, written, finite = native_copy.checked_copy(dst, src)
+    assert torch.equal(dst, src) and dst._version > version  # derived copies see the write
+    assert source == written == int(checksum.bit_sum(src)) and finite
+    for i, bad in [(0, float("nan")), (numel // 2, float("inf")), (numel - 1, float("-inf"))]:
+        src[i] = bad
+        assert native_copy.checked_copy(dst, src)[2] is False
+        src[i] = 1.0
+    assert native_copy.checked_copy(dst, src)[2] is True
