@@ -65,12 +65,25 @@ def rows_of(meta, b, lo=0, hi=None):
 # prefill, so that shared prefixes end inside a block and prefill rows meet decode rows.
 STEP = MIXED + [("i", 70, 75, 1), ("i", 70, 140, 1), ("i", 70, 90, 4), ("j", 0, 130, 130)]
 WINDOWS = [(None, None), (7, None), (None, 20.0), (50, 3.0)]
+# The (slow) interpreter: none, and a window with soft-capping together.
+TRITON_WINDOWS = [WINDOWS[0], WINDOWS[3]]
+CUTS = [(57,), (1, 64), (20, 33, 100)]
 
 
-@pytest.mark.parametrize("make, dtype, kv_heads, q_heads, head_dim", STEP_CASES)
-@pytest.mark.parametrize("window, softcap", WINDOWS)
-def test_each_request_alone_equals_its_rows_in_the_step(make, dtype, window, softcap, kv_heads,
-                                                        q_heads, head_dim):
+def with_windows(cases, more=((),)):
+    """Each case with every window on the C kernel, TRITON_WINDOWS under the interpreter; with
+    each of `more`'s extra arguments (the interpreter only the last)."""
+    return [pytest.param(*case.values, *window, *extra, marks=case.marks,
+                         id="-".join(map(str, (case.id, *window, *extra))))
+            for case in cases
+            for window in (WINDOWS if case.id.startswith("cpu") else TRITON_WINDOWS)
+            for extra in (more if case.id.startswith("cpu") else more[-1:])]
+
+
+@pytest.mark.parametrize("make, dtype, kv_heads, q_heads, head_dim, window, softcap",
+                         with_windows(STEP_CASES))
+def test_each_request_alone_equals_its_rows_in_the_step(make, dtype, kv_heads, q_heads, head_dim,
+                                                        window, softcap):
     pool = random_pool(1, kv_heads, head_dim, dtype=dtype)
     meta, q, k, v = make_step(pool, STEP, q_heads, seed=head_dim, dtype=dtype, common=24)
     backend = make(pool, [window])
@@ -85,9 +98,8 @@ def test_each_request_alone_equals_its_rows_in_the_step(make, dtype, window, sof
     torch.testing.assert_close(out.double(), ref, **bound)
 
 
-@pytest.mark.parametrize("make, dtype", CASES)
-@pytest.mark.parametrize("window, softcap", WINDOWS)
-@pytest.mark.parametrize("cuts", [(57,), (1, 64), (20, 33, 100)], ids=str)
+@pytest.mark.parametrize("make, dtype, window, softcap, cuts",
+                         with_windows(CASES, [(cuts,) for cuts in CUTS]))
 def test_a_prefill_in_chunks_equals_it_whole(make, dtype, window, softcap, cuts):
     pool = random_pool(1, 2, 64, dtype=dtype)
     meta, q, k, v = make_step(pool, [("j", 0, 130, 130)], 6, seed=7, dtype=dtype)

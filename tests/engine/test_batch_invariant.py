@@ -24,10 +24,10 @@ pytestmark = pytest.mark.skipif(not native_attention.built(),
 SYSTEM = [5, 9, 2, 77, 31, 8, 8, 40, 3, 61, 12, 90]  # shared by a third of the prompts
 
 
-def requests(count: int = 24, seed: int = 0):
+def requests(count: int = 24, seed: int = 0, longest: int = 24):
     """Prompts of 3 to 70 tokens (a third behind SYSTEM, a few repeating themselves for the
     n-gram drafter) and per prompt its own settings: greedy, temperature, top-k, top-p, min-p,
-    1 to 4 samples, 4 to 24 tokens; 66 samples in all (count 24)."""
+    1 to 4 samples, 4 to `longest` tokens; 66 samples in all (count 24)."""
     rng = random.Random(seed)
     prompts, params = [], []
     for i in range(count):
@@ -37,7 +37,7 @@ def requests(count: int = 24, seed: int = 0):
         prompts.append(SYSTEM + body if i % 3 == 0 else body)
         kind = i % 5
         params.append(SamplingParams(
-            n=(1, 3, 3, 4)[i % 4], max_tokens=rng.randrange(4, 25), seed=1000 + i,
+            n=(1, 3, 3, 4)[i % 4], max_tokens=min(rng.randrange(4, 25), longest), seed=1000 + i,
             temperature=0.0 if kind == 0 else 0.8, top_k=20 if kind == 2 else -1,
             top_p=0.9 if kind == 3 else 1.0, min_p=0.05 if kind == 4 else 0.0,
             logprobs=True, top_logprobs=2, ignore_eos=True))
@@ -106,7 +106,7 @@ def test_triton_backend_under_the_interpreter():
     on the cpu backend, the torch sampler. The kernel's own cases: tests/attention/
     test_invariant_attention.py."""
     model = tiny_model("gemma2", seed=1)
-    prompts, params = requests(count=4)
+    prompts, params = requests(count=3, longest=6)  # the interpreter is slow: short samples
     solo = engine(model, backend="triton", enable_prefix_caching=False)
     reference = [record(solo.generate([p], [sp]))[0] for p, sp in zip(prompts, params)]
     batched = engine(model, backend="triton", max_num_batched_tokens=40)

@@ -150,9 +150,10 @@ def test_the_portable_paths_pass_the_native_tests(tmp_path):
              "tests/attention/test_native_attention.py::test_agrees_with_the_torch_paths_on_every_layer",
              "tests/attention/test_invariant_attention.py"]
     env = dict(os.environ, ROLLOUT_CACHE=str(tmp_path / "cache"), ROLLOUT_NATIVE_MARCH="x86-64")
+    # the Triton cases of those files read no C code: they ran in the suite already
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-                           *tests], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
+                           "-k", "not triton", *tests], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert " passed" in proc.stdout
     skips = [line for line in proc.stdout.splitlines() if line.startswith("SKIPPED")]
