@@ -14,7 +14,9 @@ then replayed:
   shared_lens, which is what the backend does for groups that share nothing);
 - matmul: the same step's linear layers alone (QKV, O, gate-up, down of every layer and the
   LM head on a [128, hidden] input), the floor the issue measures against; through the
-  engine's own projections, so on packed weights unless --no-pack;
+  engine's own projections, so on packed weights unless --no-pack; its GFLOP/s as a share of
+  the CPU's FMA peak, measured in the same loop (fma_peak.c, the widest FMAs the CPU has);
+  `ROLLOUT_NATIVE_MARCH=x86-64-v3` runs the AVX2 kernels on an AVX-512 host to compare;
 - engine: whole engine steps (schedule, prepare, forward, sample, commit), alternating paths;
   with --top-p, also native steps whose samples all filter by that top_p (the issue's "a
   top-p=0.9 step against a step without it").
@@ -38,6 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from fma_peak import FmaPeak, isa  # noqa: E402
 from workloads import SMOLLM2_135M, random_llama  # noqa: E402
 
 from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
@@ -143,6 +146,14 @@ def matmul_seconds(model, batch: int) -> float:
     return time.perf_counter() - t0
 
 
+def matmul_flops(model, batch: int) -> float:
+    """What matmul_seconds computes: 2 FLOPs per weight per row."""
+    weights = sum(proj.weight.numel() for layer in model.model.layers
+                  for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                               layer.mlp.gate_up_proj, layer.mlp.down_proj))
+    return 2.0 * batch * (weights + model.head.weight.numel())
+
+
 def engine_steps(engine: Engine, switch: PathSwitch, steps: int,
                  top_p: float | None) -> dict[str, list[float]]:
     """Whole steps, the paths alternating; with `top_p`, native steps alternate with native
@@ -195,6 +206,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    probe = FmaPeak()
 
     if args.real:  # the checkpoint, chat prompts sharing the peers' system prompt
         from peers import SYSTEM, questions, render
@@ -224,10 +236,10 @@ def main() -> None:
     start(engine, prompts, args.n)
     for decoded in sorted(args.decoded):
         inputs = capture_decode_step(engine, num_samples, decoded)
-        measure(engine, inputs, switch, args, profile_it=decoded == args.profile_at)
+        measure(engine, inputs, switch, args, probe, profile_it=decoded == args.profile_at)
 
 
-def measure(engine, inputs, switch, args, profile_it: bool) -> None:
+def measure(engine, inputs, switch, args, probe: FmaPeak, profile_it: bool) -> None:
     runner, meta = engine.runner, inputs.meta
     batch = len(meta.q_lens)
     assert max(meta.q_lens) == 1 and batch == args.prompts * args.n
@@ -242,18 +254,23 @@ def measure(engine, inputs, switch, args, profile_it: bool) -> None:
         m = dataclasses.replace(meta, plan=None, groups=list(meta.groups),
                                 shared_lens=list(meta.shared_lens))
         m.plan = runner.attention.plan(m)
-        logits[mode] = runner.run(dataclasses.replace(inputs, meta=m))
+        logits[mode] = runner.run(dataclasses.replace(inputs, meta=m))[0]
     diff = max((logits[mode] - logits["plain"]).abs().max().item() for mode in logits)
     print(f"max |logits - plain path's| = {diff:.2e}")
 
     best = {mode: float("inf") for mode in (*switch.modes(), "matmul")}
+    peak = 0.0
     for _ in range(args.repeat):
         for mode in switch.modes():
             best[mode] = min(best[mode], replay(runner, inputs, switch, mode))
         best["matmul"] = min(best["matmul"], matmul_seconds(runner.model, batch))
+        peak = max(peak, probe.gflops(torch.get_num_threads()))
     mm = best["matmul"]
+    rate = matmul_flops(runner.model, batch) / mm / 1e9
     print(f"best of {args.repeat}, interleaved (plan + forward + logits of the step):")
-    print(f"  matmul only        {mm * 1e3:8.1f} ms")
+    print(f"  matmul only        {mm * 1e3:8.1f} ms   = {rate:.1f} GFLOP/s, {rate / peak:.0%} of "
+          f"the FMA peak ({peak:.1f} GFLOP/s on {torch.get_num_threads()} threads, "
+          f"{probe.lanes}-lane FMAs; {isa()}) [{runner.model.dtype}]")
     for mode in switch.modes():
         print(f"  step, {mode:6} path {best[mode] * 1e3:8.1f} ms   "
               f"= {best[mode] / mm:.2f}x matmul")

@@ -2,11 +2,17 @@
  * columns, k-major (panel p holds W's rows 16p .. 16p + 15, interleaved: wp[(p k + i) 16 + j]
  * = W[16 p + j][i], the last panel padded with zeros).
  *
- * A panel is one stream of k cache lines; 6 rows of x at a time run over it, each element of a
- * row broadcast against the panel's two vectors: 12 accumulators, 2 vector loads and 6
- * broadcasts per 12 FMAs, everything in the 16 AVX2 registers. The panel (k x 64 bytes) stays
- * in L1/L2 for all the row blocks, so the weights come from memory once per call. Threads take
- * panels. Each row's sums run in one fixed order whatever the other rows are: a row's result
+ * A panel is one stream of k cache lines; a block of x's rows runs over it, each element of a
+ * row broadcast against the panel's vectors. With AVX2: 6 rows, a panel as two 8-lane vectors,
+ * 12 accumulators (2 loads and 6 broadcasts per 12 FMAs), everything in the 16 registers. With
+ * AVX-512: 12 rows over two panels at once, a panel as one 16-lane vector, 24 accumulators in
+ * the 32 registers (2 loads and 12 broadcasts per 24 FMAs): fewer loads per FMA, which is what
+ * kept the AVX2 block at ~70 % of a Zen 4's FMA peak (the 512-bit one reaches ~85 %,
+ * docs/benchmarks.md). The panels (k x 64 bytes each) stay in L1/L2 for all the row blocks, so
+ * the weights come from memory once per call. Threads take panels (pairs of them with AVX-512).
+ *
+ * Every output element is one chain of FMAs over i = 0 .. k-1 from zero, whatever the vector
+ * width, the row block or the other rows: the two ISAs give the same bits, and a row's result
  * does not depend on the batch. */
 #include <math.h>
 #include <stdint.h>
@@ -33,7 +39,75 @@ void pack_panels_f32(const float *w, int64_t n, int64_t k, float *wp, int num_th
     }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__)
+#define ROW_BLOCK_512 12
+#define IN_ZMM(x) __asm__("" : "+v"(x))
+
+/* y[r][0..cols) (= or += alpha *) x[r] . panels for R rows and P (1 or 2) adjacent panels,
+ * constants after inlining; cols counts the columns of all P panels that exist. */
+static inline __attribute__((always_inline)) void panel_rows_512(
+        const float *x, int64_t x_stride, int64_t k, const float *panel, float *y,
+        int64_t y_stride, int64_t cols, const int R, const int P, const int add,
+        const float alpha) {
+    __m512 a[ROW_BLOCK_512][2];
+    const float *second = panel + k * PANEL;
+    for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i++) {
+        __m512 w0 = _mm512_loadu_ps(panel + i * PANEL), w1 = w0;
+        IN_ZMM(w0);
+        if (P == 2) {
+            w1 = _mm512_loadu_ps(second + i * PANEL);
+            IN_ZMM(w1);
+        }
+        for (int r = 0; r < R; r++) {
+            const __m512 xb = _mm512_set1_ps(x[r * x_stride + i]);
+            a[r][0] = _mm512_fmadd_ps(xb, w0, a[r][0]);
+            if (P == 2) a[r][1] = _mm512_fmadd_ps(xb, w1, a[r][1]);
+        }
+    }
+    const __m512 scale = _mm512_set1_ps(alpha);
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < P; q++) {
+            const int64_t left = cols - q * PANEL;
+            const __mmask16 mask = left >= PANEL ? 0xffff : (__mmask16)((1u << left) - 1);
+            float *yq = y + r * y_stride + q * PANEL;
+            /* an FMA per element, as the AVX2 path's tail: the same rounding */
+            const __m512 out = add ? _mm512_fmadd_ps(scale, a[r][q],
+                                                     _mm512_maskz_loadu_ps(mask, yq))
+                                   : a[r][q];
+            _mm512_mask_storeu_ps(yq, mask, out);
+        }
+}
+
+static void panels_times(const float *x, int64_t x_stride, int64_t m, int64_t k,
+                         const float *wp, int64_t n, float *y, int64_t y_stride, int add,
+                         float alpha, int num_threads) {
+    const int64_t panels = (n + PANEL - 1) / PANEL, pairs = (panels + 1) / 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t p = 0; p < pairs; p++) {
+        const float *panel = wp + 2 * p * k * PANEL;
+        const int64_t col0 = 2 * p * PANEL, cols = n - col0 < 2 * PANEL ? n - col0 : 2 * PANEL;
+        const int two = cols > PANEL;
+        for (int64_t r = 0; r < m; r += ROW_BLOCK_512) {
+            const float *xr = x + r * x_stride;
+            float *yr = y + r * y_stride + col0;
+            const int rows = m - r < ROW_BLOCK_512 ? (int)(m - r) : ROW_BLOCK_512;
+            /* every (rows, panels, add) its own instance: constants in the hot loop */
+#define ROWS(R) case R: \
+    if (two && add) panel_rows_512(xr, x_stride, k, panel, yr, y_stride, cols, R, 2, 1, alpha); \
+    else if (two) panel_rows_512(xr, x_stride, k, panel, yr, y_stride, cols, R, 2, 0, alpha); \
+    else if (add) panel_rows_512(xr, x_stride, k, panel, yr, y_stride, cols, R, 1, 1, alpha); \
+    else panel_rows_512(xr, x_stride, k, panel, yr, y_stride, cols, R, 1, 0, alpha); \
+    break
+            switch (rows) {
+                ROWS(12); ROWS(11); ROWS(10); ROWS(9); ROWS(8); ROWS(7); ROWS(6); ROWS(5);
+                ROWS(4); ROWS(3); ROWS(2); default: ROWS(1);
+            }
+#undef ROWS
+        }
+    }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
 #define IN_REGISTER(x) __asm__("" : "+x"(x))  /* see paged_attention.c */
 
 /* y[r][0..cols) = x[r] . panel for R rows (a constant after inlining), rows x_stride apart;
@@ -103,6 +177,9 @@ static void panels_times(const float *x, int64_t x_stride, int64_t m, int64_t k,
     }
 }
 
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
 /* y [m, n] (contiguous) = x [m, k] (rows x_stride apart) times the packed weight's transpose.
  * Only in a build with AVX2 and FMA: without them the symbol is absent and its torch path runs
  * (kernels/cpu/__init__.py binds each entry point on its own). */

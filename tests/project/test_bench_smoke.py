@@ -2,6 +2,7 @@
 on the CPU, so a Python-level bug in it does not surface only in a short GPU session."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -27,3 +28,16 @@ def test_bench_kernels_smoke():
     assert not [line for line in lines if "WRONG" in line or "failed:" in line], out
     sampler = [line for line in lines if "tokens equal:" in line]
     assert len(sampler) == 3 and all(line.endswith("tokens equal: True") for line in sampler), out
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="the FMA probe is built with cc")
+def test_bench_decode_step_smoke():
+    """bench/decode_step.py on one layer and four samples: its replay of the runner and the FMA
+    peak probe it measures the matmuls against still run (it once broke unseen)."""
+    proc = subprocess.run([sys.executable, "bench/decode_step.py", "--layers", "1", "--prompts",
+                           "2", "--n", "2", "--prefix-len", "10", "--prompt-len", "14",
+                           "--decoded", "4", "--repeat", "1", "--engine-steps", "1",
+                           "--profile-at", "0"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "of the FMA peak" in proc.stdout and "matmul only" in proc.stdout, proc.stdout

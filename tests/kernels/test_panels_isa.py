@@ -1,0 +1,69 @@
+"""linear.c's two register blockings give the same bits: on a CPU with AVX-512 the library's
+panels run 12 rows over two panels in 16-lane vectors, a build for x86-64-v3 (AVX2 + FMA, what
+an AVX2-only host builds) 6 rows over one panel in 8-lane vectors. Every output element is one
+chain of FMAs over k in both, so the projections, and every test that holds them to F.linear or
+to transformers, are the same on both ISAs. Shapes cover each tail: row blocks cut short, an
+odd number of panels, a last panel of fewer than 16 columns alone and inside a pair, the
+strided rows and the in-place add of a LoRA expand into a column slice."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollout_kernels.cpu import linear as native_linear
+
+ROOT = Path(__file__).parents[2]
+CPUINFO = Path("/proc/cpuinfo")
+AVX512 = CPUINFO.exists() and "avx512f" in CPUINFO.read_text()
+
+# (rows, outputs, inputs): outputs 16 (one panel), 24 (a pair, the second partial), 40 (a pair
+# and a partial single), 300 (19 panels, the last of 12 columns), 64 (two full pairs)
+SHAPES = [(1, 16, 96), (5, 24, 7), (11, 40, 33), (12, 300, 96), (13, 64, 130), (25, 300, 40),
+          (130, 40, 96)]
+
+COMPUTE = """
+    import sys
+    import torch
+    from rollout_kernels.cpu import linear
+    assert linear.supported(torch.device("cpu"), torch.float32), "no panels in this build"
+    out = []
+    for m, n, k in SHAPES:
+        g = torch.Generator().manual_seed(m * n + k)
+        w, x = torch.randn(n, k, generator=g), torch.randn(m, k + 3, generator=g)[:, :k]
+        packed = linear.pack_panels(w)
+        y = linear.linear(x, packed, n)
+        wide = torch.randn(m, n + 20, generator=g)
+        linear.linear_add(x, packed, wide[:, 5:5 + n], 0.37)
+        out.append((y, wide))
+    torch.save(out, sys.argv[1])
+"""
+
+
+def compute(path: Path, **env) -> list:
+    code = f"SHAPES = {SHAPES!r}\n" + textwrap.dedent(COMPUTE)
+    proc = subprocess.run([sys.executable, "-c", code, str(path)], cwd=ROOT,
+                          env=dict(os.environ, **env), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(path)
+
+
+@pytest.mark.skipif(not AVX512, reason="needs a CPU with AVX-512 to run both blockings")
+@pytest.mark.skipif(not native_linear.supported(torch.device("cpu"), torch.float32),
+                    reason="this host's library has no panels")
+def test_avx512_and_avx2_panels_give_the_same_bits(tmp_path):
+    wide = compute(tmp_path / "native.pt")  # this host's build: the 512-bit blocking
+    narrow = compute(tmp_path / "avx2.pt", ROLLOUT_CACHE=str(tmp_path / "cache"),
+                     ROLLOUT_NATIVE_MARCH="x86-64-v3")
+    for (m, n, k), (y, added), (y2, added2) in zip(SHAPES, wide, narrow, strict=True):
+        assert torch.equal(y, y2), (m, n, k)
+        assert torch.equal(added, added2), (m, n, k)
+    # and the results are the projections' (the bits are not all zero or garbage)
+    g = torch.Generator().manual_seed(12 * 300 + 96)
+    w, x = torch.randn(300, 96, generator=g), torch.randn(12, 99, generator=g)[:, :96]
+    torch.testing.assert_close(wide[3][0], x @ w.T, rtol=1e-5, atol=1e-4)
