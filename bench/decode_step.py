@@ -40,8 +40,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fma_peak import FmaPeak, isa  # noqa: E402
-from workloads import SMOLLM2_135M, random_llama  # noqa: E402
+from fma_peak import FmaPeak  # noqa: E402
+from workloads import SMOLLM2_135M, cpu_name, random_llama  # noqa: E402
 
 from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
 from rollout.attention.cpu import CpuAttention  # noqa: E402
@@ -270,7 +270,7 @@ def measure(engine, inputs, switch, args, probe: FmaPeak, profile_it: bool) -> N
     print(f"best of {args.repeat}, interleaved (plan + forward + logits of the step):")
     print(f"  matmul only        {mm * 1e3:8.1f} ms   = {rate:.1f} GFLOP/s, {rate / peak:.0%} of "
           f"the FMA peak ({peak:.1f} GFLOP/s on {torch.get_num_threads()} threads, "
-          f"{probe.lanes}-lane FMAs; {isa()}) [{runner.model.dtype}]")
+          f"{probe.lanes}-lane FMAs; {cpu_name()}) [{runner.model.dtype}]")
     for mode in switch.modes():
         print(f"  step, {mode:6} path {best[mode] * 1e3:8.1f} ms   "
               f"= {best[mode] / mm:.2f}x matmul")

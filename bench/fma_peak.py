@@ -1,27 +1,15 @@
-"""This CPU's fp32 FMA peak, measured: fma_peak.c built with the flags of the engine's own C
-kernels (-O3 -march=native), best of a few timed calls on the given threads."""
+"""This CPU's fp32 FMA peak, measured: fma_peak.c built with -O3 -march=native (the widest
+FMAs the CPU has), one timed call per measurement; a bench keeps the best of its calls."""
 
 from __future__ import annotations
 
 import ctypes
 import os
-import re
 import subprocess
 import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def isa() -> str:
-    """The vector ISA the CPU reports (x86 flags), and its model name."""
-    text = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    flags = set(re.findall(r"\w+", next((line for line in text.splitlines()
-                                         if line.startswith(("flags", "Features"))), "")))
-    name = next((line.split(":", 1)[1].strip() for line in text.splitlines()
-                 if line.startswith("model name")), "unknown CPU")
-    wide = "AVX-512" if "avx512f" in flags else "AVX2" if {"avx2", "fma"} <= flags else "no AVX2"
-    return f"{name}, {wide}"
 
 
 class FmaPeak:
