@@ -18,8 +18,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 .PHONY: install test demo bench bench-peers sanitize
 install: $(VENV)/.installed
 
+# The suite's tests run one torch thread each (tests/conftest.py), so two worker processes use
+# CI's 2 cores (13.5 -> 10 min); a file's tests stay on one worker, sharing its module fixtures.
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 # A tiny Llama learns 2-digit addition with GRPO on the rollout engine (CPU, a few minutes).
 demo: $(VENV)/.installed

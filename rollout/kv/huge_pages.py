@@ -7,50 +7,47 @@ the page walks, and building it faults once per 2 MB instead of once per 4 KB, w
 a rebuild at wake_up pays (docs/benchmarks.md has both figures).
 
 Linux hosts commonly ship transparent huge pages in `madvise` mode (only regions that ask get
-them), so the pool asks: `madvise(MADV_HUGEPAGE)` on the 2 MB-aligned part of its buffer, before
-the buffer is first touched. Where the kernel has no such pages, or the call fails, the pool is
-the same memory on small pages.
+them), so the pool asks, on a private anonymous mapping of its own: `madvise(MADV_HUGEPAGE)`
+before the first write, the tensor starting on a 2 MB boundary. Its own mapping, not malloc's:
+once the engine keeps freed heap blocks (rollout/colocation/host_heap.py) malloc may serve the
+pool from heap memory already written on small pages, where the advice comes too late. Where
+the kernel has no huge pages free, or there is no madvise, the pool is the same memory on small
+pages; dropping the tensor unmaps it.
 """
 
 from __future__ import annotations
 
 import ctypes
-from functools import cache
+import math
+import mmap
 
 import torch
 
-from ..colocation import host_heap
-
-MADV_HUGEPAGE = 14
 HUGE_PAGE = 2 << 20
+PRIVATE_ANONYMOUS = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
 
 
-@cache
-def _madvise():
-    lib = host_heap.libc()
-    fn = None if lib is None else getattr(lib, "madvise", None)
-    if fn is not None:
-        fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return fn
-
-
-def advise(t: torch.Tensor) -> bool:
-    """Ask for huge pages under the whole 2 MB pages of CPU tensor `t`'s storage (call before
-    writing it: pages already faulted in stay small). True when the kernel took the advice."""
-    madvise = _madvise()
-    if madvise is None or t.device.type != "cpu":
-        return False
-    start = t.untyped_storage().data_ptr()
-    end = start + t.untyped_storage().nbytes()
-    lo = -(-start // HUGE_PAGE) * HUGE_PAGE
-    hi = end // HUGE_PAGE * HUGE_PAGE
-    return hi > lo and madvise(lo, hi - lo, MADV_HUGEPAGE) == 0
+def can_advise() -> bool:
+    """Whether this platform's mmap takes the huge-page advice (Linux)."""
+    return hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_ANONYMOUS")
 
 
 def empty_zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """torch.zeros(shape), on huge pages where a CPU host gives them."""
-    if device.type != "cpu":
+    """torch.zeros(shape), on huge pages where a CPU host gives them (tensors of at least one
+    whole huge page; smaller ones come from torch as before)."""
+    numel = math.prod(shape)
+    nbytes = numel * dtype.itemsize
+    if device.type != "cpu" or nbytes < HUGE_PAGE or not can_advise():
         return torch.zeros(shape, dtype=dtype, device=device)
-    t = torch.empty(shape, dtype=dtype)
-    advise(t)
-    return t.zero_()
+    # One huge page more than asked, never touched, so the tensor can start on a boundary.
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=PRIVATE_ANONYMOUS)
+    view = ctypes.c_char.from_buffer(mapping)
+    offset = -ctypes.addressof(view) % HUGE_PAGE
+    del view  # the export would otherwise pin the mapping open
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:
+        pass  # a kernel without transparent huge pages: small pages, the same memory
+    # The tensor's storage holds the mapping; the mapping is unmapped with the storage.
+    t = torch.frombuffer(mapping, dtype=dtype, count=numel, offset=offset).view(shape)
+    return t.zero_()  # the first write: fault the pool in now, at build, on the advised pages
