@@ -4,7 +4,8 @@ an AVX2-only host builds) 6 rows over one panel in 8-lane vectors. Every output 
 chain of FMAs over k in both, so the projections, and every test that holds them to F.linear or
 to transformers, are the same on both ISAs. Shapes cover each tail: row blocks cut short, an
 odd number of panels, a last panel of fewer than 16 columns alone and inside a pair, the
-strided rows and the in-place add of a LoRA expand into a column slice."""
+strided rows and the in-place add of a LoRA expand into a column slice. RMSNorm (its vectorised
+sums held to 256-bit vectors: kernels/cpu/__init__.py X86_FLAGS) is the same on both too."""
 
 import os
 import subprocess
@@ -40,7 +41,13 @@ COMPUTE = """
         wide = torch.randn(m, n + 20, generator=g)
         linear.linear_add(x, packed, wide[:, 5:5 + n], 0.37)
         out.append((y, wide))
-    torch.save(out, sys.argv[1])
+    from rollout_kernels.cpu import norm_rope
+    norms = []
+    for rows, dim in [(3, 64), (7, 576), (5, 1001)]:  # 1001: a tail past every lane count
+        g = torch.Generator().manual_seed(rows * dim)
+        x, d, w = (torch.randn(rows, dim, generator=g) * 3 for _ in range(3))
+        norms.append((norm_rope.rms_norm(x, w, 1e-6), *norm_rope.add_rms_norm(x, d, w, 1e-5)))
+    torch.save((out, norms), sys.argv[1])
 """
 
 
@@ -57,9 +64,11 @@ def compute(path: Path, **env) -> list:
 @pytest.mark.skipif(not native_linear.supported(torch.device("cpu"), torch.float32),
                     reason="this host's library has no panels")
 def test_avx512_and_avx2_panels_give_the_same_bits(tmp_path):
-    wide = compute(tmp_path / "native.pt")  # this host's build: the 512-bit blocking
-    narrow = compute(tmp_path / "avx2.pt", ROLLOUT_CACHE=str(tmp_path / "cache"),
-                     ROLLOUT_NATIVE_MARCH="x86-64-v3")
+    wide, norms = compute(tmp_path / "native.pt")  # this host's build: the 512-bit blocking
+    narrow, norms2 = compute(tmp_path / "avx2.pt", ROLLOUT_CACHE=str(tmp_path / "cache"),
+                             ROLLOUT_NATIVE_MARCH="x86-64-v3")
+    for a, b in zip(norms, norms2, strict=True):
+        assert all(torch.equal(u, v) for u, v in zip(a, b))
     for (m, n, k), (y, added), (y2, added2) in zip(SHAPES, wide, narrow, strict=True):
         assert torch.equal(y, y2), (m, n, k)
         assert torch.equal(added, added2), (m, n, k)

@@ -4,7 +4,7 @@ each generated token and its logprob, held to the reference's own floor (floors.
 from __future__ import annotations
 
 import torch
-from floors import exact_copy, token_logprobs, tolerance
+from floors import TAIL_MULTIPLE, exact_copy, token_logprobs, tolerance
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 50)), [42] * 17, [5, 99, 3, 100, 6, 7]]
 
@@ -12,7 +12,8 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 50)), [42] * 17, [5, 99, 3
 def assert_matches_reference(model, prompts, outs, margin=1e-4, atol=None, greedy=True):
     """Each engine token is the reference's argmax (or within `margin` of it; `greedy` False:
     sampled tokens, not checked), and the engine's logprobs are as near the exact answer (a
-    float64 forward) as twice transformers' own float32 forward is (floors.py). `atol`: a fixed
+    float64 forward) as transformers' own float32 forward is: their mean error within twice
+    its mean, their largest within TAIL_MULTIPLE times its largest (floors.py). `atol`: a fixed
     bound against the model's own forward instead, for references that are not float32 on the
     CPU (the GPU tests)."""
     exact = exact_copy(model) if atol is None else None
@@ -35,10 +36,13 @@ def assert_matches_reference(model, prompts, outs, margin=1e-4, atol=None, greed
                 assert err < atol, f"logprob error {err}"
                 continue
             truth = token_logprobs(exact, prompt, tokens)
-            errors.append((got - truth).abs().max().item())
-            floors.append((ref.double() - truth).abs().max().item())
+            errors.append((got - truth).abs())
+            floors.append((ref.double() - truth).abs())
             values.append(truth)
     if exact is not None:
-        bound = tolerance(max(floors), torch.cat(values))
-        assert max(errors) <= bound, (f"logprob error {max(errors):.3g} from the float64 forward, "
-                                      f"transformers' own fp32 error {max(floors):.3g}")
+        errors, floors, values = torch.cat(errors), torch.cat(floors), torch.cat(values)
+        gaps = (f"logprob error from the float64 forward: mean {errors.mean():.3g}, largest "
+                f"{errors.max():.3g}; transformers' own fp32 error {floors.mean():.3g}, "
+                f"{floors.max():.3g}")
+        assert errors.mean().item() <= tolerance(floors.mean().item(), values), gaps
+        assert errors.max().item() <= tolerance(floors.max().item(), values, TAIL_MULTIPLE), gaps
