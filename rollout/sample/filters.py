@@ -97,7 +97,7 @@ def _prefix_by_bounds(vals: torch.Tensor, m: torch.Tensor, k: torch.Tensor,
     """Kept prefix length of top-k/top-p rows from their top values `vals` [n, K] (sorted,
     exact), or -1 where rounding could decide either way. small_k: every row has k < K and the
     reference renormalises over those k values; otherwise top-k is off (k = vocab) and the
-    probabilities are exp(logp) (logp from torch's log_softmax) up to the rounding of both
+    probabilities are exp(logp) (logp from log_softmax.py) up to the rounding of both
     float32 sums (that of log_softmax, that of the reference's softmax).
 
     Rounding bound (first order, generous): the reference's p_j is within a relative rho of

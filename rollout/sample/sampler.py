@@ -18,6 +18,7 @@ from rollout_kernels.cpu import gumbel as native_gumbel
 
 from ..ops.op import Op, always, on_cuda
 from .filters import filter_by_sort, filter_by_threshold
+from .log_softmax import log_softmax
 from .noise import TOKEN_STREAM, gumbel_noise, row_keys
 from .support import sampled_at
 
@@ -85,10 +86,10 @@ def target_logprobs(logits: torch.Tensor,
     acceptance rules use the argmax of the logits there, never the candidates."""
     logits = logits.float()
     if batch.unit_temperature:  # x / 1 == x exactly: skip a pass over [B, V]
-        logp = logits.log_softmax(dim=-1)
+        logp = log_softmax(logits)
     else:
         temperature = torch.where(batch.temperature == 0, 1.0, batch.temperature)
-        logp = (logits / temperature[:, None]).log_softmax(dim=-1)
+        logp = log_softmax(logits / temperature[:, None])
     if not batch.needs_filter:
         return logp, logp
     if logp.device.type != "cpu":  # the sort is cheap there; every row, as it always was

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import torch
 
+from .log_softmax import log_softmax
+
 
 def top_alternatives(logits: torch.Tensor, rows: list[int], temperature: list[float],
                      k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids int64 [R, k], logprobs float32 [R, k]) of `logits`' `rows`, on the host."""
     index = torch.tensor(rows, device=logits.device)
     t = torch.tensor([1.0 if x == 0 else x for x in temperature], device=logits.device)
-    top = (logits[index].float() / t[:, None]).log_softmax(dim=-1).topk(k, dim=-1)
+    top = log_softmax(logits[index].float() / t[:, None]).topk(k, dim=-1)
     return top.indices.cpu(), top.values.cpu()
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..sample.log_softmax import log_softmax
 from .state import ScoreRows
 
 # Logits computed at once, in elements (float32: 64 MB), whatever the sequence's length.
@@ -61,7 +62,7 @@ def score_rows(compute_logits, hidden: torch.Tensor, rows: ScoreInputs,
         temperature = rows.temperature[span]
         if not bool((temperature == 1).all()):  # x / 1 == x: skip a pass over [N, V]
             logits = logits / temperature[:, None]
-        logp = logits.log_softmax(dim=-1)
+        logp = log_softmax(logits)
         chosen = logp.gather(-1, rows.targets[span, None]).squeeze(-1)
         top = logp.topk(rows.top, dim=-1)  # k = 0 gives [N, 0]
         parts.append(ScoreRows(chosen, top.indices, top.values))

@@ -25,6 +25,7 @@ from rollout.sample.filters import (
     filter_by_threshold,
     filter_logprobs,
 )
+from rollout.sample.log_softmax import log_softmax
 from rollout.sample.noise import (
     bits_to_uniform,
     gumbel_noise,
@@ -330,7 +331,7 @@ def test_unit_temperatures_skip_the_division_bit_for_bit():
     b = batch(6, temperature=[1.0, 0.0, 1.0, 1.0, 0.0, 1.0])
     assert b.unit_temperature and not batch(6, temperature=0.7).unit_temperature
     logp, _ = target_logprobs(logits, b)
-    want = (logits / torch.ones(6)[:, None]).log_softmax(-1)
+    want = log_softmax(logits / torch.ones(6)[:, None])
     assert torch.equal(logp.nan_to_num(), want.nan_to_num())
     assert torch.equal(logp.isnan(), want.isnan())
 
@@ -342,7 +343,7 @@ def full_sort_target_logprobs(logits, batch):
     """target_logprobs as it was: every row (greedy ones too) through the full sort."""
     logits = logits.float()
     temperature = torch.where(batch.temperature == 0, 1.0, batch.temperature)
-    logp = (logits / temperature[:, None]).log_softmax(dim=-1)
+    logp = log_softmax(logits / temperature[:, None])
     if batch.needs_filter:
         return logp, filter_by_sort(logp, batch.top_k, batch.top_p, batch.min_p)
     return logp, logp
