@@ -41,18 +41,33 @@ void pack_panels_f32(const float *w, int64_t n, int64_t k, float *wp, int num_th
 
 #if defined(__AVX512F__)
 #define ROW_BLOCK_512 12
+/* Inputs a pair of panels is run over before the next row block: 128 x 128 bytes of panel
+ * stay in L1 (32 KB on a Zen 4) for all the row blocks. What it buys is the LM head's, whose
+ * panels come from memory: +5-10 % there on an Intel Xeon, the layers' within noise
+ * (docs/benchmarks.md). */
+#define K_CHUNK_512 128
 #define IN_ZMM(x) __asm__("" : "+v"(x))
 
-/* y[r][0..cols) (= or += alpha *) x[r] . panels for R rows and P (1 or 2) adjacent panels,
- * constants after inlining; cols counts the columns of all P panels that exist. */
+/* Inputs k0 .. k0 + kc of y[r][0..cols) (= or += alpha *) x[r] . panels for R rows and P (1
+ * or 2) adjacent panels (R, P constants after inlining; cols counts the columns of all P panels
+ * that exist). A chunk after the first continues each FMA chain from the partial sums stored
+ * in y, so a chunked product is the same chain as an unchunked one, bit for bit; `add` runs
+ * every k in one chunk (y holds the base output there). */
 static inline __attribute__((always_inline)) void panel_rows_512(
-        const float *x, int64_t x_stride, int64_t k, const float *panel, float *y,
-        int64_t y_stride, int64_t cols, const int R, const int P, const int add,
-        const float alpha) {
+        const float *x, int64_t x_stride, int64_t k, int64_t k0, int64_t kc,
+        const float *panel, float *y, int64_t y_stride, int64_t cols, const int R, const int P,
+        const int add, const float alpha) {
     __m512 a[ROW_BLOCK_512][2];
     const float *second = panel + k * PANEL;
-    for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < k; i++) {
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < 2; q++) {
+            const int64_t left = cols - q * PANEL;
+            const __mmask16 mask = left >= PANEL ? 0xffff
+                                   : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+            a[r][q] = k0 == 0 || q >= P ? _mm512_setzero_ps()
+                                        : _mm512_maskz_loadu_ps(mask, y + r * y_stride + q * PANEL);
+        }
+    for (int64_t i = k0; i < k0 + kc; i++) {
         __m512 w0 = _mm512_loadu_ps(panel + i * PANEL), w1 = w0;
         IN_ZMM(w0);
         if (P == 2) {
@@ -83,27 +98,34 @@ static void panels_times(const float *x, int64_t x_stride, int64_t m, int64_t k,
                          const float *wp, int64_t n, float *y, int64_t y_stride, int add,
                          float alpha, int num_threads) {
     const int64_t panels = (n + PANEL - 1) / PANEL, pairs = (panels + 1) / 2;
+    const int64_t chunk = add ? k : K_CHUNK_512;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t p = 0; p < pairs; p++) {
         const float *panel = wp + 2 * p * k * PANEL;
         const int64_t col0 = 2 * p * PANEL, cols = n - col0 < 2 * PANEL ? n - col0 : 2 * PANEL;
         const int two = cols > PANEL;
-        for (int64_t r = 0; r < m; r += ROW_BLOCK_512) {
-            const float *xr = x + r * x_stride;
-            float *yr = y + r * y_stride + col0;
-            const int rows = m - r < ROW_BLOCK_512 ? (int)(m - r) : ROW_BLOCK_512;
-            /* every (rows, panels, add) its own instance: constants in the hot loop */
+        for (int64_t k0 = 0; k0 < k; k0 += chunk) {
+            const int64_t kc = k - k0 < chunk ? k - k0 : chunk;
+            for (int64_t r = 0; r < m; r += ROW_BLOCK_512) {
+                const float *xr = x + r * x_stride;
+                float *yr = y + r * y_stride + col0;
+                const int rows = m - r < ROW_BLOCK_512 ? (int)(m - r) : ROW_BLOCK_512;
+                /* every (rows, panels, add) its own instance: constants in the hot loop */
 #define ROWS(R) case R: \
-    if (two && add) panel_rows_512(xr, x_stride, k, panel, yr, y_stride, cols, R, 2, 1, alpha); \
-    else if (two) panel_rows_512(xr, x_stride, k, panel, yr, y_stride, cols, R, 2, 0, alpha); \
-    else if (add) panel_rows_512(xr, x_stride, k, panel, yr, y_stride, cols, R, 1, 1, alpha); \
-    else panel_rows_512(xr, x_stride, k, panel, yr, y_stride, cols, R, 1, 0, alpha); \
+    if (two && add) \
+        panel_rows_512(xr, x_stride, k, k0, kc, panel, yr, y_stride, cols, R, 2, 1, alpha); \
+    else if (two) \
+        panel_rows_512(xr, x_stride, k, k0, kc, panel, yr, y_stride, cols, R, 2, 0, alpha); \
+    else if (add) \
+        panel_rows_512(xr, x_stride, k, k0, kc, panel, yr, y_stride, cols, R, 1, 1, alpha); \
+    else panel_rows_512(xr, x_stride, k, k0, kc, panel, yr, y_stride, cols, R, 1, 0, alpha); \
     break
-            switch (rows) {
-                ROWS(12); ROWS(11); ROWS(10); ROWS(9); ROWS(8); ROWS(7); ROWS(6); ROWS(5);
-                ROWS(4); ROWS(3); ROWS(2); default: ROWS(1);
-            }
+                switch (rows) {
+                    ROWS(12); ROWS(11); ROWS(10); ROWS(9); ROWS(8); ROWS(7); ROWS(6); ROWS(5);
+                    ROWS(4); ROWS(3); ROWS(2); default: ROWS(1);
+                }
 #undef ROWS
+            }
         }
     }
 }

@@ -25,7 +25,7 @@ AVX512 = "avx512f" in native._cpu_features().split()  # what -march=native build
 # (rows, outputs, inputs): outputs 16 (one panel), 24 (a pair, the second partial), 40 (a pair
 # and a partial single), 300 (19 panels, the last of 12 columns), 64 (two full pairs)
 SHAPES = [(1, 16, 96), (5, 24, 7), (11, 40, 33), (12, 300, 96), (13, 64, 130), (25, 300, 40),
-          (130, 40, 96)]
+          (130, 40, 96), (7, 40, 300)]  # k = 300: three chunks of the AVX-512 loop
 
 COMPUTE = """
     import sys
