@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 from models import tiny_model
-from reference import PROMPTS, assert_matches_reference
+from reference import PROMPTS, assert_matches_reference, assert_paths_agree
 from test_torch_shared_prefix import MIXED, make_step, random_pool
 
 from rollout import Engine, EngineConfig, SamplingParams
@@ -193,10 +193,8 @@ def test_engine_matches_transformers_and_the_torch_path(family):
     torch_engine = Engine(model, EngineConfig(kv_cache_tokens=2048, max_model_len=128,
                                               backend="torch"))
     assert torch_engine.implementations()["attention"] == "torch"
-    for a, b in zip(engine.generate(PROMPTS, params), torch_engine.generate(PROMPTS, params)):
-        for sa, sb in zip(a.samples, b.samples):
-            assert sa.token_ids == sb.token_ids
-            assert max(abs(x - y) for x, y in zip(sa.logprobs, sb.logprobs)) < 1e-4
+    assert_paths_agree(model, PROMPTS, params, engine.generate(PROMPTS, params),
+                       torch_engine.generate(PROMPTS, params))
 
 
 def test_speculative_verify_rows():

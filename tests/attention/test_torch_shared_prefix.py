@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import run_checked, samples
 from models import tiny_model
-from reference import assert_matches_reference
+from reference import assert_matches_reference, assert_paths_agree
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.attention import shared_prefix as shared_prefix_attention
@@ -245,13 +245,16 @@ def counting_shared_steps(monkeypatch) -> list[tuple[int, int]]:
     return calls
 
 
+def split_model(family="llama"):
+    return tiny_model(family, num_attention_heads=6, num_key_value_heads=2, hidden_size=96)
+
+
 def generate_cached_and_not(prompts, params, family="llama", **overrides):
     """The engine on the torch split (the C kernel, the CPU default, off), with prefix caching
     and without."""
     outs = []
     for caching in (True, False):
-        engine = Engine(tiny_model(family, num_attention_heads=6, num_key_value_heads=2,
-                                   hidden_size=96),
+        engine = Engine(split_model(family),
                         EngineConfig(kv_cache_tokens=4096, max_model_len=256,
                                      enable_prefix_caching=caching, backend="torch",
                                      **overrides))
@@ -266,9 +269,7 @@ def test_engine_n8_same_outputs_as_prefix_caching_off(monkeypatch, temperature):
     params = SamplingParams(n=8, temperature=temperature, max_tokens=12, logprobs=True, seed=5)
     on, off = generate_cached_and_not(prompts, params)
     assert samples(on) == samples(off)
-    for a, b in zip(on, off):
-        for sa, sb in zip(a.samples, b.samples):
-            assert max(abs(x - y) for x, y in zip(sa.logprobs, sb.logprobs)) < 1e-4
+    assert_paths_agree(split_model(), prompts, params, on, off)
     # Every sample decoded through the split, the system prompt in one tile for all prompts.
     assert calls and max(calls) == (len(prompts) * 8, 2)
 

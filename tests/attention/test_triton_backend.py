@@ -3,8 +3,9 @@ and its shared-prefix decode path (samples of one prompt read the prompt's K/V o
 
 import pytest
 import torch
-from kernels_env import DEVICE
+from kernels_env import DEVICE, ON_GPU
 from models import tiny_model
+from reference import assert_paths_agree
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.attention import triton as triton_attention
@@ -25,10 +26,8 @@ def generate_on_both_backends(prompts, params, **overrides):
         engine = Engine(tiny_model("qwen3").to(DEVICE), config)
         outs[backend] = engine.generate(prompts, params)
         engine.check_invariants()
-    for a, b in zip(outs["torch"], outs["triton"]):
-        for sa, sb in zip(a.samples, b.samples):
-            assert sa.token_ids == sb.token_ids
-            assert max(abs(x - y) for x, y in zip(sa.logprobs, sb.logprobs)) < 1e-4
+    assert_paths_agree(tiny_model("qwen3").to(DEVICE), prompts, params, outs["torch"],
+                       outs["triton"], atol=1e-4 if ON_GPU else None)
 
 
 def test_triton_backend_matches_torch_backend():

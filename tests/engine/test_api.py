@@ -2,6 +2,7 @@
 
 import torch
 from models import tiny_model
+from reference import assert_paths_agree
 
 import rollout
 from rollout import Engine, EngineConfig, SamplingParams
@@ -16,17 +17,13 @@ def tokens(outs):
     return [o.samples[0].token_ids for o in outs]
 
 
-def logprobs(outs):
-    return [o.samples[0].logprobs for o in outs]
-
-
 def test_generate_reuses_its_engine_and_follows_optimizer_steps():
     model = tiny_model("llama")
     first = rollout.generate(model, PROMPTS, GREEDY, **CONFIG)
     engine = engine_for(model, **CONFIG)
     again = rollout.generate(model, PROMPTS, GREEDY, **CONFIG)
     assert tokens(again) == tokens(first)  # the second call hits the prefix cache
-    assert torch.allclose(torch.tensor(logprobs(again)), torch.tensor(logprobs(first)), atol=1e-5)
+    assert_paths_agree(model, PROMPTS, GREEDY, first, again)
     assert engine_for(model, **CONFIG) is engine
     optimizer = torch.optim.SGD(model.parameters(), lr=5.0)
     loss = model(torch.tensor([PROMPTS[1]]), labels=torch.tensor([PROMPTS[1]])).loss

@@ -124,8 +124,10 @@ def _softmax_in_input_dtype():
 
 
 @torch.no_grad()
-def token_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """log_softmax of `model`'s forward at each of `tokens` after `prompt`, float64."""
+def token_logprobs(model, prompt: list[int], tokens: list[int],
+                   temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax(logits / temperature) of `model`'s forward at each of `tokens` after
+    `prompt`, float64."""
     seq = torch.tensor([prompt + tokens])
-    logits = model(seq).logits[0, len(prompt) - 1:-1].double()
+    logits = model(seq).logits[0, len(prompt) - 1:-1].double() / temperature
     return logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)

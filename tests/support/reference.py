@@ -9,13 +9,15 @@ from floors import TAIL_MULTIPLE, exact_copy, token_logprobs, tolerance
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 50)), [42] * 17, [5, 99, 3, 100, 6, 7]]
 
 
-def assert_matches_reference(model, prompts, outs, margin=1e-4, atol=None, greedy=True):
+def assert_matches_reference(model, prompts, outs, margin=1e-4, atol=None, greedy=True,
+                             temperature=1.0):
     """Each engine token is the reference's argmax (or within `margin` of it; `greedy` False:
     sampled tokens, not checked), and the engine's logprobs are as near the exact answer (a
     float64 forward) as transformers' own float32 forward is: their mean error within twice
     its mean, their largest within TAIL_MULTIPLE times its largest (floors.py). `atol`: a fixed
     bound against the model's own forward instead, for references that are not float32 on the
-    CPU (the GPU tests)."""
+    CPU (the GPU tests). `temperature`: the sampled requests', whose logprobs are
+    log_softmax(logits / temperature)."""
     exact = exact_copy(model) if atol is None else None
     errors, floors, values = [], [], []
     for prompt, out in zip(prompts, outs):
@@ -29,13 +31,14 @@ def assert_matches_reference(model, prompts, outs, margin=1e-4, atol=None, greed
             close = (top2.values[:, 0] - chosen) < margin
             assert bool(close.all()) or not greedy, \
                 f"greedy token is not the reference argmax: {tokens}"
-            ref = logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+            ref = (logits / temperature).log_softmax(-1)
+            ref = ref.gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
             got = torch.tensor(sample.logprobs, dtype=torch.float64)
             if exact is None:
                 err = (ref.double() - got).abs().max().item()
                 assert err < atol, f"logprob error {err}"
                 continue
-            truth = token_logprobs(exact, prompt, tokens)
+            truth = token_logprobs(exact, prompt, tokens, temperature)
             errors.append((got - truth).abs())
             floors.append((ref.double() - truth).abs())
             values.append(truth)
@@ -46,3 +49,15 @@ def assert_matches_reference(model, prompts, outs, margin=1e-4, atol=None, greed
                 f"{floors.max():.3g}")
         assert errors.mean().item() <= tolerance(floors.mean().item(), values), gaps
         assert errors.max().item() <= tolerance(floors.max().item(), values, TAIL_MULTIPLE), gaps
+
+
+def assert_paths_agree(model, prompts, params, *runs, atol=None):
+    """Engine paths (backends, caches) on the same requests (`params`): the same tokens, and
+    each path's logprobs held to the float64 floor as assert_matches_reference holds them, not
+    a fixed distance between the paths (`atol`: as there, for a reference off the CPU)."""
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other, strict=True):
+            assert [s.token_ids for s in a.samples] == [s.token_ids for s in b.samples]
+    for outs in runs:
+        assert_matches_reference(model, prompts, outs, atol=atol, greedy=False,
+                                 temperature=params.temperature or 1.0)
