@@ -98,13 +98,14 @@ static void panels_times(const float *x, int64_t x_stride, int64_t m, int64_t k,
                          const float *wp, int64_t n, float *y, int64_t y_stride, int add,
                          float alpha, int num_threads) {
     const int64_t panels = (n + PANEL - 1) / PANEL, pairs = (panels + 1) / 2;
-    const int64_t chunk = add ? k : K_CHUNK_512;
+    /* k == 0 still runs one (empty) chunk: y = 0, or y unchanged with add */
+    const int64_t chunk = add ? (k > 0 ? k : 1) : K_CHUNK_512;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t p = 0; p < pairs; p++) {
         const float *panel = wp + 2 * p * k * PANEL;
         const int64_t col0 = 2 * p * PANEL, cols = n - col0 < 2 * PANEL ? n - col0 : 2 * PANEL;
         const int two = cols > PANEL;
-        for (int64_t k0 = 0; k0 < k; k0 += chunk) {
+        for (int64_t k0 = 0; k0 == 0 || k0 < k; k0 += chunk) {
             const int64_t kc = k - k0 < chunk ? k - k0 : chunk;
             for (int64_t r = 0; r < m; r += ROW_BLOCK_512) {
                 const float *xr = x + r * x_stride;
