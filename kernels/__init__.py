@@ -8,3 +8,21 @@ from `rollout`):
 
 Importing this package itself imports neither and changes nothing in the process.
 """
+
+if __name__ == "kernels":
+    # Imported as `kernels`, not as rollout_kernels: the repository root is on sys.path (python
+    # -m from it, a script or notebook there), and this folder hides Hugging Face's hub-kernels
+    # distribution, which transformers imports (from 5.25 on it is a dependency). Hand the
+    # import over to that distribution where it is installed; without it, nothing changes.
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _elsewhere = [p for p in sys.path if os.path.abspath(p or os.curdir) != _root]
+    _spec = importlib.machinery.PathFinder.find_spec("kernels", _elsewhere)
+    if _spec is not None and _spec.loader is not None:
+        _module = importlib.util.module_from_spec(_spec)
+        sys.modules["kernels"] = _module  # what the import statement returns
+        _spec.loader.exec_module(_module)

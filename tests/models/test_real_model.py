@@ -12,6 +12,8 @@ import copy
 import pytest
 import torch
 from datasets import Dataset
+from floors import exact_copy
+from reference import assert_matches_reference
 from transformers import TrainerCallback
 from trl import GRPOConfig
 
@@ -50,6 +52,13 @@ def _threads():
 def real():
     model, tok = smollm2.load()
     return model, tok
+
+
+@pytest.fixture(scope="module")
+def exact(real):
+    """The float64 copy the logprobs are held to, with transformers' fp32 error as the floor
+    (tests/support/floors.py)."""
+    return exact_copy(real[0])
 
 
 @pytest.fixture(scope="module")
@@ -104,19 +113,13 @@ def test_default_cpu_pool_is_within_its_build_budget(engine):
     assert engine.inspect().kv_bytes <= CPU_POOL_BYTES
 
 
-def test_greedy_chat_matches_transformers(real, engine, prompts, reference):
+def test_greedy_chat_matches_transformers(real, engine, prompts, reference, exact):
     model, tok = real
     outs = engine.chat(CHATS, GREEDY)
     assert [o.prompt_token_ids for o in outs] == prompts
     for prompt, ref, out in zip(prompts, reference, outs):
-        sample = out.samples[0]
-        assert_same_greedy(model, prompt, ref, sample.token_ids)
-        err = (reference_logprobs(model, prompt, sample.token_ids)
-               - torch.tensor(sample.logprobs)).abs().max().item()
-        # Against a float64 copy the engine is 1.66e-5 off and transformers' fp32 itself
-        # 9.6e-6 (bench/logprob_floor.py --real, AMD EPYC with AVX-512, 2026-12-01): their gap
-        # is at most the sum, 2.6e-5; 1e-4 leaves 4x for other ISAs.
-        assert err < 1e-4, err
+        assert_same_greedy(model, prompt, ref, out.samples[0].token_ids)
+    assert_matches_reference(model, prompts, outs, greedy=False, exact=exact)
     # Some answers end inside the budget: EOS (<|im_end|>) stops them, as it stops transformers.
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     ended = [i for i, ref in enumerate(reference) if ref[-1] == eos]
@@ -134,15 +137,12 @@ def test_greedy_chat_matches_transformers(real, engine, prompts, reference):
     assert sample.finish_reason == "length" and sample.token_ids[:len(reference[i])] == reference[i]
 
 
-def test_sampled_logprobs_match_transformers(real, engine, prompts):
+def test_sampled_logprobs_match_transformers(real, engine, prompts, exact):
     model, _ = real
     params = SamplingParams(n=2, temperature=0.7, max_tokens=12, logprobs=True, seed=3)
     outs = engine.generate(prompts[:3], params)
-    for prompt, out in zip(prompts, outs):
-        for sample in out.samples:
-            ref = reference_logprobs(model, prompt, sample.token_ids, temperature=0.7)
-            err = (ref - torch.tensor(sample.logprobs)).abs().max().item()
-            assert err < 1e-4, err
+    assert_matches_reference(model, prompts[:3], outs, greedy=False, temperature=0.7,
+                             exact=exact)
 
 
 def test_stop_strings_through_the_real_tokenizer(real, engine, prompts, reference):
@@ -160,17 +160,15 @@ def test_stop_strings_through_the_real_tokenizer(real, engine, prompts, referenc
         assert out.text == ref_text[:ref_text.index(stop)]
 
 
-def test_ngram_speculation_changes_no_output(real, prompts, reference):
+def test_ngram_speculation_changes_no_output(real, prompts, reference, exact):
     model, tok = real
     spec = Engine(model, EngineConfig(kv_cache_tokens=512, max_model_len=256,
                                       speculative=SpeculativeConfig(method="ngram")),
                   tokenizer=tok)
     i = 5  # "Repeat exactly: ...": the answer copies the prompt, so n-gram drafts are taken
-    out = spec.generate([prompts[i]], GREEDY)[0].samples[0]
-    assert_same_greedy(model, prompts[i], reference[i], out.token_ids)
-    err = (reference_logprobs(model, prompts[i], out.token_ids)
-           - torch.tensor(out.logprobs)).abs().max().item()
-    assert err < 1e-4, err
+    outs = spec.generate([prompts[i]], GREEDY)
+    assert_same_greedy(model, prompts[i], reference[i], outs[0].samples[0].token_ids)
+    assert_matches_reference(model, [prompts[i]], outs, greedy=False, exact=exact)
     assert spec.stats.spec_accepted > 0
 
 
@@ -201,14 +199,14 @@ def test_sleep_wake_and_update_weights_on_real_weights(real, prompts, reference)
 
     changed = perturbed(model)
     engine.update_weights(changed)
-    for prompt, out in zip(few, engine.generate(few, GREEDY)):
+    outs = engine.generate(few, GREEDY)
+    assert_matches_reference(changed, few, outs, greedy=False)
+    for prompt, out in zip(few, outs):
         sample = out.samples[0]
         assert_same_greedy(changed, prompt, hf_greedy(changed, prompt), sample.token_ids)
-        got = torch.tensor(sample.logprobs)
-        err = (reference_logprobs(changed, prompt, sample.token_ids) - got).abs().max().item()
-        assert err < 1e-4, err
         # ... and not those of the weights before: the perturbation shows.
-        old = (reference_logprobs(model, prompt, sample.token_ids) - got).abs().max().item()
+        old = (reference_logprobs(model, prompt, sample.token_ids)
+               - torch.tensor(sample.logprobs)).abs().max().item()
         assert old > 1e-3, old
     engine.check_invariants()
 

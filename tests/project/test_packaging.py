@@ -42,3 +42,30 @@ def test_the_native_kernels_sources_and_headers_ship_and_are_built():
     shipped = {p.name for g in globs for p in folder.glob(g)}
     assert {*native.SOURCES, *native.HEADERS} == shipped == {
         p.name for p in folder.iterdir() if p.suffix in (".c", ".h")}
+
+
+def test_the_kernels_folder_does_not_hide_hub_kernels(tmp_path):
+    """With the repository root on sys.path (python -m from it), `import kernels` finds this
+    folder first; transformers >= 5.25 imports Hugging Face's hub-kernels package by that name.
+    The folder hands the import over to an installed `kernels` (a stand-in one here, later on
+    the path), and rollout_kernels stays ours."""
+    import subprocess
+    import sys
+
+    hub = tmp_path / "site" / "kernels"
+    hub.mkdir(parents=True)
+    (hub / "__init__.py").write_text("HUB = True\n")
+    code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]\n"
+            "import kernels, rollout_kernels\n"
+            "assert getattr(kernels, 'HUB', False), kernels.__file__\n"
+            "print(rollout_kernels.__file__)\n")
+    run = subprocess.run([sys.executable, "-c", code, str(ROOT), str(tmp_path / "site")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert pathlib.Path(run.stdout.strip()).parent == ROOT / "kernels"
+    # Without another `kernels` on the path the folder is what the name finds, as before.
+    alone = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                            "import kernels; print(kernels.__file__)", str(ROOT)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+    if alone.returncode == 0 and "site-packages" not in alone.stdout:
+        assert pathlib.Path(alone.stdout.strip()).parent == ROOT / "kernels"

@@ -10,15 +10,16 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 50)), [42] * 17, [5, 99, 3
 
 
 def assert_matches_reference(model, prompts, outs, margin=1e-4, atol=None, greedy=True,
-                             temperature=1.0):
+                             temperature=1.0, exact=None):
     """Each engine token is the reference's argmax (or within `margin` of it; `greedy` False:
     sampled tokens, not checked), and the engine's logprobs are as near the exact answer (a
     float64 forward) as transformers' own float32 forward is: their mean error within twice
     its mean, their largest within TAIL_MULTIPLE times its largest (floors.py). `atol`: a fixed
     bound against the model's own forward instead, for references that are not float32 on the
     CPU (the GPU tests). `temperature`: the sampled requests', whose logprobs are
-    log_softmax(logits / temperature)."""
-    exact = exact_copy(model) if atol is None else None
+    log_softmax(logits / temperature). `exact`: the float64 copy, where the caller keeps one."""
+    if atol is None and exact is None:
+        exact = exact_copy(model)
     errors, floors, values = [], [], []
     for prompt, out in zip(prompts, outs):
         for sample in out.samples:
@@ -34,7 +35,7 @@ def assert_matches_reference(model, prompts, outs, margin=1e-4, atol=None, greed
             ref = (logits / temperature).log_softmax(-1)
             ref = ref.gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
             got = torch.tensor(sample.logprobs, dtype=torch.float64)
-            if exact is None:
+            if atol is not None:
                 err = (ref.double() - got).abs().max().item()
                 assert err < atol, f"logprob error {err}"
                 continue
@@ -42,7 +43,7 @@ def assert_matches_reference(model, prompts, outs, margin=1e-4, atol=None, greed
             errors.append((got - truth).abs())
             floors.append((ref.double() - truth).abs())
             values.append(truth)
-    if exact is not None:
+    if atol is None:
         errors, floors, values = torch.cat(errors), torch.cat(floors), torch.cat(values)
         gaps = (f"logprob error from the float64 forward: mean {errors.mean():.3g}, largest "
                 f"{errors.max():.3g}; transformers' own fp32 error {floors.mean():.3g}, "
