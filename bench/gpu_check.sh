@@ -87,7 +87,7 @@ if [ "$what" = bench ] || [ "$what" = moe ] || [ "$what" = all ]; then
 fi
 
 if [ "$what" = bench ] || [ "$what" = owed ] || [ "$what" = all ]; then
-  section kernels_bench 150 $PY bench/kernels.py
+  section kernels_bench 150 $PY bench/triton_kernels.py
   # One model each, one transformers run, an engine with CUDA graphs off then on. SmolLM2-135M's
   # shapes with random weights: its checkpoint (93 MB) does not fit the 64 MiB that travel.
   section engine_vs_hf_0.5b 120 $PY bench/engine_vs_hf.py --device cuda --model-shape 0.5b \

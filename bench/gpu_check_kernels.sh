@@ -3,7 +3,7 @@
 #   1. the kernel tests compiled on the GPU (bf16 added, the > 2**31-offset test enabled), in six
 #      parallel pytest processes: almost all of their time is Triton compilation, which is
 #      single-threaded per process, so spreading it over the CPU cores divides the wall time;
-#   2. bench/kernels.py (ratios against copy bandwidth and matmul throughput; ~1-2 min).
+#   2. bench/triton_kernels.py (ratios against copy bandwidth and matmul throughput; ~1-2 min).
 # Logs go to $OUT/kernels_check (or /tmp/kernels_check) and the summary to stdout.
 #   bash bench/gpu_check_kernels.sh [tests|bench|all]
 set -u
@@ -18,7 +18,7 @@ $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton
 
 if [ "$what" != bench ]; then
   if ! $PY -c "import pytest" 2>/dev/null; then
-    echo "pytest is not installed here: skipping the tests (bench/kernels.py still checks a few cases)"
+    echo "pytest is not installed here: skipping the tests (bench/triton_kernels.py still checks a few cases)"
   else
     start=$(date +%s)
     run() {
@@ -40,6 +40,6 @@ if [ "$what" != bench ]; then
 fi
 
 if [ "$what" != tests ]; then
-  timeout 300 $PY bench/kernels.py 2>&1 | tee "$LOGS/bench.log"
+  timeout 300 $PY bench/triton_kernels.py 2>&1 | tee "$LOGS/bench.log"
   echo "bench: rc=${PIPESTATUS[0]}"
 fi

@@ -268,7 +268,7 @@ def engine_cases(model: str, dtype: torch.dtype) -> list[tuple[str, Callable[[],
 
 
 def tile_sweep_cases() -> list[tuple[str, Callable[[], object]]]:
-    """The tiles bench/kernels.py sweeps on the GPU (Llama-3-8B heads, bf16), so a tile the
+    """The tiles bench/triton_kernels.py sweeps on the GPU (Llama-3-8B heads, bf16), so a tile the
     GPU cannot launch is known before the device time is spent."""
     from bench.kernels import HEAD_DIM, KV_HEADS, Q_HEADS, TILE_SWEEP
     from rollout_kernels.triton.paged_attention import launch_paged_attention
@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default="h200", choices=[*TARGETS, "all"])
     ap.add_argument("--models", default=",".join(MODELS), help="comma list of " + ", ".join(MODELS))
     ap.add_argument("--dtypes", default="bfloat16", help="comma list: bfloat16,float16,float32")
-    ap.add_argument("--tiles", action="store_true", help="also the tiles bench/kernels.py sweeps")
+    ap.add_argument("--tiles", action="store_true", help="also the tiles bench/triton_kernels.py sweeps")
     args = ap.parse_args(argv)
     models = args.models.split(",")
     for m in models:

@@ -22,7 +22,7 @@ if __name__ == "kernels":
     _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     _elsewhere = [p for p in sys.path if os.path.abspath(p or os.curdir) != _root]
     _spec = importlib.machinery.PathFinder.find_spec("kernels", _elsewhere)
-    if _spec is not None and _spec.loader is not None:
+    if _spec is not None and _spec.has_location:  # a package or module, not a bare folder
         _module = importlib.util.module_from_spec(_spec)
         sys.modules["kernels"] = _module  # what the import statement returns
         _spec.loader.exec_module(_module)

@@ -69,3 +69,18 @@ def test_the_kernels_folder_does_not_hide_hub_kernels(tmp_path):
                            cwd=ROOT, capture_output=True, text=True, timeout=120)
     if alone.returncode == 0 and "site-packages" not in alone.stdout:
         assert pathlib.Path(alone.stdout.strip()).parent == ROOT / "kernels"
+
+
+def test_no_script_folder_module_hides_an_installed_one():
+    """bench/ and the test folders are sys.path[0] for their scripts (and pytest puts the test
+    folders on the path): a module there named like an installed top-level module hides it
+    from everything imported after (bench/kernels.py hid the hub `kernels` transformers >= 5.25
+    imports)."""
+    import importlib.machinery
+    import sys
+
+    installed = [p for p in sys.path if "site-packages" in p or "dist-packages" in p]
+    folders = [ROOT / "bench", *(p for p in (ROOT / "tests").iterdir() if p.is_dir())]
+    clashes = [(folder.name, f.stem) for folder in folders for f in folder.glob("*.py")
+               if importlib.machinery.PathFinder.find_spec(f.stem, installed) is not None]
+    assert not clashes

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import sys
 import types
+from importlib import metadata
 
 import torch
 
@@ -40,10 +41,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 
 def install(monkeypatch) -> None:
-    kernels = types.ModuleType("kernels")
-    kernels.get_kernel = lambda *args, **kwargs: types.SimpleNamespace(
-        flash_attn_varlen_func=flash_attn_varlen_func)
-    monkeypatch.setitem(sys.modules, "kernels", kernels)
+    """TRL fetches the kernel with `kernels.get_kernel`: patched on Hugging Face's hub `kernels`
+    where it is installed (transformers >= 5.25 depends on it and imports the rest of it),
+    else on a stand-in module of that name."""
+    try:
+        metadata.version("kernels")
+        import kernels
+    except metadata.PackageNotFoundError:
+        kernels = types.ModuleType("kernels")
+        monkeypatch.setitem(sys.modules, "kernels", kernels)
+    monkeypatch.setattr(kernels, "get_kernel", lambda *args, **kwargs: types.SimpleNamespace(
+        flash_attn_varlen_func=flash_attn_varlen_func), raising=False)
     from trl.experimental.async_grpo import async_grpo_trainer, packing
 
     packing._flash_attn.cache_clear()

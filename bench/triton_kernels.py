@@ -16,8 +16,8 @@ same run on the same device.
               times at the last step.
   sample      the Triton sampler against the torch sampler at batch 128, vocab 128256.
 
-    python bench/kernels.py          # ~1-2 minutes on an H200
-    python bench/kernels.py --smoke  # every section with tiny shapes, on any machine (the
+    python bench/triton_kernels.py          # ~1-2 minutes on an H200
+    python bench/triton_kernels.py --smoke  # every section with tiny shapes, on any machine (the
                                      # Triton interpreter on a CPU): checks that the script
                                      # runs before GPU time is spent on it; measures nothing
 """
@@ -362,7 +362,7 @@ def main(argv=None) -> int:
                         help="every section with tiny shapes on any device: checks the script")
     args = parser.parse_args(argv)
     if DEVICE != "cuda" and not args.smoke:
-        print("bench/kernels.py measures Triton kernels on a CUDA GPU; none found, nothing to do.")
+        print("bench/triton_kernels.py measures Triton kernels on a CUDA GPU; none found, nothing to do.")
         return 0
     cfg = SMOKE if args.smoke else GPU
     start = time.time()
