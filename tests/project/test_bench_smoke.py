@@ -1,5 +1,5 @@
-"""bench/triton_kernels.py --smoke: every section of the GPU benchmark runs end to end with tiny shapes
-on the CPU, so a Python-level bug in it does not surface only in a short GPU session."""
+"""bench/triton_kernels.py --smoke: every section of the GPU benchmark runs end to end with tiny
+shapes on the CPU, so a Python-level bug in it does not surface only in a short GPU session."""
 
 import os
 import shutil
@@ -18,8 +18,8 @@ SECTIONS = ("check q_lens=", "== decode (", "== prefill / extend (", "== tile sw
 def test_bench_kernels_smoke():
     # No visible GPU: the run takes the CPU path (perf_counter timing, interpreter) everywhere.
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "bench/triton_kernels.py", "--smoke"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "bench/triton_kernels.py", "--smoke"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
     for header in SECTIONS:
