@@ -74,8 +74,8 @@ def test_the_kernels_folder_does_not_hide_hub_kernels(tmp_path):
 def test_no_script_folder_module_hides_an_installed_one():
     """bench/ and the test folders are sys.path[0] for their scripts (and pytest puts the test
     folders on the path): a module there named like an installed top-level module hides it
-    from everything imported after (bench/kernels.py hid the hub `kernels` transformers >= 5.25
-    imports)."""
+    from everything imported after (a bench script named kernels.py hid the hub `kernels`
+    that transformers >= 5.25 imports)."""
     import importlib.machinery
     import sys
 
