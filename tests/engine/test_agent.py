@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from floors import assert_within_floor, exact_copy, token_logprobs
 from models import char_tokenizer, tiny_model
 
 from rollout import Engine, EngineConfig, SamplingParams
@@ -56,11 +57,13 @@ def summary(episodes):
 
 
 def test_episode_tokens_are_what_the_model_was_conditioned_on():
-    """Each model token's logprob equals log_softmax of a transformers forward over
-    prompt + token_ids (the history is never re-tokenised); env tokens are the observation's
-    own tokenisation, masked 0 with logprob 0."""
+    """Each model token's logprob is log_softmax of a transformers forward over prompt +
+    token_ids (the history is never re-tokenised), to the float64 floor (floors.py); env tokens
+    are the observation's own tokenisation, masked 0 with logprob 0."""
     episodes = run_episodes(engine(), PROMPTS, Echo, PARAMS, max_turns=5)
     obs = TOK.encode(OBS, add_special_tokens=False)
+    exact = exact_copy(model())
+    errors, floors, values = [], [], []
     for row in episodes:
         assert len(row) == PARAMS.n
         for ep in row:
@@ -73,7 +76,10 @@ def test_episode_tokens_are_what_the_model_was_conditioned_on():
             ref = ref.gather(-1, torch.tensor(ep.token_ids)[:, None]).squeeze(-1)
             mask = torch.tensor(ep.mask, dtype=torch.bool)
             got = torch.tensor(ep.logprobs)
-            assert torch.allclose(got[mask], ref[mask], atol=1e-4)
+            truth = token_logprobs(exact, ep.prompt_ids, ep.token_ids)[mask]
+            errors.append((got[mask].double() - truth).abs())
+            floors.append((ref[mask].double() - truth).abs())
+            values.append(truth)
             assert bool((got[~mask] == 0).all())
             # Environment tokens: two observations of OBS's own tokens, between model turns.
             runs = _runs(ep.mask)
@@ -81,6 +87,7 @@ def test_episode_tokens_are_what_the_model_was_conditioned_on():
             assert [n for m, n in runs if m == 0] == [len(obs)] * 2
             at = runs[0][1]
             assert ep.token_ids[at:at + len(obs)] == obs
+    assert_within_floor(torch.cat(errors), torch.cat(floors), torch.cat(values))
 
 
 def _runs(mask):

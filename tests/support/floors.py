@@ -43,6 +43,17 @@ def tolerance(floor: float, values: torch.Tensor, multiple: float = FLOOR_MULTIP
     return multiple * max(floor, MIN_ULPS * ulp)
 
 
+def assert_within_floor(errors: torch.Tensor, floor: torch.Tensor, values: torch.Tensor) -> None:
+    """The engine's |logprob - exact| over some tokens (`errors`) against the reference's own
+    (`floor`) on the same tokens, `values` the exact logprobs: the means within FLOOR_MULTIPLE,
+    the largest within TAIL_MULTIPLE."""
+    gaps = (f"logprob error from the float64 forward: mean {errors.mean():.3g}, largest "
+            f"{errors.max():.3g}; transformers' own fp32 error {floor.mean():.3g}, "
+            f"{floor.max():.3g}")
+    assert errors.mean().item() <= tolerance(floor.mean().item(), values), gaps
+    assert errors.max().item() <= tolerance(floor.max().item(), values, TAIL_MULTIPLE), gaps
+
+
 @torch.no_grad()
 def alone_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                    temperature: float) -> torch.Tensor:

@@ -4,7 +4,7 @@ each generated token and its logprob, held to the reference's own floor (floors.
 from __future__ import annotations
 
 import torch
-from floors import TAIL_MULTIPLE, exact_copy, token_logprobs, tolerance
+from floors import assert_within_floor, exact_copy, token_logprobs
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 50)), [42] * 17, [5, 99, 3, 100, 6, 7]]
 
@@ -44,12 +44,7 @@ def assert_matches_reference(model, prompts, outs, margin=1e-4, atol=None, greed
             floors.append((ref.double() - truth).abs())
             values.append(truth)
     if atol is None:
-        errors, floors, values = torch.cat(errors), torch.cat(floors), torch.cat(values)
-        gaps = (f"logprob error from the float64 forward: mean {errors.mean():.3g}, largest "
-                f"{errors.max():.3g}; transformers' own fp32 error {floors.mean():.3g}, "
-                f"{floors.max():.3g}")
-        assert errors.mean().item() <= tolerance(floors.mean().item(), values), gaps
-        assert errors.max().item() <= tolerance(floors.max().item(), values, TAIL_MULTIPLE), gaps
+        assert_within_floor(torch.cat(errors), torch.cat(floors), torch.cat(values))
 
 
 def assert_paths_agree(model, prompts, params, *runs, atol=None):
