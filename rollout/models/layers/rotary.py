@@ -64,6 +64,9 @@ class RotaryEmbedding(Dispatched, nn.Module):
                  layer_type: str | None = None) -> None:
         super().__init__()
         self.inv_freq, self.scaling = _inv_freq(config, head_dim, max_model_len, layer_type)
+        self.layer_type = layer_type
+        self.length_dependent = (rope_parameters(config, layer_type).get("rope_type")
+                                 in _LENGTH_DEPENDENT)
         self.rotary_dim = 2 * self.inv_freq.numel()
         self.max_model_len = max_model_len
         self.register_buffer("cos_table", None, persistent=False)
@@ -103,6 +106,38 @@ class RotaryEmbedding(Dispatched, nn.Module):
     def forward_torch(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor):
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def adopt_rounded_frequencies(model: nn.Module, source: nn.Module) -> int:
+    """Take the rotary inverse frequencies of a live transformers `source` where its buffer was
+    rounded, so the engine's angles are the ones the trainer's forward computes: `source.to(
+    torch.bfloat16)` casts transformers' `inv_freq` buffer, and transformers then builds its
+    angles from the rounded values (`from_pretrained(dtype=...)` keeps them float32, and so
+    does the engine otherwise). A bf16 gap of 0.048 to such a model after 300 positions was
+    0.012 with its frequencies (docs/logprobs.md). Length-dependent scalings keep their own.
+    Returns how many tables were rebuilt."""
+    theirs: dict[str | None, torch.Tensor] = {}
+    for module in source.modules():
+        if not type(module).__name__.endswith("RotaryEmbedding"):
+            continue
+        for name, buffer in module.named_buffers(recurse=False):
+            if name == "inv_freq":
+                theirs.setdefault(None, buffer)
+            elif name.endswith("_inv_freq") and not name.endswith("original_inv_freq"):
+                theirs.setdefault(name[:-len("_inv_freq")], buffer)  # Gemma 3: per layer type
+    adopted = 0
+    for rope in model.modules():
+        if not isinstance(rope, RotaryEmbedding) or rope.length_dependent:
+            continue
+        buffer = theirs.get(rope.layer_type)
+        if (buffer is None or buffer.dtype == torch.float32
+                or buffer.shape != rope.inv_freq.shape):
+            continue
+        rope.inv_freq = buffer.detach().to("cpu", torch.float32)
+        if rope.has_table:
+            rope.build_table(rope.cos_table.device)
+        adopted += 1
+    return adopted
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
