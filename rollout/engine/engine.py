@@ -26,7 +26,6 @@ from ..fields import as_bool
 from ..journal import Journal, RollbackFailed
 from ..lora.sync import LoraSync
 from ..models.base import ROUTED_EXPERTS
-from ..models.layers.rotary import adopt_rounded_frequencies
 from ..models.loader import build_model, eos_token_ids, load_into, resolve_model
 from ..parallel import shared_seed, tensor_parallel
 from ..requests.intake import Prompt, check_request, check_requests, hold_key
@@ -63,9 +62,8 @@ class Engine(ColocationCalls):
         self.tp = tensor_parallel(config.tensor_parallel_size, process_group)
         hf_config, weights, device, dtype, tokenizer = resolve_model(model, config, tokenizer)
         self.hf_config, self.tokenizer, self.device = hf_config, tokenizer, device
-        self.model = build_model(hf_config, config.max_model_len, dtype, device, self.tp)
-        if not isinstance(model, str):  # a live model: its rounded rotary frequencies, if any
-            adopt_rounded_frequencies(self.model, model)
+        self.model = build_model(hf_config, config.max_model_len, dtype, device, self.tp,
+                                 source=model)
         # A PEFT LoRA model: its base unmerged, its adapter beside it (rollout/lora/).
         self.lora = LoraSync(self.model, config.lora)
         adapter = self.lora.plan(model)

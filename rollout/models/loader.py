@@ -13,6 +13,7 @@ from ..config import EngineConfig, as_dtype
 from ..parallel import SINGLE, TensorParallel, building_for
 from . import model_class
 from .base import CausalLM
+from .layers.rotary import adopt_rounded_frequencies
 
 
 def checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -32,12 +33,15 @@ def checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def build_model(config, max_model_len: int, dtype: torch.dtype, device: torch.device,
-                tp: TensorParallel = SINGLE) -> CausalLM:
+                tp: TensorParallel = SINGLE, source=None) -> CausalLM:
     """Allocate the engine's modules for `config` (weights uninitialised until loaded), this
-    rank's part of them under tensor parallelism `tp`."""
+    rank's part of them under tensor parallelism `tp`. `source`: the live transformers model
+    (or a path) they are built for, whose rounded rotary frequencies they take."""
     cls = model_class(config)
     with torch.device(device), building_for(tp):
         model = cls(config, max_model_len)
+    if isinstance(source, torch.nn.Module):
+        adopt_rounded_frequencies(model, source)
     # Only the weights take `dtype`: the RoPE tables stay fp32 and are cast per step, as the
     # reference casts its cos/sin.
     for p in model.parameters():

@@ -37,7 +37,8 @@ class DraftModelDrafter(Drafter):
             raise ValueError(f"speculative.draft_model: vocab_size {hf_config.vocab_size} differs "
                              f"from the target's {vocab}; it must share the tokenizer")
         device = target.device
-        model = build_model(hf_config, config.max_model_len, target.pool.dtype, device)
+        model = build_model(hf_config, config.max_model_len, target.pool.dtype, device,
+                            source=draft_model)
         load_into(model, weights)
         # As many slots as the target: the draft tracks the same sequences.
         self.stack = ModelStack(model, config, target.pool.num_slots, device, target.kv.journal)

@@ -39,7 +39,7 @@ def test_a_cast_models_frequencies_are_taken_and_its_logprobs_follow(monkeypatch
     engine = Engine(model, EngineConfig(**CONFIG))
     assert all(torch.equal(r.inv_freq, theirs.float()) for r in ropes(engine))
     adopted = mean_gap(model, engine, 300)
-    monkeypatch.setattr(importlib.import_module("rollout.engine.engine"),
+    monkeypatch.setattr(importlib.import_module("rollout.models.loader"),
                         "adopt_rounded_frequencies", lambda *a: 0)
     own = mean_gap(model, Engine(model, EngineConfig(**CONFIG)), 300)
     # measured: 0.013 against 0.038 (tiny Qwen2, bf16, Intel Xeon)
@@ -73,8 +73,24 @@ def test_per_layer_type_frequencies_and_the_table_after_sleep():
 def test_only_tables_built_once_for_every_length_adopt(length_dependent):
     model = tiny_model("llama", dtype=torch.bfloat16)
     engine = Engine(model, EngineConfig(**CONFIG))
+    theirs = model.model.rotary_emb.inv_freq.float()
     for r in ropes(engine):
         r.length_dependent = length_dependent
-        r.inv_freq = r.inv_freq + 1.0  # marked: a rebuild from the buffer would undo it
+        r.inv_freq = r.inv_freq + 1.0  # marked: taking the buffer again undoes it
     taken = rotary.adopt_rounded_frequencies(engine.model, model)
     assert taken == (0 if length_dependent else len(ropes(engine)))
+    for r in ropes(engine):
+        assert torch.equal(r.inv_freq, theirs + 1.0 if length_dependent else theirs)
+
+
+def test_a_draft_model_takes_its_own_frequencies():
+    from rollout.spec import SpeculativeConfig
+
+    target = tiny_model("qwen2", dtype=torch.bfloat16)
+    draft = tiny_model("qwen2", dtype=torch.bfloat16, seed=3, rope_theta=5000.0)
+    engine = Engine(target, EngineConfig(**CONFIG, speculative=SpeculativeConfig(
+        method="draft", draft_model=draft, num_speculative_tokens=2)))
+    drafted = [m for m in engine.speculator.drafter.stack.model.modules()
+               if isinstance(m, RotaryEmbedding)]
+    assert drafted and all(torch.equal(r.inv_freq, draft.model.rotary_emb.inv_freq.float())
+                           for r in drafted)
