@@ -117,7 +117,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr, VARLEN_GRID: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ALIGNED: tl.constexpr,
+    ALIGNED: tl.constexpr, SLACK: tl.constexpr,
 ):
     # Programs run in reverse: under causality the later query blocks see more context, and
     # starting them first keeps the long programs from trailing at the end of the grid.
@@ -125,18 +125,18 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if VARLEN_GRID:
-        # T // BLOCK_Q + B blocks: request b owns those from qo_indptr[b] // BLOCK_Q + b on (the
-        # + b leaves room for a partial block at each boundary), so the grid follows the
-        # step's token count, not B x max_q_len. Binary search for the owner.
+        # T // BLOCK_Q + SLACK x B blocks: request b owns those from qo_indptr[b] // BLOCK_Q
+        # + SLACK x b on (the slack leaves room for partial blocks at each boundary), so the
+        # grid follows the step's token count, not B x max_q_len. Binary search for the owner.
         lo = tl.full([], 0, tl.int32)
         hi = num_req + lo
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            owns = tl.load(qo_indptr + mid) // BLOCK_Q + mid <= bid
+            owns = tl.load(qo_indptr + mid) // BLOCK_Q + SLACK * mid <= bid
             lo = tl.where(owns, mid, lo)
             hi = tl.where(owns, hi, mid)
         req = lo
-        q_block = bid - (tl.load(qo_indptr + req) // BLOCK_Q + req)
+        q_block = bid - (tl.load(qo_indptr + req) // BLOCK_Q + SLACK * req)
     else:
         # B x blocks_per_req blocks: fewer programs when the lengths are alike (decode).
         req = bid // blocks_per_req
@@ -144,18 +144,26 @@ def _paged_attention_kernel(
 
     q_start = tl.load(qo_indptr + req)
     q_len = tl.load(qo_indptr + req + 1) - q_start
-    first_tok = q_block * BLOCK_Q
-    if first_tok >= q_len:
-        return
     kv_start = tl.load(kv_indptr + req)
     kv_len = tl.load(kv_indptr + req + 1) - kv_start
     shift = kv_len - q_len
+    if ALIGNED:
+        # Query blocks at multiples of BLOCK_Q of the tokens' positions in their sequence, so
+        # a token sits in the same row of its tile however its request was chunked or cached:
+        # the interpreter's tl.dot (numpy's BLAS) rounds a row by where it sits in the matrix
+        # on some hosts (OpenBLAS on AVX2: every row moved changed bits).
+        first_tok = q_block * BLOCK_Q - shift % BLOCK_Q
+    else:
+        first_tok = q_block * BLOCK_Q
+    if first_tok >= q_len:
+        return
 
-    # Row r of the tile is query token first_tok + r // GROUP, query head kv_head*GROUP + r % GROUP.
+    # Row r of the tile is query token first_tok + r // GROUP, query head
+    # kv_head * GROUP + r % GROUP.
     r = tl.arange(0, BLOCK_M)
     tok = first_tok + r // GROUP
     head = kv_head * GROUP + r % GROUP
-    row_ok = (r < BLOCK_Q * GROUP) & (tok < q_len)
+    row_ok = (r < BLOCK_Q * GROUP) & (tok < q_len) & (tok >= 0)
     d = tl.arange(0, BLOCK_D)
     q_row = (q_start + tok).to(tl.int64)
     qt = tl.load(q + q_row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
@@ -301,8 +309,11 @@ def launch_paged_attention(q, k_pool, v_pool, out, qo_indptr, kv_indptr, kv_indi
     else:
         pstrides = (part_out.stride(0), part_out.stride(1), part_out.stride(2),
                     part_lse.stride(0), part_lse.stride(1))
-    blocks_per_req = triton.cdiv(max_q_len, block_q)
-    varlen_blocks = num_tokens // block_q + batch
+    # Aligned query blocks start up to block_q - 1 tokens before a request's first query: one
+    # block more per request.
+    slack = 2 if invariant else 1
+    blocks_per_req = triton.cdiv(max_q_len + (block_q - 1 if invariant else 0), block_q)
+    varlen_blocks = num_tokens // block_q + slack * batch
     varlen_grid = varlen_blocks < batch * blocks_per_req
     num_blocks = varlen_blocks if varlen_grid else batch * blocks_per_req
     grid = (num_blocks, num_kv_heads, num_kv_splits)
@@ -321,7 +332,7 @@ def launch_paged_attention(q, k_pool, v_pool, out, qo_indptr, kv_indptr, kv_indi
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal, SLIDING=window is not None,
         SOFTCAP=softcap is not None, WRITE_PARTIAL=write_partial,
-        VARLEN_GRID=varlen_grid, ALIGNED=invariant,
+        VARLEN_GRID=varlen_grid, ALIGNED=invariant, SLACK=slack,
         # fp32 inputs would otherwise be rounded to tf32 on the GPU.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
