@@ -4,11 +4,10 @@ while the block just copied is still there, instead of three more passes over me
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from . import has, library
+from .ops import operator
 
 # Each float dtype's exponent bits: all ones is an inf or a nan.
 EXPONENT = {torch.float32: 0x7F800000, torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
@@ -23,14 +22,23 @@ def supported(dst: torch.Tensor, src: torch.Tensor) -> bool:
             and has("checked_copy"))
 
 
-def checked_copy(dst: torch.Tensor, src: torch.Tensor) -> tuple[int, int, bool]:
-    """dst.copy_(src); (src's bit sum, dst's bit sum after the copy, dst all finite)."""
-    sums = (ctypes.c_int32 * 3)()
+@operator("checked_copy(Tensor(a!) dst, Tensor src) -> Tensor",
+          lambda dst, src: dst.new_empty(3, dtype=torch.int32))
+def copy_with_sums(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """dst.copy_(src); int32 [3]: src's bit sum, dst's bit sum after the copy, and 1 where dst
+    holds a value that is not finite."""
+    sums = torch.zeros(3, dtype=torch.int32)
+    at = sums.data_ptr()
     library().checked_copy(src.data_ptr(), dst.data_ptr(), dst.numel() * dst.element_size(),
-                           dst.element_size(), EXPONENT[dst.dtype], ctypes.byref(sums, 0),
-                           ctypes.byref(sums, 4), ctypes.byref(sums, 8),
+                           dst.element_size(), EXPONENT[dst.dtype], at, at + 4, at + 8,
                            torch.get_num_threads())
     # A write torch did not see: bump dst's version as copy_ would, so what is derived from
     # the weight (packed copies, packed_linear.weight_key) is made again.
     torch.autograd.graph.increment_version(dst)
-    return sums[0], sums[1], not sums[2]
+    return sums
+
+
+def checked_copy(dst: torch.Tensor, src: torch.Tensor) -> tuple[int, int, bool]:
+    """dst.copy_(src); (src's bit sum, dst's bit sum after the copy, dst all finite)."""
+    source, copied, not_finite = copy_with_sums(dst, src).tolist()
+    return source, copied, not not_finite

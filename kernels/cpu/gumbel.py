@@ -18,6 +18,7 @@ from functools import cache
 import torch
 
 from . import has, library
+from .ops import operator
 
 # What torch passes to vmsLn (aten/src/ATen/cpu/vml.h): VML_HA | VML_FTZDAZ_OFF |
 # VML_ERRMODE_IGNORE.
@@ -28,6 +29,8 @@ def supported(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and _kernel() is not None
 
 
+@operator("gumbel_argmax(Tensor candidates, Tensor keys) -> Tensor",
+          lambda candidates, keys: candidates.new_empty(candidates.shape[0], dtype=torch.long))
 def gumbel_argmax(candidates: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """argmax(candidates + the counter noise of each row's key) per row, int64 [B]:
     `candidates` [B, V] fp32 with unit stride along V, `keys` int32 [B] (rollout.sample.noise

@@ -1,13 +1,14 @@
 """CPU projections on weights packed in panels for linear.c (fp32), faster than oneDNN's packed
-layout at decode batch sizes (docs/benchmarks.md). The packed copy's life (made from the weight, made again
-when its storage or version changes, dropped at sleep) is NativePackedWeight's, in
-rollout/models/layers/packed_linear.py."""
+layout at decode batch sizes (docs/benchmarks.md). The packed copy's life (made from the
+weight, made again when its storage or version changes, dropped at sleep) is
+NativePackedWeight's, in rollout/models/layers/packed_linear.py."""
 
 from __future__ import annotations
 
 import torch
 
 from . import as_rows, has, library
+from .ops import operator, returns_nothing
 
 # Beyond this many rows (a long prefill chunk) each panel would be read against too many rows:
 # there the panels and F.linear (MKL) were measured level.
@@ -45,6 +46,8 @@ def panels_numel(shape) -> int:
     return -(-n // PANEL) * PANEL * k
 
 
+@operator("linear(Tensor x, Tensor packed, int n) -> Tensor",
+          lambda x, packed, n: x.new_empty(*x.shape[:-1], n))
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     """x [..., k] (fp32, CPU) times the packed [n, k] weight's transpose: [..., n], new."""
     k = x.shape[-1]
@@ -56,6 +59,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     return y.view(*x.shape[:-1], n)
 
 
+@operator("linear_add(Tensor x, Tensor packed, Tensor(a!) y, float alpha) -> ()",
+          returns_nothing)
 def linear_add(x: torch.Tensor, packed: torch.Tensor, y: torch.Tensor, alpha: float) -> None:
     """y [m, n] (unit stride within a row; a column slice of a wider output is fine) +=
     alpha * x [m, k] times the packed [n, k] weight's transpose, in place."""

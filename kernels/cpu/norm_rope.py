@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from . import as_rows, has, library
+from .ops import operator, returns_nothing
 
 
 def supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -14,6 +15,8 @@ def supported(device: torch.device, dtype: torch.dtype) -> bool:
             and has("rms_norm_f32", "add_rms_norm_f32", "rotary_f32"))
 
 
+@operator("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor",
+          lambda x, weight, eps: x.new_empty(x.shape))
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x * rsqrt(mean(x^2, -1) + eps) * weight, a new tensor of x's shape."""
     rows = as_rows(x)
@@ -23,6 +26,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
+@operator("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)",
+          lambda x, delta, weight, eps: (x.new_empty(x.shape), x.new_empty(x.shape)))
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, rms_norm(x + delta)) in one pass, both new tensors of x's shape."""
@@ -36,6 +41,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     return total, out
 
 
+@operator("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()", returns_nothing)
 def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate q [T, Hq, D] and k [T, Hk, D] (heads contiguous, any token stride) in place by
     cos/sin [T, 1, rot] (contiguous)."""

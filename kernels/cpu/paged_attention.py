@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import has, library, missing_reason
+from .ops import operator, returns_nothing
 
 # A chunk's rows of one KV head (queries x its query heads) share each key block in L1: its
 # scores (BLOCK floats a row), queries and accumulators stay within it up to about this many.
@@ -91,15 +92,31 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         slots = store[2].contiguous()
         assert k_new.shape == v_new.shape == (slots.numel(), hkv, d)
         assert slots.dtype == torch.int64 and k_new.dtype == v_new.dtype == torch.float32
-    kernel, threads = _kernel(), torch.get_num_threads()
-    chunks = rows.chunks(hq // hkv, threads)
-    bad = kernel(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(),
-                 out.data_ptr(), rows.q_start.data_ptr(), rows.q_len.data_ptr(),
-                 rows.kv_start.data_ptr(), rows.kv_len.data_ptr(), rows.kv_indices.data_ptr(),
-                 chunks.first.data_ptr(), chunks.count.data_ptr(), chunks.prefix.data_ptr(),
-                 chunks.first.numel(), hq, hkv, d, scale, window or 0, softcap or 0.0,
-                 k_new.data_ptr(), k_new.stride(0), v_new.data_ptr(), v_new.stride(0),
-                 slots.data_ptr(), slots.numel(), k_pool.shape[0], int(invariant), threads)
+    chunks = rows.chunks(hq // hkv, torch.get_num_threads())
+    attend(q, k_pool, v_pool, out, rows.q_start, rows.q_len, rows.kv_start, rows.kv_len,
+           rows.kv_indices, chunks.first, chunks.count, chunks.prefix, scale, window or 0,
+           softcap or 0.0, k_new, v_new, slots, invariant)
+
+
+@operator("paged_attention(Tensor q, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor(c!) out, "
+          "Tensor q_start, Tensor q_len, Tensor kv_start, Tensor kv_len, Tensor kv_indices, "
+          "Tensor chunk_first, Tensor chunk_count, Tensor chunk_prefix, float scale, "
+          "int window, float softcap, Tensor k_new, Tensor v_new, Tensor slots, "
+          "bool invariant) -> ()", returns_nothing)
+def attend(q, k_pool, v_pool, out, q_start, q_len, kv_start, kv_len, kv_indices, chunk_first,
+           chunk_count, chunk_prefix, scale, window, softcap, k_new, v_new, slots,
+           invariant) -> None:
+    """paged_attention's kernel call on its checked arguments (window 0: none, softcap 0.0:
+    none, k_new/v_new/slots empty: nothing to store); the pools are written only by the
+    store."""
+    hq, d = q.shape[1:]
+    bad = _kernel()(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(),
+                    out.data_ptr(), q_start.data_ptr(), q_len.data_ptr(), kv_start.data_ptr(),
+                    kv_len.data_ptr(), kv_indices.data_ptr(), chunk_first.data_ptr(),
+                    chunk_count.data_ptr(), chunk_prefix.data_ptr(), chunk_first.numel(), hq,
+                    k_pool.shape[1], d, scale, window, softcap, k_new.data_ptr(),
+                    k_new.stride(0), v_new.data_ptr(), v_new.stride(0), slots.data_ptr(),
+                    slots.numel(), k_pool.shape[0], int(invariant), torch.get_num_threads())
     if bad >= 0:
         raise IndexError(f"store: slot {int(slots[bad])} of token {bad} is past the pool's "
                          f"{k_pool.shape[0]} slots")

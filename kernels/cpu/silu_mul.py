@@ -7,12 +7,15 @@ from __future__ import annotations
 import torch
 
 from . import as_rows, has, library
+from .ops import operator
 
 
 def supported(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and has("silu_mul_f32")
 
 
+@operator("silu_mul(Tensor gate, Tensor up) -> Tensor",
+          lambda gate, up: gate.new_empty(gate.shape))
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate and up [..., dim] of one shape, CPU fp32 (the halves of a fused
     gate-up output: rows apart, unit stride within); a new contiguous tensor."""

@@ -1,0 +1,178 @@
+"""The C kernels as torch operators (rollout_kernels/cpu/ops.py): their schemas and fake
+functions checked by torch.library.opcheck, their names in the profiler's events of an engine
+run, torch.compile tracing them in one graph, and the eager path that calls the C directly."""
+
+import pytest
+import torch
+from models import tiny_model
+from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from rollout import Engine, EngineConfig, SamplingParams
+from rollout_kernels import cpu as native
+from rollout_kernels.cpu import checked_copy, gumbel, linear, norm_rope, paged_attention, silu_mul
+from rollout_kernels.cpu.ops import watched
+
+pytestmark = pytest.mark.skipif(not native.has("rms_norm_f32", "paged_attention_f32"),
+                                reason=native.missing_reason("rms_norm_f32",
+                                                             "paged_attention_f32"))
+needs_panels = pytest.mark.skipif(not linear.supported(torch.device("cpu"), torch.float32),
+                                  reason=native.missing_reason("linear_f32"))
+needs_gumbel = pytest.mark.skipif(not gumbel.supported(torch.device("cpu"), torch.float32),
+                                  reason=native.missing_reason("gumbel_argmax_f32"))
+
+
+def attention_args(store: bool):
+    """The paged_attention operator's arguments: two requests (3 and 1 query rows) over 5 and 7
+    slots of a 16-slot pool, 4 query heads on 2 KV heads of 8; `store`: the 4 new K/V rows go
+    to slots 12-15 first."""
+    gen = torch.Generator().manual_seed(0)
+    k_pool, v_pool = (torch.randn(16, 2, 8, generator=gen) for _ in range(2))
+    q = torch.randn(4, 4, 8, generator=gen)
+    kv_indices = torch.tensor([0, 1, 2, 12, 13, 3, 4, 5, 6, 7, 8, 14])
+    rows = paged_attention.NativeRows.of([0, 1], [0, 3], [3, 1], [0, 5], [5, 7], kv_indices)
+    chunks = rows.chunks(2, torch.get_num_threads())
+    if store:
+        k_new, v_new = (torch.randn(4, 2, 8, generator=gen) for _ in range(2))
+        slots = torch.tensor([12, 13, 14, 15])
+    else:
+        k_new = v_new = slots = torch.empty(0)
+    return (q, k_pool, v_pool, torch.empty(4, 4, 8), rows.q_start, rows.q_len, rows.kv_start,
+            rows.kv_len, rows.kv_indices, chunks.first, chunks.count, chunks.prefix, 8 ** -0.5,
+            0, 0.0, k_new, v_new, slots, False)
+
+
+def samples():
+    """(operator, its arguments) for every kernel this CPU builds."""
+    gen = torch.Generator().manual_seed(1)
+    x, delta = torch.randn(5, 24, generator=gen), torch.randn(5, 24, generator=gen)
+    weight = torch.randn(24, generator=gen)
+    q, k = torch.randn(3, 4, 16, generator=gen), torch.randn(3, 2, 16, generator=gen)
+    angle = torch.randn(3, 1, 16, generator=gen)
+    out = [(norm_rope.rms_norm, (x, weight, 1e-6)),
+           (norm_rope.add_rms_norm, (x, delta, weight, 1e-6)),
+           (norm_rope.rotary_, (q, k, angle.cos(), angle.sin())),
+           (silu_mul.silu_mul, (x, delta)),
+           (paged_attention.attend, attention_args(store=False)),
+           (paged_attention.attend, attention_args(store=True)),
+           (checked_copy.copy_with_sums, (torch.empty(5, 24), x))]
+    if linear.supported(torch.device("cpu"), torch.float32):
+        w = torch.randn(40, 24, generator=gen)
+        out += [(linear.linear, (x, linear.pack_panels(w), 40)),
+                (linear.linear_add, (x, linear.pack_panels(w), torch.zeros(5, 40), 0.5))]
+    if gumbel.supported(torch.device("cpu"), torch.float32):
+        out.append((gumbel.gumbel_argmax, (torch.randn(3, 50, generator=gen),
+                                           torch.tensor([1, 2, 3], dtype=torch.int32))))
+    return out
+
+
+def cases():
+    """samples() as test parameters named by their operators."""
+    return [pytest.param(kernel, args, id=f"{kernel.op.name()}-{i}")
+            for i, (kernel, args) in enumerate(samples())]
+
+
+def clone(args):
+    return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+@pytest.mark.parametrize("kernel, args", cases())
+def test_the_operator_schemas_hold(kernel, args):
+    # Each schema's mutations, its fake function against the kernel's outputs, and a traced
+    # graph with dynamic shapes (what torch.compile builds), checked by torch itself.
+    torch.library.opcheck(kernel.op, clone(args))
+
+
+def same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("kernel, args", cases())
+def test_the_operator_is_the_direct_call_bit_for_bit(kernel, args):
+    direct, dispatched = clone(args), clone(args)
+    assert same(kernel(*direct), kernel.op(*dispatched))
+    assert same(direct, dispatched)  # what each wrote into its arguments
+
+
+def test_a_bad_store_slot_raises_through_the_operator():
+    args = list(attention_args(store=True))
+    args[17] = torch.tensor([12, 13, 14, 16])  # the pool has 16 slots
+    for call in (paged_attention.attend, paged_attention.attend.op):
+        with pytest.raises(IndexError, match="slot 16 of token 3 is past the pool's 16 slots"):
+            call(*clone(args))
+
+
+class Calls(TorchDispatchMode):
+    """The operators that reach the dispatcher."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.namespace)
+        return func(*args, **(kwargs or {}))
+
+
+def test_unwatched_calls_skip_the_dispatcher():
+    # The eager path costs no dispatch (a few microseconds a call, nine calls a layer).
+    assert not watched()
+    with Calls() as calls:
+        for kernel, args in samples():
+            kernel(*clone(args))
+    assert "rollout" not in calls.names and "aten" in calls.names
+
+
+def generate(engine, prompts):
+    params = SamplingParams(temperature=0.8, max_tokens=6, n=2, seed=3, logprobs=True)
+    return [(o.token_ids, o.logprobs) for r in engine.generate(prompts, params)
+            for o in r.samples]
+
+
+def test_the_profiler_names_the_kernels_of_an_engine_step():
+    model = tiny_model("llama", seed=0)
+    prompts = [[5, 9, 2, 7], [5, 9, 3]]
+    engine = Engine(model, EngineConfig(backend="cpu", kv_cache_tokens=256, max_model_len=64))
+    plain = generate(engine, prompts)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        profiled = generate(engine, prompts)
+    assert profiled == plain  # the same kernels, through their operators
+    names = {e.key for e in prof.key_averages()}
+    expected = {"rollout::paged_attention", "rollout::add_rms_norm", "rollout::rms_norm",
+                "rollout::rotary_", "rollout::silu_mul"}
+    if linear.supported(torch.device("cpu"), torch.float32):
+        expected.add("rollout::linear")
+    if gumbel.supported(torch.device("cpu"), torch.float32):
+        expected.add("rollout::gumbel_argmax")
+    assert expected <= names, sorted(expected - names)
+
+
+@needs_panels
+def test_compile_traces_the_kernels_in_one_graph():
+    gen = torch.Generator().manual_seed(2)
+    norm_w = torch.randn(24, generator=gen)
+    w_gate_up, w_down = torch.randn(64, 24, generator=gen), torch.randn(24, 32, generator=gen)
+    gate_up, down = linear.pack_panels(w_gate_up), linear.pack_panels(w_down)
+
+    def mlp_block(x, residual):
+        total, h = norm_rope.add_rms_norm(x, residual, norm_w, 1e-6)
+        g = linear.linear(h, gate_up, 64)
+        return total + linear.linear(silu_mul.silu_mul(g[:, :32], g[:, 32:]), down, 24)
+
+    x, residual = torch.randn(7, 24, generator=gen), torch.randn(7, 24, generator=gen)
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm
+
+    compiled = torch.compile(mlp_block, backend=backend, fullgraph=True)
+    assert torch.equal(compiled(x, residual), mlp_block(x, residual))
+    calls = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert [c for c in calls if c.startswith("rollout.")] == [
+        "rollout.add_rms_norm.default", "rollout.linear.default", "rollout.silu_mul.default",
+        "rollout.linear.default"]
