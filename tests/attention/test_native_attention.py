@@ -8,7 +8,7 @@ import pytest
 import torch
 from models import tiny_model
 from reference import PROMPTS, assert_matches_reference, assert_paths_agree
-from test_torch_shared_prefix import MIXED, make_step, random_pool
+from test_torch_shared_prefix import MIXED, assert_attention_exact, make_step, random_pool
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.attention.cpu import CpuAttention
@@ -22,29 +22,6 @@ from rollout_kernels.cpu import paged_attention as native_attention
 pytestmark = pytest.mark.skipif(not native.has("paged_attention_f32", "plan_chunks"),
                                 reason=native.missing_reason("paged_attention_f32"))
 GREEDY = SamplingParams(temperature=0, max_tokens=12, logprobs=True)
-
-
-def reference(pool, meta, q, layer, scale, window=None, softcap=None):
-    """Every request's rows from its whole context, in float64: [T, Hq, D]."""
-    k_pool, v_pool = pool.k(layer).double(), pool.v(layer).double()
-    rep = q.shape[1] // pool.kv_heads
-    out = torch.full(q.shape, float("nan"), dtype=torch.float64)
-    for b, (q_len, kv_len) in enumerate(zip(meta.q_lens, meta.kv_lens)):
-        q0, kv0 = int(meta.qo_indptr[b]), int(meta.kv_indptr[b])
-        slots = meta.kv_indices[kv0:kv0 + kv_len]
-        k = k_pool[slots].repeat_interleave(rep, 1)
-        v = v_pool[slots].repeat_interleave(rep, 1)
-        s = torch.einsum("qhd,khd->hqk", q[q0:q0 + q_len].double(), k) * scale
-        if softcap is not None:
-            s = softcap * torch.tanh(s / softcap)
-        pos = torch.arange(q_len)[:, None] + kv_len - q_len
-        j = torch.arange(kv_len)[None]
-        visible = j <= pos
-        if window is not None:
-            visible &= j > pos - window
-        s = s.masked_fill(~visible, float("-inf"))
-        out[q0:q0 + q_len] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
-    return out
 
 
 def native_forward(pool, meta, q, k, v, layer=0, window=None, softcap=None):
@@ -69,9 +46,8 @@ def test_kernel_matches_float64_reference(kv_heads, q_heads, head_dim, window, s
     # every decode and verify row, and the extend chunks over a context twice their length
     assert served == sum(q <= 17 or (q <= 512 and kv >= 2 * q)
                          for q, kv in zip(meta.q_lens, meta.kv_lens)) == len(meta.q_lens) - 1
-    ref = reference(pool, meta, q, 0, head_dim ** -0.5, window, softcap)
     assert not out.isnan().any()
-    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
+    assert_attention_exact(out, pool, meta, q, window=window, softcap=softcap)
 
 
 def test_a_nan_query_spoils_its_own_row_only():
@@ -81,11 +57,10 @@ def test_a_nan_query_spoils_its_own_row_only():
     meta, q, k, v = make_step(pool, MIXED, 4, seed=3)
     q[0, 1, 5] = float("nan")  # the first request is a decode row: the kernel's
     out, _ = native_forward(pool, meta, q, k, v)
-    ref = reference(pool, meta, q, 0, 64 ** -0.5)
     assert out[0, 1].isnan().all()
     rest = torch.ones(out.shape[:2], dtype=torch.bool)
     rest[0, 1] = False
-    torch.testing.assert_close(out[rest].double(), ref[rest], atol=2e-6, rtol=1e-5)
+    assert_attention_exact(out, pool, meta, q, rows=rest)
 
 
 def test_long_contexts_and_a_strided_query():
@@ -99,8 +74,7 @@ def test_long_contexts_and_a_strided_query():
     q_view = qkv[:, :9 * 64].view(q.shape)
     assert not q_view.is_contiguous()
     out, _ = native_forward(pool, meta, q_view, k, v)
-    torch.testing.assert_close(out.double(), reference(pool, meta, q, 0, 64 ** -0.5),
-                               atol=2e-6, rtol=1e-5)
+    assert_attention_exact(out, pool, meta, q)
 
 
 def test_agrees_with_the_torch_paths_on_every_layer():
@@ -112,8 +86,8 @@ def test_agrees_with_the_torch_paths_on_every_layer():
         out, _ = native_forward(pool, meta, q, k, v, layer)
         m = dataclasses.replace(meta, plan=None)
         m.plan = torch_backend.plan(m)
-        torch.testing.assert_close(out, torch_backend.forward(q, k, v, layer, m, 0.125),
-                                   atol=2e-6, rtol=1e-5)
+        assert_attention_exact(out, pool, meta, q, layer,
+                               floor=torch_backend.forward(q, k, v, layer, m, 0.125))
 
 
 def test_the_kernel_stores_the_steps_kv_as_index_copy_would():
@@ -140,8 +114,7 @@ def test_the_kernel_stores_the_steps_kv_as_index_copy_would():
     reference_pool.v(1).index_copy_(0, slots[keep], v[keep])
     assert torch.equal(pool.buffer, reference_pool.buffer)
     # and the request served read the pool after the store: its context ends at its new token
-    want = reference(reference_pool, meta, q, 1, 0.125)[:1]
-    torch.testing.assert_close(out[:1].double(), want, atol=2e-6, rtol=1e-5)
+    assert_attention_exact(out, reference_pool, meta, q, 1, rows=slice(1))
     # a slot past the pool raises, as index_copy_ does, and writes nothing
     slots[-1] = pool.num_slots
     before = pool.buffer.clone()
@@ -264,8 +237,7 @@ def test_siblings_in_one_chunk_match_float64_reference(monkeypatch, window, head
     native = plan.kernel if window is None else plan.by_window[window].kernel
     chunks = native.chunks(rep=3, threads=torch.get_num_threads())
     assert chunks.count.tolist()[0] >= min(8, samples) and chunks.prefix.tolist()[0] == 70
-    ref = reference(pool, meta, q, 0, head_dim ** -0.5, window, softcap)
-    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
+    assert_attention_exact(out, pool, meta, q, window=window, softcap=softcap)
 
 
 def test_extend_chunks_over_a_context_match_float64_reference():
@@ -277,5 +249,4 @@ def test_extend_chunks_over_a_context_match_float64_reference():
     meta, q, k, v = make_step(pool, requests, 6, seed=12)
     out, plan = native_forward(pool, meta, q, k, v)
     assert plan.kernel.q_len.tolist() == [100, 37, 1]
-    ref = reference(pool, meta, q, 0, 64 ** -0.5)
-    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
+    assert_attention_exact(out, pool, meta, q)

@@ -5,6 +5,7 @@ import dataclasses
 
 import pytest
 import torch
+from floors import assert_as_exact_as
 from helpers import run_checked, samples
 from models import tiny_model
 from reference import assert_matches_reference, assert_paths_agree
@@ -61,6 +62,41 @@ def make_step(pool, requests, num_q_heads, seed=0, dtype=torch.float32, common=0
     return meta, q, k, v
 
 
+def reference(pool, meta, q, layer, scale, window=None, softcap=None, dtype=torch.float64):
+    """Every request's rows from its whole context, computed in `dtype`: [T, Hq, D]. In
+    float64 the exact answer; in float32 torch's own rounding of the same formula."""
+    k_pool, v_pool = pool.k(layer).to(dtype), pool.v(layer).to(dtype)
+    rep = q.shape[1] // pool.kv_heads
+    out = torch.full(q.shape, float("nan"), dtype=dtype)
+    for b, (q_len, kv_len) in enumerate(zip(meta.q_lens, meta.kv_lens)):
+        q0, kv0 = int(meta.qo_indptr[b]), int(meta.kv_indptr[b])
+        slots = meta.kv_indices[kv0:kv0 + kv_len]
+        k = k_pool[slots].repeat_interleave(rep, 1)
+        v = v_pool[slots].repeat_interleave(rep, 1)
+        s = torch.einsum("qhd,khd->hqk", q[q0:q0 + q_len].to(dtype), k) * scale
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        pos = torch.arange(q_len)[:, None] + kv_len - q_len
+        j = torch.arange(kv_len)[None]
+        visible = j <= pos
+        if window is not None:
+            visible &= j > pos - window
+        s = s.masked_fill(~visible, float("-inf"))
+        out[q0:q0 + q_len] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+    return out
+
+
+def assert_attention_exact(out, pool, meta, q, layer=0, *, scale=None, window=None,
+                           softcap=None, floor=None, rows=slice(None)):
+    """`out` (its rows `rows`) as near reference()'s float64 answer as torch's own computation
+    in out's dtype is: `floor` where given (a torch path's output), else reference() run in
+    float32. The pool must hold the step's K/V (the forwards store them)."""
+    args = (pool, meta, q, layer, scale or pool.head_dim ** -0.5, window, softcap)
+    if floor is None:
+        floor = reference(*args, dtype=torch.float32)
+    assert_as_exact_as(out[rows], reference(*args)[rows], floor[rows], "attention output")
+
+
 def run_both(pool, meta, q, k, v, layer=0):
     """(shared-prefix path output, plain path output, the shared path's plan)."""
     backend = TorchAttention(pool)
@@ -93,7 +129,7 @@ def test_shared_prefix_path_matches_plain_path(kv_heads, gqa, head_dim):
     pool = random_pool(2, kv_heads, head_dim)
     meta, q, k, v = make_step(pool, MIXED, kv_heads * gqa)
     out, ref, plan = run_both(pool, meta, q, k, v, layer=1)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    assert_attention_exact(out, pool, meta, q, layer=1, floor=ref)
     # Groups a, b, f, h (decode and verify rows) take the split; the group of one, the rows
     # with no shared prefix, the prefill and the long extend chunks keep the plain path.
     starts = indptr(meta.q_lens, "cpu").tolist()
@@ -114,7 +150,7 @@ def test_edge_batches(requests):
     pool = random_pool(1, 3, 64)
     meta, q, k, v = make_step(pool, requests, 9, seed=2)
     out, ref, plan = run_both(pool, meta, q, k, v)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    assert_attention_exact(out, pool, meta, q, floor=ref)
     assert (plan.shared is None) == (requests[0][0] == "x")
 
 
@@ -133,7 +169,7 @@ def test_prefix_common_to_all_groups_gets_one_tile(kv_heads, gqa, contiguous):
     pool = random_pool(2, kv_heads, 64)
     meta, q, k, v = make_step(pool, COMMON, kv_heads * gqa, common=20, contiguous=contiguous)
     out, ref, plan = run_both(pool, meta, q, k, v, layer=1)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    assert_attention_exact(out, pool, meta, q, layer=1, floor=ref)
     common, own = plan.shared.prefixes
     starts = indptr(meta.q_lens, "cpu").tolist()
     shared_q = [t for b, (g, *_) in enumerate(COMMON) if g != "z"
@@ -151,7 +187,7 @@ def test_short_common_run_stays_in_the_group_tiles(common, parts):
     pool = random_pool(1, 2, 64)
     meta, q, k, v = make_step(pool, requests, 6, common=common)
     out, ref, plan = run_both(pool, meta, q, k, v)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    assert_attention_exact(out, pool, meta, q, floor=ref)
     assert len(plan.shared.prefixes) == parts
 
 
@@ -162,7 +198,7 @@ def test_prefixes_that_are_all_common():
     pool = random_pool(1, 2, 64)
     meta, q, k, v = make_step(pool, requests, 6, common=20)
     out, ref, plan = run_both(pool, meta, q, k, v)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    assert_attention_exact(out, pool, meta, q, floor=ref)
     assert [p.kv_slots.shape for p in plan.shared.prefixes] == [(1, 20)]
 
 
@@ -177,7 +213,7 @@ def test_requests_alone_in_their_group_share_the_common_run(contiguous):
     pool = random_pool(2, 3, 64)
     meta, q, k, v = make_step(pool, ALONE, 9, seed=5, common=20, contiguous=contiguous)
     out, ref, plan = run_both(pool, meta, q, k, v, layer=1)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    assert_attention_exact(out, pool, meta, q, layer=1, floor=ref)
     starts = indptr(meta.q_lens, "cpu").tolist()
     assert shared_tokens(meta, plan) == [t for b, (g, *_) in enumerate(ALONE) if g != "z"
                                          for t in range(starts[b], starts[b + 1])]
@@ -191,7 +227,7 @@ def test_requests_alone_without_a_common_run_stay_plain():
     pool = random_pool(1, 3, 64)
     meta, q, k, v = make_step(pool, requests, 9, seed=6, common=MIN_COMMON_LEN - 1)
     out, ref, plan = run_both(pool, meta, q, k, v)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    assert_attention_exact(out, pool, meta, q, floor=ref)
     assert plan.shared is None
 
 
@@ -202,7 +238,7 @@ def test_grpo_step_shape():
     pool = random_pool(1, 3, 64, slots=8192)
     meta, q, k, v = make_step(pool, requests, 9, common=282, contiguous=True)
     out, ref, plan = run_both(pool, meta, q, k, v)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    assert_attention_exact(out, pool, meta, q, floor=ref)
     assert [p.kv_slots.shape for p in plan.shared.prefixes] == [(1, 282), (16, 32)]
 
 
@@ -214,14 +250,14 @@ def test_matmul_fallback_matches(monkeypatch):
     for requests, common in ((MIXED, 0), (COMMON, 20)):
         meta, q, k, v = make_step(pool, requests, 6, seed=3, common=common)
         out, ref, _ = run_both(pool, meta, q, k, v)
-        torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+        assert_attention_exact(out, pool, meta, q, floor=ref)
 
 
 def test_bfloat16_close_to_plain_path():
     pool = random_pool(1, 3, 64, dtype=torch.bfloat16)
     meta, q, k, v = make_step(pool, MIXED, 9, seed=4, dtype=torch.bfloat16)
     out, ref, _ = run_both(pool, meta, q, k, v)
-    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=0)
+    assert_attention_exact(out, pool, meta, q, floor=ref)  # the plain path in bf16: the floor
 
 
 # --- the engine ---------------------------------------------------------------------------------

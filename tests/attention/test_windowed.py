@@ -6,12 +6,11 @@ preemption, sleep/wake and graphed decode."""
 import dataclasses
 
 import pytest
-import torch
 from helpers import run_checked, samples
 from kernels_env import DEVICE
 from models import tiny_model
 from reference import assert_matches_reference
-from test_torch_shared_prefix import MIXED, make_step, random_pool
+from test_torch_shared_prefix import MIXED, assert_attention_exact, make_step, random_pool
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.attention import triton as triton_attention
@@ -52,7 +51,7 @@ def test_torch_backend_windows_per_layer_with_the_shared_prefix_split(window):
         out = backend.forward(q, k, v, layer, meta, scale)
         ref = paged_attention_ref(q, pool.k(layer), pool.v(layer), meta.qo_indptr,
                                   meta.kv_indptr, meta.kv_indices, scale, window=w)
-        torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
+        assert_attention_exact(out, pool, meta, q, layer, window=w, floor=ref)
     # Rows whose context fits in the window keep the split even in the windowed layer.
     if windowed.shared is not None:
         fits = [b for b, n in enumerate(meta.kv_lens) if n <= window]
@@ -69,7 +68,7 @@ def test_torch_backend_softcap_on_both_paths():
         out = backend.forward(q * 3, k, v, 0, m, 0.125, softcap=1.5)
         ref = paged_attention_ref(q * 3, pool.k(0), pool.v(0), m.qo_indptr, m.kv_indptr,
                                   m.kv_indices, 0.125, softcap=1.5)
-        torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
+        assert_attention_exact(out, pool, m, q * 3, softcap=1.5, floor=ref)
 
 
 @pytest.mark.interpreter

@@ -4,6 +4,7 @@ split-KV, verify, windows shorter and longer than the contexts, a tile wider tha
 
 import pytest
 import torch
+from floors import assert_as_exact_as
 from kernels_env import DEVICE, DTYPES, indptr, paged_case
 
 from rollout_kernels.triton import paged_attention_ref, shared_prefix_attention
@@ -81,4 +82,11 @@ def test_shared_prefix_attention_with_softcap():
     ref = paged_attention_ref(q, k_pool, v_pool, indptr([1] * num_req),
                               indptr([len(c) for c in contexts]),
                               ints([s for c in contexts for s in c]), scale, softcap=cap)
-    torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
+    # the float64 answer: each request's one query over its whole context
+    k64, v64 = (p.cpu().double().repeat_interleave(q_heads // kv_heads, 1)
+                for p in (k_pool, v_pool))
+    scores = [torch.einsum("hd,khd->hk", q[i].cpu().double(), k64[c]) * scale
+              for i, c in enumerate(contexts)]
+    exact = torch.stack([torch.einsum("hk,khd->hd", (cap * torch.tanh(s / cap)).softmax(-1),
+                                      v64[c]) for s, c in zip(scores, contexts)])
+    assert_as_exact_as(out.cpu(), exact, ref.cpu(), "shared-prefix attention output")

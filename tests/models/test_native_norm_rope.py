@@ -4,6 +4,7 @@ them exactly when the engine's backend is cpu."""
 
 import pytest
 import torch
+from floors import assert_as_exact_as_relative
 from models import tiny_model
 
 from rollout import Engine, EngineConfig
@@ -22,6 +23,15 @@ def cos_sin(tokens, rot, seed=0):
     inv = 1.0 / 10000 ** (torch.arange(0, rot, 2).float() / rot)
     emb = torch.cat([positions[:, None] * inv] * 2, dim=-1)
     return emb.cos()[:, None, :] * 1.5, emb.sin()[:, None, :] * 1.5  # a scaled table
+
+
+def assert_norm_as_exact_as_torch(got, x, layer, want):
+    """`got`, the layer's norm of x, as near the float64 RMSNorm, element by element relative
+    to its size, as the torch layer's float32 `want` is."""
+    h = x.double()
+    exact = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + layer.eps)
+    exact = exact * (layer.weight.double() + (1.0 if layer.offset else 0.0))
+    assert_as_exact_as_relative(got, exact, want, "RMSNorm")
 
 
 @pytest.mark.parametrize("tokens, q_heads, k_heads, head_dim, rot",
@@ -53,7 +63,7 @@ def test_rms_norm_matches_the_torch_layer(shape, offset):
     layer.implementation = "cpu"
     got = layer(x)
     assert got.shape == x.shape
-    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+    assert_norm_as_exact_as_torch(got, x, layer, want)
 
 
 def test_rms_norm_of_a_strided_view():
@@ -63,7 +73,7 @@ def test_rms_norm_of_a_strided_view():
     layer.weight.data = torch.randn(64)
     want = layer(view)
     layer.implementation = "cpu"
-    torch.testing.assert_close(layer(view), want, rtol=2e-6, atol=1e-6)
+    assert_norm_as_exact_as_torch(layer(view), view, layer, want)
 
 
 @pytest.mark.parametrize("shape", [(1, 8), (128, 576), (3, 7, 64)])
@@ -84,7 +94,7 @@ def test_add_forward_is_the_sum_bit_for_bit_and_its_norm(shape, native):
     x_before = x.clone()
     total, h = layer.add_forward(x, delta)
     assert torch.equal(total, want_sum)
-    torch.testing.assert_close(h, want, rtol=2e-6, atol=1e-6)
+    assert_norm_as_exact_as_torch(h, want_sum, layer, want)
     assert torch.equal(x, x_before)  # the stream the caller holds is not written
     same, alone = layer.add_forward(x, None)
     assert same is x and torch.equal(alone, layer(x))

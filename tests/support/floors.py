@@ -43,15 +43,40 @@ def tolerance(floor: float, values: torch.Tensor, multiple: float = FLOOR_MULTIP
     return multiple * max(floor, MIN_ULPS * ulp)
 
 
-def assert_within_floor(errors: torch.Tensor, floor: torch.Tensor, values: torch.Tensor) -> None:
+def assert_within_floor(errors: torch.Tensor, floor: torch.Tensor, values: torch.Tensor,
+                        what: str = "logprob", reference: str = "transformers' own fp32") -> None:
     """The engine's |logprob - exact| over some tokens (`errors`) against the reference's own
     (`floor`) on the same tokens, `values` the exact logprobs: the means within FLOOR_MULTIPLE,
-    the largest within TAIL_MULTIPLE."""
-    gaps = (f"logprob error from the float64 forward: mean {errors.mean():.3g}, largest "
-            f"{errors.max():.3g}; transformers' own fp32 error {floor.mean():.3g}, "
-            f"{floor.max():.3g}")
+    the largest within TAIL_MULTIPLE. `what` and `reference` name them in the message."""
+    gaps = (f"{what} error from the float64 answer: mean {errors.mean():.3g}, largest "
+            f"{errors.max():.3g}; {reference} error {floor.mean():.3g}, {floor.max():.3g}")
     assert errors.mean().item() <= tolerance(floor.mean().item(), values), gaps
     assert errors.max().item() <= tolerance(floor.max().item(), values, TAIL_MULTIPLE), gaps
+
+
+def assert_as_exact_as(got: torch.Tensor, exact: torch.Tensor, reference: torch.Tensor,
+                       what: str = "kernel output") -> None:
+    """A kernel's output `got` is as near the float64 answer `exact` as torch's own computation
+    of it in the kernel's dtype (`reference`) is, by assert_within_floor's measure: the floor
+    is the reference's error on this machine, whatever its ISA rounds like."""
+    assert got.shape == exact.shape == reference.shape, (got.shape, exact.shape, reference.shape)
+    errors = (got.double() - exact).abs().flatten()
+    floor = (reference.double() - exact).abs().flatten()
+    assert_within_floor(errors, floor, exact, what, f"torch's {reference.dtype}")
+
+
+def assert_as_exact_as_relative(got: torch.Tensor, exact: torch.Tensor, reference: torch.Tensor,
+                                what: str = "kernel output") -> None:
+    """assert_as_exact_as's check of each element's error relative to its |exact|: for elementwise
+    kernels, which round every element at its own scale, so that a small output is held to its
+    own ulps rather than to the largest value's (the relative floor is then 8 ulps of 1). An
+    exact 0 must come out 0 (held to float32's smallest normal)."""
+    assert got.shape == exact.shape == reference.shape, (got.shape, exact.shape, reference.shape)
+    scale = exact.abs().clamp_min(torch.finfo(torch.float32).tiny)
+    errors = ((got.double() - exact).abs() / scale).flatten()
+    floor = ((reference.double() - exact).abs() / scale).flatten()
+    assert_within_floor(errors, floor, exact / scale, f"relative {what}",
+                        f"torch's {reference.dtype}")
 
 
 @torch.no_grad()
