@@ -19,6 +19,7 @@ from rollout_kernels import cpu as native
 
 ROOT = Path(__file__).parents[2]
 CC = shutil.which("cc") or shutil.which("gcc")
+CLANG = shutil.which("clang")
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 pytestmark = pytest.mark.skipif(CC is None, reason="no C compiler here")
 
@@ -158,3 +159,26 @@ def test_the_portable_paths_pass_the_native_tests(tmp_path):
     assert " passed" in proc.stdout
     skips = [line for line in proc.stdout.splitlines() if line.startswith("SKIPPED")]
     assert skips and all("AVX2 and FMA" in line for line in skips), skips
+
+
+@pytest.mark.skipif(CLANG is None, reason="no clang here (Debian: apt-get install clang)")
+def test_a_clang_build_gives_the_same_bits(tmp_path):
+    """clang contracts multiply-adds into FMAs by default (GCC too, under -ffp-contract=fast):
+    rotary is bit-for-bit torch's only without contraction, which its file's own flag keeps
+    whatever the compiler's default or the caller's flags (here -ffp-contract=fast added: 5
+    rotary cases fail without that flag). The tests that hold kernels to exact bits (rotary,
+    the Gumbel tokens, the operators, the invariant attention) pass on a clang build, whose
+    OpenMP is torch's libgomp, not a second runtime."""
+    tests = ["tests/models/test_native_norm_rope.py", "tests/sample/test_native_gumbel.py",
+             "tests/models/test_packed_linear.py", "tests/attention/test_invariant_attention.py",
+             "tests/kernels/test_cpu_ops.py"]
+    cache = tmp_path / "cache"
+    env = dict(os.environ, ROLLOUT_CACHE=str(cache), CC=CLANG,
+               ROLLOUT_NATIVE_CFLAGS="-ffp-contract=fast")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "-k", "not triton", *tests], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    (library,) = (cache / "native").glob("rollout_native_*.so")
+    image = library.read_bytes()  # the compiler's name in .comment, the runtimes in .dynstr
+    assert b"clang version" in image and b"libgomp.so.1" in image and b"libomp.so" not in image
