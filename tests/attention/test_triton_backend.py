@@ -6,6 +6,7 @@ import torch
 from kernels_env import DEVICE, ON_GPU
 from models import tiny_model
 from reference import assert_paths_agree
+from test_torch_shared_prefix import assert_attention_exact
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.attention import triton as triton_attention
@@ -26,6 +27,9 @@ def generate_on_both_backends(prompts, params, **overrides):
         engine = Engine(tiny_model("qwen3").to(DEVICE), config)
         outs[backend] = engine.generate(prompts, params)
         engine.check_invariants()
+    # On the CPU each path to the float64 floor; a GPU forward is no float32 CPU reference, so
+    # there a fixed bound (reference.py), not measured here: this machine (AMD EPYC Zen 3,
+    # AVX2) has no GPU.
     assert_paths_agree(tiny_model("qwen3").to(DEVICE), prompts, params, outs["torch"],
                        outs["triton"], atol=1e-4 if ON_GPU else None)
 
@@ -91,7 +95,7 @@ def test_shared_prefix_path_matches_torch_backend_on_interleaved_groups():
     assert plan.group_indptr.tolist() == [0, 3, 5, 6, 7]
     # a, b, then d and c alone: all their context but the new token
     assert plan.prefix_indptr.tolist() == [0, 20, 29, 45, 56]
-    torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=0)
+    assert_attention_exact(outs[1], pool, meta, q, floor=outs[0])  # the torch backend's floor
 
 
 def test_plain_kernel_when_nothing_is_shared():

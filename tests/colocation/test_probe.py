@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from floors import tolerance
+from floors import assert_within_floor, exact_copy, token_logprobs, tolerance
 from models import tiny_model
 
 from rollout import Engine, EngineConfig
@@ -55,8 +55,10 @@ def test_without_a_reference_the_logprobs_are_recorded(setup):
     engine, a, b = setup
     result = engine.update_weights(b, probe=PROBE)
     assert math.isnan(result["probe_gap"]) and math.isnan(engine.stats.probe_gap)
-    got = torch.tensor(result["probe_logprobs"])
-    assert torch.allclose(got, trainer_logprobs(b, PROBE), atol=1e-4)
+    got = torch.tensor(result["probe_logprobs"], dtype=torch.float64)
+    exact = token_logprobs(exact_copy(b), PROBE[:1], PROBE[1:])
+    floor = (trainer_logprobs(b, PROBE).double() - exact).abs()
+    assert_within_floor((got - exact).abs(), floor, exact, "probe logprob")
     assert "probe_gap" not in engine.update_weights(a)
 
 

@@ -15,11 +15,12 @@ import pytest
 import torch
 from datasets import Dataset
 from models import char_tokenizer, tiny_model
+from test_trl_hook import Capture, assert_engine_within_floor
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from rollout import EngineConfig
-from trainer_hooks.trl import EngineGeneration, RolloutGRPOTrainer, make_rollout_func
+from trainer_hooks.trl import EngineGeneration, make_rollout_func
 
 CALL = '{"name": "add", "arguments": {"a": 3, "b": 4}}'
 RESULT = "<tool>7</tool><ans>"  # the template's rendering of the tool message + next header
@@ -145,13 +146,6 @@ class SleepCheck(TrainerCallback):
         self.seen.append(self.engine.is_sleeping)
 
 
-class Capture(RolloutGRPOTrainer):
-    def _generate_and_score_completions(self, inputs):
-        out = super()._generate_and_score_completions(inputs)
-        self.captured = getattr(self, "captured", []) + [out]
-        return out
-
-
 def spy_engine(trainer):
     """Every engine.generate call: its step, prompts, params and what the prefix cache served."""
     engine, calls = trainer.engine, []
@@ -232,15 +226,14 @@ def check_masks_and_logprobs(trainer, suffix, chain):
         env_tokens = mask.bool() & (tool == 0)
         old, sampled = out["old_per_token_logps"], out["sampling_per_token_logps"]
         # The engine's logprobs of the model's tokens, every turn, equal the trainer's forward
-        # over prompt + completion (tool tokens included in the context).
-        assert (old - sampled)[model_tokens].abs().max().item() < 1e-5
+        # over prompt + completion (tool tokens included in the context), within its floor.
+        assert_engine_within_floor([out], [model_tokens])  # the importance ratios too
         assert model_tokens[:, k + s:].any()  # the second turn sampled something
         # Tool tokens: logprob 0.0 from the sampler, masked out of the importance ratio (per
         # sequence or per token, by the config): the trainer's own logprobs there are far from
         # 0, so unmasked, the ratio would be far from 1.
         assert (sampled[env_tokens] == 0).all()
         assert old[env_tokens].abs().min().item() > 1e-3
-        assert (out["importance_sampling_ratio"] - 1).abs().max().item() < 1e-4
 
 
 def check_loss_ignores_env_tokens(trainer):
@@ -286,6 +279,7 @@ def test_environment_factory_episodes_come_from_the_engine(tmp_path):
         assert h["rollout/generate_calls"] >= 2  # turns, in one awake period
         assert h["rollout/weight_syncs"] == 1
         assert h["rollout/prefix_cache_hit_rate"] > 0.5
+        # worst seen 3.6e-7 from 1 (AMD EPYC Zen 3, AVX2): 1e-4 leaves >100x for other ISAs
         assert abs(h["sampling/importance_sampling_ratio/mean"] - 1) < 1e-4
 
 

@@ -8,7 +8,9 @@ All against the torch references; shapes stay tiny for the CPU interpreter.
 
 import pytest
 import torch
-from kernels_env import ATOL, DEVICE, indptr, poison_unused_slots, scattered_slots
+from floors import assert_as_exact_as
+from kernels_env import DEVICE, indptr, poison_unused_slots, scattered_slots
+from test_kernels_shared_prefix import assert_attention_as_exact
 from test_kernels_shared_prefix import run_case as run_shared_prefix
 
 from rollout_kernels.triton import (
@@ -67,9 +69,9 @@ def run_case(q_lens, kv_lens, q_heads, kv_heads, head_dim, dtype, *, causal=True
     paged_attention(q, k_pool, v_pool, out, qo_indptr, kv_indptr, kv_indices, sm_scale=scale,
                     max_q_len=max_q_len or max(q_lens), max_kv_len=max_kv_len or max(kv_lens),
                     causal=causal, num_kv_splits=splits)
-    ref = paged_attention_ref(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, scale,
-                              causal)
-    torch.testing.assert_close(out.float(), ref.float(), atol=ATOL[dtype], rtol=0)
+    meta = qo_indptr, kv_indptr, kv_indices
+    ref = paged_attention_ref(q, k_pool, v_pool, *meta, scale, causal)
+    assert_attention_as_exact(out, ref, q, k_pool, v_pool, *meta, scale, causal)
     if strided:  # the padding around each head is untouched
         assert out_buf[:, :, :4].isnan().all() and out_buf[:, :, 4 + head_dim:].isnan().all()
 
@@ -204,14 +206,19 @@ def test_merge_states_with_empty_splits(num_splits, head_dim):
     part_lse[empty] = float("-inf")
     part_out[empty] = 0.0  # what the attention kernel writes for an empty split
     part_out, part_lse = part_out.to(DEVICE), part_lse.to(DEVICE)
-    weights = torch.softmax(part_lse * torch.log(torch.tensor(2.0)), dim=-1).nan_to_num(0.0)
-    ref = (weights[..., None] * part_out).sum(2)
+    def merged(dtype):  # lse is base 2
+        weights = torch.softmax(part_lse.to(dtype) * torch.log(torch.tensor(2.0, dtype=dtype)),
+                                dim=-1).nan_to_num(0.0)
+        return (weights[..., None] * part_out.to(dtype)).sum(2).cpu()
+
+    ref, exact = merged(torch.float32), merged(torch.float64)
     for dtype in (torch.float32, torch.float16):
         out_buf = torch.full((tokens, heads, head_dim + 3), float("nan"), dtype=dtype,
                              device=DEVICE)
         out = out_buf[:, :, :head_dim]  # a strided view: padded heads
         merge_states(part_out, part_lse, out)
-        torch.testing.assert_close(out.float(), ref, atol=ATOL[dtype], rtol=0)
+        # the kernel merges in fp32 and rounds once to out's dtype: torch's fp32 rounded so
+        assert_as_exact_as(out.cpu(), exact, ref.to(dtype), "merged output")
         assert out_buf[:, :, head_dim:].isnan().all()
 
 

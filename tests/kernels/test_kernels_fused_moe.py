@@ -5,7 +5,9 @@ tiles."""
 
 import pytest
 import torch
+from floors import assert_as_exact_as
 from kernels_env import ATOL, DEVICE, DTYPES
+from transformers.activations import ACT2FN
 
 from rollout.models.layers.moe import moe_torch
 from rollout_kernels.triton.fused_moe import align, fused_moe
@@ -32,6 +34,24 @@ def adapter(num_experts, out_features, in_features, rank, gen):
     return a.to(DEVICE), b.to(DEVICE), 0.7
 
 
+def exact_moe(x, w_gate_up, w_down, weights, ids, activation="silu", lora=None):
+    """The experts (and an adapter's delta, unmerged) in float64 on the CPU: the exact answer.
+    moe_torch accumulates the experts in fp32, the adapter's delta too, whatever x's dtype."""
+    def project(w, factors, h):  # each token's k experts' w (+ scale * B A) applied to h
+        y = torch.einsum("tkoi,tki->tko", w.cpu().double()[ids], h)
+        if factors is not None:
+            a, b, scale = (f.cpu().double()[ids] if torch.is_tensor(f) else f for f in factors)
+            y = y + scale * torch.einsum("tkor,tkri,tki->tko", b, a, h)
+        return y
+
+    ids = ids.cpu()
+    lora = lora or (None, None)
+    h = x.cpu().double()[:, None].expand(-1, ids.shape[1], -1)
+    gate, up = project(w_gate_up, lora[0], h).chunk(2, dim=-1)
+    down = project(w_down, lora[1], ACT2FN[activation](gate) * up)
+    return (down * weights.cpu().double()[..., None]).sum(1)
+
+
 def check(num_tokens, num_experts, top_k, hidden, inter, dtype, experts=None,
           activation="silu", seed=0, ranks=(None, None)):
     gen = torch.Generator().manual_seed(seed)
@@ -46,7 +66,9 @@ def check(num_tokens, num_experts, top_k, hidden, inter, dtype, experts=None,
     got = fused_moe(x, w_gate_up, w_down, weights, ids, activation, lora)
     ref = moe_torch(x, w_gate_up, w_down, weights, ids, activation, lora)
     assert got.dtype == dtype and got.shape == x.shape
-    torch.testing.assert_close(got.float(), ref.float(), atol=ATOL[dtype], rtol=ATOL[dtype])
+    # moe_torch rounds where the kernel does: torch's own computation in the kernel's dtype
+    exact = exact_moe(x, w_gate_up, w_down, weights, ids, activation, lora)
+    assert_as_exact_as(got.cpu(), exact, ref.cpu(), "experts' output")
     return x, w_gate_up, w_down, weights, ids, lora, ref
 
 
@@ -92,11 +114,12 @@ def test_lora_on_the_experts(dtype, ranks):
         if factors is not None:
             a, b, scale = factors
             w = w + scale * torch.bmm(b, a)
-        merged.append(w)
-    ref = moe_torch(x.float(), *merged, weights, ids)
+        merged.append(w.to(dtype))
     assert (ours.float() - moe_torch(x, w_gate_up, w_down, weights, ids).float()).abs().max() \
         > 50 * ATOL[dtype]  # the adapter matters
-    torch.testing.assert_close(ours.float(), ref, atol=ATOL[dtype], rtol=ATOL[dtype])
+    # the floor: torch's experts with the adapter merged, in the kernel's dtype
+    assert_as_exact_as(ours.cpu(), exact_moe(x, w_gate_up, w_down, weights, ids, lora=lora),
+                       moe_torch(x, *merged, weights, ids).cpu(), "experts' output")
 
 
 def test_align_pads_each_experts_run_to_whole_blocks():

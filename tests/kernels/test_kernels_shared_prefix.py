@@ -2,12 +2,42 @@
 
 import pytest
 import torch
-from kernels_env import ATOL, DEVICE, DTYPES, indptr, poison_unused_slots, scattered_slots
+from floors import assert_as_exact_as
+from kernels_env import DEVICE, DTYPES, indptr, poison_unused_slots, scattered_slots
 
 from rollout_kernels.triton import paged_attention_ref, shared_prefix_attention
 from rollout_kernels.triton.shared_prefix import shared_prefix_kv_bytes
 
 pytestmark = pytest.mark.interpreter
+
+
+def attention_in(dtype, q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, scale,
+                 causal=True):
+    """paged_attention_ref's formula with every step in `dtype`, on the CPU: in float64 the
+    exact answer; in fp16/bf16 torch's own rounding of it in the kernel's low dtype."""
+    group = q.shape[1] // k_pool.shape[1]
+    out = torch.zeros(q.shape, dtype=dtype)
+    qo, kvp = qo_indptr.tolist(), kv_indptr.tolist()
+    for b in range(len(qo) - 1):
+        (qs, qe), (ks, ke) = qo[b:b + 2], kvp[b:b + 2]
+        slots = kv_indices[ks:ke].long()  # gathered where the pools are (a GPU's may be huge)
+        k, v = (p[slots].cpu().to(dtype).repeat_interleave(group, 1) for p in (k_pool, v_pool))
+        s = torch.einsum("qhd,khd->hqk", q[qs:qe].cpu().to(dtype), k) * scale
+        if causal:
+            last = torch.arange(qe - qs)[:, None] + (ke - ks) - (qe - qs)
+            s = s.masked_fill(torch.arange(ke - ks)[None] > last, float("-inf"))
+        out[qs:qe] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+    return out
+
+
+def assert_attention_as_exact(out, ref, *args):
+    """The kernel's `out` as near the float64 answer as torch's own computation in its dtype:
+    `ref` (paged_attention_ref) in fp32; in fp16/bf16 attention_in(dtype), as ref computes in
+    fp32 and rounds once where the kernel multiplies P in the low dtype. `args`: attention_in's
+    after the dtype."""
+    floor = ref.cpu() if out.dtype == torch.float32 else attention_in(out.dtype, *args)
+    assert_as_exact_as(out.cpu(), attention_in(torch.float64, *args), floor,
+                       "attention output")
 
 
 def run_case(group_sizes, prefix_lens, suffix_lens, q_heads, kv_heads, head_dim, dtype,
@@ -40,9 +70,9 @@ def run_case(group_sizes, prefix_lens, suffix_lens, q_heads, kv_heads, head_dim,
             s_off += slen
             req += 1
         p_off += plen
-    ref = paged_attention_ref(q, k_pool, v_pool, indptr([1] * num_req), indptr(kv_lens),
-                              torch.cat(kv_indices), scale)
-    torch.testing.assert_close(out.float(), ref.float(), atol=ATOL[dtype], rtol=0)
+    meta = indptr([1] * num_req), indptr(kv_lens), torch.cat(kv_indices)
+    ref = paged_attention_ref(q, k_pool, v_pool, *meta, scale)
+    assert_attention_as_exact(out, ref, q, k_pool, v_pool, *meta, scale)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

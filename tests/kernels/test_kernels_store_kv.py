@@ -3,6 +3,7 @@
 import pytest
 import torch
 from kernels_env import DEVICE, DTYPES, ON_GPU, scattered_slots
+from test_kernels_shared_prefix import assert_attention_as_exact
 
 from rollout_kernels.triton import store_kv, store_kv_ref
 
@@ -69,4 +70,5 @@ def test_store_kv_and_attention_past_int32_offsets():
         paged_attention(q, k_pool, v_pool, out, qo, kvp, slots, sm_scale=head_dim ** -0.5,
                         max_q_len=1, max_kv_len=kv_len, num_kv_splits=splits)
         ref = paged_attention_ref(q, k_pool, v_pool, qo, kvp, slots, head_dim ** -0.5)
-        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=0)
+        assert_attention_as_exact(out, ref, q, k_pool, v_pool, qo, kvp, slots,
+                                  head_dim ** -0.5)

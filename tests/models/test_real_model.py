@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 from datasets import Dataset
-from floors import exact_copy
+from floors import assert_greedy_tie, exact_copy
 from reference import assert_matches_reference
 from transformers import TrainerCallback
 from trl import GRPOConfig
@@ -94,14 +94,13 @@ def reference_logprobs(model, prompt, tokens, temperature=1.0):
     return (logits / temperature).log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
 
 
-def assert_same_greedy(model, prompt, ref, got):
-    """Equal, or split only where transformers' own top-2 logits tie within 1e-4."""
+def assert_same_greedy(model, prompt, ref, got, exact=None):
+    """Equal, or split only where transformers' own top-2 logits tie within float32's
+    roundings (floors.assert_greedy_tie; `exact`: the model's float64 copy, if at hand)."""
     if ref == got:
         return
     i = next(i for i, (a, b) in enumerate(zip(ref, got)) if a != b)
-    with torch.no_grad():
-        top2 = model(torch.tensor([prompt + ref[:i]])).logits[0, -1].topk(2).values
-    assert float(top2[0] - top2[1]) < 1e-4, (i, ref, got)
+    assert_greedy_tie(model, prompt + ref[:i], exact)
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=True)
@@ -118,7 +117,7 @@ def test_greedy_chat_matches_transformers(real, engine, prompts, reference, exac
     outs = engine.chat(CHATS, GREEDY)
     assert [o.prompt_token_ids for o in outs] == prompts
     for prompt, ref, out in zip(prompts, reference, outs):
-        assert_same_greedy(model, prompt, ref, out.samples[0].token_ids)
+        assert_same_greedy(model, prompt, ref, out.samples[0].token_ids, exact)
     assert_matches_reference(model, prompts, outs, greedy=False, exact=exact)
     # Some answers end inside the budget: EOS (<|im_end|>) stops them, as it stops transformers.
     eos = tok.convert_tokens_to_ids("<|im_end|>")
@@ -167,7 +166,8 @@ def test_ngram_speculation_changes_no_output(real, prompts, reference, exact):
                   tokenizer=tok)
     i = 5  # "Repeat exactly: ...": the answer copies the prompt, so n-gram drafts are taken
     outs = spec.generate([prompts[i]], GREEDY)
-    assert_same_greedy(model, prompts[i], reference[i], outs[0].samples[0].token_ids)
+    assert_same_greedy(model, prompts[i], reference[i], outs[0].samples[0].token_ids,
+                       exact)
     assert_matches_reference(model, [prompts[i]], outs, greedy=False, exact=exact)
     assert spec.stats.spec_accepted > 0
 
@@ -250,6 +250,8 @@ def test_trl_grpo_on_conversations(tmp_path, monkeypatch, real):
     for h in steps:
         assert h["rollout/tokens_per_second"] > 0
         # TRL recomputes the sampling logprobs with its own forward: they agree.
+        # fp32 forwards of 30 layers, engine's and TRL's: worst seen 2.1e-5 from 1 (AMD EPYC
+        # Zen 3, AVX2); 1e-3 leaves ~50x for other ISAs.
         assert abs(h["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3
 
 

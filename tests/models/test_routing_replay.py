@@ -5,12 +5,17 @@ import copy
 
 import pytest
 import torch
+from floors import assert_as_exact_as, exact_copy
 from helpers import run_checked
 from models import tiny_model
 
-from rollout_recipes.algo.batch import build_batch
-from rollout_recipes.algo.routing_replay import moe_routers, routed_expert_batch, routing_replay
 from rollout import Engine, EngineConfig, SamplingParams
+from rollout_recipes.algo.batch import build_batch
+from rollout_recipes.algo.routing_replay import (
+    moe_routers,
+    routed_expert_batch,
+    routing_replay,
+)
 
 PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 40)), [5, 99, 3, 100, 6, 7]]
 
@@ -97,12 +102,15 @@ def test_flip_rate_matches_a_naive_count(rollout):
 
 def test_replay_of_the_models_own_routes_changes_nothing(rollout):
     model, batch, routes = rollout
+    exact = exact_copy(model)
     with torch.no_grad():
         plain = forward(model, batch)
         with routing_replay(model, routes):
             replayed = forward(model, batch)
+        with routing_replay(exact, routes):  # the float64 answer routed as the rollout too
+            truth = forward(exact, batch)
     valid = batch.attention_mask.bool()
-    torch.testing.assert_close(replayed[valid], plain[valid], atol=1e-5, rtol=0)
+    assert_as_exact_as(replayed[valid], truth[valid], plain[valid], "logits")
 
 
 def test_gradients_reach_the_routers(rollout):

@@ -13,6 +13,7 @@ import signal
 import numpy as np
 import pytest
 import torch
+from floors import assert_as_exact_as
 from models import tiny_model
 from scipy import stats
 
@@ -283,7 +284,8 @@ def test_all_greedy_rows_give_argmax_and_its_log_softmax():
     tokens, logprobs = sample(logits, batch(64, temperature=0.0))
     assert torch.equal(tokens, logits.argmax(-1))
     want = logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
-    torch.testing.assert_close(logprobs, want, atol=1e-6, rtol=0)
+    exact = logits.double().log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+    assert_as_exact_as(logprobs, exact, want, "logprob")
 
 
 def test_mixed_batch_logprobs_are_unfiltered_log_softmax_at_the_token():
@@ -298,7 +300,8 @@ def test_mixed_batch_logprobs_are_unfiltered_log_softmax_at_the_token():
     greedy = torch.tensor([x == 0 for x in temperature])
     assert torch.equal(tokens[greedy], logits[greedy].argmax(-1))
     want = (logits / t[:, None]).log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
-    torch.testing.assert_close(logprobs, want, atol=1e-5, rtol=0)
+    exact = (logits.double() / t[:, None]).log_softmax(-1).gather(-1, tokens[:, None])
+    assert_as_exact_as(logprobs, exact.squeeze(-1), want, "logprob")
     # Top-3 rows only ever sample their top 3.
     ranks = (logits > logits.gather(-1, tokens[:, None])).sum(-1)
     k3 = torch.tensor([k == 3 for k in top_k])

@@ -167,3 +167,17 @@ def token_logprobs(model, prompt: list[int], tokens: list[int],
     seq = torch.tensor([prompt + tokens])
     logits = model(seq).logits[0, len(prompt) - 1:-1].double() / temperature
     return logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+
+
+@torch.no_grad()
+def assert_greedy_tie(model, seq: list[int], exact=None) -> None:
+    """Where the engine's greedy token parts from transformers' after `seq`: transformers' top
+    two logits there no further apart than float32 roundings can swap them, each logit off by
+    transformers' own error (against the float64 copy `exact`, made here if None) plus the
+    engine's, which may be TAIL_MULTIPLE times it."""
+    logits = model(torch.tensor([seq])).logits[0, -1].double().cpu()
+    exact = exact if exact is not None else exact_copy(model)
+    top2 = logits.topk(2)
+    own = (logits - exact(torch.tensor([seq])).logits[0, -1])[top2.indices].abs().max().item()
+    gap = (top2.values[0] - top2.values[1]).item()
+    assert gap <= 2 * tolerance(own, top2.values, 1 + TAIL_MULTIPLE), (gap, own)
