@@ -390,21 +390,25 @@ def paged_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
                         qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                         kv_indices: torch.Tensor, sm_scale: float,
                         causal: bool = True, window: int | None = None,
-                        softcap: float | None = None) -> torch.Tensor:
+                        softcap: float | None = None,
+                        dtype: torch.dtype | None = None) -> torch.Tensor:
     """Torch reference: per request, gather the context by slot, repeat KV heads, masked
-    softmax in fp32. Reads the metadata on the host; tests only."""
+    softmax in fp32, the output in q's dtype; with `dtype`, every step and the output in that
+    dtype instead (float64: the exact answer; fp16/bf16: torch's rounding in a kernel's low
+    dtype). Reads the metadata on the host; tests only."""
     num_q_heads = q.shape[1]
     group = num_q_heads // k_pool.shape[1]
-    out = torch.zeros_like(q)
+    compute = dtype or torch.float32
+    out = torch.zeros(q.shape, dtype=dtype or q.dtype, device=q.device)
     qo, kvp = qo_indptr.tolist(), kv_indptr.tolist()
     for b in range(len(qo) - 1):
         qs, qe, ks, ke = qo[b], qo[b + 1], kvp[b], kvp[b + 1]
         if qe == qs:
             continue
         slots = kv_indices[ks:ke].long()
-        k = k_pool[slots].float().repeat_interleave(group, dim=1)
-        v = v_pool[slots].float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[qs:qe].float(), k) * sm_scale
+        k = k_pool[slots].to(compute).repeat_interleave(group, dim=1)
+        v = v_pool[slots].to(compute).repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[qs:qe].to(compute), k) * sm_scale
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
         q_len, kv_len = qe - qs, ke - ks
@@ -415,5 +419,5 @@ def paged_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
         if window is not None:
             scores = scores.masked_fill(j <= i + kv_len - q_len - window, float("-inf"))
         probs = scores.softmax(dim=-1)
-        out[qs:qe] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+        out[qs:qe] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
     return out

@@ -17,6 +17,7 @@ from rollout.attention.sdpa import TorchAttention
 from rollout.attention.shared_prefix import MAX_SHARED_Q_LEN, MIN_COMMON_LEN
 from rollout.kv.pool import KVPool
 from rollout.spec import SpeculativeConfig
+from rollout_kernels.triton import paged_attention_ref
 
 # (group, shared_len, kv_len, q_len): a group's first shared_len context slots are the same
 # slots for every request of it, the rest are private; the last q_len are the new tokens.
@@ -63,27 +64,11 @@ def make_step(pool, requests, num_q_heads, seed=0, dtype=torch.float32, common=0
 
 
 def reference(pool, meta, q, layer, scale, window=None, softcap=None, dtype=torch.float64):
-    """Every request's rows from its whole context, computed in `dtype`: [T, Hq, D]. In
-    float64 the exact answer; in float32 torch's own rounding of the same formula."""
-    k_pool, v_pool = pool.k(layer).to(dtype), pool.v(layer).to(dtype)
-    rep = q.shape[1] // pool.kv_heads
-    out = torch.full(q.shape, float("nan"), dtype=dtype)
-    for b, (q_len, kv_len) in enumerate(zip(meta.q_lens, meta.kv_lens)):
-        q0, kv0 = int(meta.qo_indptr[b]), int(meta.kv_indptr[b])
-        slots = meta.kv_indices[kv0:kv0 + kv_len]
-        k = k_pool[slots].repeat_interleave(rep, 1)
-        v = v_pool[slots].repeat_interleave(rep, 1)
-        s = torch.einsum("qhd,khd->hqk", q[q0:q0 + q_len].to(dtype), k) * scale
-        if softcap is not None:
-            s = softcap * torch.tanh(s / softcap)
-        pos = torch.arange(q_len)[:, None] + kv_len - q_len
-        j = torch.arange(kv_len)[None]
-        visible = j <= pos
-        if window is not None:
-            visible &= j > pos - window
-        s = s.masked_fill(~visible, float("-inf"))
-        out[q0:q0 + q_len] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
-    return out
+    """Every request's rows from its whole context, computed in `dtype` (paged_attention_ref):
+    [T, Hq, D]. In float64 the exact answer; in float32 torch's own rounding of the formula."""
+    return paged_attention_ref(q, pool.k(layer), pool.v(layer), meta.qo_indptr, meta.kv_indptr,
+                               meta.kv_indices, scale, window=window, softcap=softcap,
+                               dtype=dtype)
 
 
 def assert_attention_exact(out, pool, meta, q, layer=0, *, scale=None, window=None,

@@ -13,21 +13,10 @@ pytestmark = pytest.mark.interpreter
 
 def attention_in(dtype, q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, scale,
                  causal=True):
-    """paged_attention_ref's formula with every step in `dtype`, on the CPU: in float64 the
-    exact answer; in fp16/bf16 torch's own rounding of it in the kernel's low dtype."""
-    group = q.shape[1] // k_pool.shape[1]
-    out = torch.zeros(q.shape, dtype=dtype)
-    qo, kvp = qo_indptr.tolist(), kv_indptr.tolist()
-    for b in range(len(qo) - 1):
-        (qs, qe), (ks, ke) = qo[b:b + 2], kvp[b:b + 2]
-        slots = kv_indices[ks:ke].long()  # gathered where the pools are (a GPU's may be huge)
-        k, v = (p[slots].cpu().to(dtype).repeat_interleave(group, 1) for p in (k_pool, v_pool))
-        s = torch.einsum("qhd,khd->hqk", q[qs:qe].cpu().to(dtype), k) * scale
-        if causal:
-            last = torch.arange(qe - qs)[:, None] + (ke - ks) - (qe - qs)
-            s = s.masked_fill(torch.arange(ke - ks)[None] > last, float("-inf"))
-        out[qs:qe] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
-    return out
+    """paged_attention_ref with every step in `dtype`, on the CPU: in float64 the exact
+    answer; in fp16/bf16 torch's own rounding of it in the kernel's low dtype."""
+    return paged_attention_ref(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, scale,
+                               causal, dtype=dtype).cpu()
 
 
 def assert_attention_as_exact(out, ref, *args):
