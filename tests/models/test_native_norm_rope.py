@@ -4,7 +4,7 @@ them exactly when the engine's backend is cpu."""
 
 import pytest
 import torch
-from floors import assert_as_exact_as_relative
+from floors import assert_as_exact_as
 from models import tiny_model
 
 from rollout import Engine, EngineConfig
@@ -31,7 +31,7 @@ def assert_norm_as_exact_as_torch(got, x, layer, want):
     h = x.double()
     exact = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + layer.eps)
     exact = exact * (layer.weight.double() + (1.0 if layer.offset else 0.0))
-    assert_as_exact_as_relative(got, exact, want, "RMSNorm")
+    assert_as_exact_as(got, exact, want, "RMSNorm", relative=True)
 
 
 @pytest.mark.parametrize("tokens, q_heads, k_heads, head_dim, rot",

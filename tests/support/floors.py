@@ -55,27 +55,19 @@ def assert_within_floor(errors: torch.Tensor, floor: torch.Tensor, values: torch
 
 
 def assert_as_exact_as(got: torch.Tensor, exact: torch.Tensor, reference: torch.Tensor,
-                       what: str = "kernel output") -> None:
+                       what: str = "kernel output", relative: bool = False) -> None:
     """A kernel's output `got` is as near the float64 answer `exact` as torch's own computation
     of it in the kernel's dtype (`reference`) is, by assert_within_floor's measure: the floor
-    is the reference's error on this machine, whatever its ISA rounds like."""
+    is the reference's error on this machine, whatever its ISA rounds like. `relative`: each
+    element's error divided by its |exact|, for elementwise kernels, which round every element
+    at its own scale, so that a small output is held to its own ulps rather than to the
+    largest value's (the floor is then 8 ulps of 1; an exact 0 must come out 0, held to
+    float32's smallest normal)."""
     assert got.shape == exact.shape == reference.shape, (got.shape, exact.shape, reference.shape)
-    errors = (got.double() - exact).abs().flatten()
-    floor = (reference.double() - exact).abs().flatten()
-    assert_within_floor(errors, floor, exact, what, f"torch's {reference.dtype}")
-
-
-def assert_as_exact_as_relative(got: torch.Tensor, exact: torch.Tensor, reference: torch.Tensor,
-                                what: str = "kernel output") -> None:
-    """assert_as_exact_as's check of each element's error relative to its |exact|: for elementwise
-    kernels, which round every element at its own scale, so that a small output is held to its
-    own ulps rather than to the largest value's (the relative floor is then 8 ulps of 1). An
-    exact 0 must come out 0 (held to float32's smallest normal)."""
-    assert got.shape == exact.shape == reference.shape, (got.shape, exact.shape, reference.shape)
-    scale = exact.abs().clamp_min(torch.finfo(torch.float32).tiny)
+    scale = exact.abs().clamp_min(torch.finfo(torch.float32).tiny) if relative else 1.0
     errors = ((got.double() - exact).abs() / scale).flatten()
     floor = ((reference.double() - exact).abs() / scale).flatten()
-    assert_within_floor(errors, floor, exact / scale, f"relative {what}",
+    assert_within_floor(errors, floor, exact / scale, f"relative {what}" if relative else what,
                         f"torch's {reference.dtype}")
 
 
