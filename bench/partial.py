@@ -16,9 +16,9 @@ not change the rollout's cost).
 The two systems are separate engines on the same weights, run step by step interleaved (the
 machine is shared and noisy). Reported: rollout seconds per step (only the generate/rollout
 calls), samples trained per rollout second and the ratio partial/sync (the goal is >= 1.5),
-tokens generated per token trained (tokens of restarted samples and of groups still carried at
-the end count as generated), the histogram of completion lengths, and how stale the trained
-samples' oldest tokens are.
+engine steps per training step, tokens generated per token trained (tokens of restarted samples
+and of groups still carried at the end count as generated), the histogram of completion
+lengths, and how stale the trained samples' oldest tokens are.
 
 `--exact` measures instead how often carrying changes a token: the same seeded requests, run
 uninterrupted by one engine and by another that returns half of them, sleeps (level 2), takes
@@ -60,7 +60,7 @@ class Run:
         self.seconds: list[float] = []
         self.trained: list = []  # samples handed to the trainer
         self.staleness = collections.Counter()
-        self.generated_before = 0  # the warm-up's tokens
+        self.generated_before = self.steps_before = 0  # the warm-up's tokens and steps
 
     def step(self, prompts: list[list[int]], params) -> None:
         e, args = self.engine, self.args
@@ -116,6 +116,7 @@ def main() -> None:
     for run in runs:
         run.engine.generate(warm, params)
         run.generated_before = run.engine.stats.generated_tokens
+        run.steps_before = run.engine.stats.steps
     print(f"# {cpu_name()}, {args.threads} threads, torch {torch.__version__}; B={args.groups} "
           f"n={args.n} max_tokens={args.max_tokens} over_sample={args.over_sample} "
           f"max_staleness={args.staleness}")
@@ -146,6 +147,8 @@ def main() -> None:
             "samples trained / rollout s": len(run.trained) / sum(run.seconds),
             "tokens generated / token trained":
                 (stats.generated_tokens - run.generated_before) / trained_tokens,
+            # What the tail costs where a step's cost hardly depends on its batch (a GPU).
+            "engine steps / step": (stats.steps - run.steps_before) / len(run.seconds),
             "retracted sequences": stats.retracted,
             "stale groups restarted": stats.stale_restarts,
         }

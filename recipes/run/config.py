@@ -24,7 +24,7 @@ from .options import lora_config, speculative_config
 TRAINERS = ("custom", "trl", "trl_async")
 ALGOS = ("grpo", "ppo")
 REWARDS = ("auto", "exact", "math")
-TASKS = ("addition", "calculator")
+TASKS = ("addition", "calculator", "reverse")
 
 
 @dataclass
@@ -34,7 +34,8 @@ class RecipeConfig:
     tiny_model: dict = field(default_factory=lambda: dict(hidden_size=128, num_hidden_layers=2))
     dataset: str | None = None  # HF id, local dir or .json/.jsonl/.csv/.parquet; None: built-in
     dataset_config: str | None = None  # e.g. "main" for openai/gsm8k
-    task: str = "addition"  # the built-in task (addition | calculator), when `dataset` is None
+    # The built-in task (addition | calculator | reverse), when `dataset` is None.
+    task: str = "addition"
     train_size: int = 8000  # built-in task sizes (a dataset's own splits are used otherwise)
     # Seed of the built-in task's train/held-out split and of dataset shuffles; None: `seed`.
     # Fixed, it keeps the held-out set (and what a warm start saw) across a sweep of seeds.

@@ -19,6 +19,9 @@ class EngineMeter:
         prompt = delta.get("prompt_tokens", 0)
         out = {
             "rollout/generated_tokens": delta.get("generated_tokens", 0),
+            # Engine steps the rollout took: what a tail of few long samples costs where a step
+            # costs about the same whatever its batch (a GPU at these sizes), the time it saves.
+            "rollout/engine_steps": delta.get("steps", 0),
             "rollout/tokens_per_second": delta.get("generated_tokens", 0) / seconds
             if seconds > 0 else 0.0,
             # Share of prompt tokens (n per prompt counted) served from the radix tree.

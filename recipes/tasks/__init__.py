@@ -2,6 +2,7 @@
 task, each with a `load(...) -> Task` (base.py):
 
     addition.py   the built-in task, generated in code: 2-digit sums, exact-match reward
+    reverse.py    digit strings of 1-16 digits written back reversed: answers of every length
     gsm8k.py      a dataset (HF id, local dir or file) of GSM8K-style problems, math reward
     calculator.py 3-4 digit sums with a calculator tool: multi-turn episodes (an environment),
                   or single-turn without the tool (`tools: false`)
@@ -15,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..run.config import RecipeConfig
-from . import addition, calculator, gsm8k
+from . import addition, calculator, gsm8k, reverse
 from .addition import exact_reward
 from .base import Task
 from .gsm8k import math_reward
@@ -26,7 +27,7 @@ __all__ = ["REWARDS", "Task", "builtin_alphabet", "exact_reward", "load_task", "
 REWARDS: dict[str, Callable[[str, str], float]] = {"exact": exact_reward, "math": math_reward}
 
 # The built-in tasks (`task:` in a config, used when `dataset` is None) and their alphabets.
-BUILTIN = {"addition": addition, "calculator": calculator}
+BUILTIN = {"addition": addition, "calculator": calculator, "reverse": reverse}
 
 
 def load_task(cfg: RecipeConfig, tokenizer=None) -> Task:

@@ -315,6 +315,23 @@ def test_data_seed_keeps_the_held_out_set_across_seeds():
     assert held_out(seed=1) != fixed  # unset, it follows the seed
 
 
+def test_reversal_task_spans_every_answer_length_and_never_trains_on_held_out():
+    from rollout_recipes.tasks import load_task
+    from rollout_recipes.tasks.reverse import LONGEST
+
+    task = load_task(RecipeConfig(task="reverse", train_size=2000, eval_size=300, data_seed=3))
+    train = list(zip(task.train["prompt"], task.train["answer"]))
+    held_out = list(zip(task.eval["prompt"], task.eval["answer"]))
+    assert len(train) == 2000 and len(held_out) == 300
+    assert not {p for p, _ in train} & {p for p, _ in held_out}
+    for prompt, answer in train + held_out:
+        assert prompt.endswith("=") and prompt[:-1].isdigit() and answer == prompt[-2::-1]
+    lengths = {len(a) for _, a in train}
+    assert lengths == set(range(1, LONGEST + 1)), lengths
+    assert task.reward(f" {held_out[0][1]}", held_out[0][1]) == 1.0
+    assert task.reward(held_out[0][1][::-1] + "0", held_out[0][1]) == 0.0
+
+
 def test_group_advantages_and_gae():
     rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0])
     group = torch.tensor([0, 0, 0, 0, 1, 1])
