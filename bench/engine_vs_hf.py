@@ -2,14 +2,15 @@
 
 Default (CPU): a ~25M-parameter Qwen2-style model with random weights, 16 prompts of 192 tokens
 sharing a 128-token system prefix, n = 8, 128 new tokens, temperature 1.
-Prints tokens/s of both, their ratio, prompt tokens each computed, and the engine's time outside
-the model forward as a share of its step time. On CUDA, last, a short decode-heavy run under the
-profiler: kernels launched per step and the share of wall time the GPU spends in them (a low
-share means steps are bound by the host, launches and scheduling, which CUDA graphs address).
+Prints tokens/s of both, their ratio, prompt tokens each computed, the engine's time outside
+the model forward as a share of its step time, and the garbage collector's pauses in its run.
+On CUDA, last, a short decode-heavy run under the profiler: kernels launched per step and the
+share of wall time the GPU spends in them (a low share means steps are bound by the host,
+launches and scheduling, which CUDA graphs address).
 Nothing is asserted.
 
     python bench/engine_vs_hf.py [--device cuda --model-shape 0.5b|smollm2 --dtype bfloat16]
-        [--cuda-graphs off|on|both] [--skip-hf]
+        [--cuda-graphs off|on|both] [--skip-hf] [--calls K]
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from workloads import add_model_args, grpo_prompts, model_from_args  # noqa: E402
+from workloads import CollectorPauses, add_model_args, grpo_prompts, model_from_args  # noqa: E402
 
 from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
 from rollout.engine.stats import STEP_PHASES  # noqa: E402
@@ -61,9 +62,13 @@ def run_engine(model, prompts, n, max_new, args, cuda_graphs: bool):
     base = engine.stats.as_dict()
     sync(args.device)
     t0 = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    sync(args.device)
+    with CollectorPauses() as pauses:
+        # --calls > 1: the same rollout again, as a training run's steps do (the radix cache
+        # serves the prompts then; what grows call after call is the collector's work).
+        outs = [o for _ in range(args.calls) for o in engine.generate(prompts, params)]
+        sync(args.device)
     seconds = time.perf_counter() - t0
+    print(f"engine (cuda_graphs={cuda_graphs}): {pauses.summary(seconds)}")
     s = engine.stats.as_dict()
     delta = {k: s[k] - base[k] for k in ("generated_tokens", "prompt_tokens_computed", "steps",
                                          "step_seconds", *STEP_PHASES)}
@@ -100,6 +105,7 @@ def main() -> None:
     ap.add_argument("--prefix-len", type=int, default=128)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--calls", type=int, default=1, help="engine generate calls in a row")
     ap.add_argument("--kv-tokens", type=int, default=65536)
     ap.add_argument("--batched-tokens", type=int, default=8192)
     ap.add_argument("--skip-hf", action="store_true")

@@ -100,9 +100,9 @@ class Committer:
                 failed.setdefault(seq.group, Failure(
                     f"stop check: {type(e).__name__}: {e}", keep_kv=True))
                 continue
-            cut = Emitted(drawn.tokens[:kept], drawn.logprobs[:kept],
-                          drawn.sampling_logprobs[:kept], drawn.supports[:kept],
-                          drawn.tops[:kept])
+            cut = drawn if kept == len(drawn.tokens) else Emitted(
+                drawn.tokens[:kept], drawn.logprobs[:kept], drawn.sampling_logprobs[:kept],
+                drawn.supports[:kept], drawn.tops[:kept])
             verdicts[-1] = _Verdict(cut, reason, text_at)
         return verdicts, failed
 

@@ -90,8 +90,8 @@ class Scheduler:
         if slots is None:
             return 0
         self.kv.place_decodes(decodes, slots)
-        items.extend(ScheduledSeq(seq, seq.num_computed, 1, True, slots[i:i + 1])
-                     for i, seq in enumerate(decodes))
+        items.extend(ScheduledSeq(seq, seq.num_computed, 1, True, slot)
+                     for seq, slot in zip(decodes, slots.split(1)))
         return len(decodes)
 
     def _schedule_seq(self, seq: Sequence, slots: torch.Tensor,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -16,12 +16,14 @@ class ScheduledSeq:
     num_new: int  # tokens computed this step (drafts included)
     sample: bool  # the last new position's logits are sampled
     slots: torch.Tensor  # where the new tokens' K/V go
-    draft: list[int] = field(default_factory=list)  # proposals to verify after the last token
+    # Proposals to verify after the last token (a shared empty tuple when none: a step builds
+    # one item per sequence, and a list each would be garbage-collector work).
+    draft: list[int] | tuple[()] = ()
     draft_probs: torch.Tensor | None = None  # q of each proposal; None: deterministic
 
     def input_ids(self) -> list[int]:
-        own = self.num_new - len(self.draft)
-        return self.seq.token_ids[self.start:self.start + own] + self.draft
+        own = self.seq.token_ids[self.start:self.start + self.num_new - len(self.draft)]
+        return own + list(self.draft) if self.draft else own
 
     def add_draft(self, draft: list[int], draft_probs: torch.Tensor | None,
                   slots: torch.Tensor) -> None:

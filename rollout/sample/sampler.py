@@ -10,7 +10,8 @@ reference's tokens bit for bit."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -183,18 +184,20 @@ DRAW = Op("draw", torch=(draw, always), cpu=(draw_cpu, native_gumbel.supported),
           triton=(draw_triton, on_cuda))
 
 
-@dataclass
+@dataclass(slots=True)
 class Emitted:
     """What one sampled item emits in a step (one token; with speculation the accepted drafts
-    and one more), on the host."""
+    and one more), on the host. Read only once built: the sampler fills it with tuples, which
+    the garbage collector stops tracking (a step builds one per sequence; lists would stay
+    tracked, and every one alive at a collection brings the next full one nearer)."""
 
-    tokens: list[int]
-    logprobs: list[float]  # log_softmax(logits / T) at each token: the untruncated policy
-    sampling_logprobs: list[float]  # under the truncated distribution it was drawn from
-    supports: list  # kept ids (int32 tensors), None: the whole vocabulary (or not asked for)
+    tokens: Sequence[int]
+    logprobs: Sequence[float]  # log_softmax(logits / T) at each token: the untruncated policy
+    sampling_logprobs: Sequence[float]  # under the truncated distribution it was drawn from
+    supports: Sequence  # kept ids (int32 tensors), None: the whole vocabulary (or not asked for)
     # SamplingParams.top_logprobs: per token, (ids, logprobs) of the k most likely under the
     # untruncated policy (rollout/sample/top.py)
-    tops: list = field(default_factory=list)
+    tops: Sequence = ()
 
 
 class Sampler:
@@ -220,7 +223,7 @@ class Sampler:
         sampling, supports = sampled_at(candidates, list(range(len(token_list))), token_list,
                                         lp_list, batch.greedy, batch.truncated, want_support,
                                         want_logprobs)
-        return [Emitted([t], [lp], [s], [sup])
+        return [Emitted((t,), (lp,), (s,), (sup,))
                 for t, lp, s, sup in zip(token_list, lp_list, sampling, supports)]
 
     def pick(self, logits: torch.Tensor, candidates: torch.Tensor, batch: SamplingBatch,

@@ -73,7 +73,7 @@ def verify(logits: torch.Tensor, batch: SamplingBatch, drafts: list[list[int]],
     device, vocab = logits.device, logits.shape[-1]
     logp, candidates = target_logprobs(logits, batch)
     target = pick(logits, candidates, batch)  # the target's own sample (argmax when greedy)
-    d = torch.tensor([t for draft in drafts for t in draft + [-1]], device=device)
+    d = torch.tensor([t for draft in drafts for t in (*draft, -1)], device=device)
     row_indptr = torch.tensor([0] + [len(draft) + 1 for draft in drafts]).cumsum(0)
     rows = dict(row_indptr=row_indptr.to(device, torch.int32), target=target, draft=d,
                 greedy=batch.temperature == 0)
@@ -90,7 +90,7 @@ def verify(logits: torch.Tensor, batch: SamplingBatch, drafts: list[list[int]],
     num_accepted, last_token = torch.stack([num_accepted.long(), last_token]).tolist()  # 1 sync
     verdicts, picked_rows, picked_tokens = [], [], []
     for draft, start, a, last in zip(drafts, row_indptr.tolist(), num_accepted, last_token):
-        tokens = draft[:a] + [last]
+        tokens = [*draft[:a], last]
         picked_rows += range(start, start + a + 1)
         picked_tokens += tokens
         verdicts.append(Verdict(tokens, [], [], [], proposed=len(draft)))

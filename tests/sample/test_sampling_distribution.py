@@ -113,9 +113,9 @@ def test_greedy_rows_are_a_point_mass():
                                [1, 2, 3], [0] * 3, CPU)
     drawn = Sampler(resolve_backend("torch", CPU)).draw(logits, rows, (True,) * 3)
     for r in (0, 2):
-        assert drawn[r].tokens == [int(logits[r].argmax())]
-        assert drawn[r].sampling_logprobs == [0.0]
-        assert drawn[r].supports[0].tolist() == drawn[r].tokens
+        assert drawn[r].tokens == (int(logits[r].argmax()),)
+        assert drawn[r].sampling_logprobs == (0.0,)
+        assert drawn[r].supports[0].tolist() == list(drawn[r].tokens)
     assert drawn[1].sampling_logprobs[0] < 0 < len(drawn[1].supports[0])
 
 
