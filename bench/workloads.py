@@ -22,8 +22,9 @@ QWEN2_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                     num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                     tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=1e-5)
-# The recipes' built-in model (recipes/run/tiny.py): steps so short that the host's work, the
-# garbage collector's included, is most of them.
+# The sizes of the recipes' built-in model (recipes/run/tiny.py: hidden 128, 2 layers, 4/2
+# heads, MLP 4x; built here Qwen2-style like the 25M model): steps so short that the host's
+# work, the garbage collector's included, is most of them.
 TINY = dict(vocab_size=32, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
 SHAPES = {"25m": QWEN2_25M, "0.5b": QWEN2_05B, "smollm2": SMOLLM2_135M, "tiny": TINY}

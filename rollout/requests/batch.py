@@ -23,7 +23,7 @@ class ScheduledSeq:
 
     def input_ids(self) -> list[int]:
         own = self.seq.token_ids[self.start:self.start + self.num_new - len(self.draft)]
-        return own + list(self.draft) if self.draft else own
+        return own + self.draft if self.draft else own  # a draft is a list (add_draft)
 
     def add_draft(self, draft: list[int], draft_probs: torch.Tensor | None,
                   slots: torch.Tensor) -> None:
