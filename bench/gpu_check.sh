@@ -3,10 +3,10 @@
 #   bash bench/gpu_check.sh correctness   # kernel tests (bf16 too) + engine-on-CUDA tests
 #   bash bench/gpu_check.sh bench         # kernel, MoE, engine-vs-transformers benchmarks
 #   bash bench/gpu_check.sh more          # colocation and speculative-decoding benchmarks
-#   bash bench/gpu_check.sh owed          # only what no GPU run has checked yet (~7 min):
-#                                         # the kernels and engine paths added since the last
-#                                         # GPU run (CUDA graphs too), exact sleep memory, the
-#                                         # kernel and engine-vs-transformers benchmarks
+#   bash bench/gpu_check.sh owed          # only what no GPU run has checked yet (~6 min):
+#                                         # every Triton kernel and engine-on-CUDA test (the
+#                                         # layout moved them all), partial rollouts against
+#                                         # synchronous ones, engine vs transformers
 #   bash bench/gpu_check.sh moe           # the fused MoE kernel: its tests compiled (bf16
 #                                         # too) and bench/moe.py (~4 min)
 #   bash bench/gpu_check.sh all
@@ -60,18 +60,25 @@ if [ "$what" = correctness ] || [ "$what" = all ]; then
 fi
 
 if [ "$what" = owed ]; then
-  # Correctness first, in parallel (mostly Triton compilation on the CPU); timings after, alone.
-  # Limits add up to 560 s, so the whole mode fits one device call (timeout_s 590).
-  ( timeout 200 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_shared_prefix.py \
-      tests/kernels/test_kernels_spec_accept.py tests/kernels/test_kernels_lora.py \
-      > "$O/kernel_tests_owed.log" 2>&1
-    echo "=== owed kernel tests: rc=$? $(tail -n 1 "$O/kernel_tests_owed.log")" ) &
-  kernel_tests=$!
-  moe_kernel_tests
-  moe_tests=$!
-  section engine_tests 200 $PY -m pytest -q -p no:cacheprovider tests/project/test_gpu.py \
-      tests/attention/test_triton_backend.py tests/executor/test_cuda_graph.py -rA
-  wait "$kernel_tests" "$moe_tests"
+  # What no GPU run has checked: since the last one (2026-11-30) every file moved and the kernel
+  # tests took tolerances from measured floors, so every Triton kernel's tests compiled (bf16
+  # too, the invariant attention, LoRA, fused MoE) and the engine on CUDA (Triton backend and
+  # sampler with its supports, CUDA graphs, exact sleep memory, carried groups, scoring, the
+  # fp32 head, unmerged LoRA), in 12 pytest-xdist workers (their time is Triton compilation, a
+  # core each). Then the timings, alone: partial rollouts against synchronous ones, and the
+  # engine against transformers on SmolLM2's shapes (the collector's pauses printed), and what
+  # CUDA graphs cost at each wake-up. Limits add up to 490 s: one device call (timeout_s 530).
+  section tests 240 $PY -m pytest -q -p no:cacheprovider -n 12 -rfE \
+      tests/kernels/test_kernels_{attention,edges,fused_moe,lora,sample,shared_prefix}.py \
+      tests/kernels/test_kernels_{spec_accept,store_kv,window}.py \
+      tests/attention/test_{invariant_attention,triton_backend}.py \
+      tests/executor/test_cuda_graph.py tests/project/test_gpu.py \
+      tests/sample/test_sampling_distribution.py tests/models/test_lm_head_dtype.py
+  # What a wake-up costs with CUDA graphs (each bucket captured again; not run on a GPU yet).
+  section graph_capture 60 $PY bench/graph_capture.py --device cuda --model-shape smollm2 \
+      --dtype bfloat16
+  section partial 100 $PY bench/partial.py --device cuda --dtype bfloat16 --model-shape smollm2 \
+      --cuda-graphs --kv-tokens 131072 --max-tokens 256 --mean-tokens 64 --steps 6
 fi
 
 if [ "$what" = moe ]; then
@@ -87,16 +94,17 @@ if [ "$what" = bench ] || [ "$what" = moe ] || [ "$what" = all ]; then
 fi
 
 if [ "$what" = bench ] || [ "$what" = owed ] || [ "$what" = all ]; then
-  section kernels_bench 150 $PY bench/triton_kernels.py
   # One model each, one transformers run, an engine with CUDA graphs off then on. SmolLM2-135M's
   # shapes with random weights: its checkpoint (93 MB) does not fit the 64 MiB that travel.
-  section engine_vs_hf_0.5b 120 $PY bench/engine_vs_hf.py --device cuda --model-shape 0.5b \
-      --dtype bfloat16 --kv-tokens 400000 --cuda-graphs both
   section engine_vs_hf_smollm2 90 $PY bench/engine_vs_hf.py --device cuda --model-shape smollm2 \
       --dtype bfloat16 --kv-tokens 400000 --cuda-graphs both
-  [ "$what" != owed ] && section engine_vs_hf_0.5b_large 150 $PY bench/engine_vs_hf.py \
-      --device cuda --model-shape 0.5b --dtype bfloat16 --kv-tokens 400000 --prompts 64 \
-      --max-new 256
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  section kernels_bench 150 $PY bench/triton_kernels.py
+  section engine_vs_hf_0.5b 120 $PY bench/engine_vs_hf.py --device cuda --model-shape 0.5b \
+      --dtype bfloat16 --kv-tokens 400000 --cuda-graphs both
+  section engine_vs_hf_0.5b_large 150 $PY bench/engine_vs_hf.py --device cuda \
+      --model-shape 0.5b --dtype bfloat16 --kv-tokens 400000 --prompts 64 --max-new 256
 fi
 
 if [ "$what" = more ] || [ "$what" = all ]; then

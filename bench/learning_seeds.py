@@ -14,6 +14,7 @@ start), `reverse` and `reverse-partial` (the reversal task, from its warm start;
 with partial rollouts). The warm starts come from the test's cache (built when missing).
 
     python bench/learning_seeds.py [--configs reverse reverse-partial] [--seeds 0-6] [--jobs 2]
+        [--set steps=20 prompts_per_step=32]   # settings other than the test's
 """
 
 from __future__ import annotations
@@ -41,12 +42,13 @@ CONFIGS = {
 }
 
 
-def one(config: str, seed: int) -> dict:
+def one(config: str, seed: int, changes: dict) -> dict:
     """One run in this process: what the test reads from it."""
     os.environ["WANDB_MODE"] = "disabled"
     warm, settings = CONFIGS[config]
+    settings = dict(settings, seed=seed, **changes)
     with tempfile.TemporaryDirectory() as out_dir:
-        out = t.run(t.cached_warm_start(warm), out_dir, dict(settings, seed=seed))
+        out = t.run(t.cached_warm_start(warm), out_dir, settings)
     history = out["history"]
     return dict(config=config, seed=seed, gain=out["accuracy_after"] - out["accuracy_before"],
                 before=out["accuracy_before"],
@@ -54,9 +56,9 @@ def one(config: str, seed: int) -> dict:
                 rollout_s=sum(row["time/rollout"] for row in history) / len(history))
 
 
-def spawn(config: str, seed: int) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--one", config, str(seed)],
-                          capture_output=True, text=True)
+def spawn(config: str, seed: int, changes: list[str]) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--one", config, str(seed),
+                           "--set", *changes], capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or not lines:
         raise RuntimeError(f"{config} seed {seed} failed:\n{proc.stdout}\n{proc.stderr}")
@@ -74,19 +76,23 @@ def main() -> None:
                     default=["reverse", "reverse-partial"])
     ap.add_argument("--seeds", type=seeds, default=seeds("0-6"), help="first-last, e.g. 0-6")
     ap.add_argument("--jobs", type=int, default=2, help="runs at a time (each one thread)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=INT",
+                    help="integer settings other than the test's, e.g. steps=20")
     ap.add_argument("--one", nargs=2, metavar=("CONFIG", "SEED"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(one(args.one[0], int(args.one[1]))))
+        changes = {k: int(v) for k, v in (item.split("=", 1) for item in args.set)}
+        print(json.dumps(one(args.one[0], int(args.one[1]), changes)))
         return
     # Build each warm start once, before runs that would race to build it.
     for config in args.configs:
         t.cached_warm_start(CONFIGS[config][0])
-    print(f"# {cpu_name()}, {args.jobs} runs at a time, seeds {args.seeds[0]}-{args.seeds[-1]}")
+    print(f"# {cpu_name()}, {args.jobs} runs at a time, seeds {args.seeds[0]}-{args.seeds[-1]}"
+          + (f", {' '.join(args.set)}" if args.set else ""))
     # Interleaved, so that the machine's load falls on every configuration alike.
     work = [(config, seed) for seed in args.seeds for config in args.configs]
     with ThreadPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(lambda job: spawn(*job), work))
+        results = list(pool.map(lambda job: spawn(*job, args.set), work))
     for config in args.configs:
         rows = [r for r in results if r["config"] == config]
         gains = [100 * r["gain"] for r in rows]

@@ -16,17 +16,27 @@ not change the rollout's cost).
 The two systems are separate engines on the same weights, run step by step interleaved (the
 machine is shared and noisy). Reported: rollout seconds per step (only the generate/rollout
 calls), samples trained per rollout second and the ratio partial/sync (the goal is >= 1.5),
-engine steps per training step, tokens generated per token trained (tokens of restarted samples
-and of groups still carried at the end count as generated), the histogram of completion
-lengths, and how stale the trained samples' oldest tokens are.
+engine steps per training step, where a training step's rollout time goes (the engine steps'
+phases, CUDA-graph captures, the rest of the call), tokens generated per token trained (tokens of
+restarted samples and of groups still carried at the end count as generated), the histogram of
+completion lengths, and how stale the trained samples' oldest tokens are.
 
 `--exact` measures instead how often carrying changes a token: the same seeded requests, run
 uninterrupted by one engine and by another that returns half of them, sleeps (level 2), takes
 the same weights back and finishes the rest (re-prefilling what it had decoded); it counts the
 carried samples whose tokens differ from the uninterrupted run's, and where they first differ.
 
+`--model-shape` runs random weights of a shape instead (for the GPU machine, which the real
+checkpoint cannot reach): prompts of token ids behind one 280-token system prompt, and, since
+random weights never pick EOS on purpose, answer lengths drawn by `stop_token_ids`: the first
+vocab / `--mean-tokens` ids stop a sample, so near-uniform logits end it with probability about
+1 / mean-tokens a token (geometric lengths, cut at `--max-tokens`: a long tail as real answers
+have one).
+
     python bench/partial.py [--steps 6] [--groups 8] [--n 8] [--max-tokens 128] [--threads 2]
     python bench/partial.py --exact [--groups 16]
+    python bench/partial.py --device cuda --dtype bfloat16 --model-shape smollm2 --cuda-graphs \
+        [--mean-tokens 64] [--max-tokens 256]
 """
 
 from __future__ import annotations
@@ -41,7 +51,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from peers import SYSTEM, questions, render  # noqa: E402
-from workloads import cpu_name  # noqa: E402
+from workloads import add_model_args, cpu_name, grpo_prompts, model_from_args  # noqa: E402
+
+from rollout.engine.stats import STEP_PHASES  # noqa: E402
+
+COUNTED = ("step_seconds", *STEP_PHASES, "graph_capture_seconds", "graph_captures")
 
 
 def perturb(model, step: int, scale: float) -> None:
@@ -49,7 +63,43 @@ def perturb(model, step: int, scale: float) -> None:
     gen = torch.Generator().manual_seed(step)
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * scale * p.abs().mean())
+            p.add_(torch.randn(p.shape, generator=gen).to(p) * scale * p.abs().mean())
+
+
+class Workload:
+    """Prompts for a step and the sampling settings every request takes."""
+
+    stop: list[int] = []
+
+    def params(self, **kw):
+        from rollout import SamplingParams
+
+        return SamplingParams(stop_token_ids=self.stop, **kw)
+
+
+class ChatWorkload(Workload):
+    """The real checkpoint's chat prompts: bench/peers.py's system prompt and questions; EOS
+    ends an answer."""
+
+    def __init__(self, tok) -> None:
+        self.tok = tok
+
+    def prompts(self, count: int, seed: int) -> list[list[int]]:
+        return [render(self.tok, [{"role": "system", "content": SYSTEM},
+                                  {"role": "user", "content": q}])
+                for q in questions(count, seed)]
+
+
+class RandomWorkload(Workload):
+    """Random weights: token-id prompts behind one system prompt, lengths by stop_token_ids."""
+
+    def __init__(self, vocab: int, mean_tokens: int) -> None:
+        self.vocab = vocab
+        self.system = grpo_prompts(1, 280, 280, vocab, seed=0)[0]
+        self.stop = list(range(max(1, vocab // mean_tokens)))
+
+    def prompts(self, count: int, seed: int) -> list[list[int]]:
+        return [self.system + q for q in grpo_prompts(count, 20, 0, self.vocab, seed=seed + 1)]
 
 
 class Run:
@@ -61,6 +111,7 @@ class Run:
         self.trained: list = []  # samples handed to the trainer
         self.staleness = collections.Counter()
         self.generated_before = self.steps_before = 0  # the warm-up's tokens and steps
+        self.stats_before: dict[str, float] = {}
 
     def step(self, prompts: list[list[int]], params) -> None:
         e, args = self.engine, self.args
@@ -94,40 +145,52 @@ def main() -> None:
     ap.add_argument("--update-scale", type=float, default=1e-3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--exact", action="store_true", help="count tokens carrying changes")
+    add_model_args(ap, shape_default=None)
+    ap.add_argument("--mean-tokens", type=int, default=64,
+                    help="random weights: the mean answer length stop_token_ids aim at")
+    ap.add_argument("--cuda-graphs", action="store_true")
+    ap.add_argument("--kv-tokens", type=int, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from rollout import Engine, EngineConfig, SamplingParams
-    from rollout_recipes.run import smollm2
+    from rollout import Engine, EngineConfig
 
-    reason = smollm2.missing()
-    if reason:
-        raise SystemExit(reason)
-    model, tok = smollm2.load()
+    tok = None
+    if args.model_shape:
+        _, model = model_from_args(args)
+        work = RandomWorkload(model.config.vocab_size, args.mean_tokens)
+        machine = (torch.cuda.get_device_name() if args.device.startswith("cuda")
+                   else cpu_name())
+        machine += f", {args.model_shape} shapes (random weights), {args.dtype}"
+    else:
+        from rollout_recipes.run import smollm2
+
+        reason = smollm2.missing()
+        if reason:
+            raise SystemExit(reason)
+        model, tok = smollm2.load()
+        work, machine = ChatWorkload(tok), f"{cpu_name()}, SmolLM2-135M-Instruct"
+    extra = {} if args.kv_tokens is None else {"kv_cache_tokens": args.kv_tokens}
     config = EngineConfig(max_model_len=1024, max_num_seqs=256, seed=0, keep_cpu_heap=True,
-                          max_staleness=args.staleness)
+                          max_staleness=args.staleness, cuda_graphs=args.cuda_graphs, **extra)
     runs = [Run("sync", Engine(model, config, tokenizer=tok), args),
             Run("partial", Engine(model, config, tokenizer=tok), args)]
-    params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens)
+    params = work.params(n=args.n, temperature=1.0, max_tokens=args.max_tokens)
     if args.exact:
-        return exactness(runs[0].engine, runs[1].engine, model, tok, args)
-    warm = [render(tok, [{"role": "system", "content": SYSTEM},
-                         {"role": "user", "content": q}]) for q in questions(2, 999)]
+        return exactness(runs[0].engine, runs[1].engine, model, work, machine, args)
     for run in runs:
-        run.engine.generate(warm, params)
+        run.engine.generate(work.prompts(2, 999), params)
         run.generated_before = run.engine.stats.generated_tokens
         run.steps_before = run.engine.stats.steps
-    print(f"# {cpu_name()}, {args.threads} threads, torch {torch.__version__}; B={args.groups} "
+        run.stats_before = {k: getattr(run.engine.stats, k) for k in COUNTED}
+    print(f"# {machine}, {args.threads} threads, torch {torch.__version__}; B={args.groups} "
           f"n={args.n} max_tokens={args.max_tokens} over_sample={args.over_sample} "
-          f"max_staleness={args.staleness}")
+          f"max_staleness={args.staleness} cuda_graphs={args.cuda_graphs}")
     for step in range(args.steps):
         # Each system draws its own fresh questions (the seed is the step's); the order of the
         # two alternates so neither always runs on a warmer machine.
         for run in runs if step % 2 == 0 else runs[::-1]:
-            count = run.new_prompts()
-            prompts = [render(tok, [{"role": "system", "content": SYSTEM},
-                                    {"role": "user", "content": q}])
-                       for q in questions(count, 1000 * step + (run.name == "partial"))]
+            prompts = work.prompts(run.new_prompts(), 1000 * step + (run.name == "partial"))
             run.step(prompts, params)
             print(f"step {step} {run.name:8s} {run.seconds[-1]:7.2f} s  "
                   f"carried {len(run.engine.carried)}", flush=True)
@@ -149,6 +212,17 @@ def main() -> None:
                 (stats.generated_tokens - run.generated_before) / trained_tokens,
             # What the tail costs where a step's cost hardly depends on its batch (a GPU).
             "engine steps / step": (stats.steps - run.steps_before) / len(run.seconds),
+            # Where a training step's rollout time goes (ms): the engine steps' phases (the
+            # forward's includes the CUDA-graph captures: sleep drops the graphs), and what
+            # runs outside the steps (admission of the call's requests, carrying, returning).
+            **{f"ms / step: {k.removesuffix('_seconds')}":
+               1e3 * (getattr(stats, k) - run.stats_before[k]) / len(run.seconds)
+               for k in COUNTED if k.endswith("_seconds")},
+            "graph captures / step":
+                (stats.graph_captures - run.stats_before["graph_captures"]) / len(run.seconds),
+            "ms / step: outside engine steps":
+                1e3 * (sum(run.seconds) - (stats.step_seconds - run.stats_before["step_seconds"]))
+                / len(run.seconds),
             "retracted sequences": stats.retracted,
             "stale groups restarted": stats.stale_restarts,
         }
@@ -166,14 +240,11 @@ def main() -> None:
               f"(versions: samples) {dict(sorted(run.staleness.items()))}")
 
 
-def exactness(plain, carrying, model, tok, args) -> None:
+def exactness(plain, carrying, model, work, machine: str, args) -> None:
     """Seeded requests uninterrupted on `plain`, carried through a sleep on `carrying`."""
-    from rollout import SamplingParams
-
-    prompts = [render(tok, [{"role": "system", "content": SYSTEM},
-                            {"role": "user", "content": q}]) for q in questions(args.groups, 7)]
-    params = [SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens, seed=i,
-                             logprobs=True) for i in range(len(prompts))]
+    prompts = work.prompts(args.groups, 7)
+    params = [work.params(n=args.n, temperature=1.0, max_tokens=args.max_tokens, seed=i,
+                          logprobs=True) for i in range(len(prompts))]
     want = {tuple(o.prompt_token_ids): o for o in plain.generate(prompts, params)}
     got = carrying.rollout(prompts, params, groups=len(prompts) // 2)
     carried = set(carrying.carried)
@@ -194,7 +265,7 @@ def exactness(plain, carrying, model, tok, args) -> None:
                 continue
             differ += 1
             first.append(n)
-    print(f"# {cpu_name()}, {args.threads} threads; {samples} carried samples "
+    print(f"# {machine}, {args.threads} threads; {samples} carried samples "
           f"({carrying.stats.retracted} sequences retracted mid-sample)")
     print(f"samples whose tokens differ from the uninterrupted run: {differ} of {samples}; "
           f"first differing output token: {first}")

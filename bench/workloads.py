@@ -30,11 +30,12 @@ TINY = dict(vocab_size=32, hidden_size=128, intermediate_size=512, num_hidden_la
 SHAPES = {"25m": QWEN2_25M, "0.5b": QWEN2_05B, "smollm2": SMOLLM2_135M, "tiny": TINY}
 
 
-def add_model_args(ap) -> None:
-    """--device, --dtype, --model-shape: the random-weight model a benchmark runs."""
+def add_model_args(ap, shape_default: str | None = "25m") -> None:
+    """--device, --dtype, --model-shape: the random-weight model a benchmark runs (None: the
+    benchmark's own model unless a shape is asked for)."""
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--model-shape", choices=sorted(SHAPES), default="25m",
+    ap.add_argument("--model-shape", choices=sorted(SHAPES), default=shape_default,
                     help="smollm2: a Llama of SmolLM2-135M's shapes, random weights")
 
 

@@ -44,6 +44,9 @@ def current_stats(engine):
     s.preemptions = engine.scheduler.num_preemptions
     s.holds_dropped = engine.kv.holds_dropped
     s.forward_seconds = engine.runner.forward_seconds
+    graphs = engine.runner.graphs
+    if graphs is not None:
+        s.graph_captures, s.graph_capture_seconds = graphs.captures, graphs.capture_seconds
     history = engine.speculator.drafter.history if engine.speculator else None
     if history is not None:
         s.draft_history_tokens, s.draft_history_evicted = history.tokens, history.evicted

@@ -23,6 +23,7 @@ constant number of ops, and replays.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -107,6 +108,10 @@ class DecodeGraphs:
         self.static: _StaticInputs | None = None
         self.pool = None
         self.replays = 0
+        # Captures (each a warm-up forward and the capture; sleep drops every graph, so each
+        # wake-up captures again the buckets it uses) and the seconds they took.
+        self.captures = 0
+        self.capture_seconds = 0.0
 
     def fits(self, batch_size: int) -> bool:
         return batch_size <= self.buckets[-1]
@@ -124,7 +129,10 @@ class DecodeGraphs:
         graph = self.graphs.get(size)
         if graph is None:
             kind = _CudaGraph if self.device.type == "cuda" else _EagerGraph
+            t0 = time.perf_counter()
             graph = self.graphs[size] = kind(self._forward(size), self.pool)
+            self.captures += 1
+            self.capture_seconds += time.perf_counter() - t0
         self.replays += 1
         return graph.replay()[:batch]
 

@@ -71,12 +71,17 @@ def test_graphs_are_dropped_at_sleep_and_captured_again():
     params = SamplingParams(n=2, temperature=0, max_tokens=8, logprobs=True)
     eng = engine(True)
     first = outputs(eng, params)
-    assert eng.stack.graphs.graphs
+    captured = set(eng.stack.graphs.graphs)
+    assert captured and eng.stats.graph_captures == len(captured)
+    assert eng.stats.graph_capture_seconds > 0
+    outputs(eng, params)  # awake, the graphs stay: nothing is captured again
+    assert eng.stats.graph_captures == len(captured)
     eng.sleep(1)
     assert not eng.stack.graphs.graphs and eng.stack.graphs.static is None
     eng.wake_up()
     assert_same(first, outputs(eng, params))
-    assert eng.stack.graphs.graphs
+    assert set(eng.stack.graphs.graphs) == captured  # the same steps use the same buckets
+    assert eng.stats.graph_captures == 2 * len(captured)
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])

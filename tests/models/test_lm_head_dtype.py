@@ -16,14 +16,17 @@ PROMPTS = [[1, 2, 3, 4], [5, 6, 7]]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, logprobs=True)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
+# On CUDA the triton backend too (its head is the same fp32 copy, on the device).
+@pytest.mark.parametrize("backend", ["cpu", "torch"] + (
+    ["triton"] if torch.cuda.is_available() else []))
 @pytest.mark.parametrize("family", ["llama", "gemma2"])  # tied head; gemma2: soft-capped
 def test_logits_are_the_fp32_product_computed_by_hand(family, backend):
-    model = tiny_model(family, dtype=torch.bfloat16)
+    device = "cuda" if backend == "triton" else "cpu"
+    model = tiny_model(family, dtype=torch.bfloat16).to(device)
     engine = Engine(model, EngineConfig(**CONFIG, lm_head_dtype=torch.float32, backend=backend))
     plain = Engine(model, EngineConfig(**CONFIG, backend=backend))
     hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0)
-                         ).to(torch.bfloat16)
+                         ).to(device, torch.bfloat16)
     weight = engine.model.head.weight
     want = F.linear(hidden.float(), weight.float())
     cap = getattr(model.config, "final_logit_softcapping", None)

@@ -1,5 +1,7 @@
-"""bench/triton_kernels.py --smoke: every section of the GPU benchmark runs end to end with tiny
-shapes on the CPU, so a Python-level bug in it does not surface only in a short GPU session."""
+"""Benchmarks run end to end here with tiny shapes on the CPU (Triton's interpreter, the CUDA
+graphs' stand-in), so a Python-level bug in them surfaces in CI and not in a short GPU session
+or a long run: bench/triton_kernels.py --smoke (every section), bench/decode_step.py,
+bench/graph_capture.py."""
 
 import os
 import shutil
@@ -41,3 +43,15 @@ def test_bench_decode_step_smoke():
                           timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "of the FMA peak" in proc.stdout and "matmul only" in proc.stdout, proc.stdout
+
+
+def test_bench_graph_capture_smoke():
+    """bench/graph_capture.py on the graphs' CPU stand-in: one capture per bucket at first use
+    and again after each sleep (asserted by the script), a row per bucket."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "bench/graph_capture.py", "--model-shape", "tiny",
+                           "--buckets", "1,2", "--repeats", "1", "--steps", "2"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
+    assert len(rows) == 2 and "all 2 buckets" in proc.stdout, proc.stdout

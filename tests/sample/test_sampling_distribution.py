@@ -21,7 +21,10 @@ from rollout_kernels import cpu as native
 
 VOCAB = 300
 CPU = torch.device("cpu")
-SAMPLERS = ["torch"] + (["cpu"] if native.has("gumbel_argmax_f32") else [])
+# The fused Triton sampler draws the token, the torch filter gives its support (sampler.py): on
+# CUDA only (compiled), where the two must agree on every kept set.
+SAMPLERS = ["torch"] + (["cpu"] if native.has("gumbel_argmax_f32") else []) + (
+    ["triton"] if torch.cuda.is_available() else [])
 SETTINGS = [  # temperature, top_k, top_p, min_p
     (1.0, 0, 0.8, 0.0), (0.7, 0, 0.95, 0.0), (1.0, 20, 1.0, 0.0), (1.3, 5, 1.0, 0.0),
     (1.0, 0, 1.0, 0.05), (0.9, 50, 0.9, 0.0), (1.0, 30, 0.8, 0.02), (0.6, 0, 0.5, 0.1),
@@ -29,10 +32,14 @@ SETTINGS = [  # temperature, top_k, top_p, min_p
 ]
 
 
-def batch_of(rows: int, temperature, top_k, top_p, min_p, seed=0) -> SamplingBatch:
+def device_of(backend: str) -> torch.device:
+    return torch.device("cuda") if backend == "triton" else CPU
+
+
+def batch_of(rows: int, temperature, top_k, top_p, min_p, seed=0, device=CPU) -> SamplingBatch:
     return SamplingBatch.build([temperature] * rows, [top_k] * rows, [top_p] * rows,
                                [min_p] * rows, list(range(seed, seed + rows)),
-                               [7] * rows, CPU)
+                               [7] * rows, device)
 
 
 def reference(logits: torch.Tensor, temperature, top_k, top_p, min_p) -> tuple[set, np.ndarray]:
@@ -88,8 +95,9 @@ def random_rows(n, setting, seed):
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: "T{}-k{}-p{}-m{}".format(*s))
 def test_sampling_logprobs_and_support_are_the_reference_distributions(backend, setting):
     logits = random_rows(16, setting, seed=sum(map(hash, map(str, setting))) % 1000)
-    rows = batch_of(16, *setting)
-    drawn = Sampler(resolve_backend(backend, CPU)).draw(logits, rows, (True,) * 16)
+    device = device_of(backend)
+    rows = batch_of(16, *setting, device=device)
+    drawn = Sampler(resolve_backend(backend, device)).draw(logits.to(device), rows, (True,) * 16)
     truncated = setting[1] > 0 or setting[2] < 1 or setting[3] > 0
     for r, e in enumerate(drawn):
         kept, dist = reference(logits[r], *setting)
@@ -157,8 +165,9 @@ def chi_square_p(tokens: list[int], probs: dict[int, float]) -> float:
 def test_tokens_are_drawn_with_the_sampling_probabilities(backend, setting):
     row = torch.randn(VOCAB, generator=torch.Generator().manual_seed(5)) * 1.5
     n = 6000
-    drawn = Sampler(resolve_backend(backend, CPU)).draw(row.repeat(n, 1), batch_of(n, *setting),
-                                                        (True,) * n)
+    device = device_of(backend)
+    drawn = Sampler(resolve_backend(backend, device)).draw(
+        row.repeat(n, 1).to(device), batch_of(n, *setting, device=device), (True,) * n)
     probs = {}
     for e in drawn:
         probs.setdefault(e.tokens[0], float(np.exp(e.sampling_logprobs[0])))
