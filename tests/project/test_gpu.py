@@ -146,7 +146,8 @@ def test_carried_groups_resume_on_cuda(cuda_graphs):
 def test_score_on_cuda_matches_generation_and_transformers():
     """Engine.score through the Triton backend, the prompts' K/V from the cache: the logprobs
     generation returned for the same tokens (same kernels on the same positions), and
-    transformers' forward within the GPU bound of the generation tests."""
+    transformers' forward within the GPU bound of the generation tests, top-3 alternatives too
+    (not run on a GPU yet: added after the 2026-12-04 session's last device call)."""
     model = tiny_model("qwen2").cuda()
     engine = cuda_engine(model)
     params = SamplingParams(n=2, temperature=0.7, max_tokens=16, logprobs=True, seed=4)
@@ -154,11 +155,17 @@ def test_score_on_cuda_matches_generation_and_transformers():
     seqs = [o.prompt_token_ids + s.token_ids for o in outs for s in o.samples]
     starts = [len(o.prompt_token_ids) for o in outs for _ in o.samples]
     hits = engine.stats.cache_hit_tokens
-    scored = engine.score(seqs, temperature=0.7, start=starts)
+    scored = engine.score(seqs, temperature=0.7, start=starts, top_logprobs=3)
     assert engine.stats.cache_hit_tokens - hits == sum(p - 1 for p in starts)
     generated = [s.logprobs for o in outs for s in o.samples]
     assert max(abs(a - b) for g, o in zip(generated, scored) for a, b in zip(g, o.logprobs)) < 1e-4
     assert_matches_reference(model, PROMPTS, outs, greedy=False, temperature=0.7, atol=2e-4)
+    for seq, start, out in zip(seqs, starts, scored):  # the alternatives: transformers' top 3
+        with torch.no_grad():
+            logits = model(torch.tensor([seq], device="cuda")).logits[0, start - 1:-1].float()
+        top = (logits / 0.7).log_softmax(-1).topk(3, dim=-1)
+        assert torch.equal(out.top.ids.cpu(), top.indices.cpu())
+        assert (out.top.logprobs.cpu() - top.values.cpu()).abs().max().item() < 2e-4
     engine.check_invariants()
 
 
