@@ -20,9 +20,11 @@ install: $(VENV)/.installed
 
 # The suite's tests run one torch thread each (tests/conftest.py), so two worker processes use
 # CI's 2 cores (13.5 -> 10 min); a file's tests stay on one worker, sharing its module fixtures.
+# --no-loadscope-reorder keeps conftest.py's order (the longest files first): xdist's default
+# hands out files with the most tests first, which put the 3-test, 4-minute learning file last.
 TEST_WORKERS ?= 2
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # A tiny Llama learns 2-digit addition with GRPO on the rollout engine (CPU, a few minutes).
 demo: $(VENV)/.installed
