@@ -68,8 +68,7 @@ if [ "$what" = owed ]; then
   # measured yet, partial rollouts against synchronous ones, the engine against transformers
   # on SmolLM2's shapes. Limits add up to 550 s: one device call (timeout_s 590).
   section tests 240 $PY -m pytest -q -p no:cacheprovider -n 12 -rfE \
-      tests/kernels/test_kernels_{attention,edges,fused_moe,lora,sample,shared_prefix}.py \
-      tests/kernels/test_kernels_{spec_accept,store_kv,window}.py \
+      tests/kernels/test_kernels_*.py \
       tests/attention/test_{invariant_attention,triton_backend}.py \
       tests/executor/test_cuda_graph.py tests/project/test_gpu.py \
       tests/sample/test_sampling_distribution.py tests/models/test_lm_head_dtype.py

@@ -55,7 +55,9 @@ from workloads import add_model_args, cpu_name, grpo_prompts, model_from_args  #
 
 from rollout.engine.stats import STEP_PHASES  # noqa: E402
 
-COUNTED = ("step_seconds", *STEP_PHASES, "graph_capture_seconds", "graph_captures")
+# EngineStats fields read before and after the timed steps (the warm-up's are not the run's).
+COUNTED = ("generated_tokens", "steps", "step_seconds", *STEP_PHASES, "graph_capture_seconds",
+           "graph_captures")
 
 
 def perturb(model, step: int, scale: float) -> None:
@@ -110,8 +112,7 @@ class Run:
         self.seconds: list[float] = []
         self.trained: list = []  # samples handed to the trainer
         self.staleness = collections.Counter()
-        self.generated_before = self.steps_before = 0  # the warm-up's tokens and steps
-        self.stats_before: dict[str, float] = {}
+        self.stats_before: dict[str, float] = {}  # COUNTED after the warm-up
 
     def step(self, prompts: list[list[int]], params) -> None:
         e, args = self.engine, self.args
@@ -180,8 +181,6 @@ def main() -> None:
         return exactness(runs[0].engine, runs[1].engine, model, work, machine, args)
     for run in runs:
         run.engine.generate(work.prompts(2, 999), params)
-        run.generated_before = run.engine.stats.generated_tokens
-        run.steps_before = run.engine.stats.steps
         run.stats_before = {k: getattr(run.engine.stats, k) for k in COUNTED}
     print(f"# {machine}, {args.threads} threads, torch {torch.__version__}; B={args.groups} "
           f"n={args.n} max_tokens={args.max_tokens} over_sample={args.over_sample} "
@@ -204,25 +203,22 @@ def main() -> None:
     rows = {}
     for run in runs:
         stats = run.engine.stats
-        trained_tokens = sum(len(s.token_ids) for s in run.trained)
+        ran = {k: getattr(stats, k) - run.stats_before[k] for k in COUNTED}  # the timed steps'
+        steps, trained_tokens = len(run.seconds), sum(len(s.token_ids) for s in run.trained)
         rows[run.name] = {
-            "rollout s / step": sum(run.seconds) / len(run.seconds),
+            "rollout s / step": sum(run.seconds) / steps,
             "samples trained / rollout s": len(run.trained) / sum(run.seconds),
-            "tokens generated / token trained":
-                (stats.generated_tokens - run.generated_before) / trained_tokens,
+            "tokens generated / token trained": ran["generated_tokens"] / trained_tokens,
             # What the tail costs where a step's cost hardly depends on its batch (a GPU).
-            "engine steps / step": (stats.steps - run.steps_before) / len(run.seconds),
+            "engine steps / step": ran["steps"] / steps,
             # Where a training step's rollout time goes (ms): the engine steps' phases (the
             # forward's includes the CUDA-graph captures: sleep drops the graphs), and what
             # runs outside the steps (admission of the call's requests, carrying, returning).
-            **{f"ms / step: {k.removesuffix('_seconds')}":
-               1e3 * (getattr(stats, k) - run.stats_before[k]) / len(run.seconds)
+            **{f"ms / step: {k.removesuffix('_seconds')}": 1e3 * ran[k] / steps
                for k in COUNTED if k.endswith("_seconds")},
-            "graph captures / step":
-                (stats.graph_captures - run.stats_before["graph_captures"]) / len(run.seconds),
+            "graph captures / step": ran["graph_captures"] / steps,
             "ms / step: outside engine steps":
-                1e3 * (sum(run.seconds) - (stats.step_seconds - run.stats_before["step_seconds"]))
-                / len(run.seconds),
+                1e3 * (sum(run.seconds) - ran["step_seconds"]) / steps,
             "retracted sequences": stats.retracted,
             "stale groups restarted": stats.stale_restarts,
         }

@@ -40,8 +40,9 @@ class EngineStats:
     stale_drops: int = 0
     step_seconds: float = 0.0
     forward_seconds: float = 0.0  # inside the model forward (incl. logits)
-    # EngineConfig(cuda_graphs=True): decode graphs captured and the seconds that took (part of
-    # forward_seconds). Sleep drops the graphs, so every wake-up captures again those it uses.
+    # EngineConfig(cuda_graphs=True): the model's decode graphs captured (a draft model's own are
+    # not counted) and the seconds that took (part of forward_seconds). Sleep drops the graphs,
+    # so every wake-up captures again those it uses.
     graph_captures: int = 0
     graph_capture_seconds: float = 0.0
     # The rest of a step, by phase: where the host spends what the forward does not use.

@@ -10,6 +10,7 @@ from kernels_env import DEVICE
 from models import tiny_model
 
 from rollout import Engine, EngineConfig, SamplingParams
+from rollout.executor import cuda_graph
 from rollout.executor.cuda_graph import decode_buckets
 from rollout.spec import SpeculativeConfig
 
@@ -82,6 +83,29 @@ def test_graphs_are_dropped_at_sleep_and_captured_again():
     assert_same(first, outputs(eng, params))
     assert set(eng.stack.graphs.graphs) == captured  # the same steps use the same buckets
     assert eng.stats.graph_captures == 2 * len(captured)
+
+
+@pytest.mark.parametrize("fault", [RuntimeError, KeyboardInterrupt])
+def test_a_fault_while_capturing_leaves_the_engine_exact_and_nothing_counted(fault, monkeypatch):
+    """A capture that raises (an error, or Ctrl-C: interrupts may land in a step's forward):
+    the step is undone, no graph is kept and none counted; the next call captures and gives
+    the eager outputs."""
+    params = SamplingParams(n=2, temperature=0, max_tokens=8, logprobs=True)
+    want = outputs(engine(False), params)
+    eng = engine(True)
+
+    def failing(self, forward, pool):
+        raise fault("injected while capturing")
+
+    monkeypatch.setattr(cuda_graph._EagerGraph, "__init__", failing)
+    with pytest.raises(fault):
+        eng.generate(PROMPTS, params)
+    eng.check_invariants()
+    assert not eng.stack.graphs.graphs
+    assert eng.stats.graph_captures == 0 and eng.stats.graph_capture_seconds == 0
+    monkeypatch.undo()
+    assert_same(want, outputs(eng, params))
+    assert eng.stats.graph_captures == len(eng.stack.graphs.graphs) > 0
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])

@@ -6,6 +6,7 @@ and update_weights; other dtypes are refused."""
 import pytest
 import torch
 from floors import assert_as_exact_as
+from kernels_env import device_for
 from models import tiny_model
 from torch.nn import functional as F
 
@@ -21,7 +22,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, logprobs=True)
     ["triton"] if torch.cuda.is_available() else []))
 @pytest.mark.parametrize("family", ["llama", "gemma2"])  # tied head; gemma2: soft-capped
 def test_logits_are_the_fp32_product_computed_by_hand(family, backend):
-    device = "cuda" if backend == "triton" else "cpu"
+    device = device_for(backend)
     model = tiny_model(family, dtype=torch.bfloat16).to(device)
     engine = Engine(model, EngineConfig(**CONFIG, lm_head_dtype=torch.float32, backend=backend))
     plain = Engine(model, EngineConfig(**CONFIG, backend=backend))

@@ -10,6 +10,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from kernels_env import device_for
 from models import tiny_model
 from scipy import stats
 
@@ -30,10 +31,6 @@ SETTINGS = [  # temperature, top_k, top_p, min_p
     (1.0, 0, 1.0, 0.05), (0.9, 50, 0.9, 0.0), (1.0, 30, 0.8, 0.02), (0.6, 0, 0.5, 0.1),
     (1.0, 1, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.8, 0, 1.0, 0.0),
 ]
-
-
-def device_of(backend: str) -> torch.device:
-    return torch.device("cuda") if backend == "triton" else CPU
 
 
 def batch_of(rows: int, temperature, top_k, top_p, min_p, seed=0, device=CPU) -> SamplingBatch:
@@ -95,7 +92,7 @@ def random_rows(n, setting, seed):
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: "T{}-k{}-p{}-m{}".format(*s))
 def test_sampling_logprobs_and_support_are_the_reference_distributions(backend, setting):
     logits = random_rows(16, setting, seed=sum(map(hash, map(str, setting))) % 1000)
-    device = device_of(backend)
+    device = device_for(backend)
     rows = batch_of(16, *setting, device=device)
     drawn = Sampler(resolve_backend(backend, device)).draw(logits.to(device), rows, (True,) * 16)
     truncated = setting[1] > 0 or setting[2] < 1 or setting[3] > 0
@@ -165,7 +162,7 @@ def chi_square_p(tokens: list[int], probs: dict[int, float]) -> float:
 def test_tokens_are_drawn_with_the_sampling_probabilities(backend, setting):
     row = torch.randn(VOCAB, generator=torch.Generator().manual_seed(5)) * 1.5
     n = 6000
-    device = device_of(backend)
+    device = device_for(backend)
     drawn = Sampler(resolve_backend(backend, device)).draw(
         row.repeat(n, 1).to(device), batch_of(n, *setting, device=device), (True,) * n)
     probs = {}

@@ -13,6 +13,12 @@ DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
 ATOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
+def device_for(backend: str) -> torch.device:
+    """Where a test of an engine backend runs: "triton" on the GPU when there is one (its
+    interpreter on the CPU otherwise), the other backends on the CPU."""
+    return torch.device(DEVICE if backend == "triton" else "cpu")
+
+
 def indptr(lengths: list[int]) -> torch.Tensor:
     out = [0]
     for n in lengths:
