@@ -11,9 +11,13 @@ not change the rollout's cost).
 - sync: `generate(B prompts)`: the step ends with its longest sample.
 - partial: `rollout(prompts, groups=B)` with `--over-sample` x B groups in flight (new prompts
   top up what is carried) and `max_staleness` = `--staleness`: the step ends at the B-th
-  complete group; the others go on in the next step.
+  complete group; the others go on in the next step. Carried samples re-prefill their context
+  after each update (EngineConfig(carried_kv="recompute")).
+- partial-park (with `--carried-kv recompute park`): the same, but carried samples keep their
+  K/V (carried_kv="park": parked on the host through the sleep, then gone on from as the old
+  weights' K/V).
 
-The two systems are separate engines on the same weights, run step by step interleaved (the
+The systems are separate engines on the same weights, run step by step interleaved (the
 machine is shared and noisy). Reported: rollout seconds per step (only the generate/rollout
 calls), samples trained per rollout second and the ratio partial/sync (the goal is >= 1.5),
 engine steps per training step, where a training step's rollout time goes (the engine steps'
@@ -23,8 +27,9 @@ completion lengths, and how stale the trained samples' oldest tokens are.
 
 `--exact` measures instead how often carrying changes a token: the same seeded requests, run
 uninterrupted by one engine and by another that returns half of them, sleeps (level 2), takes
-the same weights back and finishes the rest (re-prefilling what it had decoded); it counts the
-carried samples whose tokens differ from the uninterrupted run's, and where they first differ.
+the same weights back and finishes the rest (re-prefilling what it had decoded, or going on from
+its parked K/V: one carrying engine per `--carried-kv` mode); it counts the carried samples whose
+tokens differ from the uninterrupted run's, and where they first differ.
 
 `--model-shape` runs random weights of a shape instead (for the GPU machine, which the real
 checkpoint cannot reach): prompts of token ids behind one 280-token system prompt, and, since
@@ -34,7 +39,8 @@ vocab / `--mean-tokens` ids stop a sample, so near-uniform logits end it with pr
 have one).
 
     python bench/partial.py [--steps 6] [--groups 8] [--n 8] [--max-tokens 128] [--threads 2]
-    python bench/partial.py --exact [--groups 16]
+                            [--carried-kv recompute park]
+    python bench/partial.py --exact [--groups 16] [--carried-kv recompute park]
     python bench/partial.py --device cuda --dtype bfloat16 --model-shape smollm2 --cuda-graphs \
         [--mean-tokens 64] [--max-tokens 256]
 """
@@ -43,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import os
 import sys
 import time
@@ -104,6 +111,10 @@ class RandomWorkload(Workload):
         return [self.system + q for q in grpo_prompts(count, 20, 0, self.vocab, seed=seed + 1)]
 
 
+SYNC = "sync"
+PARTIAL = {"recompute": "partial", "park": "partial-park"}  # carried_kv mode -> system
+
+
 class Run:
     """One system's run: its engine, what it trained on and what it cost."""
 
@@ -117,7 +128,7 @@ class Run:
     def step(self, prompts: list[list[int]], params) -> None:
         e, args = self.engine, self.args
         t0 = time.perf_counter()
-        if self.name == "sync":
+        if self.name == SYNC:
             outs = e.generate(prompts, params)
         else:
             outs = e.rollout(prompts, params, groups=args.groups)
@@ -130,7 +141,7 @@ class Run:
 
     def new_prompts(self) -> int:
         """How many new prompts the next call takes."""
-        if self.name == "sync":
+        if self.name == SYNC:
             return self.args.groups
         return max(0, round(self.args.over_sample * self.args.groups) - len(self.engine.carried))
 
@@ -151,6 +162,8 @@ def main() -> None:
                     help="random weights: the mean answer length stop_token_ids aim at")
     ap.add_argument("--cuda-graphs", action="store_true")
     ap.add_argument("--kv-tokens", type=int, default=None)
+    ap.add_argument("--carried-kv", nargs="+", default=["recompute"], choices=list(PARTIAL),
+                    help="one partial system per EngineConfig.carried_kv mode")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -174,11 +187,17 @@ def main() -> None:
     extra = {} if args.kv_tokens is None else {"kv_cache_tokens": args.kv_tokens}
     config = EngineConfig(max_model_len=1024, max_num_seqs=256, seed=0, keep_cpu_heap=True,
                           max_staleness=args.staleness, cuda_graphs=args.cuda_graphs, **extra)
-    runs = [Run("sync", Engine(model, config, tokenizer=tok), args),
-            Run("partial", Engine(model, config, tokenizer=tok), args)]
+
+    def engine(carried_kv: str = "recompute"):
+        return Engine(model, dataclasses.replace(config, carried_kv=carried_kv), tokenizer=tok)
+
+    runs = [Run(SYNC, engine(), args),
+            *(Run(PARTIAL[mode], engine(mode), args) for mode in args.carried_kv)]
     params = work.params(n=args.n, temperature=1.0, max_tokens=args.max_tokens)
     if args.exact:
-        return exactness(runs[0].engine, runs[1].engine, model, work, machine, args)
+        for mode in args.carried_kv:
+            exactness(runs[0].engine, engine(mode), model, work, machine, args)
+        return
     for run in runs:
         run.engine.generate(work.prompts(2, 999), params)
         run.stats_before = {k: getattr(run.engine.stats, k) for k in COUNTED}
@@ -189,7 +208,7 @@ def main() -> None:
         # Each system draws its own fresh questions (the seed is the step's); the order of the
         # two alternates so neither always runs on a warmer machine.
         for run in runs if step % 2 == 0 else runs[::-1]:
-            prompts = work.prompts(run.new_prompts(), 1000 * step + (run.name == "partial"))
+            prompts = work.prompts(run.new_prompts(), 1000 * step + (run.name != SYNC))
             run.step(prompts, params)
             print(f"step {step} {run.name:8s} {run.seconds[-1]:7.2f} s  "
                   f"carried {len(run.engine.carried)}", flush=True)
@@ -199,7 +218,8 @@ def main() -> None:
             run.engine.wake_up()
             run.engine.update_weights(model)
 
-    print("\n| | sync | partial |\n|---|---|---|")
+    names = [run.name for run in runs]
+    print(f"\n| | {' | '.join(names)} |\n|---{'|---' * len(names)}|")
     rows = {}
     for run in runs:
         stats = run.engine.stats
@@ -221,12 +241,16 @@ def main() -> None:
                 1e3 * (sum(run.seconds) - ran["step_seconds"]) / steps,
             "retracted sequences": stats.retracted,
             "stale groups restarted": stats.stale_restarts,
+            "K/V tokens parked": stats.parked_tokens,
+            "samples gone on from stale K/V": stats.stale_kv_kept,
         }
-    for key in rows["sync"]:
-        print(f"| {key} | {rows['sync'][key]:.3g} | {rows['partial'][key]:.3g} |")
-    ratio = (rows["partial"]["samples trained / rollout s"]
-             / rows["sync"]["samples trained / rollout s"])
-    print(f"\npartial / sync, samples trained per rollout second: {ratio:.2f}x (goal >= 1.5x)")
+    for key in rows[SYNC]:
+        print(f"| {key} | " + " | ".join(f"{rows[name][key]:.3g}" for name in names) + " |")
+    for name in names[1:]:
+        ratio = (rows[name]["samples trained / rollout s"]
+                 / rows[SYNC]["samples trained / rollout s"])
+        print(f"\n{name} / sync, samples trained per rollout second: {ratio:.2f}x "
+              f"(goal >= 1.5x)")
     for run in runs:
         lengths = collections.Counter(min(len(s.token_ids) // 16, args.max_tokens // 16)
                                       for s in run.trained)
@@ -261,8 +285,9 @@ def exactness(plain, carrying, model, work, machine: str, args) -> None:
                 continue
             differ += 1
             first.append(n)
-    print(f"# {machine}, {args.threads} threads; {samples} carried samples "
-          f"({carrying.stats.retracted} sequences retracted mid-sample)")
+    print(f"# {machine}, {args.threads} threads, carried_kv={carrying.config.carried_kv}; "
+          f"{samples} carried samples ({carrying.stats.retracted} sequences retracted "
+          f"mid-sample)")
     print(f"samples whose tokens differ from the uninterrupted run: {differ} of {samples}; "
           f"first differing output token: {first}")
     print(f"largest logprob gap on identical samples: {gap:.2e}")

@@ -12,6 +12,7 @@ from .ops.backend import BACKENDS
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 STALE_POLICIES = ("restart", "drop", "keep")  # what a group past max_staleness becomes
+CARRIED_KV = ("recompute", "park")  # what a sample carried mid-way resumes from
 LORA_MODES = ("auto", "unmerged", "merged")  # how a PEFT LoRA model is served (rollout/lora/)
 # What the Triton kernels run and are tested in: their tile sizes and dot precision assume 2- or
 # 4-byte floats (kernels/triton/paged_attention.py), so float64 is not among them.
@@ -80,6 +81,12 @@ class EngineConfig:
     # dropped or kept (`stale_groups`); None: any age.
     max_staleness: int | None = None
     stale_groups: str = "restart"
+    # What a sample carried mid-way across sleep or update_weights resumes from: "recompute"
+    # re-prefills its context under the weights the engine then holds (siblings share their
+    # prompt through the prefix cache); "park" keeps its K/V: on the host while the engine
+    # sleeps, in the prefix cache across an update, where it goes on from the old weights'
+    # K/V that no fresh request shares (docs/partial-rollouts.md). "park" needs prefix caching.
+    carried_kv: str = "recompute"
     extra: dict = field(default_factory=dict)
     attention_backend: str | None = None  # the former name of `backend`, still accepted
 
@@ -130,6 +137,10 @@ class EngineConfig:
         if self.max_staleness is not None:
             self.max_staleness = as_int("max_staleness", self.max_staleness, 0)
         self.stale_groups = as_choice("stale_groups", self.stale_groups, STALE_POLICIES)
+        self.carried_kv = as_choice("carried_kv", self.carried_kv, CARRIED_KV)
+        if self.carried_kv == "park" and not self.enable_prefix_caching:
+            raise ValueError("carried_kv='park' needs enable_prefix_caching=True: parked K/V "
+                             "goes back through the prefix cache")
         self.lora = as_choice("lora", self.lora, LORA_MODES)
         if self.speculative is not None:
             from .spec.config import SpeculativeConfig

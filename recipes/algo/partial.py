@@ -83,6 +83,10 @@ class GroupDrawer:
         out = {"partial/carried_groups": len(self.engine.carried),
                "partial/stale_restarts": restarts,
                "partial/generated_per_trained_token": self.generated / max(self.trained, 1),
+               # carried_kv "park", over the run: samples gone on from an older weights' K/V
+               # after updates, and K/V tokens sleeps parked on the host
+               "partial/stale_kv_kept_total": self.engine.stats.stale_kv_kept,
+               "partial/parked_tokens_total": self.engine.stats.parked_tokens,
                "partial/staleness_mean": sum(k * v for k, v in staleness.items()) / count,
                "partial/staleness_max": max(staleness, default=0),
                # The histogram in fixed keys (ranks reduce the same keys).

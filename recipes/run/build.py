@@ -70,5 +70,6 @@ def engine_config(cfg: RecipeConfig, engine_index: int = 0) -> EngineConfig:
                         speculative=speculative_config(cfg),
                         tensor_parallel_size=cfg.tensor_parallel_size,
                         max_staleness=cfg.max_staleness if cfg.partial_rollouts else None,
+                        carried_kv=cfg.carried_kv if cfg.partial_rollouts else "recompute",
                         lora=cfg.lora_mode,
                         seed=cfg.seed + 1009 * engine_index)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollout.config import LORA_MODES
+from rollout.config import CARRIED_KV, LORA_MODES
 
 from . import smollm2
 from .options import lora_config, speculative_config
@@ -97,6 +97,10 @@ class RecipeConfig:
     partial_rollouts: bool = False
     over_sample: float = 1.0
     max_staleness: int | None = 1
+    # What a carried sample resumes from (EngineConfig.carried_kv): "recompute" re-prefills it
+    # under the new weights, "park" goes on from its K/V (the behaviour logprobs are then the
+    # ones sampled from that K/V, which is what the decoupled loss weighs by).
+    carried_kv: str = "recompute"
     behaviour_weight_cap: float = 2.0
     # DAPO's dynamic sampling: groups whose rewards are all equal (no GRPO signal) are dropped
     # and more prompts drawn, up to dynamic_sampling_draws rollout calls a step.
@@ -264,6 +268,9 @@ def _check_values(cfg: RecipeConfig) -> None:
                          f"got {cfg.behaviour_weight_cap}")
     if cfg.max_staleness is not None and cfg.max_staleness < 0:
         raise ValueError(f"max_staleness must be >= 0 or null (any age), got {cfg.max_staleness}")
+    if cfg.carried_kv not in CARRIED_KV:
+        raise ValueError(f"carried_kv must be one of {', '.join(CARRIED_KV)}, "
+                         f"got {cfg.carried_kv!r}")
     for name in ("partial_rollouts", "dynamic_sampling"):
         if getattr(cfg, name) and (cfg.trainer != "custom" or _has_environment(cfg)):
             raise ValueError(f"{name}: the custom trainer's single-turn rollouts only "

@@ -8,8 +8,9 @@ asleep, a copy failing half way leaves `needs_weights` True.
 
 The engine holds one `Colocation` and calls it inside its own guard (one caller at a time,
 Ctrl-C held). What it touches of the engine is named in its constructor: the model stack, the
-speculator's drafter (whose pool sleeps with the engine), and how to retract running sequences
-(rollout/engine/carry.py): sleep and update_weights drop their K/V, never their tokens.
+speculator's drafter (whose pool sleeps with the engine), and what the engine carries across
+(rollout/engine/carry.py): sleep and update_weights retract running sequences, which keep
+their tokens, and their K/V is recomputed or parked.
 """
 
 from __future__ import annotations
@@ -36,16 +37,32 @@ class Sleeper(Protocol):
     def wake_up(self) -> None: ...
 
 
+class Carried(Protocol):
+    """What the engine carries across sleep and weight updates (rollout/engine/carry.py)."""
+
+    def retract(self) -> None:
+        """Every running sequence gives its K/V up (to the prefix cache) and waits again with
+        its tokens: before sleep and update_weights."""
+
+    def park(self) -> None:
+        """Before the pool is dropped: K/V to keep goes to the host."""
+
+    def unpark(self) -> None:
+        """After the pool is back: the parked K/V goes into it again."""
+
+    def forget_cache(self) -> None:
+        """After a weight update: the prefix cache's K/V of the old weights goes."""
+
+
 class Colocation:
-    def __init__(self, stack, device: torch.device, retract: Callable[[], None],
+    def __init__(self, stack, device: torch.device, carried: Carried,
                  sleepers: Callable[[], list[Sleeper]] = list, lora=None) -> None:
-        """`stack`: the engine's ModelStack (rollout/executor/stack.py); `retract`: makes every
-        running sequence give its K/V up and wait again with its tokens (before sleep and
-        update_weights, which empty the pool and the prefix cache); `sleepers`: what else
-        sleeps and wakes with it; `lora`: the engine's unmerged LoRA (rollout/lora/sync.py),
-        which says what a sync from a PEFT model copies."""
+        """`stack`: the engine's ModelStack (rollout/executor/stack.py); `carried`: what the
+        engine carries across (above); `sleepers`: what else sleeps and wakes with it;
+        `lora`: the engine's unmerged LoRA (rollout/lora/sync.py), which says what a sync
+        from a PEFT model copies."""
         self.stack, self.device = stack, device
-        self._retract, self._sleepers = retract, sleepers
+        self._carried, self._sleepers = carried, sleepers
         self.lora = lora
         self.sleep_level = 0
         self.weights_missing = False
@@ -72,8 +89,9 @@ class Colocation:
             raise ValueError(f"level must be 1 or 2, got {level!r}")
         if level <= self.sleep_level:
             return
-        self._retract()
+        self._carried.retract()
         try:
+            self._carried.park()
             self.stack.sleep(level)
             for sleeper in self._sleepers():
                 sleeper.sleep()
@@ -99,6 +117,7 @@ class Colocation:
             self.stack.wake_up()
             for sleeper in self._sleepers():
                 sleeper.wake_up()
+            self._carried.unpark()
         except BaseException:
             self._settle(awake=False)
             raise
@@ -114,6 +133,8 @@ class Colocation:
                 self.stack.sleep(self.sleep_level)
             for sleeper in self._sleepers():
                 sleeper.wake_up() if awake else sleeper.sleep()
+            if awake:
+                self._carried.unpark()
         except BaseException as e:
             raise RollbackFailed("restoring the engine after a failed sleep/wake_up") from e
 
@@ -138,7 +159,7 @@ class Colocation:
                 raise ValueError(f"update_weights: after sleep(level=2) every weight is "
                                  f"needed; {len(missing)} missing, e.g. {sorted(missing)[:3]}")
         try:  # the source is checked: running sequences' K/V (from the old weights) goes now
-            self._retract()
+            self._carried.retract()
         except BaseException:
             named.close()
             raise
@@ -170,7 +191,13 @@ class Colocation:
                                "refuses to generate until a complete update_weights") from e
         finally:
             # KV computed by the old weights goes, even when a copy failed half way.
-            self.stack.kv.clear_cache()
+            try:
+                self._carried.forget_cache()
+            except BaseException:
+                # The update did not complete (the packed copies are the old weights'): the
+                # next one must copy every weight again.
+                self.weights_missing = True
+                raise
         self.weights_missing = False
         self.weights_version += 1
         model.pack_weights()  # an interrupt here leaves the rest to pack at first use

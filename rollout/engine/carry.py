@@ -9,6 +9,13 @@ their prompt through the radix cache as at first admission. Because the sampling
 function of (seed, position, token), a group carried under unchanged weights draws what an
 uninterrupted run draws.
 
+With EngineConfig(carried_kv="park") a sample carried mid-way keeps its K/V instead: sleep
+parks what the prefix cache holds for it on the host and wake-up writes it back (rollout/kv/
+parked.py), so re-admission computes its newest token only; a weight update keeps that K/V in the
+cache under a tag of the sample's (Sequence.kv_tag) where no fresh request can match it, and
+the sample goes on from the old weights' K/V (the "keep the stale KV" mode of SGLang's and
+slime's partial rollouts).
+
 Every token is stamped with the weights version it was sampled under (Sequence.versions). After
 an update, `EngineConfig.max_staleness` bounds how old a carried group's oldest token may be;
 `stale_groups` says what happens to an older one: "restart" from its prompt (same seeds), "drop"
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 from ..fields import as_int
 from ..journal import Journal
+from ..kv import parked
 from ..kv.manager import KVManager
 from ..requests.request import Request
 from ..requests.sequence import SeqStatus
@@ -30,9 +38,12 @@ from .stats import EngineStats
 
 class Carry:
     def __init__(self, scheduler: Scheduler, requests: RequestTable, kv: KVManager,
-                 journal: Journal, stats: EngineStats) -> None:
+                 journal: Journal, stats: EngineStats, carried_kv: str = "recompute") -> None:
+        """`carried_kv`: EngineConfig.carried_kv, what a sample carried mid-way resumes from."""
         self.scheduler, self.requests, self.kv = scheduler, requests, kv
         self.journal, self.stats = journal, stats
+        self.parks = carried_kv == "park"
+        self.parked: parked.ParkedKV | None = None  # while asleep, with carried_kv="park"
 
     # --- across sleep and weight updates ----------------------------------------------------
     def retract(self) -> None:
@@ -43,6 +54,48 @@ class Carry:
             for seq in reversed(running):
                 self.scheduler.preempt(seq, counted=False)
             self.journal.add(self.stats, "retracted", len(running))
+
+    def _mid_sample(self):
+        """Waiting samples with tokens of their own: those whose K/V parking keeps."""
+        return [s for s in self.scheduler.waiting if s.versions]
+
+    def park(self) -> None:
+        """Before sleep drops the pool (carried_kv="park"; after retract): what the prefix
+        cache holds for each sample carried mid-way goes to the host. A sleep that deepens
+        (level 1 to 2) has parked already."""
+        if not self.parks or self.parked is not None or not self.kv.pool.is_allocated:
+            return
+        self.parked = parked.park(self.kv, [s.reusable_tokens() for s in self._mid_sample()])
+
+    def unpark(self) -> None:
+        """After wake-up brought the pool back: the parked K/V into the prefix cache, in one
+        journal unit (a failure leaves it parked)."""
+        if self.parked is None:
+            return
+        with self.journal.unit():
+            parked.unpark(self.kv, self.parked)
+            self.journal.add(self.stats, "parked_tokens", self.parked.num_tokens)
+        self.parked = None
+
+    @property
+    def parked_bytes(self) -> int:
+        return 0 if self.parked is None else self.parked.nbytes
+
+    def forget_cache(self) -> None:
+        """The weights changed: the prefix cache's K/V came from the old ones and goes, but
+        for the samples carried mid-way with carried_kv="park", which go on from theirs
+        under a tag (KVManager.keep_stale). Should that fail, everything goes: no K/V of
+        the old weights may stay where a fresh request could match it."""
+        if self.parks:
+            try:
+                with self.journal.unit():
+                    kept = self.kv.keep_stale(self._mid_sample())
+                    self.journal.add(self.stats, "stale_kv_kept", kept)
+                return
+            except BaseException:
+                self.kv.clear_cache()
+                raise
+        self.kv.clear_cache()
 
     def enforce_staleness(self, version: int, max_staleness: int | None, policy: str) -> None:
         """After weights `version` came in: every group still to be handed out whose oldest

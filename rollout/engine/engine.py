@@ -89,9 +89,10 @@ class Engine(ColocationCalls):
             seed = shared_seed(self.tp, device)
         self.requests = RequestTable(self.journal, seed)
         self._stats = EngineStats()
-        self.carry = Carry(self.scheduler, self.requests, self.kv, self.journal, self._stats)
+        self.carry = Carry(self.scheduler, self.requests, self.kv, self.journal, self._stats,
+                           config.carried_kv)
         sleepers: list = []  # the draft model's stack, once built
-        self.colocation = colocation = Colocation(self.stack, device, self.carry.retract,
+        self.colocation = colocation = Colocation(self.stack, device, self.carry,
                                                   lambda: sleepers, self.lora)
         self.committer = Committer(self.kv, self.scheduler, self.stop, self.journal,
                                    lambda: colocation.weights_version)

@@ -43,6 +43,7 @@ def current_stats(engine):
     s.cache_hit_tokens = engine.kv.cache_hit_tokens
     s.preemptions = engine.scheduler.num_preemptions
     s.holds_dropped = engine.kv.holds_dropped
+    s.parked_bytes = engine.carry.parked_bytes
     s.forward_seconds = engine.runner.forward_seconds
     graphs = engine.runner.graphs
     if graphs is not None:
@@ -66,5 +67,7 @@ def check(engine) -> None:
         "requests' sequences differ from those queued or running")
     if engine.is_sleeping:  # carried requests wait, holding no K/V
         assert not scheduler.running and not engine.pool.is_allocated
+    else:
+        assert engine.carry.parked is None, "awake with K/V still parked"
     if engine.speculator is not None:
         engine.speculator.check_invariants()

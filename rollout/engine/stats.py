@@ -32,12 +32,18 @@ class EngineStats:
     decode_steps: int = 0  # steps that advanced at least one sample by a decode token
     preemptions: int = 0
     holds_dropped: int = 0  # multi-turn KV holds released under memory pressure
-    # Partial rollouts (rollout/engine/carry.py): sequences whose K/V sleep or update_weights
-    # dropped while they ran (re-prefilled on resumption), and carried groups past
-    # max_staleness restarted from their prompts or dropped.
+    # Partial rollouts (rollout/engine/carry.py): sequences running when sleep or
+    # update_weights retracted them (their K/V re-prefilled on resumption, or parked), and
+    # carried groups past max_staleness restarted from their prompts or dropped.
     retracted: int = 0
     stale_restarts: int = 0
     stale_drops: int = 0
+    # EngineConfig(carried_kv="park"): tokens of K/V parked on the host through sleeps and
+    # written back at wake-ups, the bytes parked now (0 awake), and samples that went on from
+    # an older weights' K/V after an update.
+    parked_tokens: int = 0
+    parked_bytes: int = 0
+    stale_kv_kept: int = 0
     step_seconds: float = 0.0
     forward_seconds: float = 0.0  # inside the model forward (incl. logits)
     # EngineConfig(cuda_graphs=True): the model's decode graphs captured (a draft model's own are

@@ -43,6 +43,7 @@ class KVManager:
         self.holds: dict[object, object] = {}  # key -> radix node
         self.cache_hit_tokens = 0  # tokens matched in the tree at attach
         self.holds_dropped = 0  # holds released under memory pressure
+        self.stale_tags = 0  # keep_stale calls so far: each tags its K/V with a new number
         # alloc_decodes' arrangement: (sequences, free slots left by the last allocation,
         # allocations it still serves)
         self._runs: tuple[int, int, int] | None = None
@@ -228,19 +229,48 @@ class KVManager:
         if end <= seq.cached_len:
             return
         self.journal.touch(seq)
-        tokens = seq.token_ids[:end]
+        tokens = seq.cache_key(end)
         slots = self.table.read(seq.row, 0, end).clone()
-        # The undo is recorded first, from what is cached now: an insert that fails half way
-        # is undone too.
-        cached_before = self.cache.prefix_len(tokens)
-        self.journal.record(lambda: self.cache.uninsert(tokens, cached_before))
-        already = self.cache.insert(tokens, slots)
+        already = self.insert(tokens, slots)
         cached, node = self.cache.match_prefix(tokens)
         self.free(slots[seq.cached_len:already])
         self._rewrite(seq.row, cached)
         self.lock(node)
         self.unlock(seq.node)
         seq.node, seq.cached_len = node, cached.numel()
+
+    def insert(self, key: list, slots: torch.Tensor) -> int:
+        """Cache `key` (Sequence.cache_key) on `slots`, whose K/V is written; returns how many
+        leading tokens the tree held already (their slots stay the caller's)."""
+        # The undo is recorded first, from what is cached now: an insert that fails half way
+        # is undone too.
+        cached_before = self.cache.prefix_len(key)
+        self.journal.record(lambda: self.cache.uninsert(key, cached_before))
+        return self.cache.insert(key, slots)
+
+    def keep_stale(self, seqs: list[Sequence]) -> int:
+        """The weights changed (EngineConfig(carried_kv="park")): everything cached goes as in
+        clear_cache, but the K/V the tree holds for `seqs` (waiting samples carried mid-way),
+        which stays under a tag of its own (Sequence.kv_tag) that no fresh request's key
+        carries; each of them that had K/V cached and no tag takes it. Returns how many
+        took one."""
+        nodes = []
+        for seq in seqs:
+            slots, node = self.match(seq.reusable_tokens())
+            self.lock(node)
+            nodes.append((seq, node, slots.numel()))
+        self.clear_cache()
+        self.journal.add(self, "stale_tags", 1)
+        tagged = self.cache.tag_branches(self.stale_tags)
+        self.journal.record(lambda: self.cache.untag_branches(tagged))
+        newly = 0
+        for seq, node, cached in nodes:
+            self.unlock(node)
+            if cached and seq.kv_tag is None:
+                self.journal.touch(seq)
+                seq.kv_tag = self.stale_tags
+                newly += 1
+        return newly
 
     def _rewrite(self, row: int, slots: torch.Tensor) -> None:
         """Computed positions change slots (to the tree's copies): the old ones are kept for
@@ -301,7 +331,7 @@ class KVManager:
         for seq in self.attached.values():
             assert 0 <= seq.cached_len <= seq.num_computed < seq.num_tokens
             assert torch.equal(self.table.read(seq.row, 0, seq.cached_len),
-                               self.cache.peek(seq.token_ids[:seq.cached_len]))
+                               self.cache.peek(seq.cache_key(seq.cached_len)))
         for node in [*(s.node for s in self.attached.values()), *self.holds.values()]:
             while node is not self.cache.root:
                 pins[id(node)] += 1

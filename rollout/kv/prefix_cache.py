@@ -42,6 +42,10 @@ class PrefixCache(Protocol):
 
     def unlock(self, node: RadixNode) -> None: ...
 
+    def tag_branches(self, tag: int) -> list[RadixNode]: ...
+
+    def untag_branches(self, tagged: list[RadixNode]) -> None: ...
+
     def evict(self, num_slots: int) -> list[RadixNode]: ...
 
     def unevict(self, evicted: list[RadixNode]) -> None: ...
@@ -86,6 +90,12 @@ class NoPrefixCache:
         pass
 
     def unlock(self, node: RadixNode) -> None:
+        pass
+
+    def tag_branches(self, tag: int) -> list[RadixNode]:
+        return []
+
+    def untag_branches(self, tagged: list[RadixNode]) -> None:
         pass
 
     def evict(self, num_slots: int) -> list[RadixNode]:

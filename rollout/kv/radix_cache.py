@@ -1,6 +1,7 @@
 """Token-level radix tree over KV pool slots.
 
-A node holds its edge's tokens (`key`) and the slots of their K/V (`value`), children keyed by
+A node holds its edge's tokens (`key`; a branch from the root may begin with a (tag, token)
+pair instead: see tag_branches) and the slots of their K/V (`value`), children keyed by
 first token, a lock count and a last-access tick. `lock(node)` pins a node and all its
 ancestors: a locked node is never evicted. Eviction frees unlocked leaves, least recently used
 first, back to the pool.
@@ -185,6 +186,26 @@ class RadixCache:
             assert gone.lock_ref == 0, "uninsert of a locked node"
             self.evictable_size -= len(gone.key)
             stack.extend(gone.children.values())
+
+    # --- tags -------------------------------------------------------------------------------
+    def tag_branches(self, tag: int) -> list[RadixNode]:
+        """Key every branch from the root whose first token is a plain token id by (tag,
+        token) instead: only keys tagged alike (Sequence.cache_key) reach it from then on.
+        Returns the branches tagged, for untag_branches."""
+        tagged = [n for n in self.root.children.values() if not isinstance(n.key[0], tuple)]
+        for node in tagged:
+            self._rekey(node, (tag, node.key[0]))
+        return tagged
+
+    def untag_branches(self, tagged: list[RadixNode]) -> None:
+        """Undo tag_branches (its branches still hang from the root)."""
+        for node in tagged:
+            self._rekey(node, node.key[0][1])
+
+    def _rekey(self, branch: RadixNode, first) -> None:
+        del self.root.children[branch.key[0]]
+        branch.key = [first, *branch.key[1:]]
+        self.root.children[first] = branch
 
     # --- eviction ---------------------------------------------------------------------------
     def evict(self, num_slots: int) -> list[RadixNode]:

@@ -60,6 +60,11 @@ class Sequence:
     # Engine.score's sequences (rollout/score/state.py): prefilled, scored row by row, never
     # sampled; None for a sample.
     score: ScoreState | None = None
+    # EngineConfig(carried_kv="park"): carried across a weight update, the sample goes on from
+    # K/V the old weights computed; its prefix-cache keys carry this tag (cache_key), so that
+    # only samples tagged alike share that K/V and no fresh request matches it. None: its K/V
+    # is the current weights'.
+    kv_tag: int | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -70,12 +75,12 @@ class Sequence:
         logprob lists are only appended to, or replaced, while a snapshot is held, so their
         objects and lengths are enough."""
         return (self.status, self.num_computed, self.cached_len, self.node, self.row,
-                self.finish_reason, self.stop_text_at, self.routed_experts, *self._lists(),
-                *map(len, self._lists()))
+                self.finish_reason, self.stop_text_at, self.routed_experts, self.kv_tag,
+                *self._lists(), *map(len, self._lists()))
 
     def restore(self, snapshot: tuple) -> None:
         (self.status, self.num_computed, self.cached_len, self.node, self.row,
-         self.finish_reason, self.stop_text_at, self.routed_experts, self.token_ids,
+         self.finish_reason, self.stop_text_at, self.routed_experts, self.kv_tag, self.token_ids,
          self.logprobs, self.sampling_logprobs, self.support, self.top_logprobs,
          self.versions, *lengths) = snapshot
         for values, length in zip(self._lists(), lengths):
@@ -108,7 +113,7 @@ class Sequence:
         self.logprobs, self.sampling_logprobs, self.support = [], [], []
         self.top_logprobs, self.versions = [], []
         self.status, self.finish_reason, self.stop_text_at = SeqStatus.WAITING, None, None
-        self.routed_experts = None
+        self.routed_experts, self.kv_tag = None, None
 
     @property
     def num_prompt(self) -> int:
@@ -131,13 +136,20 @@ class Sequence:
         """More than the one newest token still lacks K/V (a scored sequence: any token)."""
         return self.num_computed < self.num_tokens - (self.score is None)
 
-    def reusable_tokens(self) -> list[int]:
-        """The tokens whose K/V admission may take from the prefix cache: all but the newest,
+    def reusable_tokens(self) -> list:
+        """The key (cache_key) of the tokens whose K/V admission may take from the prefix
+        cache: all but the newest,
         whose logits give the next sample; a scored sequence's below its first unknown row
         (a cache hit skips the forward that would compute the rows it covers)."""
-        if self.score is not None:
-            return self.token_ids[:self.score.filled]
-        return self.token_ids[:-1]
+        return self.cache_key(self.num_tokens - 1 if self.score is None else self.score.filled)
+
+    def cache_key(self, end: int) -> list:
+        """The prefix cache's key of token_ids[:end]: the tokens, the first one paired with
+        `kv_tag` when the sample goes on from stale K/V."""
+        key = self.token_ids[:end]
+        if self.kv_tag is not None and key:
+            key[0] = (self.kv_tag, key[0])
+        return key
 
     @property
     def is_finished(self) -> bool:

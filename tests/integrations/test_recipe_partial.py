@@ -11,6 +11,7 @@ from test_recipes import TINY, write_config
 
 from rollout_recipes.algo.losses import behaviour_weights, grpo_loss
 from rollout_recipes.grpo import main
+from rollout_recipes.run.build import engine_config
 from rollout_recipes.run.config import RecipeConfig
 from rollout_recipes.tasks import REWARDS
 
@@ -62,6 +63,7 @@ def test_partial_rollouts_carry_groups_into_later_steps(tmp_path, algo, monkeypa
                 "--over_sample", "2", "--max_staleness", "3", "--steps", "4",
                 "--learning_rate", "1e-2"])
     history = out["history"]
+    assert history[-1]["partial/stale_kv_kept_total"] == 0  # carried_kv "recompute"
     assert history[0]["partial/staleness_max"] == 0
     assert history[0]["partial/carried_groups"] == TINY["prompts_per_step"]
     stale = [row for row in history if row["partial/staleness_max"] >= 1]
@@ -86,6 +88,14 @@ def test_partial_rollouts_carry_groups_into_later_steps(tmp_path, algo, monkeypa
         assert row["engine/asleep_at_optimizer_step"] == 1.0
 
 
+@pytest.mark.parametrize("partial", [True, False])
+def test_carried_kv_reaches_the_engine_with_partial_rollouts(partial):
+    """--carried_kv park sets EngineConfig.carried_kv for partial rollouts (the engine's tests
+    hold what it does: tests/engine/test_carry_park.py); without them nothing is carried."""
+    cfg = RecipeConfig(partial_rollouts=partial, carried_kv="park")
+    assert engine_config(cfg).carried_kv == ("park" if partial else "recompute")
+
+
 def test_dynamic_sampling_trains_on_groups_with_signal(tmp_path, monkeypatch):
     """A reward that is the same for every sample of half the prompts (their answers' parity)
     and spread for the others: dynamic sampling drops the uniform groups and draws more, so
@@ -105,6 +115,7 @@ def test_dynamic_sampling_trains_on_groups_with_signal(tmp_path, monkeypatch):
     ("over_sample", 0.5, "over_sample"), ("behaviour_weight_cap", 0.5, "behaviour_weight_cap"),
     ("max_staleness", -1, "max_staleness"), ("dynamic_sampling_draws", 0,
                                               "dynamic_sampling_draws"),
+    ("carried_kv", "keep", "carried_kv"),
 ])
 def test_bad_partial_values_name_their_key(key, value, match):
     with pytest.raises(ValueError, match=match):

@@ -3,7 +3,7 @@ tests/support/tp_launch.py) give the tokens of one rank, with logprobs within 1e
 sharding case (tests/support/tp_scenarios.py: KV heads split or replicated, biases, tied and untied
 embeddings, a padded vocabulary, fused checkpoint tensors, soft-capping), seeded samples, a
 small pool that preempts, n-gram and draft-model speculation, sleep / wake / update_weights
-from a full model (only each rank's part crossing to the "device") and from DTensor shards
+(with partial rollouts carried through them on their parked K/V too) from a full model (only each rank's part crossing to the "device") and from DTensor shards
 on dim 0 and dim 1 (re-sharded without whole-weight gathers), and engines of 2 ranks side by
 side in a world of 4; every rank returns the same outputs. The ranks check each step that they
 sampled alike (check_tensor_parallel)."""
@@ -54,6 +54,7 @@ def test_tensor_parallel_matches_one_rank(tp, reference, tmp_path):
     got = ranks[0]
     assert got["mismatch/refused"] and got["mismatch/after"]  # on every rank (equal above)
     assert got["preempt/count"] and got["update/same_addresses"]
+    assert got["park/kept"] and reference["park/kept"]
     assert got["update/copied_only_parts"] and reference["update/copied_only_parts"]
     for key, want in reference.items():
         if isinstance(want, list):

@@ -119,19 +119,25 @@ def test_sleep_returns_cuda_memory(cuda_graphs):
     assert engine.generate(PROMPTS, params)[0].samples[0].token_ids == first[0].samples[0].token_ids
 
 
-@pytest.mark.parametrize("cuda_graphs", [False, True])
-def test_carried_groups_resume_on_cuda(cuda_graphs):
+@pytest.mark.parametrize("cuda_graphs,carried_kv", [(False, "recompute"), (True, "recompute"),
+                                                    (True, "park")])
+def test_carried_groups_resume_on_cuda(cuda_graphs, carried_kv):
     """Partial rollouts on the Triton backend (graphed decode too): groups carried through a
     level-2 sleep and an update with the same weights draw the uninterrupted run's tokens;
-    logprobs within the graph test's fp32 bound."""
+    logprobs within the graph test's fp32 bound. carried_kv="park": the carried K/V waits in
+    pinned host memory, none of it on the GPU (added 2026-12-05, no GPU run yet)."""
     model = tiny_model("qwen2").cuda()
     params = [SamplingParams(n=2, temperature=1.0, max_tokens=4 + 8 * i, logprobs=True, seed=i)
               for i in range(len(PROMPTS))]
     want = {tuple(o.prompt_token_ids): o for o in cuda_engine(model).generate(PROMPTS, params)}
-    engine = cuda_engine(model, cuda_graphs=cuda_graphs)
+    gc.collect()
+    before = torch.cuda.memory_allocated()
+    engine = cuda_engine(model, cuda_graphs=cuda_graphs, carried_kv=carried_kv)
     outs = engine.rollout(PROMPTS, params, groups=1)
     assert engine.carried
     engine.sleep(2)
+    assert torch.cuda.memory_allocated() == before
+    assert (engine.stats.parked_bytes > 0) == (carried_kv == "park")
     engine.wake_up()
     engine.update_weights(model)
     outs += engine.rollout()

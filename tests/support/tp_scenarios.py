@@ -77,6 +77,7 @@ def run_all(tp: int) -> dict:
     results.update(_preemption(cfg))
     results.update(_speculation(cfg))
     results.update(_colocation(cfg))
+    results.update(_carried_park(cfg))
     results.update(_lora(cfg))
     return results
 
@@ -166,6 +167,24 @@ def _colocation(cfg: dict) -> dict:
     engine.update_weights(a)
     out["update/level2"] = _samples(engine.generate(PROMPTS, SEEDED))
     return out
+
+
+def _carried_park(cfg: dict) -> dict:
+    """Partial rollouts with carried_kv="park" on the KV-split model: groups carried through a
+    level-2 sleep (each rank parks its own heads' K/V) and an update to other weights, which
+    they go on from their old K/V under (each rank keeps and tags its own)."""
+    engine = Engine(MODELS["llama_gqa2"](0), EngineConfig(**dict(cfg, carried_kv="park")))
+    params = [SamplingParams(n=2, temperature=1.0, max_tokens=4 + 4 * i, logprobs=True, seed=i)
+              for i in range(len(PROMPTS))]
+    outs = engine.rollout(PROMPTS, params, groups=1)
+    engine.sleep(2)
+    engine.wake_up()
+    engine.update_weights(MODELS["llama_gqa2"](1))
+    outs += engine.rollout()
+    engine.check_invariants()
+    by_prompt = {tuple(o.prompt_token_ids): o for o in outs}
+    return {"park/samples": _samples([by_prompt[tuple(p)] for p in PROMPTS]),
+            "park/kept": engine.stats.stale_kv_kept > 0}
 
 
 def _lora(cfg: dict) -> dict:
