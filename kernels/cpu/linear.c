@@ -41,11 +41,20 @@ void pack_panels_f32(const float *w, int64_t n, int64_t k, float *wp, int num_th
 
 #if defined(__AVX512F__)
 #define ROW_BLOCK_512 12
-/* Inputs a pair of panels is run over before the next row block: 128 x 128 bytes of panel
- * stay in L1 (32 KB on a Zen 4) for all the row blocks. What it buys is the LM head's, whose
- * panels come from memory: +5-10 % there on an Intel Xeon, the layers' within noise
- * (docs/benchmarks.md). */
+/* Inputs a pair of panels is run over before the next row block. 128 (x 128 bytes of panel) stay
+ * in L1 for all the row blocks: +5-10 % on the LM head of an Intel Xeon with two 512-bit FMA
+ * ports, whose panels come from memory (the layers' within noise). A Zen 4 (GCC 12 calls it
+ * znver3 with AVX-512; GCC 13 znver4) issues one 512-bit FMA a cycle, in two 256-bit halves:
+ * there the pair runs whole from L2 (1 MB a core) and the chunks only cost, 11 % of a decode
+ * step's projections (docs/benchmarks.md). The chunking never changes a bit (each chain goes on
+ * through y), so a build may set it (-DK_CHUNK_512=n: tests/kernels/test_panels_isa.py). */
+#ifndef K_CHUNK_512
+#if defined(__znver4__) || (defined(__znver3__) && defined(__AVX512F__))
+#define K_CHUNK_512 INT32_MAX
+#else
 #define K_CHUNK_512 128
+#endif
+#endif
 #define IN_ZMM(x) __asm__("" : "+v"(x))
 
 /* Inputs k0 .. k0 + kc of y[r][0..cols) (= or += alpha *) x[r] . panels for R rows and P (1

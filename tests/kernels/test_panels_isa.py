@@ -26,7 +26,7 @@ AVX512 = "avx512f" in native._cpu_features().split()  # what -march=native build
 # (rows, outputs, inputs): outputs 16 (one panel), 24 (a pair, the second partial), 40 (a pair
 # and a partial single), 300 (19 panels, the last of 12 columns), 64 (two full pairs)
 SHAPES = [(1, 16, 96), (5, 24, 7), (11, 40, 33), (12, 300, 96), (13, 64, 130), (25, 300, 40),
-          (130, 40, 96), (7, 40, 300)]  # k = 300: three chunks of the AVX-512 loop
+          (130, 40, 96), (7, 40, 300)]  # k = 300: three chunks of 128
 
 COMPUTE = """
     import sys
@@ -70,9 +70,15 @@ def test_avx512_and_avx2_panels_give_the_same_bits(tmp_path):
                              ROLLOUT_NATIVE_MARCH="x86-64-v3")
     for a, b in zip(norms, norms2, strict=True):
         assert all(torch.equal(u, v) for u, v in zip(a, b))
-    for (m, n, k), (y, added), (y2, added2) in zip(SHAPES, wide, narrow, strict=True):
-        assert torch.equal(y, y2), (m, n, k)
-        assert torch.equal(added, added2), (m, n, k)
+    # The 512-bit loop in chunks of 32 inputs (every shape but k = 7 cut, k = 300 in 10): the
+    # chains go on through y, so whichever chunking a CPU's build takes (linear.c K_CHUNK_512:
+    # whole k on a Zen 4, 128 elsewhere) gives the same bits.
+    chunked, _ = compute(tmp_path / "chunked.pt", ROLLOUT_CACHE=str(tmp_path / "cache32"),
+                         ROLLOUT_NATIVE_CFLAGS="-DK_CHUNK_512=32")
+    for (m, n, k), (y, added), (y2, added2), (y3, added3) in zip(SHAPES, wide, narrow, chunked,
+                                                                 strict=True):
+        assert torch.equal(y, y2) and torch.equal(y, y3), (m, n, k)
+        assert torch.equal(added, added2) and torch.equal(added, added3), (m, n, k)
     # and the results are the projections' (the bits are not all zero or garbage)
     g = torch.Generator().manual_seed(12 * 300 + 96)
     w, x = torch.randn(300, 96, generator=g), torch.randn(12, 99, generator=g)[:, :96]
