@@ -86,7 +86,7 @@ class Scheduler:
         constant number of device ops (per-sequence ops would make a GPU step launch-bound).
         Returns how many were scheduled: all, or none when the pool is short, and then the
         one-by-one path decides whom to preempt."""
-        slots = self.kv.alloc_decodes(len(decodes)) if decodes else None
+        slots = self.kv.alloc_decodes(len(decodes), decodes) if decodes else None
         if slots is None:
             return 0
         self.kv.place_decodes(decodes, slots)

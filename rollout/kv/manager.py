@@ -82,20 +82,29 @@ class KVManager:
         self.journal.record(self.pending.pop)
         return slots
 
-    def alloc_decodes(self, n: int) -> torch.Tensor | None:
-        """alloc(n) for the next position of each of n decoding sequences, listed in the same
-        order every step. Left alone, one step's n slots are consecutive, so each sequence's
-        own tokens lie n slots apart and attention reads them one scattered row at a time; so
-        the free list is arranged DECODE_RUN steps ahead (KVPool.arrange_runs) and each
-        sequence takes consecutive slots until the batch changes. Only which free slot goes
-        where changes: nothing is reserved or owned."""
+    def alloc_decodes(self, n: int, seqs: list[Sequence] | None = None) -> torch.Tensor | None:
+        """alloc(n) for the next position of each of n decoding sequences (`seqs`, listed in
+        the same order every step). Left alone, one step's n slots are consecutive, so each
+        sequence's own tokens lie n slots apart and attention reads them one scattered row at
+        a time; so the free list is arranged DECODE_RUN steps ahead (KVPool.arrange_runs) and
+        each sequence takes consecutive slots until the batch changes. When it changes (a
+        sample ended: with EOS honoured, every step or two), each sequence of a CPU pool goes
+        on with the free slots right after its newest one where there are any: re-arranged
+        from the free list's top alone, a sample's tokens lay in runs of 2-2.5 slots
+        (docs/benchmarks.md). Only which free slot goes where changes: nothing is reserved or
+        owned."""
         pool, runs = self.pool, self._runs
         if runs is not None and runs[:2] == (n, pool.num_free) and runs[2] > 0:
             left = runs[2]
         else:
             left = min(DECODE_RUN, pool.num_free // max(n, 1))
             if left > 1:
-                old = pool.arrange_runs(n, left)
+                # On a GPU the arrangement's data-dependent selection would wait for the
+                # device, and its attention reads slots through an index anyway.
+                after = (self.table.read_each([s.row for s in seqs],
+                                              [s.num_computed - 1 for s in seqs])
+                         if seqs is not None and pool.device.type == "cpu" else None)
+                old = pool.arrange_runs(n, left, after)
                 self.journal.record(lambda: pool.restore_order(old))
         slots = self.alloc(n)
         if slots is not None:

@@ -152,21 +152,42 @@ class KVPool:
     def free_slots(self) -> torch.Tensor:
         return self._free[:self._num_free]
 
-    def arrange_runs(self, streams: int, run: int) -> torch.Tensor:
-        """Reorder the top `streams * run` free slots so that the next `run` allocations of
-        `streams` slots each give stream i (the i-th slot of every allocation) a run of
-        consecutive slot ids, as consecutive as the free slots are: sorted, stream i takes the
-        i-th run of them. Only the order of the free list changes. Returns the region's old
-        order for `restore_order`."""
-        lo = self._num_free - streams * run
-        region = self._free[lo:self._num_free]
-        old = region.clone()
-        runs = region.sort().values.view(streams, run)
+    def arrange_runs(self, streams: int, run: int, after: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+        """Reorder the free list so that the next `run` allocations of `streams` slots each give
+        stream i (the i-th slot of every allocation) a run of consecutive slot ids, as
+        consecutive as the free slots are. With `after` (each stream's newest slot, in use),
+        stream i first goes on with the free slots that directly follow after[i], as many of
+        them as there are in a row (up to `run`), wherever they lie in the free list; what is
+        still missing comes, sorted, from the top of the free list, stream i taking the i-th
+        run of it (without `after`, all of it: the top `streams * run` slots). Only the order
+        of the free list changes. Returns the old order for `restore_order`."""
+        free = self._free[:self._num_free]
+        old = free.clone()
+        if after is None:
+            own = torch.zeros(streams, run, dtype=torch.bool, device=free.device)
+            runs = torch.empty(streams, run, dtype=free.dtype, device=free.device)
+        else:  # the slots following each stream's newest, while free (num_slots: never free)
+            is_free = torch.zeros(self.num_slots + 1, dtype=torch.bool, device=free.device)
+            is_free[free] = True
+            runs = (after[:, None] + 1 + torch.arange(run, device=free.device)).clamp(
+                max=self.num_slots)
+            own = is_free[runs].cumprod(1).bool()  # free, and every slot before it too
+            # Streams whose newest slot is the same (samples with equal tokens on one cached
+            # path) would go on into the same slots: only the first of them does.
+            order = after.argsort(stable=True)
+            own[order[1:][after[order][1:] == after[order][:-1]]] = False
+            is_free[runs[own]] = False  # taken: not among what the rest comes from
+            free = old[is_free[old]]
+        rest = free[free.numel() - int((~own).sum()):]
+        runs[~own] = rest.sort().values  # row-major: stream i's missing slots after stream i-1's
         # An allocation takes the top `streams` slots, lowest index first: the first one must
         # lie on top, stream order within it.
-        region.copy_(runs.t().flip(0).reshape(-1))
+        self._free[:self._num_free] = torch.cat(
+            [free[:free.numel() - rest.numel()], runs.t().flip(0).reshape(-1)])
         return old
 
     def restore_order(self, old: torch.Tensor) -> None:
-        """Undo the latest `arrange_runs` (every later change undone first)."""
+        """Undo the latest `arrange_runs` (every later change undone first): `old` is the free
+        list's order before it."""
         self._free[self._num_free - old.numel():self._num_free] = old

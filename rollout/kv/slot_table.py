@@ -49,5 +49,10 @@ class SlotTable:
         index = torch.tensor([rows, cols], device=self.device)
         self.table[index[0], index[1]] = slots
 
+    def read_each(self, rows: list[int], cols: list[int]) -> torch.Tensor:
+        """The slots at (rows[i], cols[i]), in one op."""
+        index = torch.tensor([rows, cols], device=self.device)
+        return self.table[index[0], index[1]]
+
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
         return self.table[row, start:end]
