@@ -160,9 +160,11 @@ class KVPool:
         stream i first goes on with the free slots that directly follow after[i], as many of
         them as there are in a row (up to `run`), wherever they lie in the free list; what is
         still missing comes, sorted, from the top of the free list, stream i taking the i-th
-        run of it (without `after`, all of it: the top `streams * run` slots). Only the order
-        of the free list changes. Returns the old order for `restore_order`."""
-        free = self._free[:self._num_free]
+        run of it (without `after`, all of it: the top `streams * run` slots, the only part
+        of the list it then touches). Only the order of the free list changes. Returns the
+        old order of what it touched for `restore_order`."""
+        lo = 0 if after is not None else self._num_free - streams * run
+        free = self._free[lo:self._num_free]
         old = free.clone()
         if after is None:
             own = torch.zeros(streams, run, dtype=torch.bool, device=free.device)
@@ -183,11 +185,11 @@ class KVPool:
         runs[~own] = rest.sort().values  # row-major: stream i's missing slots after stream i-1's
         # An allocation takes the top `streams` slots, lowest index first: the first one must
         # lie on top, stream order within it.
-        self._free[:self._num_free] = torch.cat(
+        self._free[lo:self._num_free] = torch.cat(
             [free[:free.numel() - rest.numel()], runs.t().flip(0).reshape(-1)])
         return old
 
     def restore_order(self, old: torch.Tensor) -> None:
-        """Undo the latest `arrange_runs` (every later change undone first): `old` is the free
-        list's order before it."""
+        """Undo the latest `arrange_runs` (every later change undone first): `old` is the order
+        it found in the top `old.numel()` free slots."""
         self._free[self._num_free - old.numel():self._num_free] = old

@@ -46,13 +46,15 @@ class SlotTable:
 
     def write_each(self, rows: list[int], cols: list[int], slots: torch.Tensor) -> None:
         """slots[i] goes to (rows[i], cols[i]): a whole decode step's growth in one op."""
-        index = torch.tensor([rows, cols], device=self.device)
-        self.table[index[0], index[1]] = slots
+        self.table[self._cells(rows, cols)] = slots
 
     def read_each(self, rows: list[int], cols: list[int]) -> torch.Tensor:
         """The slots at (rows[i], cols[i]), in one op."""
+        return self.table[self._cells(rows, cols)]
+
+    def _cells(self, rows: list[int], cols: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         index = torch.tensor([rows, cols], device=self.device)
-        return self.table[index[0], index[1]]
+        return index[0], index[1]
 
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
         return self.table[row, start:end]
