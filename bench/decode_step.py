@@ -235,6 +235,9 @@ def main() -> None:
           f"tokens, n = {args.n}")
     start(engine, prompts, args.n)
     for decoded in sorted(args.decoded):
+        # the engine's own path between measurements: the "plain" path's plan would empty the
+        # captured step's shared lengths
+        switch.mode = switch.modes()[0]
         inputs = capture_decode_step(engine, num_samples, decoded)
         measure(engine, inputs, switch, args, probe, profile_it=decoded == args.profile_at)
 

@@ -43,32 +43,45 @@ static inline float dot(const float *a, const float *b, int64_t d) {
 /* A decode's own keys (the private suffix) sit in runs of consecutive slots at best
  * (KVManager.alloc_decodes), one token of each sample after the other at worst, and each
  * KV head's part of a slot is a fraction of its row: the hardware prefetchers follow little of
- * it. In the 3-row shape (a decode's query heads of one KV head, GQA 3 as SmolLM2's 9/3),
- * asking for the key PREFETCH_KEYS ahead within the block, and for the block's values, while
- * the scores run keeps more of those loads in flight (~5 % of a step's attention). */
-#define PREFETCH_KEYS 6
+ * it, and the suffixes were read at half the memory's bandwidth. While a block's scores run,
+ * the key and value rows AHEAD keys further on are asked for, into L2 (prefetcht2; t1 the
+ * same): on a Zen 4 the suffixes' K/V then come at 23-28 GB/s instead of 16-18
+ * (bench/attention_kernel.py; the cores stream 33). Into L1 (prefetcht0) they came no faster
+ * than without: the L1's few outstanding misses, not the distance, were the limit. */
+#define AHEAD 32
 
-static inline void prefetch_row(const float *p, int64_t d) {
-    for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(p + i, 0, 3);
+static inline __attribute__((always_inline)) void prefetch_row(const float *p, int64_t d) {
+    for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(p + i, 0, 1);
 }
 
-/* Scores of R <= ROWS rows against the block's n keys, into s (row stride BLOCK); the block's
- * values v are asked for meanwhile. */
+/* The rows of keys t in [j, j + keys) of the block AHEAD keys on (ka, va: na of them). Inlined
+ * (d a constant): as a call it asked for nothing faster than no prefetch at all. */
+static inline __attribute__((always_inline)) void prefetch_ahead(
+        const float *const ka[], const float *const va[], int64_t na, int64_t j, int64_t keys,
+        int64_t d) {
+    for (int64_t t = j; t < j + keys && t < na; t++) {
+        prefetch_row(ka[t], d);
+        prefetch_row(va[t], d);
+    }
+}
+
+/* Scores of R <= ROWS rows against the block's n keys, into s (row stride BLOCK); the keys and
+ * values AHEAD on (ka, va) are asked for meanwhile. */
 static inline void block_scores(const float *q, int R, const float *const k[],
-                                const float *const v[], int64_t n, int64_t d, float *s) {
+                                const float *const ka[], const float *const va[], int64_t na,
+                                int64_t n, int64_t d, float *s) {
     int64_t j = 0;
 #if defined(__AVX2__) && defined(__FMA__)
     if (d % 8 == 0) {
         /* constant shapes per call keep the accumulators in registers */
         if (R == 3)
             for (; j + 3 <= n; j += 3) {
-                for (int64_t t = j + PREFETCH_KEYS; t < j + PREFETCH_KEYS + 3 && t < n; t++)
-                    prefetch_row(k[t], d);
-                for (int64_t t = j; t < j + 3; t++) prefetch_row(v[t], d);
+                prefetch_ahead(ka, va, na, j, 3, d);
                 scores_keys(q, 3, k + j, d, 3, s + j);
             }
         else
             for (; j + 4 <= n; j += 4) {
+                prefetch_ahead(ka, va, na, j, 4, d);
                 if (R == 2) scores_keys(q, 2, k + j, d, 4, s + j);
                 else scores_keys(q, 1, k + j, d, 4, s + j);
             }
@@ -113,10 +126,15 @@ static inline __attribute__((always_inline)) void attend_range(
         float *o, float *s, float *m, float *l, float *alpha, float *kt) {
     for (int64_t j0 = lo; j0 < hi; j0 += BLOCK) {
         const int64_t n = hi - j0 < BLOCK ? hi - j0 : BLOCK;
-        const float *k[BLOCK], *v[BLOCK];
+        const int64_t a0 = j0 + AHEAD, na = hi - a0 < 0 ? 0 : hi - a0 < BLOCK ? hi - a0 : BLOCK;
+        const float *k[BLOCK], *v[BLOCK], *ka[BLOCK], *va[BLOCK];
         for (int64_t j = 0; j < n; j++) {
             k[j] = k_pool + (int64_t)slots[j0 + j] * kv_row;
             v[j] = v_pool + (int64_t)slots[j0 + j] * kv_row;
+        }
+        for (int64_t j = 0; j < na; j++) {
+            ka[j] = k_pool + (int64_t)slots[a0 + j] * kv_row;
+            va[j] = v_pool + (int64_t)slots[a0 + j] * kv_row;
         }
 #if defined(__AVX2__) && defined(__FMA__)
         if (kt != NULL) {
@@ -125,7 +143,8 @@ static inline __attribute__((always_inline)) void attend_range(
         } else
 #endif
             for (int64_t r = 0; r < R; r += ROWS)
-                block_scores(qs + r * d, R - r < ROWS ? R - r : ROWS, k, v, n, d, s + r * BLOCK);
+                block_scores(qs + r * d, R - r < ROWS ? R - r : ROWS, k, ka, va,
+                             r == 0 ? na : 0, n, d, s + r * BLOCK);  /* asked for once */
         for (int64_t r = 0; r < R; r++) {
             float *sr = s + r * BLOCK;
             if (softcap > 0.0f)  /* Gemma 2: scores (scale included) squashed before softmax */
