@@ -11,6 +11,7 @@ machine is shared). Nothing asserted.
 
     python bench/batch_invariance.py                     # SmolLM2-135M, fp32 and bf16
     python bench/batch_invariance.py --model-shape 25m   # a random 25M Qwen2 instead
+    python bench/batch_invariance.py --model-shape moe   # a random small Qwen3-MoE (top-8 of 32)
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from workloads import QWEN2_25M, cpu_name, grpo_prompts, random_qwen2  # noqa: E402
+from workloads import (QWEN2_25M, QWEN3_MOE_SMALL, cpu_name, grpo_prompts,  # noqa: E402
+                       random_qwen2, random_qwen3_moe)
 
 from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
 
@@ -46,6 +48,8 @@ def compare(alone, batched) -> tuple[int, int, float]:
 def load(name: str, dtype: torch.dtype):
     if name == "25m":
         return random_qwen2(QWEN2_25M, dtype), QWEN2_25M["vocab_size"]
+    if name == "moe":
+        return random_qwen3_moe(QWEN3_MOE_SMALL, dtype), QWEN3_MOE_SMALL["vocab_size"]
     from rollout_recipes.run import smollm2
 
     model = smollm2.load_model(dtype)
@@ -54,7 +58,7 @@ def load(name: str, dtype: torch.dtype):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model-shape", choices=["smollm2", "25m"], default="smollm2")
+    ap.add_argument("--model-shape", choices=["smollm2", "25m", "moe"], default="smollm2")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-new", type=int, default=64)

@@ -1,6 +1,7 @@
 """The experts of one MoE layer: the engine's torch path (moe_torch, one matmul pair per expert
-any token chose) against a naive loop over (token, choice) pairs and, on CUDA only, the fused
-Triton kernel (kernels/triton/fused_moe.py; the interpreter would time Python, not the kernel).
+any token chose) against a naive loop over (token, choice) pairs; on the CPU the same path
+multiplying by the cpu backend's packed copies (the panels, as the engine runs it) against
+F.linear; on CUDA only, the fused Triton kernel (kernels/triton/fused_moe.py; the interpreter would time Python, not the kernel).
 Ratios of best-of-N wall times, measured in the same run. On CUDA also the kernel's TFLOP/s
 (6 T k H I: gate-up, then down) against torch.matmul's on the same active-parameter shapes
 (x [T, H] times the k experts' gate-up weights as one [H, 2kI], then [T, kI] x [kI, H]): the
@@ -25,7 +26,10 @@ from collections.abc import Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from rollout.models.layers.expert_packing import PackedExperts  # noqa: E402
 from rollout.models.layers.moe import moe_torch  # noqa: E402
+from rollout.models.layers.packed_linear import Projection, packing_for  # noqa: E402
+from rollout.ops.backend import resolve_backend  # noqa: E402
 
 FULL = dict(hidden=2048, inter=768, experts=128, top_k=8)
 QUARTER = dict(hidden=1024, inter=384, experts=32, top_k=8)
@@ -87,6 +91,11 @@ def main() -> None:
         # k experts' weights as the dense layer of the limit: gate-up [H, 2kI], down [kI, H].
         dense_gate_up = w_gate_up[:top_k].reshape(top_k * 2 * inter, hidden).T
         dense_down = w_down[:top_k].permute(1, 0, 2).reshape(hidden, top_k * inter).T
+    else:  # the cpu backend's copies of every expert (the router's is not timed here)
+        backend = resolve_backend("cpu", torch.device(device))
+        packed = PackedExperts(num_experts,
+                               lambda: packing_for(backend, dtype, Projection.implementations))
+        packed.pack(torch.zeros(num_experts, hidden, dtype=dtype), w_gate_up, w_down)
     for num_tokens in map(int, args.tokens.split(",")):
         x = torch.randn(num_tokens, hidden, generator=gen).to(device, dtype)
         logits = torch.randn(num_tokens, num_experts, generator=gen).to(device)
@@ -100,6 +109,10 @@ def main() -> None:
             err = (naive(*call).float() - ref.float()).abs().max().item()
             t_naive = best_of(lambda: naive(*call), args.repeats, device)
             line += f"  naive/torch {t_naive / t_torch:6.1f}x (max err {err:.1e})"
+        if device == "cpu":
+            err = (moe_torch(*call, packed=packed).float() - ref.float()).abs().max().item()
+            t_packed = best_of(lambda: moe_torch(*call, packed=packed), args.repeats, device)
+            line += f"  torch/packed {t_torch / t_packed:5.2f}x (max err {err:.1e})"
         if device == "cuda":
             err = (fused_moe(*call).float() - ref.float()).abs().max().item()
             t_kernel = best_of(lambda: fused_moe(*call), args.repeats, device)

@@ -7,7 +7,7 @@ import random
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
 # ~25M parameters: the CPU benchmark model of the engine-core issue.
 QWEN2_25M = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
@@ -27,6 +27,12 @@ SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
 # work, the garbage collector's included, is most of them.
 TINY = dict(vocab_size=32, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+# A small Qwen3-MoE (the 25M model's attention and vocabulary, Qwen3-30B-A3B's top-8 routing
+# over 32 experts of 256): what the MoE paths cost where experts, not attention, dominate.
+QWEN3_MOE_SMALL = dict(vocab_size=8192, hidden_size=512, num_hidden_layers=8,
+                       num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                       num_experts=32, num_experts_per_tok=8, moe_intermediate_size=256,
+                       intermediate_size=1408, norm_topk_prob=True, tie_word_embeddings=True)
 SHAPES = {"25m": QWEN2_25M, "0.5b": QWEN2_05B, "smollm2": SMOLLM2_135M, "tiny": TINY}
 
 
@@ -48,6 +54,10 @@ def model_from_args(args) -> tuple[dict, torch.nn.Module]:
 
 def random_qwen2(shape: dict, dtype=torch.float32, device="cpu", seed=0):
     return _random(Qwen2Config, shape, dtype, device, seed)
+
+
+def random_qwen3_moe(shape: dict, dtype=torch.float32, device="cpu", seed=0):
+    return _random(Qwen3MoeConfig, shape, dtype, device, seed)
 
 
 def random_llama(shape: dict, dtype=torch.float32, device="cpu", seed=0):

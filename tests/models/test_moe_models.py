@@ -92,3 +92,39 @@ def test_update_weights_after_deep_sleep_takes_per_expert_names():
     engine.update_weights(list(per_expert_tensors(model)))
     again = engine.generate(PROMPTS, GREEDY)
     assert [o.samples[0].token_ids for o in again] == [o.samples[0].token_ids for o in before]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_cpu_backend_multiplies_the_experts_by_packed_copies(family, monkeypatch):
+    """The router and every expert multiply by packed copies, as the dense projections do:
+    nothing in the MoE block calls F.linear, the copies hold at least the experts' bytes, are
+    dropped at sleep and made again, and the tokens and logprobs still match transformers.
+    With pack_cpu_weights=False the block multiplies by F.linear and holds no copies."""
+    from types import SimpleNamespace
+
+    from rollout.models.layers import moe
+
+    def unpacked(*args):
+        raise AssertionError("F.linear in the MoE block")
+
+    model = tiny_model(family)
+    monkeypatch.setattr(moe, "F", SimpleNamespace(linear=unpacked))
+    engine = engine_for(model)
+    blocks = [m for m in engine.model.modules() if isinstance(m, moe.SparseMoE)]
+    assert blocks
+    expert_bytes = sum(p.numel() * p.element_size() for b in blocks
+                       for p in (b.gate.weight, b.experts.gate_up_proj, b.experts.down_proj))
+    assert sum(b.derived_bytes() for b in blocks) >= expert_bytes
+    assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, GREEDY))
+    held = engine.memory_held()
+    engine.sleep(1)
+    assert sum(b.derived_bytes() for b in blocks) == 0
+    engine.wake_up()
+    assert engine.memory_held() == held
+    assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, GREEDY))
+
+    plain = engine_for(model, pack_cpu_weights=False)
+    assert all(b.derived_bytes() == 0 for b in plain.model.modules()
+               if isinstance(b, moe.SparseMoE))
+    with pytest.raises(AssertionError, match="F.linear in the MoE block"):
+        plain.generate(PROMPTS[:1], GREEDY)

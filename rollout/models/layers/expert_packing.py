@@ -1,24 +1,25 @@
-"""Packed copies of an MoE block's router and of every expert's two matrices, for the
-batch-invariant mode (EngineConfig.batch_invariant): `moe_torch` multiplies each expert's
-tokens by F.linear, whose rows round with how many tokens the expert drew, i.e. with the
-batch. These copies are the projections' invariant packing (packed_linear.invariant_packing),
-with the projections' life: made when the engine is built, again when a weight changes (each
-copy checks its weight's storage and version at use), dropped at sleep, counted in
-memory_held. They double the experts' memory, as packing doubles a dense model's weights."""
+"""Packed copies of an MoE block's router and of every expert's two matrices, where the
+projections are packed (packed_linear.packing_for): on the CPU backend the experts multiply by
+the panels as the dense projections do (F.linear per expert ran a small Qwen3-MoE's fp32
+rollout at two thirds of the panels' speed, docs/benchmarks.md), and in the batch-invariant
+mode (EngineConfig.batch_invariant) by the invariant packing, since F.linear's rows round with
+how many tokens the expert drew, i.e. with the batch. The copies have the projections' life:
+made when the engine is built, again when a weight changes (each copy checks its weight's
+storage and version at use), dropped at sleep, counted in memory_held. They double the experts'
+memory, as packing doubles a dense model's weights."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch.nn import functional as F
 
-from .packed_linear import PackedCopy, invariant_packing
+from .packed_linear import PackedCopy
 
 
 class PackedExperts:
-    def __init__(self, num_experts: int, device: torch.device, dtype: torch.dtype) -> None:
-        def make() -> PackedCopy | None:
-            return invariant_packing(device, dtype)
-
+    def __init__(self, num_experts: int, make: Callable[[], PackedCopy | None]) -> None:
         self.router = make()
         self.gate_up = [make() for _ in range(num_experts)]
         self.down = [make() for _ in range(num_experts)]

@@ -34,6 +34,7 @@ from ...parallel import Concat, Slice, all_reduce, current, even_split
 from ..base import LORA_MODULE, ROUTED_EXPERTS
 from .expert_lora import ExpertBlock, ExpertLora, add_expert_delta
 from .expert_packing import PackedExperts
+from .packed_linear import Projection, packing_for
 
 # (gate-up's, down's) adapter factors (A, B, scale), either None: ExpertLora.factors
 ExpertFactors = tuple[tuple[torch.Tensor, torch.Tensor, float] | None, ...]
@@ -68,7 +69,8 @@ def moe_torch(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
     gate-up and on down, either None (layers/expert_lora.py). Same rounding points as
     kernels/triton/fused_moe.py, but for an adapter's delta, added here to the rounded base
     projection (the kernel adds it before its one rounding). `packed`: the experts' packed
-    copies (the batch-invariant mode) multiply instead of F.linear."""
+    copies (the cpu backend's panels, or the batch-invariant packing) multiply instead of
+    F.linear."""
     gate_up_lora, down_lora = lora or (None, None)
     num_tokens, top_k = topk_ids.shape
     flat = topk_ids.reshape(-1)
@@ -172,16 +174,20 @@ class SparseMoE(Dispatched, nn.Module):
         self.gate = nn.Linear(hidden_size, options.num_experts, bias=False)
         self.experts = StackedExperts(options.num_experts, hidden_size, intermediate_size)
 
-    packed: PackedExperts | None = None  # the batch-invariant mode's copies (use_backend)
+    packed: PackedExperts | None = None  # the packed copies, where projections are packed
 
     def use_backend(self, backend, dtype: torch.dtype) -> None:
         super().use_backend(backend, dtype)
         self.packed = None
-        if backend.batch_invariant:
-            # F.linear rounds a row by how many rows share it: the router's and every
-            # expert's matmuls go through row-invariant packed copies, in moe_torch.
-            self.implementation = "torch"
-            self.packed = PackedExperts(self.options.num_experts, backend.device, dtype)
+        if packing_for(backend, dtype, Projection.implementations) is None:
+            return
+        # The router's and every expert's matmuls go through packed copies, in moe_torch: on
+        # the cpu backend the panels, in the batch-invariant mode the row-invariant packing
+        # (F.linear rounds a row by how many rows share it).
+        self.implementation = "torch"
+        self.packed = PackedExperts(
+            self.options.num_experts,
+            lambda: packing_for(backend, dtype, Projection.implementations))
 
     # The packed copies' life, as a projection's (models/base.py finds these methods).
     def pack(self) -> None:

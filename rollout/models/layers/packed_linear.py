@@ -189,6 +189,18 @@ def invariant_packing(device: torch.device, dtype: torch.dtype) -> PackedCopy | 
     return PackedWeight() if can_pack(device, dtype) else None
 
 
+def packing_for(backend, dtype: torch.dtype, implementations) -> PackedCopy | None:
+    """A new packed copy for one weight of a layer with these `implementations` under
+    `backend` (None: F.linear): the invariant packing in a batch-invariant engine, the panels
+    (else oneDNN's layout) where the cpu backend packs weights."""
+    if backend.batch_invariant:
+        return invariant_packing(backend.device, dtype)
+    if backend.choose(implementations, dtype) == "cpu" and backend.pack_weights:
+        fast = native_linear.supported(backend.device, dtype)
+        return NativePackedWeight() if fast else PackedWeight()
+    return None
+
+
 class Projection:
     """Mixin of the model's projections (nn.Linear subclasses and the LM head): `project`
     multiplies by the weight, or by its packed copy under the cpu backend (use_backend)."""
@@ -200,12 +212,7 @@ class Projection:
     lora_active = False
 
     def use_backend(self, backend, dtype: torch.dtype) -> None:
-        self.packing = None
-        if backend.batch_invariant:
-            self.packing = invariant_packing(backend.device, dtype)
-        elif backend.choose(self.implementations, dtype) == "cpu" and backend.pack_weights:
-            fast = native_linear.supported(backend.device, dtype)
-            self.packing = NativePackedWeight() if fast else PackedWeight()
+        self.packing = packing_for(backend, dtype, self.implementations)
 
     def compute_in_float32(self, backend) -> None:
         """Multiply in float32 whatever the weight's dtype (a float32 copy of it, derived like
