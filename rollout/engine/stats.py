@@ -67,6 +67,10 @@ class EngineStats:
     # Decode steps that drafted, and those that did not for a batch above max_batch_size.
     spec_steps: int = 0
     spec_skipped_steps: int = 0
+    # With speculation: the step cost adaptive drafting weighs drafts against (spec/cost.py),
+    # seconds fixed and per position computed (nan until the engine's steps tell them apart).
+    spec_step_fixed_seconds: float = float("nan")
+    spec_position_seconds: float = float("nan")
     # Method "suffix": tokens its history holds, entries evicted under its budget.
     draft_history_tokens: int = 0
     draft_history_evicted: int = 0
@@ -85,6 +89,10 @@ class EngineStats:
         self.commit_seconds += committed - sampled
         if any(it.num_new == 1 and it.start >= it.seq.num_prompt for it in batch.items):
             self.decode_steps += 1
+
+    def record_step_cost(self, line: tuple[float, float] | None) -> None:
+        if line is not None:
+            self.spec_step_fixed_seconds, self.spec_position_seconds = line
 
     @property
     def tokens_per_second(self) -> float:

@@ -94,6 +94,13 @@ class StepRunner:
                                        [self.speculator.sources.get(it.seq.seq_id)
                                         for _, it in drafted])
         self.stats.record_step(batch, sum(len(e.tokens) for e in emitted), tuple(marks))
+        if self.speculator is not None and self.tp is None:
+            # Forward and sampling: what a verified position adds to, against the positions
+            # run. Not under tensor parallelism: the ranks' clocks differ and their drafts must
+            # not (they keep the batch-share bar, spec/cost.py).
+            self.speculator.observe_step(sum(it.num_new for it in batch.items),
+                                         marks[5] - marks[3])
+            self.stats.record_step_cost(self.speculator.cost.line())
         return True
 
     def _discard_pending(self) -> None:

@@ -29,8 +29,8 @@ class SpeculativeConfig:
     # in host memory up to this many tokens (oldest evicted first), matched on suffixes of up
     # to history_max_match tokens (ngram_min at least); a drafted token must continue at least
     # history_min_share of the matched positions.
-    # Per sample, draft only as far as its running acceptance makes pay at this batch size
-    # (Speculator._paying): long drafts in a rollout's tail, short ones in a full batch.
+    # Per sample, draft only as far as its running acceptance makes pay against the machine's
+    # measured step cost at this batch size (Speculator._paying, spec/cost.py).
     adaptive: bool = False
     history_tokens: int = 1 << 20
     history_max_match: int = 32

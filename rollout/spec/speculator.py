@@ -10,6 +10,7 @@ from ..requests.batch import Batch, ScheduledSeq
 from ..requests.sequence import Sequence
 from .accept import accept_drafts_ref
 from .config import SpeculativeConfig
+from .cost import StepCost
 from .ngram import NgramDrafter
 from .verify import Verdict, verify
 
@@ -71,6 +72,8 @@ class Speculator:
         self._rates: dict[int, dict[str, float]] = {}
         # This step's decodes were more than max_batch_size (no drafting): for the stats.
         self.skipped = False
+        # The machine's step cost against the positions computed (adaptive draft lengths).
+        self.cost = StepCost()
 
     def _budget(self, seq: Sequence) -> int:
         """Drafts never run past max_tokens or max_model_len (one token is the target's)."""
@@ -82,17 +85,25 @@ class Speculator:
         """SpeculativeConfig.adaptive: the draft length whose last token still has a fair
         chance. Draft token i is kept with about a**i (a: the running acceptance per draft
         token of this sample's drafts from `source`, or of the engine's from it before the
-        sample has one), and a verify position is worth it while that chance beats the batch's
-        share of max_batch_size: a sample alone in a rollout's tail drafts long (the step costs
-        about the same), a full batch only what it nearly always keeps. At least one token, so
-        the estimate keeps learning (the back-off handles total misses)."""
+        sample has one), and a verify position is worth it while that chance beats the bar the
+        machine's measured step cost sets (spec/cost.py): a sample alone in a rollout's tail
+        drafts long where a step costs about the same whatever its size, a full batch on a CPU
+        only what it nearly always keeps. Until the cost is known, the bar is the batch's share
+        of max_batch_size. At least one token, so the estimate keeps learning (the back-off
+        handles total misses)."""
         a = self._rates.get(seq.seq_id, {}).get(source, self.rates.get(source, 0.5))
-        bar = decodes / self.config.max_batch_size
-        if a >= 1:
+        bar = self.cost.bar(decodes)
+        if bar is None:
+            bar = decodes / self.config.max_batch_size
+        if a >= 1 or bar <= 0:
             return self.config.num_speculative_tokens
-        if a <= 0:
+        if a <= 0 or bar >= 1:
             return 1
         return max(1, int(math.log(bar) / math.log(a)))
+
+    def observe_step(self, positions: int, seconds: float) -> None:
+        """A completed step's positions and forward-and-sampling seconds, for the cost."""
+        self.cost.observe(positions, seconds)
 
     def propose(self, batch: Batch) -> int:
         """Attach drafts to the batch's decode items; returns how many items got some."""

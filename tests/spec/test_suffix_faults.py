@@ -1,6 +1,7 @@
 """Faults (RuntimeError, KeyboardInterrupt) at the points drafting from history adds: a
 finished request's samples remembered (inside the unit that ends it), their flush into the
-history, the proposal, the history's lookup and continuation, the running acceptance rates.
+history, the proposal, the history's lookup and continuation, the running acceptance rates, the
+measured step cost.
 Afterwards the engine is clean, and the same generate() returns what a fresh engine returns
 (the history drafts again)."""
 
@@ -17,6 +18,9 @@ POINTS = {
     "matches": lambda e: (e.speculator.drafter.history, "matches"),
     "continuation": lambda e: (e.speculator.drafter.history, "continuation"),
     "learn": lambda e: (e.speculator, "_learn"),  # the adaptive rates, inside the commit
+    # the measured step cost, after a step's commit (spec/cost.py)
+    "observe_step": lambda e: (e.speculator, "observe_step"),
+    "cost": lambda e: (e.speculator.cost, "observe"),
 }
 
 

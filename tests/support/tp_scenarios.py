@@ -141,6 +141,11 @@ def _speculation(cfg: dict) -> dict:
         engine.check_invariants()
         out[f"spec/{name}/drafts"] = {"proposed": engine.stats.spec_proposed,
                                       "accepted": engine.stats.spec_accepted}
+    # Adaptive lengths: the ranks draft alike (no per-rank step clock), the tokens one rank's.
+    adaptive = SpeculativeConfig("ngram", num_speculative_tokens=3, adaptive=True)
+    engine = Engine(target, EngineConfig(**dict(cfg, speculative=adaptive)))
+    out["spec/adaptive"] = _samples(engine.generate(SPEC_PROMPTS, GREEDY))
+    engine.check_invariants()
     return out
 
 
