@@ -1,7 +1,7 @@
 """Packed copies of an MoE block's router and of every expert's two matrices, where the
 projections are packed (packed_linear.packing_for): on the CPU backend the experts multiply by
-the panels as the dense projections do (F.linear per expert ran a small Qwen3-MoE's fp32
-rollout at two thirds of the panels' speed, docs/benchmarks.md), and in the batch-invariant
+the panels as the dense projections do (on F.linear a small Qwen3-MoE's fp32 rollout ran at
+0.67-0.83 of their speed, docs/benchmarks.md), and in the batch-invariant
 mode (EngineConfig.batch_invariant) by the invariant packing, since F.linear's rows round with
 how many tokens the expert drew, i.e. with the batch. The copies have the projections' life:
 made when the engine is built, again when a weight changes (each copy checks its weight's

@@ -179,15 +179,14 @@ class SparseMoE(Dispatched, nn.Module):
     def use_backend(self, backend, dtype: torch.dtype) -> None:
         super().use_backend(backend, dtype)
         self.packed = None
-        if packing_for(backend, dtype, Projection.implementations) is None:
+        make = functools.partial(packing_for, backend, dtype, Projection.implementations)
+        if make() is None:
             return
         # The router's and every expert's matmuls go through packed copies, in moe_torch: on
         # the cpu backend the panels, in the batch-invariant mode the row-invariant packing
         # (F.linear rounds a row by how many rows share it).
         self.implementation = "torch"
-        self.packed = PackedExperts(
-            self.options.num_experts,
-            lambda: packing_for(backend, dtype, Projection.implementations))
+        self.packed = PackedExperts(self.options.num_experts, make)
 
     # The packed copies' life, as a projection's (models/base.py finds these methods).
     def pack(self) -> None:
