@@ -41,9 +41,9 @@ class EngineConfig:
     # Replay decode-only steps from CUDA graphs (rollout/executor/cuda_graph.py); needs the
     # Triton backend. Off by default until a GPU run has measured it.
     cuda_graphs: bool = False
-    # cpu backend: projections multiply by a packed copy of the weights (panels for the C
-    # kernel in fp32, else oneDNN's layout: rollout/models/layers/packed_linear.py), which
-    # doubles the weights' memory. False: F.linear on the weights themselves.
+    # cpu backend: projections and MoE experts multiply by a packed copy of the weights
+    # (panels for the C kernel in fp32, else oneDNN's layout: rollout/models/layers/
+    # packed_linear.py), which doubles the weights' memory. False: F.linear on the weights.
     pack_cpu_weights: bool = True
     # CPU, process-wide: glibc keeps freed blocks below 32 MB in the heap for reuse, so a
     # step's logits do not page-fault anew every step (rollout/colocation/host_heap.py; given
