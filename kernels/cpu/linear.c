@@ -49,7 +49,7 @@ void pack_panels_f32(const float *w, int64_t n, int64_t k, float *wp, int num_th
  * step's projections (docs/benchmarks.md). The chunking never changes a bit (each chain goes on
  * through y), so a build may set it (-DK_CHUNK_512=n: tests/kernels/test_panels_isa.py). */
 #ifndef K_CHUNK_512
-#if defined(__znver4__) || (defined(__znver3__) && defined(__AVX512F__))
+#if defined(__znver4__) || defined(__znver3__)  /* a znver3 with AVX-512 is a Zen 4 */
 #define K_CHUNK_512 INT32_MAX
 #else
 #define K_CHUNK_512 128

@@ -126,7 +126,10 @@ static inline __attribute__((always_inline)) void attend_range(
         float *o, float *s, float *m, float *l, float *alpha, float *kt) {
     for (int64_t j0 = lo; j0 < hi; j0 += BLOCK) {
         const int64_t n = hi - j0 < BLOCK ? hi - j0 : BLOCK;
-        const int64_t a0 = j0 + AHEAD, na = hi - a0 < 0 ? 0 : hi - a0 < BLOCK ? hi - a0 : BLOCK;
+        /* the keys AHEAD on, asked for by the narrow path (the wide one's prefix is
+         * compute-bound: no prefetch changed it) */
+        const int64_t a0 = j0 + AHEAD,
+                      na = kt != NULL || hi - a0 < 0 ? 0 : hi - a0 < BLOCK ? hi - a0 : BLOCK;
         const float *k[BLOCK], *v[BLOCK], *ka[BLOCK], *va[BLOCK];
         for (int64_t j = 0; j < n; j++) {
             k[j] = k_pool + (int64_t)slots[j0 + j] * kv_row;

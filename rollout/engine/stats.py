@@ -90,10 +90,6 @@ class EngineStats:
         if any(it.num_new == 1 and it.start >= it.seq.num_prompt for it in batch.items):
             self.decode_steps += 1
 
-    def record_step_cost(self, line: tuple[float, float] | None) -> None:
-        if line is not None:
-            self.spec_step_fixed_seconds, self.spec_position_seconds = line
-
     @property
     def tokens_per_second(self) -> float:
         return self.generated_tokens / self.step_seconds if self.step_seconds else 0.0

@@ -100,7 +100,6 @@ class StepRunner:
             # not (they keep the batch-share bar, spec/cost.py).
             self.speculator.observe_step(sum(it.num_new for it in batch.items),
                                          marks[5] - marks[3])
-            self.stats.record_step_cost(self.speculator.cost.line())
         return True
 
     def _discard_pending(self) -> None:

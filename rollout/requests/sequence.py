@@ -138,9 +138,9 @@ class Sequence:
 
     def reusable_tokens(self) -> list:
         """The key (cache_key) of the tokens whose K/V admission may take from the prefix
-        cache: all but the newest,
-        whose logits give the next sample; a scored sequence's below its first unknown row
-        (a cache hit skips the forward that would compute the rows it covers)."""
+        cache: all but the newest, whose logits give the next sample; a scored sequence's
+        below its first unknown row (a cache hit skips the forward that would compute the rows
+        it covers)."""
         return self.cache_key(self.num_tokens - 1 if self.score is None else self.score.filled)
 
     def cache_key(self, end: int) -> list:

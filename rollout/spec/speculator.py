@@ -81,20 +81,23 @@ class Speculator:
                    seq.params.max_tokens - seq.num_output - 1,
                    self.max_model_len - seq.num_tokens - 1)
 
-    def _paying(self, seq: Sequence, source: str, decodes: int) -> int:
+    def _bar(self, decodes: int) -> float:
+        """The chance a draft token must have of being kept to pay at `decodes` decoding
+        samples (_paying): from the measured step cost, else the batch's share of
+        max_batch_size."""
+        bar = self.cost.bar(decodes)
+        return decodes / self.config.max_batch_size if bar is None else bar
+
+    def _paying(self, seq: Sequence, source: str, bar: float) -> int:
         """SpeculativeConfig.adaptive: the draft length whose last token still has a fair
         chance. Draft token i is kept with about a**i (a: the running acceptance per draft
         token of this sample's drafts from `source`, or of the engine's from it before the
-        sample has one), and a verify position is worth it while that chance beats the bar the
-        machine's measured step cost sets (spec/cost.py): a sample alone in a rollout's tail
-        drafts long where a step costs about the same whatever its size, a full batch on a CPU
-        only what it nearly always keeps. Until the cost is known, the bar is the batch's share
-        of max_batch_size. At least one token, so the estimate keeps learning (the back-off
+        sample has one), and a verify position is worth it while that chance beats `bar`
+        (_bar, once a step: the machine's measured step cost, spec/cost.py): a sample alone in
+        a rollout's tail drafts long where a step costs about the same whatever its size, a
+        full batch on a CPU only what it nearly always keeps. At least one token, so the estimate keeps learning (the back-off
         handles total misses)."""
         a = self._rates.get(seq.seq_id, {}).get(source, self.rates.get(source, 0.5))
-        bar = self.cost.bar(decodes)
-        if bar is None:
-            bar = decodes / self.config.max_batch_size
         if a >= 1 or bar <= 0:
             return self.config.num_speculative_tokens
         if a <= 0 or bar >= 1:
@@ -118,10 +121,11 @@ class Speculator:
         proposals = self.drafter.propose_batch([(it.seq, k) for it, k in wanted], self.siblings)
         origins = self.drafter.last_sources or [self.config.method] * len(wanted)
         extended = 0
+        bar = self._bar(len(decodes)) if self.config.adaptive else None
         with self.kv.journal.unit():
             for (it, _), (draft, probs), origin in zip(wanted, proposals, origins):
                 if draft and self.config.adaptive:
-                    keep = self._paying(it.seq, origin, len(decodes))
+                    keep = self._paying(it.seq, origin, bar)
                     draft, probs = draft[:keep], None if probs is None else probs[:keep]
                 if draft and self._add_draft(it, draft, probs):
                     extended += 1
