@@ -1,4 +1,5 @@
-"""Device memory handed back to the driver after sleep, and the bytes a set of tensors holds."""
+"""Device memory handed back to the driver after sleep, host copies of device tensors, and the
+bytes a set of tensors holds."""
 
 from __future__ import annotations
 
@@ -21,6 +22,14 @@ def release_cuda_cache(device: torch.device) -> None:
     torch.cuda.synchronize(device)
     clear_cublas_workspaces()
     torch.cuda.empty_cache()
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` in host memory: pinned when `t` is on a GPU, so that the copy back to the
+    device can run asynchronously."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
+    host.copy_(t)
+    return host
 
 
 def tensor_bytes(tensors) -> int:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..fields import as_bool
-from .device_memory import tensor_bytes
+from .device_memory import host_copy, tensor_bytes
 
 SEPARATE_HOST_MEMORY = "separate_host_memory"  # the EngineConfig.extra key (see above)
 
@@ -52,9 +52,7 @@ class WeightParking:
             if level == 2:
                 self.dropped[name] = (self.host.pop(name, t).shape, t.dtype)
             elif to_host and name not in self.host:
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.device.type == "cuda")
-                host.copy_(t.data)
-                self.host[name] = host
+                self.host[name] = host_copy(t.data)
             else:
                 continue
             t.data = torch.empty(0, dtype=t.dtype, device=self.device)

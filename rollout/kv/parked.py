@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..colocation.device_memory import host_copy, tensor_bytes
 from .manager import KVManager
 
 
@@ -31,7 +32,7 @@ class ParkedKV:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.kv, *self.extras.values()))
+        return tensor_bytes((self.kv, *self.extras.values()))
 
 
 def park(kv: KVManager, keys: list[list]) -> ParkedKV:
@@ -49,13 +50,8 @@ def park(kv: KVManager, keys: list[list]) -> ParkedKV:
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A gathered copy on the host; from a GPU into pinned memory, so that the copy back at
-    wake-up can run asynchronously. (On the CPU the gather is the copy already.)"""
-    if t.device.type == "cpu":
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t)
-    return host
+    """A gathered copy on the host (on the CPU the gather made the copy already)."""
+    return t if t.device.type == "cpu" else host_copy(t)
 
 
 def unpark(kv: KVManager, parked: ParkedKV) -> None:
