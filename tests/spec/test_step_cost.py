@@ -6,6 +6,7 @@ whose steps cost alike whatever their size (a GPU at rollout batch sizes), outpu
 
 import numpy as np
 import pytest
+from helpers import pin_step_cost
 from models import tiny_model
 
 from rollout import Engine, EngineConfig, SamplingParams, SpeculativeConfig
@@ -68,15 +69,12 @@ def test_unknown_until_the_steps_tell_the_parts_apart():
     assert flat.bar(32) == 0.0
 
 
-def engine_with_cost(model, positions_seconds):
+def engine_with_cost(model, fixed, per_position):
     """An adaptive n-gram engine whose step cost is the given machine's, held fixed."""
-    engine = Engine(model, EngineConfig(kv_cache_tokens=4096, max_model_len=160,
-                                        speculative=SpeculativeConfig(
-                                            "ngram", num_speculative_tokens=6, adaptive=True)))
-    for p, s in positions_seconds:
-        engine.speculator.cost.observe(p, s)
-    engine.speculator.observe_step = lambda positions, seconds: None
-    return engine
+    return pin_step_cost(Engine(model, EngineConfig(
+        kv_cache_tokens=4096, max_model_len=160,
+        speculative=SpeculativeConfig("ngram", num_speculative_tokens=6, adaptive=True))),
+        fixed, per_position)
 
 
 def test_draft_lengths_follow_the_machine():
@@ -89,9 +87,8 @@ def test_draft_lengths_follow_the_machine():
     params = SamplingParams(n=4, max_tokens=48, temperature=0, ignore_eos=True)
     plain = Engine(model, EngineConfig(kv_cache_tokens=4096, max_model_len=160))
     expected = [[s.token_ids for s in o.samples] for o in plain.generate(prompts, params)]
-    sizes = range(1, 200, 7)
-    flat = engine_with_cost(model, [(p, 0.007) for p in sizes])
-    proportional = engine_with_cost(model, [(p, 0.001 * p) for p in sizes])
+    flat = engine_with_cost(model, 0.007, 0.0)
+    proportional = engine_with_cost(model, 0.0, 0.001)
     per_verification = {}
     for name, engine in (("flat", flat), ("proportional", proportional)):
         got = [[s.token_ids for s in o.samples] for o in engine.generate(prompts, params)]

@@ -1,4 +1,4 @@
-"""Driving the engine step by step with invariant checks."""
+"""Driving the engine step by step with invariant checks; pinning what its steps cost."""
 
 from rollout import Engine
 
@@ -19,3 +19,14 @@ def run_checked(engine: Engine, prompts, params) -> list:
 
 def samples(outs) -> list[list[list[int]]]:
     return [[s.token_ids for s in o.samples] for o in outs]
+
+
+def pin_step_cost(engine: Engine, fixed: float, per_position: float) -> Engine:
+    """Adaptive speculation weighs drafts against the step cost the engine measures on its own
+    clock (rollout/spec/cost.py): a test that counts drafts would depend on how loaded the
+    machine is. This gives the engine the cost line of a machine whose step costs `fixed` +
+    `per_position` x positions seconds and stops it observing its own steps."""
+    for positions in range(1, 200, 7):
+        engine.speculator.cost.observe(positions, fixed + per_position * positions)
+    engine.speculator.observe_step = lambda positions, seconds: None
+    return engine
