@@ -2,7 +2,7 @@
 rollout/sample/sampler.py. Not part of CI; prints only.
 
     python bench/sampling.py [--batch 128 8] [--vocab 49152] [--repeats 7] [--threads N]
-                             [--logits normal peaked flat]
+                             [--logits normal peaked flat] [--draw]
 
 A step is `rollout.sampler.sample` (log_softmax, filter, counter-noise Gumbel-max, logprob
 gather) on fp32 logits. "old" swaps in the previous filter (a full sort with indices, kept below
@@ -10,6 +10,10 @@ verbatim as the reference); "new" is the current one. Old and new alternate, bes
 Logits: "normal" = N(0, 1) x 3 (about 2,000 tokens cover top_p = 0.9 of a 49,152 vocab);
 "peaked" = the same plus three leading tokens (top-1 probability ~0.05 to ~0.999 across
 rows, an LM-like step);
+--draw: instead, the cpu backend's draw of a batch without filters (temperature 1 and 0.8): the
+whole batch at once (`draw` with the C Gumbel-max, what it was) against `draw_cpu`, a block of
+rows at a time (same tokens and logprobs, checked), each on fresh logits as in the engine.
+
 "flat" = N(0, 1) x 0.5 (what a random-weight head gives: hidden norm ~sqrt(576) times
 weights of std 0.02; top_p = 0.9 keeps most of the vocab).
 
@@ -29,7 +33,7 @@ import torch
 
 from rollout.sample import filters as sampling_filter
 from rollout.sample import sampler
-from rollout.sample.sampler import SamplingBatch, sample
+from rollout.sample.sampler import SamplingBatch, draw, draw_cpu, gumbel_argmax_cpu, sample
 
 
 def old_target_logprobs(logits, batch):
@@ -120,6 +124,31 @@ def run(rows: int, vocab: int, kind: str, repeats: int) -> None:
           f"{100 * top_p.get('reference', 0) / rows:.0f}% (to the full sort with indices)")
 
 
+def run_draw(rows: int, vocab: int, kind: str, repeats: int) -> None:
+    """Each draw gets fresh logits, as each engine step's LM head makes (the allocator then
+    faults pages in for the whole-batch path's [B, V] temporaries, as in the engine)."""
+    logits = make_logits(kind, rows, vocab)
+    print(f"\nbatch {rows}, vocab {vocab}, {kind} logits, no filter, best of {repeats} "
+          f"(ms per draw)")
+    for temperature in (1.0, 0.8):
+        b = SamplingBatch.build([temperature] * rows, [0] * rows, [1.0] * rows, [0.0] * rows,
+                                list(range(rows)), [17] * rows, "cpu")
+        paths = {"whole": lambda x: draw(x, b, gumbel_argmax_cpu)[:2],
+                 "blocks": lambda x: draw_cpu(x, b)[:2]}
+        assert all(torch.equal(x, y) for x, y in zip(paths["whole"](logits),
+                                                     paths["blocks"](logits)))
+        best = {name: float("inf") for name in paths}
+        for _ in range(repeats):
+            for name, path in paths.items():
+                fresh = logits.clone()
+                start = time.perf_counter()
+                path(fresh)
+                best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
+                del fresh
+        print(f"temperature {temperature}: whole batch {best['whole']:.1f}, in blocks "
+              f"{best['blocks']:.1f} = {best['whole'] / best['blocks']:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[128, 8])
@@ -129,13 +158,15 @@ def main() -> None:
                         help="torch threads (0: torch's default); 1 is steadier on a busy host")
     parser.add_argument("--logits", nargs="+", default=["normal", "peaked", "flat"],
                         choices=["normal", "peaked", "flat"])
+    parser.add_argument("--draw", action="store_true",
+                        help="the cpu backend's unfiltered draw, whole batch vs blocks")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     for kind in args.logits:
         for rows in args.batch:
-            run(rows, args.vocab, kind, args.repeats)
+            (run_draw if args.draw else run)(rows, args.vocab, kind, args.repeats)
 
 
 if __name__ == "__main__":

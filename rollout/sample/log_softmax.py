@@ -12,13 +12,28 @@ cores (630.4 against 635.5 tok/s with torch's, best of 3, interleaved: docs/benc
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
-def log_softmax(x: torch.Tensor) -> torch.Tensor:
+def as_batch(reduce: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """reduce(x), a reduction over the last dimension that keeps it (size 1), rounded for a lone
+    row as for the same row in a batch. torch reduces a batch's rows one per thread, each in the
+    same order, but splits a lone row (a single output) across threads when it is long (32,768
+    elements or more), which rounds differently: a token's logprob would depend on whether
+    anything else was sampled with it. A lone row is reduced as two rows of a broadcast view (no
+    copy)."""
+    if x.dim() == 0 or x.shape[:-1].numel() != 1:
+        return reduce(x)
+    return reduce(x.reshape(1, -1).expand(2, -1))[:1].reshape(*x.shape[:-1], 1)
+
+
+def log_softmax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """log_softmax(x, dim=-1) in x's dtype; differentiable (the shift by the row's max is
-    constant to it: the max is taken off the graph)."""
-    shifted = x - x.detach().amax(dim=-1, keepdim=True)
-    log_total = shifted.exp().sum(dim=-1, keepdim=True).log()
+    constant to it: the max is taken off the graph). `out`: written there (it may be x itself)
+    instead of into a new tensor; not differentiable then."""
+    shifted = torch.sub(x, x.detach().amax(dim=-1, keepdim=True), out=out)
+    log_total = as_batch(lambda e: e.sum(dim=-1, keepdim=True), shifted.exp()).log()
     # In place: nothing on the graph keeps `shifted` (exp's backward reads exp's output).
     return shifted.sub_(log_total)

@@ -23,9 +23,10 @@ from .log_softmax import log_softmax
 from .noise import TOKEN_STREAM, gumbel_noise, row_keys
 from .support import sampled_at
 
-# Elements of [B, V] noise drawn at once on the CPU: 4 MB per int32/fp32 temporary, so the
-# temporaries of one block stay in a shared L3 cache.
-_NOISE_BLOCK_ELEMENTS = 1 << 20
+# Elements of [B, V] computed at once on the CPU (the noise of the torch path, the logprobs of
+# draw_in_blocks): 4 MB per int32/fp32 temporary, so the temporaries of one block of rows stay
+# in a shared L3 cache.
+_BLOCK_ELEMENTS = 1 << 20
 
 
 @dataclass
@@ -67,6 +68,17 @@ class SamplingBatch:
             truncated=tuple(t != 0 and (k > 0 or p < 1 or m > 0)
                             for t, k, p, m in zip(temperature, top_k, top_p, min_p)),
         )
+
+    def rows(self, r: slice) -> "SamplingBatch":
+        """The batch of rows `r`."""
+        greedy = (self.temperature[r] == 0).tolist()
+        return SamplingBatch(
+            self.temperature[r], self.top_k[r], self.top_p[r], self.min_p[r], self.seed[r],
+            self.position[r], all_greedy=all(greedy), any_greedy=any(greedy),
+            needs_filter=self.needs_filter and bool(
+                ((self.top_k[r] > 0) | (self.top_p[r] < 1) | (self.min_p[r] > 0)).any()),
+            unit_temperature=self.unit_temperature, greedy=tuple(greedy),
+            truncated=self.truncated[r])
 
     @classmethod
     def for_sequences(cls, rows: list, device: torch.device | str) -> "SamplingBatch":
@@ -118,7 +130,7 @@ def gumbel_argmax_torch(candidates: torch.Tensor, batch: SamplingBatch,
     # temporaries fit in the cache it runs about 2x faster. Each row's noise and argmax depend
     # on that row alone: the same tokens.
     tokens = torch.empty(candidates.shape[0], dtype=torch.long)
-    block = max(1, _NOISE_BLOCK_ELEMENTS // vocab)
+    block = max(1, _BLOCK_ELEMENTS // vocab)
     for i in range(0, candidates.shape[0], block):
         rows = slice(i, i + block)
         noise = gumbel_noise(batch.seed[rows], batch.position[rows], vocab, stream)
@@ -168,7 +180,35 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
 
 
 def draw_cpu(logits: torch.Tensor, batch: SamplingBatch):
-    return draw(logits, batch, gumbel_argmax_cpu)
+    """`draw` with the C Gumbel-max; with no filter and more rows than a block, in blocks of
+    rows whose temporaries stay in the cache (draw_in_blocks); it then keeps no candidates (the
+    rows are untruncated: their candidates are their logprobs, asked for by no one)."""
+    if batch.needs_filter or logits.numel() <= _BLOCK_ELEMENTS:
+        return draw(logits, batch, gumbel_argmax_cpu)
+    return draw_in_blocks(logits, batch)
+
+
+def draw_in_blocks(logits: torch.Tensor, batch: SamplingBatch):
+    """`draw`'s tokens and logprobs, bit for bit, for a batch without filters, a block of rows
+    at a time through one scratch block: log_softmax in place there, the Gumbel-max and the
+    logprobs read from it while it is in the cache. Over the whole batch at once each of
+    log_softmax's passes streams [B, V] through memory, into new tensors that page-fault on
+    first touch (bench/sampling.py --draw measures both; docs/benchmarks.md)."""
+    rows, vocab = logits.shape
+    tokens = torch.empty(rows, dtype=torch.long)
+    logprobs = torch.empty(rows)
+    block = max(2, _BLOCK_ELEMENTS // vocab)
+    scratch = torch.empty(min(block, rows), vocab)
+    temperature = torch.where(batch.temperature == 0, 1.0, batch.temperature)[:, None]
+    for i in range(0, rows, block):
+        r = slice(i, min(i + block, rows))
+        logp = scratch[:r.stop - i].copy_(logits[r])  # the float32 of target_logprobs
+        if not batch.unit_temperature:
+            logp.div_(temperature[r])
+        log_softmax(logp, out=logp)
+        tokens[r] = pick(logits[r], logp, batch.rows(r), TOKEN_STREAM, gumbel_argmax_cpu)
+        logprobs[r] = logp.gather(-1, tokens[r, None]).squeeze(-1)
+    return tokens, logprobs, None
 
 
 def draw_triton(logits: torch.Tensor, batch: SamplingBatch):

@@ -54,3 +54,25 @@ def test_gradient_is_log_softmax_s():
     exact = x.detach().double().requires_grad_()
     (exact.log_softmax(-1) * weights.double()).sum().backward()
     assert_as_exact_as(ours, exact.grad, x.grad, "gradient")
+
+
+@pytest.fixture
+def two_threads():
+    """torch splits a lone long row's sum across threads only when it has more than one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("vocab", [49152, 151936])
+def test_a_lone_row_rounds_as_in_a_batch(vocab, two_threads):
+    """A token's logprob does not depend on whether it was sampled alone: a lone row, as [1, V]
+    or [V], gives the bits of the same row in a batch (torch's own sum of a lone row over two
+    threads does not, at these sizes)."""
+    x = torch.randn(5, vocab, generator=torch.Generator().manual_seed(vocab)) * 3
+    batched = log_softmax(x)
+    assert torch.equal(log_softmax(x[2:3]), batched[2:3])
+    assert torch.equal(log_softmax(x[2]), batched[2])
+    out = torch.empty_like(x)
+    assert log_softmax(x, out=out) is out and torch.equal(out, batched)

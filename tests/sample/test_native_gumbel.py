@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rollout.sample.noise import gumbel_noise, row_keys
+from rollout.sample import sampler
 from rollout.sample.sampler import SamplingBatch, draw_cpu, sample
 from rollout_kernels import cpu as native
 from rollout_kernels.cpu import gumbel
@@ -99,3 +100,30 @@ def test_sample_is_the_torch_path_with_filters_and_greedy_rows():
     native = draw_cpu(logits, b)[:2]
     torch_path = sample(logits, b)
     assert torch.equal(native[0], torch_path[0]) and torch.equal(native[1], torch_path[1])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows,vocab,dtype", [(1, 49152, torch.float32), (2, 49152, torch.float32),
+                                              (43, 49152, torch.float32),
+                                              (1100, 1000, torch.float32),
+                                              (53, 40000, torch.bfloat16)])
+def test_unfiltered_rows_drawn_in_blocks_are_the_torch_path(rows, vocab, dtype, threads):
+    """Without filters the cpu backend draws a block of rows at a time (draw_in_blocks) once the
+    batch is larger than a block: the tokens and logprobs of the torch reference, bit for bit,
+    at batch sizes within one block, of several blocks, of blocks and a lone row (43 and 53),
+    with greedy rows, several temperatures or all at 1, bf16 logits."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(rows)
+        logits = (torch.randn(rows, vocab, generator=gen) * 3).to(dtype)
+        for temperature in ([0.0 if i % 5 == 1 else 0.6 + i / rows for i in range(rows)],
+                            [1.0] * rows, [0.0] * rows):
+            b = SamplingBatch.build(temperature, [0] * rows, [1.0] * rows, [0.0] * rows,
+                                    list(range(rows)), [7 * i for i in range(rows)], "cpu")
+            tokens, logprobs, candidates = draw_cpu(logits, b)
+            want = sample(logits, b)
+            assert (candidates is None) == (rows * vocab > sampler._BLOCK_ELEMENTS)
+            assert torch.equal(tokens, want[0]) and torch.equal(logprobs, want[1])
+    finally:
+        torch.set_num_threads(before)

@@ -322,7 +322,7 @@ def test_noise_drawn_in_blocks_of_rows_picks_the_tokens_of_the_whole_batch(monke
     noise = gumbel_noise(b.seed, b.position, vocab, stream=2)
     want = torch.where(b.temperature == 0, logits.argmax(-1), (candidates + noise).argmax(-1))
     for block_rows in (1, 4, rows, 2 * rows):
-        monkeypatch.setattr("rollout.sample.sampler._NOISE_BLOCK_ELEMENTS", block_rows * vocab)
+        monkeypatch.setattr("rollout.sample.sampler._BLOCK_ELEMENTS", block_rows * vocab)
         assert torch.equal(pick(logits, candidates, b, stream=2), want), block_rows
 
 
