@@ -202,9 +202,11 @@ def draw_in_blocks(logits: torch.Tensor, batch: SamplingBatch):
     temperature = torch.where(batch.temperature == 0, 1.0, batch.temperature)[:, None]
     for i in range(0, rows, block):
         r = slice(i, min(i + block, rows))
-        logp = scratch[:r.stop - i].copy_(logits[r])  # the float32 of target_logprobs
-        if not batch.unit_temperature:
-            logp.div_(temperature[r])
+        logp = scratch[:r.stop - i]
+        if batch.unit_temperature:
+            logp.copy_(logits[r])  # the float32 of target_logprobs
+        else:  # in float32 whatever the logits' dtype (its type promotion)
+            torch.div(logits[r], temperature[r], out=logp)
         log_softmax(logp, out=logp)
         tokens[r] = pick(logits[r], logp, batch.rows(r), TOKEN_STREAM, gumbel_argmax_cpu)
         logprobs[r] = logp.gather(-1, tokens[r, None]).squeeze(-1)
