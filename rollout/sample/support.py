@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .log_softmax import as_batch
+
 
 def support_ids(candidates: torch.Tensor, rows: list[int]) -> list[torch.Tensor]:
     """The kept token ids (int32, ascending, on the CPU) of each of `rows` of `candidates`
@@ -33,8 +35,8 @@ def support_ids(candidates: torch.Tensor, rows: list[int]) -> list[torch.Tensor]
 
 def truncated_logprobs(candidates: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log p(token) under each row's renormalised candidates: candidates[t] - logsumexp."""
-    lse = torch.logsumexp(candidates, dim=-1)
-    return candidates.gather(-1, tokens[:, None]).squeeze(-1) - lse
+    lse = as_batch(lambda c: torch.logsumexp(c, dim=-1, keepdim=True), candidates)
+    return (candidates.gather(-1, tokens[:, None]) - lse).squeeze(-1)
 
 
 def sampled_at(candidates: torch.Tensor | None, rows: list[int], tokens: list[int],

@@ -7,6 +7,7 @@ with GQA, sliding windows with soft-capping (Gemma 2), and q/k norms (Qwen3)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 
@@ -81,6 +82,22 @@ def test_alone_equals_batched(family, dtype):
     assert record(tight.generate(prompts, params)) == reference
     assert tight.stats.preemptions > 0
     tight.check_invariants()
+
+
+def test_alone_equals_batched_on_two_threads_with_a_long_vocabulary():
+    """The suite runs on one thread; with two, torch splits the sum of a lone row of 32,768
+    elements or more across them (a request decoding alone, n = 1): its logprobs must still be
+    the bits it gets in a batch (rollout/sample/log_softmax.py as_batch)."""
+    model = tiny_model("llama", seed=1, vocab_size=40000)
+    prompts, params = requests(count=6)
+    params = [dataclasses.replace(sp, n=1) for sp in params]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        reference = alone(model, prompts, params)
+        assert record(engine(model).generate(prompts, params)) == reference
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -9,6 +9,7 @@ import torch
 from floors import assert_as_exact_as
 
 from rollout.sample.log_softmax import log_softmax
+from rollout.sample.support import truncated_logprobs
 
 EPS = torch.finfo(torch.float32).eps
 BOUND_EPS = 8  # the largest measured, 5.5 eps at 152K tokens, and headroom
@@ -67,12 +68,18 @@ def two_threads():
 
 @pytest.mark.parametrize("vocab", [49152, 151936])
 def test_a_lone_row_rounds_as_in_a_batch(vocab, two_threads):
-    """A token's logprob does not depend on whether it was sampled alone: a lone row, as [1, V]
-    or [V], gives the bits of the same row in a batch (torch's own sum of a lone row over two
-    threads does not, at these sizes)."""
+    """A token's logprob and sampling logprob do not depend on whether it was sampled alone: a
+    lone row, as [1, V] or [V], gives the bits of the same row in a batch (torch's own sum and
+    logsumexp of a lone row over two threads do not, at these sizes)."""
     x = torch.randn(5, vocab, generator=torch.Generator().manual_seed(vocab)) * 3
     batched = log_softmax(x)
     assert torch.equal(log_softmax(x[2:3]), batched[2:3])
     assert torch.equal(log_softmax(x[2]), batched[2])
+    cut = batched.masked_fill(batched < -9, float("-inf"))  # a truncated distribution
+    tokens = cut.argmax(dim=-1)
+    want = truncated_logprobs(cut, tokens)
+    for row in range(5):  # torch's logsumexp of a lone row rounds some of these apart
+        assert torch.equal(truncated_logprobs(cut[row:row + 1], tokens[row:row + 1]),
+                           want[row:row + 1])
     out = torch.empty_like(x)
     assert log_softmax(x, out=out) is out and torch.equal(out, batched)
