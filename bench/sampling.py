@@ -4,9 +4,9 @@ rollout/sample/sampler.py. Not part of CI; prints only.
     python bench/sampling.py [--batch 128 8] [--vocab 49152] [--repeats 7] [--threads N]
                              [--logits normal peaked flat] [--draw]
 
-A step is `rollout.sampler.sample` (log_softmax, filter, counter-noise Gumbel-max, logprob
-gather) on fp32 logits. "old" swaps in the previous filter (a full sort with indices, kept below
-verbatim as the reference); "new" is the current one. Old and new alternate, best of N each.
+A step is the cpu backend's `draw_cpu` (log_softmax, filter, counter-noise Gumbel-max in C,
+logprob gather) on fp32 logits. "old" swaps in the previous filter (a full sort with indices,
+kept below as the reference, with today's log_softmax); "new" is the current one. Old and new alternate, best of N each.
 Logits: "normal" = N(0, 1) x 3 (about 2,000 tokens cover top_p = 0.9 of a 49,152 vocab);
 "peaked" = the same plus three leading tokens (top-1 probability ~0.05 to ~0.999 across
 rows, an LM-like step);
@@ -33,14 +33,15 @@ import torch
 
 from rollout.sample import filters as sampling_filter
 from rollout.sample import sampler
-from rollout.sample.sampler import SamplingBatch, draw, draw_cpu, gumbel_argmax_cpu, sample
+from rollout.sample.log_softmax import log_softmax
+from rollout.sample.sampler import SamplingBatch, draw, draw_cpu, gumbel_argmax_cpu
 
 
 def old_target_logprobs(logits, batch):
     """target_logprobs as it was: every row filtered by the full sort."""
     logits = logits.float()
     temperature = torch.where(batch.temperature == 0, 1.0, batch.temperature)
-    logp = (logits / temperature[:, None]).log_softmax(dim=-1)
+    logp = log_softmax(logits / temperature[:, None])
     if batch.needs_filter:
         return logp, sampling_filter.filter_by_sort(logp, batch.top_k, batch.top_p, batch.min_p)
     return logp, logp
@@ -96,11 +97,11 @@ def run(rows: int, vocab: int, kind: str, repeats: int) -> None:
     fns, shares = {}, {}
     for name, params in CASES.items():
         b = batch_for(rows, params)
-        fns[(name, "new")] = lambda b=b: sample(logits, b)
+        fns[(name, "new")] = lambda b=b: draw_cpu(logits, b)[:2]
 
         def old(b=b):
             with mock.patch.object(sampler, "target_logprobs", old_target_logprobs):
-                return sample(logits, b)
+                return draw_cpu(logits, b)[:2]
         fns[(name, "old")] = old
         stats: dict[str, int] = {}
         if b.needs_filter:

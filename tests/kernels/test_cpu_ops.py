@@ -10,7 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout_kernels import cpu as native
-from rollout_kernels.cpu import checked_copy, gumbel, linear, norm_rope, paged_attention, silu_mul
+from rollout_kernels.cpu import (checked_copy, gumbel, linear, norm_rope, paged_attention,
+                                  radix_sort, silu_mul)
 from rollout_kernels.cpu.ops import watched
 
 pytestmark = pytest.mark.skipif(not native.has("rms_norm_f32", "paged_attention_f32"),
@@ -55,7 +56,9 @@ def samples():
            (silu_mul.silu_mul, (x, delta)),
            (paged_attention.attend, attention_args(store=False)),
            (paged_attention.attend, attention_args(store=True)),
-           (checked_copy.copy_with_sums, (torch.empty(5, 24), x))]
+           (checked_copy.copy_with_sums, (torch.empty(5, 24), x)),
+           (radix_sort.sort_rows, (torch.randint(-2**31, 2**31 - 1, (3, 40), generator=gen,
+                                                 dtype=torch.int32),))]
     if linear.supported(torch.device("cpu"), torch.float32):
         w = torch.randn(40, 24, generator=gen)
         out += [(linear.linear, (x, linear.pack_panels(w), 40)),
