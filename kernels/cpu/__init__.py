@@ -5,7 +5,8 @@ under rollout_kernels.cache, and loaded with ctypes.
 Torch's CPU ops leave a decode step to gathers, padded tiles and many small ops:
 paged_attention.c reads the KV pool in place, linear.c multiplies by weights packed in panels,
 norm_rope.c does RMSNorm and rotary in one pass each, silu_mul.c the gated MLP's activation,
-gumbel.c draws the sampler's tokens, radix_sort.c sorts the rows the top-p filter must sort;
+gumbel.c draws the sampler's tokens, radix_sort.c and top_p_prefix.c sort and scan the rows
+the top-p filter must sort;
 checked_copy.c is update_weights' verified copy. Plain C
 with no torch headers, so the build needs only a C compiler. OpenMP: the library asks for
 `libgomp.so.1`, which the loader resolves to the one torch already loaded, so both share one
@@ -50,7 +51,7 @@ import torch
 from ..cache import cache_root
 
 SOURCES = ("paged_attention.c", "gumbel.c", "norm_rope.c", "silu_mul.c", "linear.c",
-           "checked_copy.c", "radix_sort.c")
+           "checked_copy.c", "radix_sort.c", "top_p_prefix.c")
 # Headers: not compiled on their own, part of the build's key.
 HEADERS = ("exp_approx.h", "attention_avx2.h")
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -71,6 +72,7 @@ SIGNATURES = {
     "linear_add_f32": ([_P, _I64, _I64, _I64, _P, _I64, _P, _I64, _F32, _INT], None),
     "checked_copy": ([_P, _P, _I64, _INT, ctypes.c_uint32, _P, _P, _P, _INT], None),
     "radix_sort_u32": ([_P, _I64, _I64, _I64], _INT),
+    "top_p_prefix_f32": ([_P, _I64, _I64, _I64, _I64, _P, _P, ctypes.c_double, _P], None),
 }
 # What a CPU without AVX2 and FMA leaves out of the build (the C says so with #if).
 NEEDS_AVX2_FMA = {"gumbel_argmax_f32", "gumbel_all_uniforms", "linear_f32", "linear_add_f32"}

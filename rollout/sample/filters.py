@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from rollout_kernels.cpu import radix_sort as native_sort
+from rollout_kernels.cpu import top_p_prefix as native_prefix
 
 # --- top-k / top-p / min-p ----------------------------------------------------------------
 #
@@ -136,7 +137,26 @@ def _prefix_exact(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
     Past `length`, every position is dropped when position length-1 is past top-k or its cumsum
     C reaches top_p + 2**-22: for i > b, C_i - p_i >= A_{i-1} - 2 * 2**-24 >= C_b - 3 * 2**-24
     (A: the cumsum accumulator, float32 or float64, nondecreasing; each cast and addition of
-    values < 2 rounds by at most 2**-24) > top_p, so the float32 difference is >= top_p."""
+    values < 2 rounds by at most 2**-24) > top_p, so the float32 difference is >= top_p.
+
+    On the CPU in one fused pass per row (kernels/cpu/top_p_prefix.c, the same bits; rows
+    split over the filter's threads), else in torch ops (`_prefix_exact_ops`)."""
+    if not (native_prefix.supported() and probs.device.type == "cpu"
+            and probs.dtype == torch.float32 and probs.stride(-1) == 1):
+        return _prefix_exact_ops(probs, k, top_p, length)
+    out = torch.empty(probs.shape[0], dtype=torch.int64)
+
+    def scan(lo: int, hi: int) -> None:
+        out[lo:hi] = native_prefix.prefix_lengths(probs[lo:hi], k[lo:hi], top_p[lo:hi],
+                                                  length, _DROP_SLACK)
+
+    _in_threads(scan, probs.shape[0])
+    return out
+
+
+def _prefix_exact_ops(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
+                      length: int) -> torch.Tensor:
+    """`_prefix_exact` in torch ops: the reference the C scan is tested against."""
     vocab = probs.shape[-1]
     head = probs[:, :length]
     cum = head.cumsum(dim=-1)

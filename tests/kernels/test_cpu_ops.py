@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout_kernels import cpu as native
 from rollout_kernels.cpu import (checked_copy, gumbel, linear, norm_rope, paged_attention,
-                                  radix_sort, silu_mul)
+                                  radix_sort, silu_mul, top_p_prefix)
 from rollout_kernels.cpu.ops import watched
 
 pytestmark = pytest.mark.skipif(not native.has("rms_norm_f32", "paged_attention_f32"),
@@ -58,7 +58,10 @@ def samples():
            (paged_attention.attend, attention_args(store=True)),
            (checked_copy.copy_with_sums, (torch.empty(5, 24), x)),
            (radix_sort.sort_rows, (torch.randint(-2**31, 2**31 - 1, (3, 40), generator=gen,
-                                                 dtype=torch.int32),))]
+                                                 dtype=torch.int32),)),
+           (top_p_prefix.prefix_lengths, (x.softmax(-1).sort(descending=True).values,
+                                          torch.tensor([24, 3, 24, 24, 1]), torch.full((5,), 0.7),
+                                          24, 2.0 ** -22))]
     if linear.supported(torch.device("cpu"), torch.float32):
         w = torch.randn(40, 24, generator=gen)
         out += [(linear.linear, (x, linear.pack_panels(w), 40)),
