@@ -10,9 +10,9 @@ kept below as the reference, with today's log_softmax); "new" is the current one
 Logits: "normal" = N(0, 1) x 3 (about 2,000 tokens cover top_p = 0.9 of a 49,152 vocab);
 "peaked" = the same plus three leading tokens (top-1 probability ~0.05 to ~0.999 across
 rows, an LM-like step);
---draw: instead, the cpu backend's draw of a batch without filters (temperature 1 and 0.8): the
-whole batch at once (`draw` with the C Gumbel-max, what it was) against `draw_cpu`, a block of
-rows at a time (same tokens and logprobs, checked), each on fresh logits as in the engine.
+--draw: instead, the cpu backend's Sampler.draw of a batch without filters (temperature 1 and
+0.8): the whole batch at once (what it was) against a block of rows at a time (the same emitted
+tokens and logprobs, checked), each on fresh logits as in the engine.
 
 "flat" = N(0, 1) x 0.5 (what a random-weight head gives: hidden norm ~sqrt(576) times
 weights of std 0.02; top_p = 0.9 keeps most of the vocab).
@@ -31,10 +31,11 @@ from unittest import mock
 
 import torch
 
+from rollout.ops.backend import resolve_backend
 from rollout.sample import filters as sampling_filter
 from rollout.sample import sampler
 from rollout.sample.log_softmax import log_softmax
-from rollout.sample.sampler import SamplingBatch, draw, draw_cpu, gumbel_argmax_cpu
+from rollout.sample.sampler import Sampler, SamplingBatch, draw_cpu
 
 
 def old_target_logprobs(logits, batch):
@@ -127,17 +128,17 @@ def run(rows: int, vocab: int, kind: str, repeats: int) -> None:
 
 def run_draw(rows: int, vocab: int, kind: str, repeats: int) -> None:
     """Each draw gets fresh logits, as each engine step's LM head makes (the allocator then
-    faults pages in for the whole-batch path's [B, V] temporaries, as in the engine)."""
+    faults pages in for the whole-batch draw's [B, V] temporaries, as in the engine)."""
     logits = make_logits(kind, rows, vocab)
     print(f"\nbatch {rows}, vocab {vocab}, {kind} logits, no filter, best of {repeats} "
           f"(ms per draw)")
+    whole, blocks = (Sampler(resolve_backend("cpu", torch.device("cpu"))) for _ in range(2))
+    whole._block_rows = False
     for temperature in (1.0, 0.8):
         b = SamplingBatch.build([temperature] * rows, [0] * rows, [1.0] * rows, [0.0] * rows,
                                 list(range(rows)), [17] * rows, "cpu")
-        paths = {"whole": lambda x: draw(x, b, gumbel_argmax_cpu)[:2],
-                 "blocks": lambda x: draw_cpu(x, b)[:2]}
-        assert all(torch.equal(x, y) for x, y in zip(paths["whole"](logits),
-                                                     paths["blocks"](logits)))
+        paths = {"whole": lambda x: whole.draw(x, b), "blocks": lambda x: blocks.draw(x, b)}
+        assert paths["whole"](logits) == paths["blocks"](logits)
         best = {name: float("inf") for name in paths}
         for _ in range(repeats):
             for name, path in paths.items():
@@ -160,7 +161,7 @@ def main() -> None:
     parser.add_argument("--logits", nargs="+", default=["normal", "peaked", "flat"],
                         choices=["normal", "peaked", "flat"])
     parser.add_argument("--draw", action="store_true",
-                        help="the cpu backend's unfiltered draw, whole batch vs blocks")
+                        help="the cpu backend's draw, whole batch vs blocks of rows")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -23,9 +23,9 @@ from .log_softmax import log_softmax
 from .noise import TOKEN_STREAM, gumbel_noise, row_keys
 from .support import sampled_at
 
-# Elements of [B, V] computed at once on the CPU (the noise of the torch path, the logprobs of
-# draw_in_blocks): 4 MB per int32/fp32 temporary, so the temporaries of one block of rows stay
-# in a shared L3 cache.
+# Elements of [B, V] computed at once on the CPU (the noise of the torch path, the rows a
+# Sampler draws together): 4 MB per int32/fp32 temporary, so the temporaries of one block of
+# rows stay in a shared L3 cache.
 _BLOCK_ELEMENTS = 1 << 20
 
 
@@ -180,37 +180,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
 
 
 def draw_cpu(logits: torch.Tensor, batch: SamplingBatch):
-    """`draw` with the C Gumbel-max; with no filter and more rows than a block, in blocks of
-    rows whose temporaries stay in the cache (draw_in_blocks); it then keeps no candidates (the
-    rows are untruncated: their candidates are their logprobs, asked for by no one)."""
-    if batch.needs_filter or logits.numel() <= _BLOCK_ELEMENTS:
-        return draw(logits, batch, gumbel_argmax_cpu)
-    return draw_in_blocks(logits, batch)
-
-
-def draw_in_blocks(logits: torch.Tensor, batch: SamplingBatch):
-    """`draw`'s tokens and logprobs, bit for bit, for a batch without filters, a block of rows
-    at a time through one scratch block: log_softmax in place there, the Gumbel-max and the
-    logprobs read from it while it is in the cache. Over the whole batch at once each of
-    log_softmax's passes streams [B, V] through memory, into new tensors that page-fault on
-    first touch (bench/sampling.py --draw measures both; docs/benchmarks.md)."""
-    rows, vocab = logits.shape
-    tokens = torch.empty(rows, dtype=torch.long)
-    logprobs = torch.empty(rows)
-    block = max(2, _BLOCK_ELEMENTS // vocab)
-    scratch = torch.empty(min(block, rows), vocab)
-    temperature = torch.where(batch.temperature == 0, 1.0, batch.temperature)[:, None]
-    for i in range(0, rows, block):
-        r = slice(i, min(i + block, rows))
-        logp = scratch[:r.stop - i]
-        if batch.unit_temperature:
-            logp.copy_(logits[r])  # the float32 of target_logprobs
-        else:  # in float32 whatever the logits' dtype (its type promotion)
-            torch.div(logits[r], temperature[r], out=logp)
-        log_softmax(logp, out=logp)
-        tokens[r] = pick(logits[r], logp, batch.rows(r), TOKEN_STREAM, gumbel_argmax_cpu)
-        logprobs[r] = logp.gather(-1, tokens[r, None]).squeeze(-1)
-    return tokens, logprobs, None
+    return draw(logits, batch, gumbel_argmax_cpu)
 
 
 def draw_triton(logits: torch.Tensor, batch: SamplingBatch):
@@ -249,12 +219,35 @@ class Sampler:
     def __init__(self, backend) -> None:
         self._draw = backend.bind(DRAW)
         self._gumbel_argmax = backend.bind(GUMBEL_ARGMAX)
+        # On the CPU a batch without filters is drawn a block of rows at a time
+        # (_BLOCK_ELEMENTS): over the whole batch each pass of log_softmax streams [B, V]
+        # through memory, into new tensors that page-fault on first touch; a block's
+        # temporaries stay in the cache, and the heap hands the same blocks back each time.
+        # Filtered batches are not: the filters' fixed cost per call outweighed it
+        # (bench/sampling.py --draw; docs/benchmarks.md). Every row is drawn from its own
+        # logits alone: the same bits either way. (One fused kernel does it all on CUDA.)
+        self._block_rows = backend.device.type == "cpu"
 
     def draw(self, logits: torch.Tensor, batch: SamplingBatch,
              want_support: tuple[bool, ...] | None = None,
              want_logprobs: tuple[bool, ...] | None = None) -> list[Emitted]:
         """One token per row with its logprob and sampling logprob (rows in `want_logprobs`,
         default all), and the support of the rows in `want_support` (support.py)."""
+        rows, vocab = logits.shape
+        in_blocks = self._block_rows and not batch.needs_filter
+        block = max(2, _BLOCK_ELEMENTS // vocab) if in_blocks else rows
+        if rows <= block:
+            return self._draw_rows(logits, batch, want_support, want_logprobs)
+        emitted = []
+        for i in range(0, rows, block):
+            r = slice(i, i + block)
+            emitted += self._draw_rows(logits[r], batch.rows(r), want_support and want_support[r],
+                                       want_logprobs and want_logprobs[r])
+        return emitted
+
+    def _draw_rows(self, logits: torch.Tensor, batch: SamplingBatch,
+                   want_support: tuple[bool, ...] | None,
+                   want_logprobs: tuple[bool, ...] | None) -> list[Emitted]:
         tokens, logprobs, candidates = self._draw(logits, batch)
         want_support = want_support or (False,) * len(batch.greedy)
         needed = [cut and (want_logprobs is None or want_logprobs[r] or want_support[r])

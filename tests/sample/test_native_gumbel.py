@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from rollout.sample.noise import gumbel_noise, row_keys
-from rollout.sample import sampler
-from rollout.sample.sampler import SamplingBatch, draw_cpu, sample
+from rollout.ops.backend import resolve_backend
+from rollout.sample.sampler import Sampler, SamplingBatch, draw_cpu, sample
 from rollout_kernels import cpu as native
 from rollout_kernels.cpu import gumbel
 
@@ -102,28 +102,44 @@ def test_sample_is_the_torch_path_with_filters_and_greedy_rows():
     assert torch.equal(native[0], torch_path[0]) and torch.equal(native[1], torch_path[1])
 
 
+def emitted(outs) -> list:
+    return [(e.tokens, e.logprobs, e.sampling_logprobs,
+             None if e.supports[0] is None else e.supports[0].tolist()) for e in outs]
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows,vocab,dtype", [(1, 49152, torch.float32), (2, 49152, torch.float32),
                                               (43, 49152, torch.float32),
                                               (1100, 1000, torch.float32),
                                               (53, 40000, torch.bfloat16)])
-def test_unfiltered_rows_drawn_in_blocks_are_the_torch_path(rows, vocab, dtype, threads):
-    """Without filters the cpu backend draws a block of rows at a time (draw_in_blocks) once the
-    batch is larger than a block: the tokens and logprobs of the torch reference, bit for bit,
-    at batch sizes within one block, of several blocks, of blocks and a lone row (43 and 53),
-    with greedy rows, several temperatures or all at 1, bf16 logits."""
+def test_a_batch_drawn_in_blocks_of_rows_is_drawn_as_a_whole(rows, vocab, dtype, threads):
+    """The cpu backend's Sampler draws a batch without filters larger than a block a block of
+    rows at a time: the tokens and logprobs of the whole batch drawn at once, bit for bit, and
+    of the torch reference; at batch sizes within one block, of several blocks, of blocks and
+    a lone row (43 and 53), with greedy rows, several temperatures or all at 1, bf16 logits
+    (and batches with filters, drawn whole: the same)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         gen = torch.Generator().manual_seed(rows)
         logits = (torch.randn(rows, vocab, generator=gen) * 3).to(dtype)
-        for temperature in ([0.0 if i % 5 == 1 else 0.6 + i / rows for i in range(rows)],
-                            [1.0] * rows, [0.0] * rows):
-            b = SamplingBatch.build(temperature, [0] * rows, [1.0] * rows, [0.0] * rows,
-                                    list(range(rows)), [7 * i for i in range(rows)], "cpu")
-            tokens, logprobs, candidates = draw_cpu(logits, b)
-            want = sample(logits, b)
-            assert (candidates is None) == (rows * vocab > sampler._BLOCK_ELEMENTS)
-            assert torch.equal(tokens, want[0]) and torch.equal(logprobs, want[1])
+        in_blocks = Sampler(resolve_backend("cpu", torch.device("cpu")))
+        whole = Sampler(resolve_backend("cpu", torch.device("cpu")))
+        whole._block_rows = False
+        want_support = tuple(i % 3 == 0 for i in range(rows))
+        want_logprobs = tuple(i % 4 != 1 for i in range(rows))
+        for temperature, filtered in (([0.0 if i % 5 == 1 else 0.6 + i / rows
+                                        for i in range(rows)], True),
+                                      ([1.0] * rows, False), ([0.0] * rows, False)):
+            b = SamplingBatch.build(
+                temperature, [20 if filtered and i % 3 == 0 else 0 for i in range(rows)],
+                [0.9 if filtered and i % 3 == 1 else 1.0 for i in range(rows)],
+                [0.05 if filtered and i % 7 == 2 else 0.0 for i in range(rows)],
+                list(range(rows)), [7 * i for i in range(rows)], "cpu")
+            got = emitted(in_blocks.draw(logits, b, want_support, want_logprobs))
+            assert got == emitted(whole.draw(logits, b, want_support, want_logprobs))
+            tokens, logprobs = sample(logits, b)
+            assert [g[0][0] for g in got] == tokens.tolist()
+            assert [g[1][0] for g in got] == logprobs.tolist()
     finally:
         torch.set_num_threads(before)
