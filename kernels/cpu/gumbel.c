@@ -77,9 +77,31 @@ static inline __m256i tokens_8(int64_t t) {
                                                                                6, 7));
 }
 
+/* Vectors of tokens whose noise is computed side by side: one vector's noise is a chain of some
+ * 150 cycles of dependent operations (the hash's multiplies, two divisions, two polynomials),
+ * longer than the out-of-order window overlaps with the next vectors', so one vector at a time
+ * left the cores mostly waiting; UNROLL chains interleaved stage by stage keep the units busy
+ * (bench/sampling.py; docs/benchmarks.md). Each chain's lanes are computed as before: the same
+ * bits. */
+#define UNROLL 8
+
 /* s^ for tokens t0 .. t0 + n of a row (n <= CHUNK; lanes past n read -inf), into s. */
 static inline void approx_scores(const float *c, uint32_t key, int64_t t0, int n, float *s) {
-    for (int i = 0; i < n; i += 8) {
+    int i = 0;
+    for (; i + 8 * UNROLL <= n; i += 8 * UNROLL) {
+        __m256 g[UNROLL];
+        for (int u = 0; u < UNROLL; u++)
+            g[u] = uniform_8(mix32_8(_mm256_xor_si256(_mm256_set1_epi32((int32_t)key),
+                                                      tokens_8(t0 + i + 8 * u))));
+        for (int u = 0; u < UNROLL; u++)
+            g[u] = _mm256_xor_ps(approx_log_8(g[u]), _mm256_set1_ps(-0.0f));
+        for (int u = 0; u < UNROLL; u++)
+            g[u] = _mm256_xor_ps(approx_log_8(g[u]), _mm256_set1_ps(-0.0f));
+        for (int u = 0; u < UNROLL; u++)
+            _mm256_storeu_ps(s + i + 8 * u,
+                             _mm256_add_ps(_mm256_loadu_ps(c + t0 + i + 8 * u), g[u]));
+    }
+    for (; i < n; i += 8) {
         __m256 cv;
         if (i + 8 <= n) {
             cv = _mm256_loadu_ps(c + t0 + i);
