@@ -6,9 +6,8 @@ Torch's CPU ops leave a decode step to gathers, padded tiles and many small ops:
 paged_attention.c reads the KV pool in place, linear.c multiplies by weights packed in panels,
 norm_rope.c does RMSNorm and rotary in one pass each, silu_mul.c the gated MLP's activation,
 gumbel.c draws the sampler's tokens, radix_sort.c and top_p_prefix.c sort and scan the rows
-the top-p filter must sort;
-checked_copy.c is update_weights' verified copy. Plain C
-with no torch headers, so the build needs only a C compiler. OpenMP: the library asks for
+the top-p filter must sort; checked_copy.c is update_weights' verified copy. Plain C with no
+torch headers, so the build needs only a C compiler. OpenMP: the library asks for
 `libgomp.so.1`, which the loader resolves to the one torch already loaded, so both share one
 thread pool (two runtimes would each keep threads spinning on the same cores); clang is told to
 use it too (`-fopenmp=libgomp`).

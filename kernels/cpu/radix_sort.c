@@ -25,8 +25,8 @@ static void sort_row(uint32_t *keys, uint32_t *scratch, int64_t n,
     uint32_t *src = keys, *dst = scratch;
     for (int p = 0; p < PASSES; p++) {
         const int shift = DIGIT_BITS * p;
-        /* a digit every key shares moves nothing (the exponent bits of log-probabilities
-         * often do) */
+        /* a digit every key shares (a row of one value; keys whose low bits are all zero)
+         * moves nothing */
         if (count[p][(src[0] >> shift) & (BUCKETS - 1)] == (uint32_t)n) continue;
         uint32_t at = 0;
         for (int b = 0; b < BUCKETS; b++) {

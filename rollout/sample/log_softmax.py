@@ -29,11 +29,10 @@ def as_batch(reduce: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) ->
     return reduce(x.reshape(1, -1).expand(2, -1))[:1].reshape(*x.shape[:-1], 1)
 
 
-def log_softmax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
     """log_softmax(x, dim=-1) in x's dtype; differentiable (the shift by the row's max is
-    constant to it: the max is taken off the graph). `out`: written there (it may be x itself)
-    instead of into a new tensor; not differentiable then."""
-    shifted = torch.sub(x, x.detach().amax(dim=-1, keepdim=True), out=out)
+    constant to it: the max is taken off the graph)."""
+    shifted = x - x.detach().amax(dim=-1, keepdim=True)
     log_total = as_batch(lambda e: e.sum(dim=-1, keepdim=True), shifted.exp()).log()
     # In place: nothing on the graph keeps `shifted` (exp's backward reads exp's output).
     return shifted.sub_(log_total)
