@@ -1,11 +1,12 @@
 """The C heap of a CPU engine's process (glibc): freed blocks kept for the next step, and given
 back to the system when the engine sleeps.
 
-A decode step allocates and frees tensors of [batch, vocab] floats: the logits and their
-log-probabilities, 25 MB each at batch 128 with a 49K vocabulary. glibc serves blocks that
-size with fresh mmaps, or from the heap top that it trims back to the system once they are
-free, so every step touched its memory anew: thousands of page faults a step
-(docs/benchmarks.md).
+A decode step allocates and frees tensors of [batch, vocab] floats: the logits, and with
+top-k/top-p/min-p the filter's log-probabilities, sorted values and candidates, 25 MB each at
+batch 128 with a 49K vocabulary (an unfiltered draw goes a block of rows at a time and makes
+none). glibc serves blocks that size with fresh mmaps, or from the heap top that it trims back
+to the system once they are free, so every step touched its memory anew: thousands of page
+faults a step (docs/benchmarks.md).
 `keep_freed_blocks` raises glibc's mmap threshold to its maximum (32 MB) and its trim threshold
 (KEEP_BYTES), so blocks below 32 MB come from the heap and stay there for reuse; larger ones
 (the KV pool) are still mapped and unmapped on their own. `release_freed_blocks` (at sleep)
