@@ -70,15 +70,11 @@ class SamplingBatch:
         )
 
     def rows(self, r: slice) -> "SamplingBatch":
-        """The batch of rows `r`."""
-        greedy = (self.temperature[r] == 0).tolist()
-        return SamplingBatch(
-            self.temperature[r], self.top_k[r], self.top_p[r], self.min_p[r], self.seed[r],
-            self.position[r], all_greedy=all(greedy), any_greedy=any(greedy),
-            needs_filter=self.needs_filter and bool(
-                ((self.top_k[r] > 0) | (self.top_p[r] < 1) | (self.min_p[r] > 0)).any()),
-            unit_temperature=self.unit_temperature, greedy=tuple(greedy),
-            truncated=self.truncated[r])
+        """The batch of rows `r` (built again from their values: the same flags as `build`
+        gives them)."""
+        return SamplingBatch.build(*(t[r].tolist() for t in (
+            self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.position)),
+            device=self.temperature.device)
 
     @classmethod
     def for_sequences(cls, rows: list, device: torch.device | str) -> "SamplingBatch":
