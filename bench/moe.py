@@ -1,7 +1,8 @@
 """The experts of one MoE layer: the engine's torch path (moe_torch, one matmul pair per expert
 any token chose) against a naive loop over (token, choice) pairs; on the CPU the same path
 multiplying by the cpu backend's packed copies (the panels, as the engine runs it) against
-F.linear; on CUDA only, the fused Triton kernel (kernels/triton/fused_moe.py; the interpreter would time Python, not the kernel).
+F.linear; on CUDA only, the fused Triton kernel (kernels/triton/fused_moe.py; the
+interpreter would time Python, not the kernel).
 Ratios of best-of-N wall times, measured in the same run. On CUDA also the kernel's TFLOP/s
 (6 T k H I: gate-up, then down) against torch.matmul's on the same active-parameter shapes
 (x [T, H] times the k experts' gate-up weights as one [H, 2kI], then [T, kI] x [kI, H]): the

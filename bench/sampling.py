@@ -6,7 +6,8 @@ rollout/sample/sampler.py. Not part of CI; prints only.
 
 A step is the cpu backend's `draw_cpu` (log_softmax, filter, counter-noise Gumbel-max in C,
 logprob gather) on fp32 logits. "old" swaps in the previous filter (a full sort with indices,
-kept below as the reference, with today's log_softmax); "new" is the current one. Old and new alternate, best of N each.
+kept below as the reference, with today's log_softmax); "new" is the current one. Old and new
+alternate, best of N each.
 Logits: "normal" = N(0, 1) x 3 (about 2,000 tokens cover top_p = 0.9 of a 49,152 vocab);
 "peaked" = the same plus three leading tokens (top-1 probability ~0.05 to ~0.999 across
 rows, an LM-like step);

@@ -48,8 +48,9 @@ class EngineConfig:
     # CPU, process-wide: glibc keeps freed blocks below 32 MB in the heap for reuse, so a
     # step's [batch, vocab] temporaries (a filtered draw's; an unfiltered one draws a block of
     # rows at a time and has none) do not page-fault anew every step (rollout/colocation/
-    # host_heap.py; given back at sleep). It changes malloc's behaviour for the whole trainer process, so it is
-    # the caller's choice; a user's own MALLOC_* / GLIBC_TUNABLES settings are left alone.
+    # host_heap.py; given back at sleep). It changes malloc's behaviour for the whole trainer
+    # process, so it is the caller's choice; a user's own MALLOC_* / GLIBC_TUNABLES settings
+    # are left alone.
     keep_cpu_heap: bool = False
     # A request's tokens and logprobs are the same bits whatever else is in the batch: how its
     # prefill is chunked, what the radix cache held, who shares its steps, preemption and

@@ -139,10 +139,9 @@ def _prefix_exact(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
     (A: the cumsum accumulator, float32 or float64, nondecreasing; each cast and addition of
     values < 2 rounds by at most 2**-24) > top_p, so the float32 difference is >= top_p.
 
-    On the CPU in one fused pass per row (kernels/cpu/top_p_prefix.c, the same bits; rows
-    split over the filter's threads), else in torch ops (`_prefix_exact_ops`)."""
-    if not (native_prefix.supported() and probs.device.type == "cpu"
-            and probs.dtype == torch.float32 and probs.stride(-1) == 1):
+    In one fused pass per row (kernels/cpu/top_p_prefix.c, the same bits; rows split over the
+    filter's threads) where the C library is built, else in torch ops (`_prefix_exact_ops`)."""
+    if not native_prefix.supported():
         return _prefix_exact_ops(probs, k, top_p, length)
     out = torch.empty(probs.shape[0], dtype=torch.int64)
 

@@ -95,8 +95,8 @@ class Speculator:
         sample has one), and a verify position is worth it while that chance beats `bar`
         (_bar, once a step: the machine's measured step cost, spec/cost.py): a sample alone in
         a rollout's tail drafts long where a step costs about the same whatever its size, a
-        full batch on a CPU only what it nearly always keeps. At least one token, so the estimate keeps learning (the back-off
-        handles total misses)."""
+        full batch on a CPU only what it nearly always keeps. At least one token, so the
+        estimate keeps learning (the back-off handles total misses)."""
         a = self._rates.get(seq.seq_id, {}).get(source, self.rates.get(source, 0.5))
         if a >= 1 or bar <= 0:
             return self.config.num_speculative_tokens
