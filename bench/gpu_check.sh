@@ -64,9 +64,11 @@ if [ "$what" = owed ]; then
   # and the engine on CUDA (Triton backend and sampler with its supports, CUDA graphs, exact
   # sleep memory, carried groups, scoring, the fp32 head, unmerged LoRA), in 12 pytest-xdist
   # workers (their time is Triton compilation, a core each): all passed on 2026-12-04 (77 s),
-  # rerun since they are cheap and the code moves (new since: carried_kv="park" on CUDA). Then the timings, alone: what no GPU run has
-  # measured yet, partial rollouts against synchronous ones, the engine against transformers
-  # on SmolLM2's shapes. Limits add up to 550 s: one device call (timeout_s 590).
+  # rerun since they are cheap and the code moves (new since: carried_kv="park" on CUDA; ties
+  # kept whole at the filters' cuts, the Triton sampler against the torch filter's supports on
+  # tied rows). Then the timings, alone: what no GPU run has measured yet, partial rollouts
+  # against synchronous ones, the engine against transformers on SmolLM2's shapes. Limits add
+  # up to 550 s: one device call (timeout_s 590).
   section tests 200 $PY -m pytest -q -p no:cacheprovider -n 12 -rfE \
       tests/kernels/test_kernels_*.py \
       tests/attention/test_{invariant_attention,triton_backend}.py \

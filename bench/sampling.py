@@ -16,12 +16,12 @@ rows, an LM-like step);
 tokens and logprobs, checked), each on fresh logits as in the engine.
 
 "flat" = N(0, 1) x 0.5 (what a random-weight head gives: hidden norm ~sqrt(576) times
-weights of std 0.02; top_p = 0.9 keeps most of the vocab).
+weights of std 0.02; top_p = 0.9 keeps most of the vocab). A "-bf16" suffix rounds them to
+bfloat16, as a bf16 LM head's logits are: values tie at nearly every filter boundary.
 
 "rows settled by": top_k (torch.topk, top-p decided on the top-k values), top_k_softmax (top-p
 on the exact top-k values), candidates (top-p decided on the top CANDIDATES), sorted (the
-fallback: a sort of the row's values), sorted_whole (of which the whole row was examined),
-reference (the full sort with indices: a tie straddling the boundary, or NaN).
+fallback: a sort of the row's values), reference (the full sort with indices: NaN rows).
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ def old_target_logprobs(logits, batch):
 
 
 def make_logits(kind: str, batch: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    if kind.endswith("-bf16"):  # a bf16 LM head's logits: on the bf16 grid, ties everywhere
+        return make_logits(kind[:-5], batch, vocab, seed).bfloat16().float()
     g = torch.Generator().manual_seed(seed)
     if kind == "flat":
         return torch.randn(batch, vocab, generator=g) * 0.5
@@ -117,7 +119,7 @@ def run(rows: int, vocab: int, kind: str, repeats: int) -> None:
     for name in CASES:
         old_ms, new_ms = best[(name, "old")], best[(name, "new")]
         settled = ", ".join(f"{key} {100 * n / rows:.0f}%" for key, n in shares[name].items()
-                            if n) or "-"  # sorted_whole and reference: subsets of the others
+                            if n) or "-"
         print(f"{name:<22}{old_ms:>10.1f}{new_ms:>10.1f}{old_ms / new_ms:>8.1f}x"
               f"{new_ms / none:>9.2f}x   {settled}")
     top_p = shares["top_p=0.9"]
@@ -160,7 +162,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads (0: torch's default); 1 is steadier on a busy host")
     parser.add_argument("--logits", nargs="+", default=["normal", "peaked", "flat"],
-                        choices=["normal", "peaked", "flat"])
+                        choices=[f"{kind}{grid}" for grid in ("", "-bf16")
+                                 for kind in ("normal", "peaked", "flat")])
     parser.add_argument("--draw", action="store_true",
                         help="the cpu backend's draw, whole batch vs blocks of rows")
     args = parser.parse_args()

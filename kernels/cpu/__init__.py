@@ -71,7 +71,7 @@ SIGNATURES = {
     "linear_add_f32": ([_P, _I64, _I64, _I64, _P, _I64, _P, _I64, _F32, _INT], None),
     "checked_copy": ([_P, _P, _I64, _INT, ctypes.c_uint32, _P, _P, _P, _INT], None),
     "radix_sort_u32": ([_P, _I64, _I64, _I64], _INT),
-    "top_p_prefix_f32": ([_P, _I64, _I64, _I64, _I64, _P, _P, ctypes.c_double, _P], None),
+    "top_p_prefix_f32": ([_P, _I64, _I64, _I64, _I64, _P, _P, _P], None),
 }
 # What a CPU without AVX2 and FMA leaves out of the build (the C says so with #if).
 NEEDS_AVX2_FMA = {"gumbel_argmax_f32", "gumbel_all_uniforms", "linear_f32", "linear_add_f32"}

@@ -1,9 +1,8 @@
 /* The top-p filter's scan of sorted rows (rollout/sample/filters.py `_prefix_exact`), fused:
  * for each row of the reference's probabilities p (the softmax of the sorted, top-k-masked
  * values, descending), the running mass before each position as the reference computes it, and
- * the length of the kept prefix. In torch ops the scan took some eight passes over [rows, vocab]
- * (cumsum, the differences, two comparisons, their union, a first-true, a count): most of a
- * top-p step whose rows are sorted whole; here it is one pass.
+ * the length of the kept prefix. In torch ops the scan takes some six passes over [rows, vocab]
+ * (cumsum, the difference, two comparisons, their union, a first-true); here it is part of one.
  *
  * The same bits as the torch ops: torch's CPU cumsum of float32 adds each element to a double
  * accumulator in order and rounds each partial sum to float, and `cum - p` is one float
@@ -11,30 +10,21 @@
  * cannot change a bit. */
 #include <stdint.h>
 
-/* Per row r (probs row stride `stride`): examining positions < length, position i > 0 is
- * dropped when its mass before it, (float)cum_i - p_i, reaches top_p[r] or i >= k[r]; result
- * the first dropped position (length if none) when every later position < length is dropped
- * too and everything past `length` is dropped as well (length == vocab, k[r] <= length, or the
- * last cumsum reaches top_p + slack: see _prefix_exact), else -1. */
+/* Per row r (probs row stride `stride`): the first position i > 0 whose mass before it,
+ * (float)cum_i - p_i, reaches top_p[r] or that is past the top-k survivors (i >= k[r]),
+ * examining positions < length; length if there is none and length == vocab (the whole row is
+ * kept), else -1. The scan stops at that position: a peaked row reads a few of its values. */
 void top_p_prefix_f32(const float *probs, int64_t rows, int64_t stride, int64_t vocab,
-                      int64_t length, const int64_t *k, const float *top_p, double slack,
-                      int64_t *out) {
+                      int64_t length, const int64_t *k, const float *top_p, int64_t *out) {
     for (int64_t r = 0; r < rows; r++) {
         const float *p = probs + r * stride, tp = top_p[r];
-        double acc = 0.0;
-        float cum = 0.0f;
-        int64_t first = length, dropped = 0;
-        for (int64_t i = 0; i < length; i++) {
+        const int64_t end = length < k[r] ? length : k[r];
+        double acc = p[0];
+        int64_t i = 1;
+        for (; i < end; i++) {
             acc += (double)p[i];
-            cum = (float)acc;
-            const float before = cum - p[i];
-            if (i > 0 && (before >= tp || i >= k[r])) {
-                dropped++;
-                if (first == length) first = i;
-            }
+            if ((float)acc - p[i] >= tp) break;
         }
-        const int prefix = dropped == length - first;
-        const int rest = length == vocab || k[r] <= length || (double)cum >= (double)tp + slack;
-        out[r] = prefix && rest ? first : -1;
+        out[r] = i < length ? i : (length == vocab ? length : -1);
     }
 }

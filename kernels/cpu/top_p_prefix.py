@@ -13,11 +13,10 @@ def supported() -> bool:
     return has("top_p_prefix_f32")
 
 
-@operator("top_p_prefix(Tensor probs, Tensor k, Tensor top_p, int length, float slack) "
-          "-> Tensor", lambda probs, k, top_p, length, slack:
-          probs.new_empty(probs.shape[0], dtype=torch.int64))
-def prefix_lengths(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, length: int,
-                   slack: float) -> torch.Tensor:
+@operator("top_p_prefix(Tensor probs, Tensor k, Tensor top_p, int length) -> Tensor",
+          lambda probs, k, top_p, length: probs.new_empty(probs.shape[0], dtype=torch.int64))
+def prefix_lengths(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
+                   length: int) -> torch.Tensor:
     """int64 [rows]: each row's kept prefix length, or -1 (filters._prefix_exact's contract):
     `probs` float32 [rows, vocab] on the CPU with unit stride along vocab, `k` int64 [rows],
     `top_p` float32 [rows], positions < `length` examined. On the calling thread (the GIL
@@ -27,6 +26,6 @@ def prefix_lengths(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, le
     top_p = top_p.to(torch.float32).contiguous()
     out = torch.empty(probs.shape[0], dtype=torch.int64)
     library().top_p_prefix_f32(probs.data_ptr(), probs.shape[0], probs.stride(0),
-                               probs.shape[1], length, k.data_ptr(), top_p.data_ptr(), slack,
+                               probs.shape[1], length, k.data_ptr(), top_p.data_ptr(),
                                out.data_ptr())
     return out

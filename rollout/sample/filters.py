@@ -17,18 +17,18 @@ from rollout_kernels.cpu import top_p_prefix as native_prefix
 #
 # The definition is `filter_by_sort`: sort the row, keep the first k, then the tokens whose
 # renormalised mass before them (a float32 softmax of the sorted row, cumsum, minus the token's
-# own probability) is < top_p, then drop what min-p excludes. A full sort with indices costs
-# several times the rest of a sampling step on the CPU, so `filter_logprobs` computes the same
-# result from less:
+# own probability) is < top_p, then drop what min-p excludes. Each cut keeps every token tied
+# with the last one it keeps (`_cut_at`): which of the tied tokens an unstable sort puts first
+# is unspecified, and the Triton sampler, which never sorts, keeps them all. A full sort with
+# indices costs several times the rest of a sampling step on the CPU, so `filter_logprobs`
+# computes the same result from less:
 #
-# - The kept tokens of the top-k / top-p stage are always the first r of the sorted row, for an
-#   r found below. When the r-th and (r+1)-th sorted values differ, those tokens are exactly the
-#   ones with logp >= (r-th value), and with min-p the row reduces to one threshold:
-#   keep logp >= max(r-th value, max + log(min_p)). When they are equal (a tie straddling the
-#   boundary), which tied tokens the unstable sort put first is unspecified, so the row goes
-#   through `filter_by_sort` itself.
-# - top-k alone: r = k; the k-th and (k+1)-th values come from `_top_values` (no sort). min-p
-#   alone needs only the max.
+# - The kept tokens of the top-k / top-p stage are the first r of the sorted row and those tied
+#   with the r-th, for an r found below: exactly the ones with logp >= (r-th value), and with
+#   min-p the row reduces to one threshold: keep logp >= max(r-th value, max + log(min_p)).
+# - top-k alone: r = k; the k-th value comes from `_top_values` (no sort). min-p alone needs
+#   only the max. With top-p, the top-k survivors it renormalises over are the k and the values
+#   tied with the k-th.
 # - top-p: the float32 probabilities depend on the softmax's float32 sum over the whole sorted
 #   row, whose rounding depends on the order of every element. They are not recomputed. Instead,
 #   on the top candidates (`_top_values`), the exact probabilities are bounded: every rounding the
@@ -46,25 +46,22 @@ from rollout_kernels.cpu import top_p_prefix as native_prefix
 #   the k largest values lie in the k blocks with the largest maxima (`_top_values`); a topk
 #   over those costs about half of one over the row.
 # - Other top-p rows (flat distributions, large top-k) need the sorted values of the whole row:
-#   a numpy sort of the values only (no indices; the sorted values are unique whatever the
-#   algorithm) fed to the same torch softmax and cumsum as the reference, so their floats are
-#   the reference's bit for bit; only the first PREFIX positions are examined when the mass
-#   there already passes top_p by more than rounding can undo. This sort (values only, SIMD)
-#   is the floor of an exact top-p on a flat row: the reference's float32 sum, hence every
+#   a sort of the values only (no indices; the sorted values are unique whatever the algorithm;
+#   a radix sort in C for log-probabilities) fed to the same torch softmax as the reference, so
+#   their floats are the reference's bit for bit, then a scan to the first dropped position.
+#   This sort is the floor of an exact top-p on a flat row: the reference's float32 sum, hence every
 #   probability's last bits, depends on where each of the vocabulary's values sits. Without
 #   the order that sum's rounding is only bounded by ~(vocab / 8) * 2**-24 of it (torch sums
 #   in 8 float32 lanes, each sequentially), ~4e-4 at 49,152 tokens, while a token at a boundary
 #   in the bulk of the row holds ~4e-5 (N(0, 9) logits): such rows all need the sort, which
-#   then makes most of their cost. numpy's sort runs on one thread and releases the GIL: the
-#   rows are split over torch's number of threads.
+#   then makes most of their cost. The sort runs on one thread and releases the GIL: the rows
+#   are split over torch's number of threads.
 # - Rows with a NaN (or without a finite maximum) are left to `filter_by_sort`.
 
 _U = 2.0 ** -24  # float32 unit roundoff
 TOPK_MAX = 1024  # top-k up to this many: `_top_values`; beyond, a sort of the values
 CANDIDATES = 64  # top-p without a small top-k: candidates bounded before sorting the values
 BLOCKS = 512  # blocks of columns whose maxima are kept with each row's maximum
-PREFIX = 4096  # top-p on sorted values: positions examined before the whole row
-_DROP_SLACK = 2.0 ** -22  # see _prefix_exact
 
 
 def filter_by_sort(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -74,19 +71,30 @@ def filter_by_sort(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     log may round the last elements of a tensor differently)."""
     vocab = logp.shape[-1]
     sorted_logp, order = logp.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=logp.device)
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).to(torch.int64)
-    drop_sorted = ranks[None, :] >= k[:, None]
+    drop_sorted = _cut_at(sorted_logp, k)  # top-k
     probs = sorted_logp.masked_fill(drop_sorted, float("-inf")).softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     # top_p == 1 means off: in fp32 the mass before the tail can round to exactly 1.0.
     drop_sorted |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
     drop_sorted[:, 0] = False  # the most likely token always survives
+    drop_sorted = _cut_at(sorted_logp, _first_true(drop_sorted))  # top-p
     drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
     if log_min_p is None:
         log_min_p = torch.log(min_p)
     drop |= logp < (sorted_logp[:, :1] + log_min_p[:, None])
     return logp.masked_fill(drop, float("-inf"))
+
+
+def _cut_at(sorted_logp: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """The sorted positions a cut after the first r (>= 1) of each row drops: those at r and
+    past it, except the values tied with the last one kept, sorted_logp[r - 1]. Which of the
+    tied tokens an unstable sort puts first is unspecified; keeping them all makes the kept set
+    a function of the values alone, whatever the tokens' order or the sort's algorithm, as the
+    Triton sampler has it (a NaN row is cut by position)."""
+    ranks = torch.arange(sorted_logp.shape[-1], device=sorted_logp.device)
+    last = sorted_logp.gather(-1, (r - 1)[:, None])
+    return (ranks[None, :] >= r[:, None]) & (sorted_logp != last)
 
 
 def _first_true(mask: torch.Tensor) -> torch.Tensor:
@@ -131,23 +139,19 @@ def _prefix_by_bounds(vals: torch.Tensor, m: torch.Tensor, k: torch.Tensor,
 def _prefix_exact(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
                   length: int) -> torch.Tensor:
     """Kept prefix length of top-p rows from the reference's own `probs` (softmax of the sorted,
-    top-k-masked row, bit for bit), examining positions < length; -1 if that does not settle
-    it (or the kept positions are not a prefix, which float rounding could in principle cause).
+    top-k-masked row, bit for bit; k: the top-k survivors, ties included): the first position
+    > 0 whose mass before it reaches top_p or that is past k, examining positions < length;
+    the whole row if none is and length is the vocabulary, else -1.
 
-    Past `length`, every position is dropped when position length-1 is past top-k or its cumsum
-    C reaches top_p + 2**-22: for i > b, C_i - p_i >= A_{i-1} - 2 * 2**-24 >= C_b - 3 * 2**-24
-    (A: the cumsum accumulator, float32 or float64, nondecreasing; each cast and addition of
-    values < 2 rounds by at most 2**-24) > top_p, so the float32 difference is >= top_p.
-
-    In one fused pass per row (kernels/cpu/top_p_prefix.c, the same bits; rows split over the
-    filter's threads) where the C library is built, else in torch ops (`_prefix_exact_ops`)."""
+    In one pass per row that stops at that position (kernels/cpu/top_p_prefix.c, the same bits;
+    rows split over the filter's threads) where the C library is built, else in torch ops
+    (`_prefix_exact_ops`)."""
     if not native_prefix.supported():
         return _prefix_exact_ops(probs, k, top_p, length)
     out = torch.empty(probs.shape[0], dtype=torch.int64)
 
     def scan(lo: int, hi: int) -> None:
-        out[lo:hi] = native_prefix.prefix_lengths(probs[lo:hi], k[lo:hi], top_p[lo:hi],
-                                                  length, _DROP_SLACK)
+        out[lo:hi] = native_prefix.prefix_lengths(probs[lo:hi], k[lo:hi], top_p[lo:hi], length)
 
     _in_threads(scan, probs.shape[0])
     return out
@@ -156,18 +160,13 @@ def _prefix_exact(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
 def _prefix_exact_ops(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
                       length: int) -> torch.Tensor:
     """`_prefix_exact` in torch ops: the reference the C scan is tested against."""
-    vocab = probs.shape[-1]
     head = probs[:, :length]
     cum = head.cumsum(dim=-1)
     pos = torch.arange(length, device=probs.device)
     drop = (cum - head >= top_p[:, None]) | (pos[None, :] >= k[:, None])
     drop[:, 0] = False
     r = _first_true(drop)
-    prefix = drop.sum(dim=-1) == length - r
-    rest_dropped = (k <= length) | (cum[:, -1].double() >= top_p.double() + _DROP_SLACK)
-    if length == vocab:
-        rest_dropped = torch.ones_like(prefix)
-    return torch.where(prefix & rest_dropped, r, -1)
+    return torch.where((r < length) | (length == probs.shape[-1]), r, -1)
 
 
 def _take(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -259,8 +258,8 @@ def filter_by_threshold(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     when top-k is off (otherwise those top-p rows go to the sort of the values).
     `stats`, if given, counts the rows by the way they were settled: "top_k" (torch.topk,
     top-p decided by bounds or none), "top_k_softmax" (top-p on the exact top-k values),
-    "candidates" (top-p decided by bounds on CANDIDATES), "sorted" (numpy sort of the values),
-    "sorted_whole" (of which past PREFIX), "reference" (`filter_by_sort`: ties, NaN)."""
+    "candidates" (top-p decided by bounds on CANDIDATES), "sorted" (a sort of the values),
+    "reference" (`filter_by_sort`: NaN, or nothing finite)."""
     batch, vocab = logp.shape
     neg_inf = float("-inf")
     # Rows are sorted into classes on the host (a few rows: fewer tiny tensor ops).
@@ -275,7 +274,7 @@ def filter_by_threshold(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     reference = [i for i in active if not math.isfinite(ms[i])]
     ok = [i for i in active if math.isfinite(ms[i])]
     # Per row: the r-th sorted value, r the kept prefix length of the top-k/top-p stage (-inf:
-    # keep all, as for min-p alone), unless the (r+1)-th value ties with it.
+    # keep all, as for min-p alone); every value tied with it is kept too (`_cut_at`).
     v = [neg_inf] * batch
     settled = [False] * batch
     for i in ok:  # min-p alone
@@ -285,21 +284,14 @@ def filter_by_threshold(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
         if stats is not None:
             stats[path] = stats.get(path, 0) + n
 
-    def settle(rows: list[int], rr: torch.Tensor, values: torch.Tensor) -> list[int]:
-        """Record prefix lengths rr of `rows`, whose top sorted values are `values` (at least
-        rr + 1 of them unless rr = vocab); returns the rows left: rr < 1, or a tie."""
-        width = values.shape[-1]
-        at = rr.clamp(min=1)[:, None]
-        last = values.gather(-1, at - 1).flatten().tolist()
-        after = values.gather(-1, at.clamp(max=width - 1)).flatten().tolist()
-        left = []
-        for i, r, a, b in zip(rows, rr.tolist(), last, after):
-            if r < 1 or (r < vocab and b == a and a > neg_inf):
-                left.append(i)
-            else:
+    def settle(rows: list[int], rr: torch.Tensor, values: torch.Tensor) -> None:
+        """Record prefix lengths rr (>= 1, or -1: left open) of `rows`, whose top sorted values
+        are `values` (at least rr of them)."""
+        last = values.gather(-1, (rr.clamp(min=1) - 1)[:, None]).flatten().tolist()
+        for i, r, a in zip(rows, rr.tolist(), last):
+            if r >= 1:
                 v[i] = a if r < vocab else neg_inf
                 settled[i] = True
-        return left
 
     def rows_of(rows: list[int]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.int64)
@@ -308,28 +300,37 @@ def filter_by_threshold(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     by_sort = [i for i in ok if ks[i] > TOPK_MAX and ks[i] < vocab
                or ks[i] == vocab and ps[i] < 1]
     if small_k:
+        kk = torch.tensor([ks[i] for i in small_k], dtype=torch.int64)
+        with_p = [j for j, i in enumerate(small_k) if ps[i] < 1]
         width = min(vocab, max(ks[i] for i in small_k) + 1)
         vals = _top_values(logp, rows_of(small_k), maxima, width)
-        kk = torch.tensor([ks[i] for i in small_k], dtype=torch.int64)
+        if with_p:
+            # top-p renormalises over the top-k survivors, the values tied with the k-th too:
+            # kp of them, read with one value more (twice as many values where a tie runs past
+            # those read: bf16-valued logits tie at nearly every rank).
+            jp = rows_of(with_p)
+            kth = vals[jp, kk[jp] - 1]
+            kp = (vals[jp] >= kth[:, None]).sum(dim=-1)
+            while (kp == width).any() and width < vocab:
+                width = min(vocab, 2 * width)
+                vals = _top_values(logp, rows_of(small_k), maxima, width)
+                kp = (vals[jp] >= kth[:, None]).sum(dim=-1)
         rr = kk.clone()
-        with_p = [j for j, i in enumerate(small_k) if ps[i] < 1]
         n_open = 0
         if with_p:
-            jp = rows_of(with_p)
             pp = top_p[rows_of(small_k)[jp]]
-            found = _prefix_by_bounds(vals[jp], vals[jp, 0], kk[jp], pp, True, vocab)
+            found = _prefix_by_bounds(vals[jp], vals[jp, 0], kp, pp, True, vocab)
             open_ = (found < 0).nonzero().flatten()
             n_open = open_.numel()
             if n_open:  # the reference softmax over the exact top-k values (-inf after them)
                 x = torch.full((n_open, vocab), neg_inf, dtype=logp.dtype)
                 x[:, :width] = vals[jp[open_]].masked_fill(
-                    torch.arange(width)[None, :] >= kk[jp[open_]][:, None], neg_inf)
-                found[open_] = _prefix_exact(x.softmax(dim=-1), kk[jp[open_]], pp[open_],
-                                             width)
+                    torch.arange(width)[None, :] >= kp[open_][:, None], neg_inf)
+                found[open_] = _prefix_exact(x.softmax(dim=-1), kp[open_], pp[open_], width)
             rr[jp] = found
         count("top_k", len(small_k) - n_open)
         count("top_k_softmax", n_open)
-        reference += settle(small_k, rr, vals)
+        settle(small_k, rr, vals)
     # Candidates for top-p rows without top-k where the `cand` largest block maxima (distinct
     # tokens) already hold top_p: the top `cand` tokens hold at least as much, and the boundary
     # is likely decided among them. Elsewhere they would only delay the sort.
@@ -343,7 +344,7 @@ def filter_by_threshold(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
         vals = _top_values(logp, rows_of(bound), maxima, cand)
         rr = _prefix_by_bounds(vals, vals[:, 0], torch.full((len(bound),), vocab),
                                top_p[rows_of(bound)], False, vocab)
-        settle(bound, rr, vals)  # what is left (undecided, or a tie) goes on to the sort
+        settle(bound, rr, vals)  # what is left (undecided) goes on to the sort
         count("candidates", sum(settled[i] for i in bound))
         by_sort = [i for i in by_sort if not settled[i]]
     if by_sort:
@@ -354,25 +355,12 @@ def filter_by_threshold(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
         if with_p:
             jp = rows_of(with_p)
             x, kp = _take(sv, jp), kk[jp]
-            if any(ks[by_sort[j]] < vocab for j in with_p):
+            if any(ks[by_sort[j]] < vocab for j in with_p):  # the top-k survivors, ties too
+                kp = (x >= x.gather(-1, kp[:, None] - 1)).sum(dim=-1)
                 x = x.masked_fill(torch.arange(vocab)[None, :] >= kp[:, None], neg_inf)
-            probs = x.softmax(dim=-1)
-            pp = top_p[rows_of(by_sort)[jp]]
-            # The first PREFIX positions first, unless even PREFIX tokens of the top token's
-            # probability cannot reach top_p (a flat row: its boundary lies further).
-            short = [j for j, i in enumerate(by_sort[j] for j in with_p)
-                     if ks[i] <= PREFIX or math.exp(ms[i]) * PREFIX * 1.01 >= ps[i]]
-            found = torch.full((len(with_p),), -1, dtype=torch.int64)
-            if short and PREFIX < vocab:
-                js = rows_of(short)
-                found[js] = _prefix_exact(_take(probs, js), kp[js], pp[js], PREFIX)
-            again = (found < 0).nonzero().flatten()
-            if again.numel():
-                found[again] = _prefix_exact(_take(probs, again), kp[again], pp[again], vocab)
-                count("sorted_whole", again.numel())
-            rr[jp] = found
+            rr[jp] = _prefix_exact(x.softmax(dim=-1), kp, top_p[rows_of(by_sort)[jp]], vocab)
         count("sorted", len(by_sort))
-        reference += settle(by_sort, rr, sv)
+        settle(by_sort, rr, sv)
     count("reference", len(reference))
     # log(min_p) of the whole batch, as `filter_by_sort` computes it (a vectorised log may
     # round the last elements of a tensor differently).

@@ -1,6 +1,6 @@
-"""rollout/colocation/host_heap.py in a fresh process each (its settings are process-wide): with glibc's
-defaults a filtered sampling step's [B, V] temporaries page-fault anew every step; kept, they
-stop; an unfiltered step's do not fault either way (the sampler's blocks of rows); released at
+"""rollout/colocation/host_heap.py in a fresh process each (its settings are process-wide):
+with glibc's defaults a filtered sampling step's [B, V] temporaries page-fault anew every step;
+kept, they stop; an unfiltered step's do not fault either way (the sampler's blocks of rows); released at
 sleep, the freed heap goes back to the system."""
 
 import subprocess
@@ -72,9 +72,10 @@ def test_kept_blocks_stop_the_page_faults_of_every_step(keep):
         pytest.skip("transparent huge pages on every mapping")
     counts = step_faults(keep, 0.9)
     if keep:
-        # The heap may still grow a block now and then (a few 4 MB growths, seen under a
-        # loaded suite): less than one 25 MB buffer's pages over all 8 steps.
-        assert sum(counts) < 6000, counts
+        # The heap may still grow now and then, by up to one [B, V] buffer (6,144 pages) at a
+        # step: where glibc places blocks beside the sort's worker threads' scratch varies from
+        # run to run (seen at up to 2 of 20 steps). Most steps fault nothing.
+        assert sorted(counts)[len(counts) // 2] < 1000 and sum(counts) < 3 * 6144, counts
     else:  # most steps (glibc's dynamic mmap threshold can let one through from the heap)
         assert sorted(counts)[len(counts) // 2] > 6000, counts
 

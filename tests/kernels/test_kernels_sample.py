@@ -1,7 +1,8 @@
 """The Triton sampler against `rollout.sampler.sample`: same tokens, same logprobs, same noise.
 
-Filter tests use tie-free logits (distinct values far apart compared to float rounding): with
-exact ties at a top-k/top-p boundary the two samplers may keep different tied tokens.
+Filter tests use logits whose decisions lie far from float rounding: tie-free ones (distinct
+values far apart), and ones on a coarse grid, where every boundary falls inside a group of tied
+tokens (both samplers keep the whole group).
 """
 
 import pytest
@@ -107,6 +108,25 @@ def test_top_k_then_top_p_then_min_p():
     logits = tie_free_logits(4, VOCAB, 6, spread=8.0)
     check(logits, [1.0, 0.9, 1.2, 2.0], [40, 200, 5, 100], [0.8, 0.9, 0.6, 0.95],
           [0.02, 0.0, 0.1, 0.01])
+
+
+def test_ties_at_every_boundary_keep_the_same_tokens():
+    """Logits on a grid of 12 values (~125 tokens tied at each): top-k and top-p cut inside a
+    group of tied tokens, which both samplers keep whole (top_p clear of the groups' masses)."""
+    gen = torch.Generator().manual_seed(8)
+    logits = (torch.randint(0, 12, (8, VOCAB), generator=gen).float() * 0.5).to(DEVICE)
+    top_k = [1, 7, 130, 700, 0, 0, 60, 300]
+    top_p = [1.0, 1.0, 1.0, 1.0, 0.5, 0.9, 0.7, 0.95]
+    for row, k, p in zip(logits.double().cpu(), top_k, top_p):  # no decision within 1e-3
+        values = row.unique(sorted=True).flip(0)
+        if 0 < k < VOCAB:
+            values = values[values >= row.sort(descending=True).values[k - 1]]
+        mass = torch.stack([(row == v).sum() * v.exp() for v in values])
+        above = (mass.cumsum(0) - mass) / mass.sum()
+        assert p == 1.0 or (above - p).abs().min() > 1e-3
+    for rep in range(3):
+        check(logits, [1.0] * 8, top_k, top_p, [0.0] * 8,
+              seed=[rep * 100 + i for i in range(8)])
 
 
 def test_mixed_batch_with_greedy_rows():

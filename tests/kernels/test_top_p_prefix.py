@@ -1,5 +1,5 @@
 """kernels/cpu/top_p_prefix.c (the top-p filter's fused scan of sorted rows) against the torch
-ops it replaces (rollout/sample/filters.py `_prefix_exact_ops`), bit for bit in its result:
+ops it replaces (rollout/sample/filters.py `_prefix_exact_ops`), in its result:
 rows of every shape the filter makes (peaked, flat, bf16-valued with ties, top-k masked with
 -inf tails), top_p from tiny to 1, k below, inside and past the examined length, the whole row
 and a prefix of it."""
@@ -7,7 +7,7 @@ and a prefix of it."""
 import pytest
 import torch
 
-from rollout.sample.filters import _DROP_SLACK, _prefix_exact_ops
+from rollout.sample.filters import _prefix_exact_ops
 from rollout_kernels import cpu as native
 from rollout_kernels.cpu import top_p_prefix
 
@@ -36,14 +36,15 @@ def test_the_scan_is_the_torch_ops(vocab, length, seed):
     top_p[:4] = torch.tensor([1e-7, 0.5, 0.999999, 1.0])
     k = torch.randint(1, vocab + 1, (rows,), generator=gen)
     k[4:8] = torch.tensor([vocab, length, max(1, length - 1), 1])
-    if length < vocab:  # the cases past the examined positions decide
-        probs[8] = 1.0 / vocab  # flat: k == length keeps the first `length`, top_p does not
+    if length < vocab:  # rows cut at the last examined position, and just past it
+        probs[8] = 1.0 / vocab  # flat: top-k cuts at `length`, top_p does not
         k[8], top_p[8] = length, 0.999999
-        cum = probs[9].double().cumsum(0)[length - 1].float()  # just past top_p, not slack
-        k[9], top_p[9] = vocab, torch.nextafter(cum, torch.tensor(0.0))
+        cum = probs[9].double().cumsum(0)[length - 2:length].float() - probs[9, length - 2:length]
+        k[9], top_p[9] = vocab, cum[1]  # the mass before the last examined position
+        k[11], top_p[11] = vocab, torch.nextafter(cum[1], torch.tensor(1.0))
     top_p[10] = 0.0  # the top token survives anyway
     want = _prefix_exact_ops(probs, k, top_p, length)
-    got = top_p_prefix.prefix_lengths(probs, k, top_p, length, _DROP_SLACK)
+    got = top_p_prefix.prefix_lengths(probs, k, top_p, length)
     assert torch.equal(got, want)
     assert (want >= 0).any() and (want < 0).any() or length == vocab
 
@@ -53,5 +54,5 @@ def test_rows_with_a_stride():
     wide = torch.zeros(6, 1000)
     wide[:, :800] = probs
     k, top_p = torch.full((6,), 800), torch.full((6,), 0.9)
-    assert torch.equal(top_p_prefix.prefix_lengths(wide[:, :800], k, top_p, 800, _DROP_SLACK),
+    assert torch.equal(top_p_prefix.prefix_lengths(wide[:, :800], k, top_p, 800),
                        _prefix_exact_ops(probs, k, top_p, 800))

@@ -7,6 +7,7 @@ Distribution tests draw one token from each of many rows that share logits and d
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 
@@ -310,8 +311,8 @@ def test_mixed_batch_logprobs_are_unfiltered_log_softmax_at_the_token():
 
 
 def test_noise_drawn_in_blocks_of_rows_picks_the_tokens_of_the_whole_batch(monkeypatch):
-    """On the CPU the torch `pick` (the reference; the C sampler is the cpu backend's) draws the noise a block of rows at a time
-    (sampler.py): the tokens are those of the definition, argmax(candidates + noise of the
+    """On the CPU the torch `pick` (the reference; the C sampler is the cpu backend's) draws
+    the noise a block of rows at a time (sampler.py): the tokens are those of the definition, argmax(candidates + noise of the
     whole batch), across block edges, with greedy rows and -inf candidates."""
     rows, vocab = 23, 50
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(3)) * 3
@@ -429,14 +430,14 @@ def test_filter_equals_the_full_sort_on_mixed_rows(vocab):
         assert torch.equal(tokens, want_tokens), kind
         assert same_bits(logprobs, want_logp.gather(-1, want_tokens[:, None]).squeeze(-1))
     if vocab > 1000:  # every way of settling a row was taken
-        for path in ("top_k", "top_k_softmax", "candidates", "sorted", "reference"):
+        for path in ("top_k", "top_k_softmax", "candidates", "sorted"):
             assert stats.get(path, 0) > 0, (path, stats)
+        assert stats.get("reference") == 0, stats  # ties are settled by thresholds too
 
 
 def test_filter_equals_the_full_sort_at_the_vocabulary_of_smollm2():
     """49,152 tokens, the bench's shapes: top-p decided from candidates (peaked rows), by the
-    sorted values with the first PREFIX positions (normal) and with the whole row (flat,
-    top_p = 0.999), top-k alone, with top-p, and min-p."""
+    sorted values (normal, flat), top-k alone, with top-p, and min-p."""
     vocab, stats = 49152, {}
     for j, kind in enumerate(("peaked", "normal", "flat")):
         logp = mixed_logits(16, vocab, kind, seed=j).log_softmax(dim=-1)
@@ -444,7 +445,7 @@ def test_filter_equals_the_full_sort_at_the_vocabulary_of_smollm2():
         top_k = torch.tensor([0] * 8 + [50, 0, 2000, 5] + [0] * 4, dtype=torch.int32)
         min_p = torch.tensor([0.0] * 12 + [0.05, 0.0, 0.05, 0.5])
         check_filter(logp, top_k, top_p, min_p, stats)
-    for path in ("top_k", "candidates", "sorted", "sorted_whole"):
+    for path in ("top_k", "candidates", "sorted"):
         assert stats.get(path, 0) > 0, (path, stats)
 
 
@@ -474,15 +475,79 @@ def test_filter_at_top_p_equal_to_a_reference_mass():
     assert stats.get("top_k_softmax", 0) > 0 and stats.get("sorted", 0) > 0, stats
 
 
-def test_filter_ties_at_the_boundary_follow_the_sort():
-    """Tied values straddling the top-k / top-p boundary: which of them survive is whatever
-    the (unstable) sort put first, so those rows must take the sort itself."""
-    logp = torch.tensor([[0.0, -1.0, -1.0, -1.0, -2.0, -3.0] * 50] * 6).log_softmax(dim=-1)
-    top_k = torch.tensor([2, 60, 0, 0, 150, 0], dtype=torch.int32)
-    top_p = torch.tensor([1.0, 1.0, 0.05, 0.3, 0.9, 0.999])
+def naive_kept(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -> set[int]:
+    """The filters' definition token by token, in float64: a token survives top-k when fewer
+    than k tokens have a larger value, top-p when the mass of the top-k survivors with a larger
+    value, renormalised over them, is below top_p, and min-p when its probability is at least
+    min_p times the largest. Ties are kept together (decisions far from rounding only)."""
+    x = row.double()
+    vocab = len(x)
+    k = top_k if 0 < top_k < vocab else vocab
+    greater = (x[None, :] > x[:, None]).sum(dim=1)  # per token: how many are larger
+    in_k = greater < k
+    p = torch.softmax(x.masked_fill(~in_k, float("-inf")), dim=0)
+    above = ((x[None, :] > x[:, None]) * p[None, :]).sum(dim=1)
+    keep = in_k & ((above < top_p) | (top_p >= 1) | (greater == 0))
+    keep &= x >= x.max() + math.log(min_p) if min_p > 0 else torch.ones_like(keep)
+    return set(keep.nonzero().flatten().tolist())
+
+
+def test_filter_keeps_every_token_tied_at_the_boundary():
+    """Tied values straddling the top-k / top-p boundary are all kept (or all dropped): the
+    kept set the token-by-token definition gives, on both paths, without the full sort."""
+    logp = torch.tensor([[0.0, -1.0, -1.0, -1.0, -2.0, -3.0] * 50] * 7).log_softmax(dim=-1)
+    top_k = torch.tensor([2, 60, 0, 0, 150, 0, 51], dtype=torch.int32)
+    top_p = torch.tensor([1.0, 1.0, 0.05, 0.3, 0.9, 0.999, 0.5])
+    min_p = torch.tensor([0.0] * 6 + [0.3])
+    stats: dict[str, int] = {}
+    check_filter(logp, top_k, top_p, min_p, stats)
+    got = filter_logprobs(logp, top_k, top_p, min_p)
+    kept = [set(torch.isfinite(row).nonzero().flatten().tolist()) for row in got]
+    for i in range(7):
+        assert kept[i] == naive_kept(logp[i], int(top_k[i]), float(top_p[i]), float(min_p[i]))
+    assert [len(s) // 50 for s in kept] == [1, 4, 1, 1, 4, 6, 4]  # groups of 50 ties
+    assert stats.get("reference") == 0, stats
+
+
+def test_top_p_renormalises_over_every_tied_top_k_survivor():
+    """One token far ahead, then 2,000 tied ones across the k-th rank (k small, read from the
+    top values; and k > TOPK_MAX, from the sorted row): top-p's mass renormalises over all the
+    tied survivors (the lead holds 0.069 of them, 0.119 of the first k = 1,100), so top_p =
+    0.1 keeps the tied tokens, 0.06 does not."""
+    row = torch.full((5000,), -20.0)
+    row[0], row[1:2001] = 5.0, 0.0
+    logp = row.repeat(6, 1).log_softmax(dim=-1)
+    top_k = torch.tensor([60, 1100, 1999, 60, 1100, 1999], dtype=torch.int32)
+    top_p = torch.tensor([0.1] * 3 + [0.06] * 3)
     stats: dict[str, int] = {}
     check_filter(logp, top_k, top_p, torch.zeros(6), stats)
-    assert stats.get("reference", 0) >= 4, stats
+    got = filter_logprobs(logp, top_k, top_p, torch.zeros(6))
+    assert torch.isfinite(got).sum(dim=-1).tolist() == [2001] * 3 + [1] * 3
+    for i in range(6):
+        kept = set(torch.isfinite(got[i]).nonzero().flatten().tolist())
+        assert kept == naive_kept(logp[i], int(top_k[i]), float(top_p[i]), 0.0)
+    assert stats["top_k"] == 2 and stats["sorted"] == 4 and stats["reference"] == 0, stats
+
+
+@pytest.mark.parametrize("kind", ["bf16", "integers", "normal"])
+def test_filter_follows_the_tokens_whatever_their_order(kind):
+    """The kept set is a function of the values: permuting a row's tokens permutes its
+    filtered row, bit for bit, on the CPU filter and the definition (a kept set picked by the
+    sort among tied tokens would follow their order), and it is the token-by-token one."""
+    vocab, rows = 3001, 40
+    logp = mixed_logits(rows, vocab, kind, seed=5).log_softmax(dim=-1)
+    params = mixed_params(rows, vocab, seed=6, with_greedy=False)
+    top_k = torch.tensor(params["top_k"], dtype=torch.int32)
+    top_p, min_p = torch.tensor(params["top_p"]), torch.tensor(params["min_p"])
+    perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(7))
+    for fn in (filter_logprobs, filter_by_sort):
+        assert same_bits(fn(logp[:, perm], top_k, top_p, min_p),
+                         fn(logp, top_k, top_p, min_p)[:, perm]), fn.__name__
+    if kind == "integers":  # six values: every decision far from rounding
+        got = filter_logprobs(logp, top_k, top_p, min_p)
+        for i in range(rows):
+            want = naive_kept(logp[i], int(top_k[i]), float(top_p[i]), float(min_p[i]))
+            assert set(torch.isfinite(got[i]).nonzero().flatten().tolist()) == want, i
 
 
 def test_filter_input_that_is_not_log_probabilities():

@@ -41,20 +41,18 @@ def batch_of(rows: int, temperature, top_k, top_p, min_p, seed=0, device=CPU) ->
 
 def reference(logits: torch.Tensor, temperature, top_k, top_p, min_p) -> tuple[set, np.ndarray]:
     """The kept set and the renormalised float64 distribution over the vocabulary, by the
-    definition: softmax(logits / T), keep the k most likely, then those whose mass before them
-    (renormalised over the k) is < top_p (the most likely always), then drop those below
-    min_p times the most likely."""
+    definition: softmax(logits / T), keep the k most likely (and every token tied with the
+    k-th), then those whose mass strictly above them (renormalised over the top-k survivors) is
+    < top_p (the most likely always), then drop those below min_p times the most likely."""
     z = logits.double().numpy() / temperature
     p = np.exp(z - z.max())
     p /= p.sum()
-    order = np.argsort(-p, kind="stable")
-    k = top_k if top_k > 0 else len(p)
-    head = order[:k]
+    k = top_k if 0 < top_k < len(p) else len(p)
+    head = np.nonzero(p >= np.sort(p)[::-1][k - 1])[0]
     q = p[head] / p[head].sum()
-    before = np.cumsum(q) - q
-    kept = [t for t, b in zip(head, before) if b < top_p or top_p >= 1]
-    kept = {int(t) for t in kept} | {int(order[0])}
-    kept = {t for t in kept if p[t] >= min_p * p[order[0]]}
+    above = np.array([q[q > x].sum() for x in q])
+    kept = {int(t) for t, a in zip(head, above) if a < top_p or top_p >= 1 or a == 0}
+    kept = {t for t in kept if p[t] >= min_p * p.max()}
     dist = np.zeros_like(p)
     idx = sorted(kept)
     dist[idx] = p[idx] / p[idx].sum()
@@ -124,22 +122,26 @@ def test_greedy_rows_are_a_point_mass():
     assert drawn[1].sampling_logprobs[0] < 0 < len(drawn[1].supports[0])
 
 
-def test_ties_at_the_boundary_keep_a_valid_set_and_renormalise_over_it():
-    """Values tied across the top-k boundary: which tied tokens the filter keeps is
-    unspecified (an unstable sort), but exactly k are kept, the untied ones among them, and the
-    sampling logprob renormalises over the kept set itself."""
+@pytest.mark.parametrize("backend", SAMPLERS)
+def test_ties_at_the_boundary_are_kept_together_and_renormalised_over(backend):
+    """Values tied across the top-k or top-p boundary: every tied token is kept (whatever
+    the order a sort leaves them in), tokens are drawn from them alone, and the sampling
+    logprob renormalises over the kept set."""
     row = torch.full((VOCAB,), -5.0)
     row[:3] = torch.tensor([4.0, 3.0, 2.5])
     row[10:20] = 2.0  # ten tokens tied where the 5th and 6th ranks fall
-    for top_k in (5, 8):
-        logits = row.repeat(40, 1)
-        rows = batch_of(40, 1.0, top_k, 1.0, 0.0)
-        drawn = Sampler(resolve_backend("torch", CPU)).draw(logits, rows, (True,) * 40)
+    device = device_for(backend)
+    p = torch.softmax(row.double(), -1)
+    # top_p 0.9: the mass above the tied tokens is 0.78 (kept), 0.99 past them (dropped).
+    for setting in ((1.0, 5, 1.0, 0.0), (1.0, 8, 1.0, 0.0), (1.0, 0, 0.9, 0.0),
+                    (1.0, 12, 0.9, 0.0)):
+        kept_want, _ = reference(row, *setting)
+        assert kept_want == {0, 1, 2, *range(10, 20)}
+        drawn = Sampler(resolve_backend(backend, device)).draw(
+            row.repeat(40, 1).to(device), batch_of(40, *setting, device=device), (True,) * 40)
         for e in drawn:
-            kept = set(e.supports[0].tolist())
-            assert len(kept) == top_k and {0, 1, 2} <= kept <= {0, 1, 2, *range(10, 20)}
-            p = torch.softmax(row.double(), -1)
-            want = torch.log(p[e.tokens[0]] / p[sorted(kept)].sum()).item()
+            assert set(e.supports[0].tolist()) == kept_want and e.tokens[0] in kept_want
+            want = torch.log(p[e.tokens[0]] / p[sorted(kept_want)].sum()).item()
             assert abs(e.sampling_logprobs[0] - want) < 1e-6
 
 
