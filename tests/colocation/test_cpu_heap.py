@@ -1,7 +1,7 @@
 """rollout/colocation/host_heap.py in a fresh process each (its settings are process-wide):
 with glibc's defaults a filtered sampling step's [B, V] temporaries page-fault anew every step;
-kept, they stop; an unfiltered step's do not fault either way (the sampler's blocks of rows); released at
-sleep, the freed heap goes back to the system."""
+kept, they stop; an unfiltered step's do not fault either way (the sampler's blocks of rows);
+released at sleep, the freed heap goes back to the system."""
 
 import subprocess
 import sys
