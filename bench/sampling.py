@@ -14,6 +14,8 @@ rows, an LM-like step);
 --draw: instead, the cpu backend's Sampler.draw of a batch without filters (temperature 1 and
 0.8): the whole batch at once (what it was) against a block of rows at a time (the same emitted
 tokens and logprobs, checked), each on fresh logits as in the engine.
+--alternatives: instead, the top-k alternatives (SamplingParams.top_logprobs) of a batch:
+torch.topk against rollout/sample/ranked.py's order (ties by token id), k = 5 and 20.
 
 "flat" = N(0, 1) x 0.5 (what a random-weight head gives: hidden norm ~sqrt(576) times
 weights of std 0.02; top_p = 0.9 keeps most of the vocab). A "-bf16" suffix rounds them to
@@ -36,6 +38,7 @@ from rollout.ops.backend import resolve_backend
 from rollout.sample import filters as sampling_filter
 from rollout.sample import sampler
 from rollout.sample.log_softmax import log_softmax
+from rollout.sample.ranked import top_ranked
 from rollout.sample.sampler import Sampler, SamplingBatch, draw_cpu
 
 
@@ -154,6 +157,16 @@ def run_draw(rows: int, vocab: int, kind: str, repeats: int) -> None:
               f"{best['blocks']:.1f} = {best['whole'] / best['blocks']:.2f}x")
 
 
+def run_alternatives(rows: int, vocab: int, kind: str, repeats: int) -> None:
+    logp = make_logits(kind, rows, vocab).log_softmax(dim=-1)
+    print(f"\nbatch {rows}, vocab {vocab}, {kind} logits, best of {repeats} (ms)")
+    for k in (5, 20):
+        best = best_of({"topk": lambda: logp.topk(k, dim=-1),
+                        "ranked": lambda: top_ranked(logp, k)}, repeats)
+        print(f"k = {k}: torch.topk {best['topk']:.2f}, ranked {best['ranked']:.2f} = "
+              f"{best['ranked'] / best['topk']:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[128, 8])
@@ -166,13 +179,16 @@ def main() -> None:
                                  for kind in ("normal", "peaked", "flat")])
     parser.add_argument("--draw", action="store_true",
                         help="the cpu backend's draw, whole batch vs blocks of rows")
+    parser.add_argument("--alternatives", action="store_true",
+                        help="top-k alternatives: torch.topk vs the ranked order")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     for kind in args.logits:
         for rows in args.batch:
-            (run_draw if args.draw else run)(rows, args.vocab, kind, args.repeats)
+            bench = run_draw if args.draw else run_alternatives if args.alternatives else run
+            bench(rows, args.vocab, kind, args.repeats)
 
 
 if __name__ == "__main__":

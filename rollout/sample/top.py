@@ -1,12 +1,14 @@
 """Top-k alternatives of sampled tokens (SamplingParams.top_logprobs): the k most likely
 tokens under the untruncated policy log_softmax(logits / T) (T = 1 on greedy rows), the
-distribution `Sample.logprobs` reports, as vLLM's `logprobs=k` returns them."""
+distribution `Sample.logprobs` reports, as vLLM's `logprobs=k` returns them; equal values by
+ascending token id (ranked.py)."""
 
 from __future__ import annotations
 
 import torch
 
 from .log_softmax import log_softmax
+from .ranked import top_ranked
 
 
 def top_alternatives(logits: torch.Tensor, rows: list[int], temperature: list[float],
@@ -14,8 +16,8 @@ def top_alternatives(logits: torch.Tensor, rows: list[int], temperature: list[fl
     """(ids int64 [R, k], logprobs float32 [R, k]) of `logits`' `rows`, on the host."""
     index = torch.tensor(rows, device=logits.device)
     t = torch.tensor([1.0 if x == 0 else x for x in temperature], device=logits.device)
-    top = log_softmax(logits[index].float() / t[:, None]).topk(k, dim=-1)
-    return top.indices.cpu(), top.values.cpu()
+    ids, values = top_ranked(log_softmax(logits[index].float() / t[:, None]), k)
+    return ids.cpu(), values.cpu()
 
 
 def attach_tops(logits: torch.Tensor, positions: list, emitted: list, counts: list[int]) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..sample.log_softmax import log_softmax
+from ..sample.ranked import top_ranked
 from .state import ScoreRows
 
 # Logits computed at once, in elements (float32: 64 MB), whatever the sequence's length.
@@ -64,6 +65,6 @@ def score_rows(compute_logits, hidden: torch.Tensor, rows: ScoreInputs,
             logits = logits / temperature[:, None]
         logp = log_softmax(logits)
         chosen = logp.gather(-1, rows.targets[span, None]).squeeze(-1)
-        top = logp.topk(rows.top, dim=-1)  # k = 0 gives [N, 0]
-        parts.append(ScoreRows(chosen, top.indices, top.values))
+        ids, values = top_ranked(logp, rows.top)  # k = 0 gives [N, 0]
+        parts.append(ScoreRows(chosen, ids, values))
     return ScoreRows.cat(parts).to("cpu")

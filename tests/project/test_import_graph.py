@@ -23,7 +23,8 @@ LAYERS = [
     ["rollout.parallel"],
     ["rollout.colocation"],  # parking, weight sources, device and host memory
     ["rollout.kv"],
-    ["rollout.sample.log_softmax"],  # the logprobs' log_softmax: the sampler's and scoring's
+    # the logprobs' log_softmax and the alternatives' order: the sampler's and scoring's
+    ["rollout.sample.log_softmax", "rollout.sample.ranked"],
     ["rollout.score"],  # a scored sequence's rows and the call's rounds (not its arguments)
     ["rollout.sample"],
     ["rollout.attention"],

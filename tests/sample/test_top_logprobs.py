@@ -1,7 +1,9 @@
 """SamplingParams.top_logprobs (and vLLM's logprobs=k): each generated token's k most likely
 alternatives under log_softmax(logits / T), against a float64 transformers forward; unchanged by
 speculative verification (drafts accepted), preemption and truncated sampling. The bound is
-twice transformers' own float32 distance to the float64 answer (tests/support/floors.py)."""
+twice transformers' own float32 distance to the float64 answer (tests/support/floors.py).
+Tied values come by ascending token id (rollout/sample/ranked.py), against a sort by (value,
+id), whatever k the rest of a step asks for."""
 
 import pytest
 import torch
@@ -9,6 +11,7 @@ from floors import exact_copy, tolerance
 from models import tiny_model
 
 from rollout import Engine, EngineConfig, SamplingParams, SpeculativeConfig
+from rollout.sample.ranked import top_ranked
 
 PROMPTS = [[1, 2, 3, 4, 5] * 3, [7, 8, 9], list(range(10, 40))]
 
@@ -93,3 +96,58 @@ def test_preemption_keeps_the_alternatives(model):
     assert tokens(outs) == tokens(big)
     check(model, outs, 1.0, 2)
     small.check_invariants()
+
+
+def naive_ranked(row: torch.Tensor, k: int) -> list[int]:
+    return sorted(range(len(row)), key=lambda t: (-row[t].item(), t))[:k]
+
+
+@pytest.mark.parametrize("kind", ["grid", "normal", "masked"])
+def test_ranked_rows_against_a_sort_by_value_then_id(kind):
+    """Rows on a 6-value grid (ties at every rank), distinct values, and -inf tails: the ids
+    and values a sort by (-value, id) gives, for every k; a row's first j of any k >= j agree."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(12, 300, generator=gen)
+    if kind == "grid":
+        x = torch.randint(0, 6, (12, 300), generator=gen).float()
+    if kind == "masked":
+        x[:, 5:] = float("-inf")
+    logp = x.log_softmax(dim=-1)
+    for k in (0, 1, 4, 20, 300):
+        ids, values = top_ranked(logp, k)
+        for i, row in enumerate(logp):
+            want = naive_ranked(row, k)
+            assert ids[i].tolist() == want
+            assert torch.equal(values[i], row[want])
+        assert torch.equal(top_ranked(logp, 20)[0][:, :min(k, 20)], ids[:, :20])
+
+
+def test_a_row_with_nan_keeps_topk_and_the_others_their_order():
+    logp = torch.randint(0, 3, (3, 50), generator=torch.Generator().manual_seed(1)).float()
+    logp[1, 7] = float("nan")
+    ids, values = top_ranked(logp, 5)
+    assert ids[1].tolist() == logp[1].topk(5).indices.tolist()
+    for i in (0, 2):
+        assert ids[i].tolist() == naive_ranked(logp[i], 5)
+
+
+def test_alternatives_do_not_depend_on_what_others_ask():
+    """A head whose rows come in equal pairs (every logit tied with another): a request's two
+    alternatives alone are those it gets beside a request asking for twenty, the lower id of a
+    tied pair first; Engine.score's alike."""
+    model = tiny_model("llama", seed=2)
+    with torch.no_grad():
+        weight = model.get_output_embeddings().weight
+        weight[64:128] = weight[0:64]
+    a = SamplingParams(max_tokens=8, temperature=0.9, seed=1, top_logprobs=2, ignore_eos=True)
+    b = SamplingParams(max_tokens=8, temperature=0.9, seed=2, top_logprobs=20, ignore_eos=True)
+    alone = engine(model).generate([PROMPTS[0]], a)[0].samples[0]
+    together = engine(model).generate([PROMPTS[0], PROMPTS[1]], [a, b])[0].samples[0]
+    assert together.token_ids == alone.token_ids
+    assert torch.equal(together.top_logprobs.ids, alone.top_logprobs.ids)
+    first, second = alone.top_logprobs.ids.T  # the top two: a tied pair, the lower id first
+    assert (first < 64).all() and torch.equal(second, first + 64)
+    seq = PROMPTS[0] + alone.token_ids
+    scored = [engine(model).score([seq], top_logprobs=k)[0].top.ids[:, :2]
+              for k in (2, 20)]
+    assert torch.equal(scored[0], scored[1])
