@@ -1,15 +1,22 @@
-"""The CPU attention backend (fp32, where rollout_kernels.cpu builds): the torch backend with
+"""The CPU attention backend (where rollout_kernels.cpu builds): the torch backend with
 decode and verify rows, and extend chunks over a context at least twice their length (later
-turns), handed to one C kernel call per layer that reads the pool in place
-(kernels/cpu/paged_attention.c). Consecutive requests with leading slots in common
-(siblings, a shared system prompt) read them once for all their rows; an extend chunk's queries
-read their context once for all. Prefills keep the padded SDPA path of sdpa.py: a prefill's
-queries see mostly one another, a causal matrix product.
+turns), handed to one C kernel call per layer (kernels/cpu/paged_attention.c). Consecutive
+requests with leading slots in common (siblings, a shared system prompt) read them once for all
+their rows; an extend chunk's queries read their context once for all. Prefills keep the padded
+SDPA path of sdpa.py: a prefill's queries see mostly one another, a causal matrix product.
+
+The kernel reads fp32 pools in place. A bf16 or fp16 model keeps its pool in its dtype; each
+layer then reads the step's distinct slots once into fp32 (exact) and attends there, in fp32,
+rounding the kernel rows' output to the model's dtype once, as the batch-invariant backend
+does (invariant.py): measured faster than its dtype's SDPA on the CPU (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import accumulate
+
+import torch
 
 from rollout_kernels.cpu import paged_attention as kernel
 
@@ -19,8 +26,11 @@ from .shared_prefix import MAX_SHARED_Q_LEN
 
 # An extend chunk's queries x heads are rows one thread keeps while it reads each key block.
 MAX_EXTEND_Q_LEN = 512
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-supported = kernel.supported
+
+def supported(device: torch.device, dtype: torch.dtype) -> bool:
+    return dtype in DTYPES and kernel.supported(device, torch.float32)
 
 
 def serves(q_len: int, kv_len: int) -> bool:
@@ -28,20 +38,44 @@ def serves(q_len: int, kv_len: int) -> bool:
     return q_len <= MAX_SHARED_Q_LEN or (q_len <= MAX_EXTEND_Q_LEN and kv_len >= 2 * q_len)
 
 
+@dataclass
+class KernelRows:
+    rows: kernel.NativeRows
+    # Off fp32: the step's distinct slots (int64 [U]), which `rows` index instead of the
+    # pool's, and the kernel rows' queries (int64, flat positions).
+    slots: torch.Tensor | None = None
+    queries: torch.Tensor | None = None
+
+
 class CpuAttention(TorchAttention):
-    def _kernel_rows(self, meta: AttentionMetadata) -> kernel.NativeRows | None:
+    def _kernel_rows(self, meta: AttentionMetadata) -> KernelRows | None:
         rows = [b for b, (q, kv) in enumerate(zip(meta.q_lens, meta.kv_lens)) if serves(q, kv)]
         if not rows:
             return None
-        return kernel.NativeRows.of(
-            rows, [0, *accumulate(meta.q_lens)], meta.q_lens, [0, *accumulate(meta.kv_lens)],
-            meta.kv_lens, meta.kv_indices)
+        q_starts, kv_starts = [0, *accumulate(meta.q_lens)], [0, *accumulate(meta.kv_lens)]
+        if self.pool.dtype == torch.float32:
+            return KernelRows(kernel.NativeRows.of(rows, q_starts, meta.q_lens, kv_starts,
+                                                   meta.kv_lens, meta.kv_indices))
+        # torch.unique keeps the pool's order: runs of consecutive slots stay runs.
+        slots, local = torch.unique(meta.kv_indices, return_inverse=True)
+        queries = torch.cat([torch.arange(q_starts[b], q_starts[b + 1]) for b in rows])
+        return KernelRows(kernel.NativeRows.of(rows, q_starts, meta.q_lens, kv_starts,
+                                               meta.kv_lens, local), slots, queries)
 
     def _sharing(self, meta, window, rows):
         # The kernel reads shared slots once itself: no sharing groups on the torch path.
-        return [], 0, set(rows.rows) if rows is not None else set()
+        return [], 0, set(rows.rows.rows) if rows is not None else set()
 
     def _attend_kernel_rows(self, q, k, v, k_pool, v_pool, out, rows, meta, scale, window,
                             softcap) -> None:
-        kernel.paged_attention(q, k_pool, v_pool, out, rows, scale, window, softcap,
-                               store=(k, v, meta.out_slots))
+        if rows.slots is None:
+            kernel.paged_attention(q, k_pool, v_pool, out, rows.rows, scale, window, softcap,
+                                   store=(k, v, meta.out_slots))
+            return
+        k_pool.index_copy_(0, meta.out_slots, k)
+        v_pool.index_copy_(0, meta.out_slots, v)
+        keys = k_pool.index_select(0, rows.slots).float()
+        values = v_pool.index_select(0, rows.slots).float()
+        out32 = torch.empty(q.shape, dtype=torch.float32)
+        kernel.paged_attention(q.float(), keys, values, out32, rows.rows, scale, window, softcap)
+        out[rows.queries] = out32[rows.queries].to(out.dtype)

@@ -41,13 +41,33 @@ def test_kernel_matches_float64_reference(kv_heads, q_heads, head_dim, window, s
     pool = random_pool(1, kv_heads, head_dim)
     meta, q, k, v = make_step(pool, MIXED, q_heads, seed=kv_heads + head_dim)
     out, plan = native_forward(pool, meta, q, k, v, window=window, softcap=softcap)
-    served = plan.kernel.q_start.numel() if window is None else \
-        plan.by_window[window].kernel.q_start.numel()
+    served = plan.kernel.rows.q_start.numel() if window is None else \
+        plan.by_window[window].kernel.rows.q_start.numel()
     # every decode and verify row, and the extend chunks over a context twice their length
     assert served == sum(q <= 17 or (q <= 512 and kv >= 2 * q)
                          for q, kv in zip(meta.q_lens, meta.kv_lens)) == len(meta.q_lens) - 1
     assert not out.isnan().any()
     assert_attention_exact(out, pool, meta, q, window=window, softcap=softcap)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("window, softcap", [(None, None), (7, None), (None, 20.0)])
+def test_a_16_bit_pool_is_read_into_float32(dtype, window, softcap):
+    """A bf16 / fp16 pool: the step's distinct slots read into fp32 once a layer, the kernel
+    rows attended there: every row as near the float64 answer as the torch path in the pool's
+    dtype is (its own floor), the step's K/V stored in the pool."""
+    pool = random_pool(1, 3, 64, dtype=dtype)
+    meta, q, k, v = make_step(pool, MIXED, 9, seed=6, dtype=dtype)
+    out, plan = native_forward(pool, meta, q, k, v, window=window, softcap=softcap)
+    kernel_rows = plan.kernel if window is None else plan.by_window[window].kernel
+    assert kernel_rows.slots is not None and out.dtype == dtype
+    assert torch.equal(pool.k(0)[meta.out_slots], k) and torch.equal(pool.v(0)[meta.out_slots], v)
+    torch_path = TorchAttention(pool, [window] * pool.num_layers)
+    plain = dataclasses.replace(meta, plan=None)
+    plain.plan = torch_path.plan(plain)
+    floor = torch_path.forward(q, k, v, 0, plain, pool.head_dim ** -0.5, softcap)
+    assert_attention_exact(out, pool, meta, q, window=window, softcap=softcap, floor=floor)
+    assert kernel_rows.queries.numel() < q.shape[0]  # the prefill's rows: on the torch path
 
 
 def test_a_nan_query_spoils_its_own_row_only():
@@ -132,9 +152,11 @@ def test_off_where_it_cannot_run(monkeypatch):
 
     assert chosen("cpu") == "cpu" and chosen("auto") == "cpu"
     assert chosen("torch") == "torch"
-    assert chosen("cpu", torch.bfloat16) == "torch"  # the kernel is fp32
+    # 16-bit pools are read into fp32 for the kernel; float64 has no kernel.
+    assert chosen("cpu", torch.bfloat16) == chosen("cpu", torch.float16) == "cpu"
+    assert chosen("cpu", torch.float64) == "torch"
     monkeypatch.setattr(native_attention, "_kernel", lambda: None)  # no compiler, a failed build
-    assert chosen("cpu") == "torch"
+    assert chosen("cpu") == chosen("cpu", torch.bfloat16) == "torch"
 
 
 def test_a_failed_build_leaves_the_torch_path(monkeypatch, tmp_path):
@@ -234,7 +256,7 @@ def test_siblings_in_one_chunk_match_float64_reference(monkeypatch, window, head
     pool = random_pool(1, 2, head_dim)
     meta, q, k, v = make_step(pool, requests, 6, seed=11)
     out, plan = native_forward(pool, meta, q, k, v, window=window, softcap=softcap)
-    native = plan.kernel if window is None else plan.by_window[window].kernel
+    native = (plan.kernel if window is None else plan.by_window[window].kernel).rows
     chunks = native.chunks(rep=3, threads=torch.get_num_threads())
     assert chunks.count.tolist()[0] >= min(8, samples) and chunks.prefix.tolist()[0] == 70
     assert_attention_exact(out, pool, meta, q, window=window, softcap=softcap)
@@ -248,5 +270,5 @@ def test_extend_chunks_over_a_context_match_float64_reference():
     pool = random_pool(1, 2, 64)
     meta, q, k, v = make_step(pool, requests, 6, seed=12)
     out, plan = native_forward(pool, meta, q, k, v)
-    assert plan.kernel.q_len.tolist() == [100, 37, 1]
+    assert plan.kernel.rows.q_len.tolist() == [100, 37, 1]
     assert_attention_exact(out, pool, meta, q)
