@@ -56,8 +56,7 @@ class CpuAttention(TorchAttention):
         if self.pool.dtype == torch.float32:
             return KernelRows(kernel.NativeRows.of(rows, q_starts, meta.q_lens, kv_starts,
                                                    meta.kv_lens, meta.kv_indices))
-        # torch.unique keeps the pool's order: runs of consecutive slots stay runs.
-        slots, local = torch.unique(meta.kv_indices, return_inverse=True)
+        slots, local = distinct_slots(meta.kv_indices)
         queries = torch.cat([torch.arange(q_starts[b], q_starts[b + 1]) for b in rows])
         return KernelRows(kernel.NativeRows.of(rows, q_starts, meta.q_lens, kv_starts,
                                                meta.kv_lens, local), slots, queries)
@@ -72,10 +71,27 @@ class CpuAttention(TorchAttention):
             kernel.paged_attention(q, k_pool, v_pool, out, rows.rows, scale, window, softcap,
                                    store=(k, v, meta.out_slots))
             return
-        k_pool.index_copy_(0, meta.out_slots, k)
-        v_pool.index_copy_(0, meta.out_slots, v)
-        keys = k_pool.index_select(0, rows.slots).float()
-        values = v_pool.index_select(0, rows.slots).float()
-        out32 = torch.empty(q.shape, dtype=torch.float32)
-        kernel.paged_attention(q.float(), keys, values, out32, rows.rows, scale, window, softcap)
+        out32 = attend_over_copies(q, k, v, k_pool, v_pool, meta.out_slots, rows.slots,
+                                   rows.rows, scale, window, softcap)
         out[rows.queries] = out32[rows.queries].to(out.dtype)
+
+
+def distinct_slots(kv_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the step's distinct slots, ascending; kv_indices as positions among them). Ascending
+    keeps the pool's order: runs of consecutive slots stay runs for the kernel."""
+    return torch.unique(kv_indices, return_inverse=True)
+
+
+def attend_over_copies(q, k, v, k_pool, v_pool, out_slots, slots, rows, scale, window,
+                       softcap, invariant: bool = False) -> torch.Tensor:
+    """A 16-bit pool's attention by the fp32 kernel: the step's K/V stored at `out_slots`,
+    then `slots` read into fp32 (exact) and `rows` (indexing them) attended there. Returns
+    the fp32 output [T, Hq, D], written for `rows` only."""
+    k_pool.index_copy_(0, out_slots, k)
+    v_pool.index_copy_(0, out_slots, v)
+    keys = k_pool.index_select(0, slots).float()
+    values = v_pool.index_select(0, slots).float()
+    out = torch.empty(q.shape, dtype=torch.float32)
+    kernel.paged_attention(q.float(), keys, values, out, rows, scale, window, softcap,
+                           invariant=invariant)
+    return out

@@ -20,6 +20,7 @@ import torch
 from rollout_kernels.cpu import paged_attention as kernel
 
 from .base import AttentionBackend
+from .cpu import attend_over_copies, distinct_slots
 from .metadata import AttentionMetadata
 
 
@@ -37,7 +38,7 @@ class InvariantCpuAttention(AttentionBackend):
         if self.pool.dtype == torch.float32:
             return InvariantPlan(kernel.NativeRows.of(everyone, q_starts, meta.q_lens,
                                                       kv_starts, meta.kv_lens, meta.kv_indices))
-        slots, local = torch.unique(meta.kv_indices, return_inverse=True)
+        slots, local = distinct_slots(meta.kv_indices)
         return InvariantPlan(kernel.NativeRows.of(everyone, q_starts, meta.q_lens, kv_starts,
                                                   meta.kv_lens, local), slots)
 
@@ -50,11 +51,6 @@ class InvariantCpuAttention(AttentionBackend):
             kernel.paged_attention(q, k_pool, v_pool, out, plan.rows, scale, window, softcap,
                                    store=(k, v, meta.out_slots), invariant=True)
             return out
-        k_pool.index_copy_(0, meta.out_slots, k)
-        v_pool.index_copy_(0, meta.out_slots, v)
-        keys = k_pool.index_select(0, plan.slots).float()
-        values = v_pool.index_select(0, plan.slots).float()
-        out = torch.empty(q.shape, dtype=torch.float32)
-        kernel.paged_attention(q.float(), keys, values, out, plan.rows, scale, window, softcap,
-                               invariant=True)
+        out = attend_over_copies(q, k, v, k_pool, v_pool, meta.out_slots, plan.slots,
+                                 plan.rows, scale, window, softcap, invariant=True)
         return out.to(q.dtype)
