@@ -12,8 +12,8 @@ One program per row streams the vocabulary in BLOCK_V chunks, several times:
   5. min-p, then argmax of (filtered logp + Gumbel noise), the noise from `counter_noise`.
 
 Exact ties at a top-k or top-p boundary keep every tied token, and top_p = 1 is off, as in the
-torch filter's definition (rollout/sample/filters.py). Divergences from the torch sampler, none of which random-logit
-tests can hit:
+torch filter's definition (rollout/sample/filters.py). Divergences from the torch sampler, none
+of which random-logit tests can hit:
   - Sums run in a different order than torch's, so logprobs agree to ~1 ulp of log(s), and a
     top-p decision can flip when a token's mass-before lies within rounding of top_p.
   - Under the CPU interpreter, numpy's log/exp may differ from torch's CPU ones by an ulp.
