@@ -66,14 +66,16 @@ if [ "$what" = owed ]; then
   # workers (their time is Triton compilation, a core each): all passed on 2026-12-04 (77 s),
   # rerun since they are cheap and the code moves (new since: carried_kv="park" on CUDA; ties
   # kept whole at the filters' cuts, the Triton sampler against the torch filter's supports on
-  # tied rows). Then the timings, alone: what no GPU run has measured yet, partial rollouts
-  # against synchronous ones, the engine against transformers on SmolLM2's shapes. Limits add
-  # up to 550 s: one device call (timeout_s 590).
+  # tied rows; top-k alternatives ordered by id among ties, on CUDA tensors). Then the
+  # timings, alone: what no GPU run has measured yet, partial rollouts against synchronous
+  # ones, the engine against transformers on SmolLM2's shapes. Limits add up to 550 s: one
+  # device call (timeout_s 590).
   section tests 200 $PY -m pytest -q -p no:cacheprovider -n 12 -rfE \
       tests/kernels/test_kernels_*.py \
       tests/attention/test_{invariant_attention,triton_backend}.py \
       tests/executor/test_cuda_graph.py tests/project/test_gpu.py \
-      tests/sample/test_sampling_distribution.py tests/models/test_lm_head_dtype.py
+      tests/sample/test_sampling_distribution.py tests/models/test_lm_head_dtype.py \
+      tests/sample/test_top_logprobs.py
   # What a wake-up costs with CUDA graphs (each bucket captured again), and what the weight
   # sync's checksums cost on a GPU (issue 25's goal: <= 10 % of a sync): neither run there yet.
   section graph_capture 60 $PY bench/graph_capture.py --device cuda --model-shape smollm2 \

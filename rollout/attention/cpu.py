@@ -6,7 +6,7 @@ their rows; an extend chunk's queries read their context once for all. Prefills 
 SDPA path of sdpa.py: a prefill's queries see mostly one another, a causal matrix product.
 
 The kernel reads fp32 pools in place. A bf16 or fp16 model keeps its pool in its dtype; each
-layer then reads the step's distinct slots once into fp32 (exact) and attends there, in fp32,
+layer then reads the kernel rows' distinct slots once into fp32 (exact) and attends there, in fp32,
 rounding the kernel rows' output to the model's dtype once, as the batch-invariant backend
 does (invariant.py): measured faster than its dtype's SDPA on the CPU (docs/benchmarks.md).
 """
@@ -41,8 +41,8 @@ def serves(q_len: int, kv_len: int) -> bool:
 @dataclass
 class KernelRows:
     rows: kernel.NativeRows
-    # Off fp32: the step's distinct slots (int64 [U]), which `rows` index instead of the
-    # pool's, and the kernel rows' queries (int64, flat positions).
+    # Off fp32: the distinct slots of the rows' contexts (int64 [U]), which `rows` index
+    # instead of the pool's, and the rows' queries (int64, flat positions).
     slots: torch.Tensor | None = None
     queries: torch.Tensor | None = None
 
@@ -56,10 +56,14 @@ class CpuAttention(TorchAttention):
         if self.pool.dtype == torch.float32:
             return KernelRows(kernel.NativeRows.of(rows, q_starts, meta.q_lens, kv_starts,
                                                    meta.kv_lens, meta.kv_indices))
-        slots, local = distinct_slots(meta.kv_indices)
+        # Only the served rows' contexts: a prefill's beside them stays with SDPA.
+        served = torch.cat([torch.arange(kv_starts[b], kv_starts[b + 1]) for b in rows])
+        slots, local = distinct_slots(meta.kv_indices[served])
+        positions = torch.zeros_like(meta.kv_indices)
+        positions[served] = local
         queries = torch.cat([torch.arange(q_starts[b], q_starts[b + 1]) for b in rows])
         return KernelRows(kernel.NativeRows.of(rows, q_starts, meta.q_lens, kv_starts,
-                                               meta.kv_lens, local), slots, queries)
+                                               meta.kv_lens, positions), slots, queries)
 
     def _sharing(self, meta, window, rows):
         # The kernel reads shared slots once itself: no sharing groups on the torch path.

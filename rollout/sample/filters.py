@@ -15,11 +15,12 @@ from rollout_kernels.cpu import top_p_prefix as native_prefix
 
 # --- top-k / top-p / min-p ----------------------------------------------------------------
 #
-# The definition is `filter_by_sort`: sort the row, keep the first k, then the tokens whose
-# renormalised mass before them (a float32 softmax of the sorted row, cumsum, minus the token's
-# own probability) is < top_p, then drop what min-p excludes. Each cut keeps every token tied
-# with the last one it keeps (`_cut_at`): which of the tied tokens an unstable sort puts first
-# is unspecified, and the Triton sampler, which never sorts, keeps them all. A full sort with
+# The definition is `filter_by_sort`: sort the row, keep the first k (top-k), then, renormalised
+# over those, the positions before the first one whose mass before it (a float32 softmax of the
+# sorted row, cumsum, minus its own probability) reaches top_p (top-p), then drop what min-p
+# excludes. Each cut keeps every token tied with the last one it keeps (`_cut_at`): which of
+# the tied tokens an unstable sort puts first is unspecified, and the Triton sampler, which
+# never sorts, keeps them all. A full sort with
 # indices costs several times the rest of a sampling step on the CPU, so `filter_logprobs`
 # computes the same result from less:
 #
@@ -36,8 +37,9 @@ from rollout_kernels.cpu import top_p_prefix as native_prefix
 #   rho * mass + 2**-20, with rho derived from the vocabulary (or k) size alone, whatever the
 #   summation order. Rows where each candidate is surely kept up to one that is surely dropped
 #   are decided (masses only grow down the sorted row, so every later token is dropped too).
-#   With a small top-k the bound is tight (k terms); undecided rows then run the reference
-#   softmax on the exact top-k values (the rest of the reference row is -inf anyway).
+#   With a small top-k the bound is tight (as many terms as survivors); undecided rows then
+#   run the reference softmax on the exact survivors' values (the rest of the reference row is
+#   -inf anyway).
 #   Without top-k, only rows whose top CANDIDATES can hold top_p are worth it: the largest
 #   CANDIDATES block maxima (below) are that many distinct tokens, so their mass is a lower
 #   bound on the top CANDIDATES' mass.
@@ -106,10 +108,11 @@ def _first_true(mask: torch.Tensor) -> torch.Tensor:
 def _prefix_by_bounds(vals: torch.Tensor, m: torch.Tensor, k: torch.Tensor,
                       top_p: torch.Tensor, small_k: bool, vocab: int) -> torch.Tensor:
     """Kept prefix length of top-k/top-p rows from their top values `vals` [n, K] (sorted,
-    exact), or -1 where rounding could decide either way. small_k: every row has k < K and the
-    reference renormalises over those k values; otherwise top-k is off (k = vocab) and the
-    probabilities are exp(logp) (logp from log_softmax.py) up to the rounding of both
-    float32 sums (that of log_softmax, that of the reference's softmax).
+    exact), or -1 where rounding could decide either way. small_k: the reference renormalises
+    over each row's first k values (k <= K: the top-k survivors, ties included); otherwise
+    top-k is off (k = vocab) and the probabilities are exp(logp) (logp from log_softmax.py) up
+    to the rounding of both float32 sums (that of log_softmax, that of the reference's
+    softmax).
 
     Rounding bound (first order, generous): the reference's p_j is within a relative rho of
     the true probability (float32 sum of n terms in any order: n u; exp and the argument's
@@ -257,7 +260,7 @@ def filter_by_threshold(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     normalized: `logp` is torch's log_softmax of something, as `_prefix_by_bounds` assumes
     when top-k is off (otherwise those top-p rows go to the sort of the values).
     `stats`, if given, counts the rows by the way they were settled: "top_k" (torch.topk,
-    top-p decided by bounds or none), "top_k_softmax" (top-p on the exact top-k values),
+    top-p decided by bounds or none), "top_k_softmax" (top-p on the exact survivors' values),
     "candidates" (top-p decided by bounds on CANDIDATES), "sorted" (a sort of the values),
     "reference" (`filter_by_sort`: NaN, or nothing finite)."""
     batch, vocab = logp.shape
@@ -284,14 +287,15 @@ def filter_by_threshold(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
         if stats is not None:
             stats[path] = stats.get(path, 0) + n
 
-    def settle(rows: list[int], rr: torch.Tensor, values: torch.Tensor) -> None:
+    def settle(rows: list[int], rr: torch.Tensor, values: torch.Tensor) -> list[int]:
         """Record prefix lengths rr (>= 1, or -1: left open) of `rows`, whose top sorted values
-        are `values` (at least rr of them)."""
+        are `values` (at least rr of them); returns the rows left open."""
         last = values.gather(-1, (rr.clamp(min=1) - 1)[:, None]).flatten().tolist()
         for i, r, a in zip(rows, rr.tolist(), last):
             if r >= 1:
                 v[i] = a if r < vocab else neg_inf
                 settled[i] = True
+        return [i for i in rows if not settled[i]]
 
     def rows_of(rows: list[int]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.int64)
@@ -310,11 +314,14 @@ def filter_by_threshold(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
             # those read: bf16-valued logits tie at nearly every rank).
             jp = rows_of(with_p)
             kth = vals[jp, kk[jp] - 1]
-            kp = (vals[jp] >= kth[:, None]).sum(dim=-1)
+            # A k-th value of -inf (fewer finite values than k): the finite ones, all read, are
+            # the survivors with any mass (-inf ones change no probability nor any output).
+            floor = kth.clamp(min=torch.finfo(vals.dtype).min)
+            kp = (vals[jp] >= floor[:, None]).sum(dim=-1)
             while (kp == width).any() and width < vocab:
                 width = min(vocab, 2 * width)
                 vals = _top_values(logp, rows_of(small_k), maxima, width)
-                kp = (vals[jp] >= kth[:, None]).sum(dim=-1)
+                kp = (vals[jp] >= floor[:, None]).sum(dim=-1)
         rr = kk.clone()
         n_open = 0
         if with_p:
@@ -322,7 +329,7 @@ def filter_by_threshold(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
             found = _prefix_by_bounds(vals[jp], vals[jp, 0], kp, pp, True, vocab)
             open_ = (found < 0).nonzero().flatten()
             n_open = open_.numel()
-            if n_open:  # the reference softmax over the exact top-k values (-inf after them)
+            if n_open:  # the reference softmax over the survivors' exact values (-inf after)
                 x = torch.full((n_open, vocab), neg_inf, dtype=logp.dtype)
                 x[:, :width] = vals[jp[open_]].masked_fill(
                     torch.arange(width)[None, :] >= kp[open_][:, None], neg_inf)
@@ -330,7 +337,7 @@ def filter_by_threshold(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
             rr[jp] = found
         count("top_k", len(small_k) - n_open)
         count("top_k_softmax", n_open)
-        settle(small_k, rr, vals)
+        reference += settle(small_k, rr, vals)  # none: the exact scan settles every row
     # Candidates for top-p rows without top-k where the `cand` largest block maxima (distinct
     # tokens) already hold top_p: the top `cand` tokens hold at least as much, and the boundary
     # is likely decided among them. Elsewhere they would only delay the sort.
@@ -360,7 +367,7 @@ def filter_by_threshold(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
                 x = x.masked_fill(torch.arange(vocab)[None, :] >= kp[:, None], neg_inf)
             rr[jp] = _prefix_exact(x.softmax(dim=-1), kp, top_p[rows_of(by_sort)[jp]], vocab)
         count("sorted", len(by_sort))
-        settle(by_sort, rr, sv)
+        reference += settle(by_sort, rr, sv)  # none: the exact scan settles every row
     count("reference", len(reference))
     # log(min_p) of the whole batch, as `filter_by_sort` computes it (a vectorised log may
     # round the last elements of a tensor differently).

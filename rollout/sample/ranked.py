@@ -31,8 +31,8 @@ def top_ranked(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
             whole = (wide.values[:, -1] == kth[:, 0]).nonzero().flatten()
             if whole.numel():  # the tie runs past those too: the whole rows
                 at = rows[whole]
-                ids[at] = _lowest_ids(logp[at], torch.arange(vocab).expand(len(at), vocab),
-                                      kth[whole], k, vocab)
+                every = torch.arange(vocab, device=logp.device).expand(len(at), vocab)
+                ids[at] = _lowest_ids(logp[at], every, kth[whole], k, vocab)
     # Value descending, equal values by ascending id: a stable sort by value of the ids sorted.
     ids = ids.sort(dim=-1).values
     values = logp.gather(-1, ids)

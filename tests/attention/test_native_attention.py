@@ -60,7 +60,9 @@ def test_a_16_bit_pool_is_read_into_float32(dtype, window, softcap):
     meta, q, k, v = make_step(pool, MIXED, 9, seed=6, dtype=dtype)
     out, plan = native_forward(pool, meta, q, k, v, window=window, softcap=softcap)
     kernel_rows = plan.kernel if window is None else plan.by_window[window].kernel
-    assert kernel_rows.slots is not None and out.dtype == dtype
+    served = torch.cat([meta.kv_indices[meta.kv_indptr[b]:meta.kv_indptr[b + 1]]
+                        for b in kernel_rows.rows.rows])
+    assert torch.equal(kernel_rows.slots, served.unique()) and out.dtype == dtype
     assert torch.equal(pool.k(0)[meta.out_slots], k) and torch.equal(pool.v(0)[meta.out_slots], v)
     torch_path = TorchAttention(pool, [window] * pool.num_layers)
     plain = dataclasses.replace(meta, plan=None)

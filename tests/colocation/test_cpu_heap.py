@@ -1,6 +1,6 @@
 """rollout/colocation/host_heap.py in a fresh process each (its settings are process-wide):
 with glibc's defaults a filtered sampling step's [B, V] temporaries page-fault anew every step;
-kept, they stop; an unfiltered step's do not fault either way (the sampler's blocks of rows);
+kept, they mostly stop; an unfiltered step's do not fault either way (the sampler's blocks of rows);
 released at sleep, the freed heap goes back to the system."""
 
 import subprocess
@@ -67,7 +67,7 @@ def step_faults(keep: bool, top_p: float) -> list[int]:
 @pytest.mark.parametrize("keep", [False, True])
 def test_kept_blocks_stop_the_page_faults_of_every_step(keep):
     """top_p = 0.9: the filter works on the whole batch, several [B, V] temporaries a step that
-    glibc's defaults map anew step after step; kept, they stop."""
+    glibc's defaults map anew step after step; kept, most steps fault nothing."""
     if not keep and huge_pages_always():
         pytest.skip("transparent huge pages on every mapping")
     counts = step_faults(keep, 0.9)

@@ -39,9 +39,10 @@ def test_the_scan_is_the_torch_ops(vocab, length, seed):
     if length < vocab:  # rows cut at the last examined position, and just past it
         probs[8] = 1.0 / vocab  # flat: top-k cuts at `length`, top_p does not
         k[8], top_p[8] = length, 0.999999
-        cum = probs[9].double().cumsum(0)[length - 2:length].float() - probs[9, length - 2:length]
-        k[9], top_p[9] = vocab, cum[1]  # the mass before the last examined position
-        k[11], top_p[11] = vocab, torch.nextafter(cum[1], torch.tensor(1.0))
+        # The mass before the last examined position, as the scan computes it, and just past it.
+        before = probs[9].double().cumsum(0)[length - 1].float() - probs[9, length - 1]
+        k[9], top_p[9] = vocab, before
+        k[11], top_p[11] = vocab, torch.nextafter(before, torch.tensor(1.0))
     top_p[10] = 0.0  # the top token survives anyway
     want = _prefix_exact_ops(probs, k, top_p, length)
     got = top_p_prefix.prefix_lengths(probs, k, top_p, length)

@@ -176,7 +176,8 @@ def reference_distribution(logits: np.ndarray, temperature: float, top_k: int, t
                            min_p: float) -> np.ndarray:
     """Top-k, then top-p over the renormalised top-k survivors (keep a token while the mass
     before it in descending order is < top_p; the top token always stays), then min-p relative
-    to the most likely token; the survivors renormalised. float64 throughout."""
+    to the most likely token; the survivors renormalised. float64 throughout. By position in
+    the sort: right for LOGITS, which hold no tied values (naive_kept below keeps ties)."""
     z = logits.astype(np.float64) / temperature
     p = np.exp(z - z.max())
     p /= p.sum()
@@ -312,8 +313,9 @@ def test_mixed_batch_logprobs_are_unfiltered_log_softmax_at_the_token():
 
 def test_noise_drawn_in_blocks_of_rows_picks_the_tokens_of_the_whole_batch(monkeypatch):
     """On the CPU the torch `pick` (the reference; the C sampler is the cpu backend's) draws
-    the noise a block of rows at a time (sampler.py): the tokens are those of the definition, argmax(candidates + noise of the
-    whole batch), across block edges, with greedy rows and -inf candidates."""
+    the noise a block of rows at a time (sampler.py): the tokens are those of the definition,
+    argmax(candidates + noise of the whole batch), across block edges, with greedy rows and
+    -inf candidates."""
     rows, vocab = 23, 50
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(3)) * 3
     temperature = [0.0 if i % 6 == 2 else 1.0 for i in range(rows)]
@@ -533,7 +535,8 @@ def test_top_p_renormalises_over_every_tied_top_k_survivor():
 def test_filter_follows_the_tokens_whatever_their_order(kind):
     """The kept set is a function of the values: permuting a row's tokens permutes its
     filtered row, bit for bit, on the CPU filter and the definition (a kept set picked by the
-    sort among tied tokens would follow their order), and it is the token-by-token one."""
+    sort among tied tokens would follow their order); on the integer grid, where every
+    decision is far from rounding, it is the token-by-token one."""
     vocab, rows = 3001, 40
     logp = mixed_logits(rows, vocab, kind, seed=5).log_softmax(dim=-1)
     params = mixed_params(rows, vocab, seed=6, with_greedy=False)

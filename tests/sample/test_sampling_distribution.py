@@ -132,7 +132,7 @@ def test_ties_at_the_boundary_are_kept_together_and_renormalised_over(backend):
     row[10:20] = 2.0  # ten tokens tied where the 5th and 6th ranks fall
     device = device_for(backend)
     p = torch.softmax(row.double(), -1)
-    # top_p 0.9: the mass above the tied tokens is 0.78 (kept), 0.99 past them (dropped).
+    # top_p 0.9: the mass above the tied tokens is 0.53 (kept), above the rest 0.99 (dropped).
     for setting in ((1.0, 5, 1.0, 0.0), (1.0, 8, 1.0, 0.0), (1.0, 0, 0.9, 0.0),
                     (1.0, 12, 0.9, 0.0)):
         kept_want, _ = reference(row, *setting)

@@ -8,6 +8,7 @@ id), whatever k the rest of a step asks for."""
 import pytest
 import torch
 from floors import exact_copy, tolerance
+from kernels_env import DEVICE
 from models import tiny_model
 
 from rollout import Engine, EngineConfig, SamplingParams, SpeculativeConfig
@@ -114,7 +115,7 @@ def test_ranked_rows_against_a_sort_by_value_then_id(kind):
         x[:, 5:] = float("-inf")
     logp = x.log_softmax(dim=-1)
     for k in (0, 1, 4, 20, 300):
-        ids, values = top_ranked(logp, k)
+        ids, values = (t.cpu() for t in top_ranked(logp.to(DEVICE), k))  # CUDA where there is one
         for i, row in enumerate(logp):
             want = naive_ranked(row, k)
             assert ids[i].tolist() == want
