@@ -20,7 +20,7 @@ import torch
 
 from rollout_kernels.cpu import paged_attention as kernel
 
-from .metadata import AttentionMetadata
+from .metadata import AttentionMetadata, ranges
 from .sdpa import TorchAttention
 from .shared_prefix import MAX_SHARED_Q_LEN
 
@@ -57,11 +57,12 @@ class CpuAttention(TorchAttention):
             return KernelRows(kernel.NativeRows.of(rows, q_starts, meta.q_lens, kv_starts,
                                                    meta.kv_lens, meta.kv_indices))
         # Only the served rows' contexts: a prefill's beside them stays with SDPA.
-        served = torch.cat([torch.arange(kv_starts[b], kv_starts[b + 1]) for b in rows])
+        device = meta.kv_indices.device
+        served = ranges([kv_starts[b] for b in rows], [meta.kv_lens[b] for b in rows], device)
         slots, local = distinct_slots(meta.kv_indices[served])
         positions = torch.zeros_like(meta.kv_indices)
         positions[served] = local
-        queries = torch.cat([torch.arange(q_starts[b], q_starts[b + 1]) for b in rows])
+        queries = ranges([q_starts[b] for b in rows], [meta.q_lens[b] for b in rows], device)
         return KernelRows(kernel.NativeRows.of(rows, q_starts, meta.q_lens, kv_starts,
                                                meta.kv_lens, positions), slots, queries)
 

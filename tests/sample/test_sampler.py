@@ -7,13 +7,13 @@ Distribution tests draw one token from each of many rows that share logits and d
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 
 import numpy as np
 import pytest
 import torch
+from filter_reference import reference
 from floors import assert_as_exact_as
 from models import tiny_model
 from scipy import stats
@@ -172,27 +172,6 @@ def test_sample_seeds_are_distinct_per_sample_and_use_all_64_bits():
 
 
 # --- the sampled distribution -------------------------------------------------------------
-def reference_distribution(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
-                           min_p: float) -> np.ndarray:
-    """Top-k, then top-p over the renormalised top-k survivors (keep a token while the mass
-    before it in descending order is < top_p; the top token always stays), then min-p relative
-    to the most likely token; the survivors renormalised. float64 throughout. By position in
-    the sort: right for LOGITS, which hold no tied values (naive_kept below keeps ties)."""
-    z = logits.astype(np.float64) / temperature
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    order = np.argsort(-p, kind="stable")
-    k = len(p) if top_k <= 0 else min(top_k, len(p))
-    survivors = order[:k]
-    q = p[survivors] / p[survivors].sum()
-    before = np.cumsum(q) - q
-    kept = survivors[(before < top_p) | (np.arange(k) == 0)]
-    kept = kept[p[kept] >= min_p * p.max()]
-    out = np.zeros_like(p)
-    out[kept] = p[kept]
-    return out / out.sum()
-
-
 def boundary_margin(logits, temperature, top_k, top_p, min_p) -> float:
     """How far the top-p and min-p decisions are from a tie; the test needs them clear."""
     z = logits.astype(np.float64) / temperature
@@ -239,7 +218,7 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_sample_matches_the_exact_filtered_distribution(name):
     params = OFF | CASES[name]
-    want = reference_distribution(LOGITS, **params)
+    want = reference(LOGITS, **params)[1]
     assert boundary_margin(LOGITS, params["temperature"], params["top_k"], params["top_p"],
                            params["min_p"]) > 1e-3
     if name not in ("T0.7", "T1.5"):
@@ -262,7 +241,7 @@ def test_each_row_uses_its_own_parameters():
     logits = torch.tensor(LOGITS, dtype=torch.float32).expand(rows, -1)
     tokens, _ = sample(logits, batch(rows, seed=11, **cols))
     for j, params in enumerate(sets):
-        want = reference_distribution(LOGITS, **(OFF | params))
+        want = reference(LOGITS, **(OFF | params))[1]
         counts = np.bincount(tokens[j::3].numpy(), minlength=len(LOGITS))
         assert counts[want == 0].sum() == 0
         assert chi_square(counts[want > 0], want[want > 0]) > P_MIN, (params, counts.tolist())
@@ -477,23 +456,6 @@ def test_filter_at_top_p_equal_to_a_reference_mass():
     assert stats.get("top_k_softmax", 0) > 0 and stats.get("sorted", 0) > 0, stats
 
 
-def naive_kept(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -> set[int]:
-    """The filters' definition token by token, in float64: a token survives top-k when fewer
-    than k tokens have a larger value, top-p when the mass of the top-k survivors with a larger
-    value, renormalised over them, is below top_p, and min-p when its probability is at least
-    min_p times the largest. Ties are kept together (decisions far from rounding only)."""
-    x = row.double()
-    vocab = len(x)
-    k = top_k if 0 < top_k < vocab else vocab
-    greater = (x[None, :] > x[:, None]).sum(dim=1)  # per token: how many are larger
-    in_k = greater < k
-    p = torch.softmax(x.masked_fill(~in_k, float("-inf")), dim=0)
-    above = ((x[None, :] > x[:, None]) * p[None, :]).sum(dim=1)
-    keep = in_k & ((above < top_p) | (top_p >= 1) | (greater == 0))
-    keep &= x >= x.max() + math.log(min_p) if min_p > 0 else torch.ones_like(keep)
-    return set(keep.nonzero().flatten().tolist())
-
-
 def test_filter_keeps_every_token_tied_at_the_boundary():
     """Tied values straddling the top-k / top-p boundary are all kept (or all dropped): the
     kept set the token-by-token definition gives, on both paths, without the full sort."""
@@ -506,7 +468,8 @@ def test_filter_keeps_every_token_tied_at_the_boundary():
     got = filter_logprobs(logp, top_k, top_p, min_p)
     kept = [set(torch.isfinite(row).nonzero().flatten().tolist()) for row in got]
     for i in range(7):
-        assert kept[i] == naive_kept(logp[i], int(top_k[i]), float(top_p[i]), float(min_p[i]))
+        want, _ = reference(logp[i], 1.0, int(top_k[i]), float(top_p[i]), float(min_p[i]))
+        assert kept[i] == want
     assert [len(s) // 50 for s in kept] == [1, 4, 1, 1, 4, 6, 4]  # groups of 50 ties
     assert stats.get("reference") == 0, stats
 
@@ -527,7 +490,7 @@ def test_top_p_renormalises_over_every_tied_top_k_survivor():
     assert torch.isfinite(got).sum(dim=-1).tolist() == [2001] * 3 + [1] * 3
     for i in range(6):
         kept = set(torch.isfinite(got[i]).nonzero().flatten().tolist())
-        assert kept == naive_kept(logp[i], int(top_k[i]), float(top_p[i]), 0.0)
+        assert kept == reference(logp[i], 1.0, int(top_k[i]), float(top_p[i]), 0.0)[0]
     assert stats["top_k"] == 2 and stats["sorted"] == 4 and stats["reference"] == 0, stats
 
 
@@ -549,7 +512,7 @@ def test_filter_follows_the_tokens_whatever_their_order(kind):
     if kind == "integers":  # six values: every decision far from rounding
         got = filter_logprobs(logp, top_k, top_p, min_p)
         for i in range(rows):
-            want = naive_kept(logp[i], int(top_k[i]), float(top_p[i]), float(min_p[i]))
+            want, _ = reference(logp[i], 1.0, int(top_k[i]), float(top_p[i]), float(min_p[i]))
             assert set(torch.isfinite(got[i]).nonzero().flatten().tolist()) == want, i
 
 

@@ -1,5 +1,5 @@
 """The distribution a token was drawn from (rollout/sample/support.py): `sampling_logprobs` against
-a naive float64 reference (softmax, sort, truncate, renormalise) for every truncation and
+a naive float64 reference (tests/support/filter_reference.py) for every truncation and
 their combinations and temperatures, ties at the boundary; the support against the reference's
 kept set; the sampled tokens' frequencies against exp(sampling_logprobs) (chi-square), with
 and without speculative verification; `logprobs_on_support` and its gradients against a naive
@@ -10,6 +10,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from filter_reference import reference
 from kernels_env import device_for
 from models import tiny_model
 from scipy import stats
@@ -37,26 +38,6 @@ def batch_of(rows: int, temperature, top_k, top_p, min_p, seed=0, device=CPU) ->
     return SamplingBatch.build([temperature] * rows, [top_k] * rows, [top_p] * rows,
                                [min_p] * rows, list(range(seed, seed + rows)),
                                [7] * rows, device)
-
-
-def reference(logits: torch.Tensor, temperature, top_k, top_p, min_p) -> tuple[set, np.ndarray]:
-    """The kept set and the renormalised float64 distribution over the vocabulary, by the
-    definition: softmax(logits / T), keep the k most likely (and every token tied with the
-    k-th), then those whose mass strictly above them (renormalised over the top-k survivors) is
-    < top_p (the most likely always), then drop those below min_p times the most likely."""
-    z = logits.double().numpy() / temperature
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    k = top_k if 0 < top_k < len(p) else len(p)
-    head = np.nonzero(p >= np.sort(p)[::-1][k - 1])[0]
-    q = p[head] / p[head].sum()
-    above = np.array([q[q > x].sum() for x in q])
-    kept = {int(t) for t, a in zip(head, above) if a < top_p or top_p >= 1 or a == 0}
-    kept = {t for t in kept if p[t] >= min_p * p.max()}
-    dist = np.zeros_like(p)
-    idx = sorted(kept)
-    dist[idx] = p[idx] / p[idx].sum()
-    return kept, dist
 
 
 def clear_of_boundaries(logits, setting) -> bool:
