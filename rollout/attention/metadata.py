@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from ..ops.host_lists import host_tensor
+
 
 @dataclass
 class AttentionMetadata:
@@ -36,15 +38,15 @@ class AttentionMetadata:
 
 def indptr(lens: list[int], device) -> torch.Tensor:
     """[0, l0, l0 + l1, ...] as int32 on `device`."""
-    return torch.tensor([0, *accumulate(lens)], dtype=torch.int32, device=device)
+    return host_tensor([0, *accumulate(lens)], torch.int32, device)
 
 
 def ranges(starts: list[int], lens: list[int], device) -> torch.Tensor:
     """arange(s, s + n) for each (s, n), concatenated; built on `device` from O(B) host data
     (output_size keeps repeat_interleave from reading the total back)."""
     total = sum(lens)
-    lens_t = torch.tensor(lens, device=device)
+    lens_t = host_tensor(lens, torch.int64, device)
     offsets = lens_t.cumsum(0) - lens_t  # where each range begins in the output
-    shift = torch.tensor(starts, device=device) - offsets
+    shift = host_tensor(starts, torch.int64, device) - offsets
     return torch.arange(total, device=device) + torch.repeat_interleave(shift, lens_t,
                                                                         output_size=total)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..ops.host_lists import host_tensor
 from . import shared_prefix
 from .base import AttentionBackend
 from .metadata import AttentionMetadata
@@ -86,17 +87,20 @@ class TorchAttention(AttentionBackend):
     def _plan(self, meta: AttentionMetadata, window: int | None, kernel: Any) -> _Plan:
         device = meta.kv_indices.device
         members, common, taken = self._sharing(meta, window, kernel)
-        q_lens = torch.tensor(meta.q_lens)
-        kv_lens = torch.tensor(meta.kv_lens)
-        q_start = torch.tensor([0, *accumulate(meta.q_lens)][:-1])
-        kv_start = torch.tensor([0, *accumulate(meta.kv_lens)][:-1])
         segments = []
-        plain = torch.tensor([b not in taken for b in range(len(meta.q_lens))], dtype=torch.bool)
-        decode = q_lens == 1
-        for rows in ((decode & plain).nonzero().flatten(), (~decode & plain).nonzero().flatten()):
-            if rows.numel():
-                segments.append(self._segment(rows, q_lens, kv_lens, q_start, kv_start,
-                                              meta.kv_indices, device, window))
+        plain = [b for b in range(len(meta.q_lens)) if b not in taken]
+        if plain:  # (a step the kernel or the sharing groups take whole builds nothing here)
+            q_lens = host_tensor(meta.q_lens, torch.int64)
+            kv_lens = host_tensor(meta.kv_lens, torch.int64)
+            q_start = host_tensor([0, *accumulate(meta.q_lens)][:-1], torch.int64)
+            kv_start = host_tensor([0, *accumulate(meta.kv_lens)][:-1], torch.int64)
+            decode = [b for b in plain if meta.q_lens[b] == 1]
+            longer = [b for b in plain if meta.q_lens[b] != 1]
+            for rows in (decode, longer):
+                if rows:
+                    segments.append(self._segment(host_tensor(rows, torch.int64), q_lens,
+                                                  kv_lens, q_start, kv_start, meta.kv_indices,
+                                                  device, window))
         return _Plan(segments,
                      plan_shared(meta, members, common, self.pool) if members else None, kernel)
 

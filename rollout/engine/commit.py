@@ -86,25 +86,29 @@ class Committer:
                 verdicts.append(None)
                 continue
             drawn = next(sampled)
-            seq = it.seq
-            verdicts.append(None)
-            if not all(map(math.isfinite, drawn.logprobs)):
-                failed[seq.group] = Failure(
-                    f"logits: the model produced non-finite values (nan/inf) for sample "
-                    f"{seq.sample_index} at position {it.start + it.num_new - len(it.draft)}",
-                    keep_kv=False)
-                continue
-            try:
-                kept, reason, text_at = self.stop.check(seq, drawn.tokens)
-            except Exception as e:  # the tokenizer is user code
-                failed.setdefault(seq.group, Failure(
-                    f"stop check: {type(e).__name__}: {e}", keep_kv=True))
-                continue
-            cut = drawn if kept == len(drawn.tokens) else Emitted(
-                drawn.tokens[:kept], drawn.logprobs[:kept], drawn.sampling_logprobs[:kept],
-                drawn.supports[:kept], drawn.tops[:kept])
-            verdicts[-1] = _Verdict(cut, reason, text_at)
+            verdicts.append(self._verdict(it, drawn, failed))
         return verdicts, failed
+
+    def _verdict(self, it: ScheduledSeq, drawn: Emitted, failed: dict[str, Failure]
+                 ) -> _Verdict | None:
+        """What a sampled item keeps; None, with its request in `failed`, when it fails."""
+        seq = it.seq
+        if not all(map(math.isfinite, drawn.logprobs)):
+            failed[seq.group] = Failure(
+                f"logits: the model produced non-finite values (nan/inf) for sample "
+                f"{seq.sample_index} at position {it.start + it.num_new - len(it.draft)}",
+                keep_kv=False)
+            return None
+        try:
+            kept, reason, text_at = self.stop.check(seq, drawn.tokens)
+        except Exception as e:  # the tokenizer is user code
+            failed.setdefault(seq.group, Failure(
+                f"stop check: {type(e).__name__}: {e}", keep_kv=True))
+            return None
+        cut = drawn if kept == len(drawn.tokens) else Emitted(
+            drawn.tokens[:kept], drawn.logprobs[:kept], drawn.sampling_logprobs[:kept],
+            drawn.supports[:kept], drawn.tops[:kept])
+        return _Verdict(cut, reason, text_at)
 
     def _apply(self, it: ScheduledSeq, verdict: _Verdict | None, version: int) -> bool:
         """True when the sequence finished."""
@@ -116,18 +120,18 @@ class Committer:
         # positions of rejected drafts, and of accepted ones past a stop, drop out.
         emitted = verdict.emitted
         kept = it.num_new - len(it.draft) + len(emitted.tokens) - 1
-        self.kv.advance(seq, kept)
+        self.kv.advance(seq, kept)  # (it snapshots seq for the journal: first change)
         if kept < it.num_new:
             self.kv.free(it.slots[kept:])
-        self.journal.touch(seq)
-        seq.stamp(version, seq.num_output)
+        seq.stamp(version)
         seq.token_ids.extend(emitted.tokens)
-        if seq.params.logprobs:
+        params = seq.params
+        if params.logprobs:
             seq.logprobs.extend(emitted.logprobs)
             seq.sampling_logprobs.extend(emitted.sampling_logprobs)
-        if seq.params.return_support:
+        if params.return_support:
             seq.support.extend(emitted.supports)
-        if seq.params.top_logprobs:
+        if params.top_logprobs:
             seq.top_logprobs.extend(emitted.tops)
         if it.start < seq.num_prompt:
             self.kv.cache_computed(seq)  # the prompt is complete: siblings can share it now

@@ -51,11 +51,13 @@ class Scheduler:
         items: list[ScheduledSeq] = []
         preempted = False
         scheduled: set[int] = set()
-        decodes = [s for s in self.running if not s.is_prefilling]
+        decodes, prefills = [], []
+        for s in self.running:
+            (prefills if s.is_prefilling else decodes).append(s)
         grown = self._grow_decodes(decodes[:budget], items)
         scheduled.update(s.seq_id for s in decodes[:grown])
         budget -= grown
-        order = decodes[grown:] + [s for s in self.running if s.is_prefilling]
+        order = decodes[grown:] + prefills
         for seq in order:
             if budget == 0:
                 break
@@ -75,7 +77,7 @@ class Scheduler:
             scheduled.add(seq.seq_id)
             self._schedule_seq(seq, slots, items)
             budget -= n
-        if not preempted:
+        if not preempted and self.waiting:
             budget = self._admit(budget, items)
         if not items:
             return None
@@ -90,8 +92,8 @@ class Scheduler:
         if slots is None:
             return 0
         self.kv.place_decodes(decodes, slots)
-        items.extend(ScheduledSeq(seq, seq.num_computed, 1, True, slot)
-                     for seq, slot in zip(decodes, slots.split(1)))
+        items.extend(ScheduledSeq(seq, seq.num_computed, 1, True, None, shared=slots, index=i)
+                     for i, seq in enumerate(decodes))
         return len(decodes)
 
     def _schedule_seq(self, seq: Sequence, slots: torch.Tensor,

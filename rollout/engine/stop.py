@@ -15,19 +15,21 @@ class StopChecker:
         """As if `tokens` were appended one at a time to `seq.token_ids`, without touching `seq`:
         (how many of them are kept, up to and including the one a stop condition fires at;
         the finish reason or None; where the matched stop string starts in the output text)."""
-        first, start = seq.num_tokens, seq.num_prompt
-        # Stop ids and lengths fire at a token known without decoding.
+        params = seq.params
+        first, start = len(seq.token_ids), len(seq.prompt_ids)
+        # Stop ids and lengths fire at a token known without decoding: the length at the
+        # room-th token appended (max_tokens outputs, or max_model_len tokens in all).
+        room = min(params.max_tokens - (first - start), self.max_model_len - first)
         limit, reason = len(tokens), None
         for i, token in enumerate(tokens):
-            end = first + i + 1  # tokens once this one is appended
             if token in seq.stop_ids:
                 reason = "stop"
-            elif end - start >= seq.params.max_tokens or end >= self.max_model_len:
+            elif i + 1 >= room:
                 reason = "length"
             if reason:
                 limit = i + 1
                 break
-        if seq.params.stop:
+        if params.stop:
             # A stop string can fire before that token, or at it instead of "length".
             ids = _Joined(seq.token_ids, list(tokens))
             last = first + (limit - 1 if reason == "stop" else limit)

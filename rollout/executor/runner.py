@@ -12,6 +12,7 @@ import torch
 from ..attention.base import AttentionBackend
 from ..attention.metadata import AttentionMetadata, indptr, ranges
 from ..kv.slot_table import SlotTable
+from ..ops.host_lists import host_tensor
 from ..requests.batch import Batch
 from ..score.rows import ScoreInputs, score_inputs, score_rows
 from ..score.state import ScoreRows
@@ -67,9 +68,9 @@ class ModelRunner:
         if not graphed:
             meta.plan = self.attention.plan(meta)
         return StepInputs(
-            input_ids=torch.tensor([t for it in items for t in it.input_ids()], device=dev),
+            input_ids=host_tensor([t for it in items for t in it.input_ids()], torch.int64, dev),
             positions=ranges([it.start for it in items], q_lens, dev), meta=meta,
-            logits_index=torch.tensor(logits_index, dtype=torch.long, device=dev),
+            logits_index=host_tensor(logits_index, torch.int64, dev),
             graphed=graphed, score=score)
 
     @torch.inference_mode()

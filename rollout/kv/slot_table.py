@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.host_lists import host_tensor
+
 
 class SlotTable:
     def __init__(self, max_num_seqs: int, max_model_len: int, device: torch.device) -> None:
@@ -53,8 +55,8 @@ class SlotTable:
         return self.table[self._cells(rows, cols)]
 
     def _cells(self, rows: list[int], cols: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        index = torch.tensor([rows, cols], device=self.device)
-        return index[0], index[1]
+        index = host_tensor([*rows, *cols], torch.int64, self.device)
+        return index[:len(rows)], index[len(rows):]
 
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
         return self.table[row, start:end]

@@ -73,10 +73,14 @@ class Sequence:
     def snapshot(self) -> tuple:
         """State to restore if a step's bookkeeping is undone (rollout/journal.py). Token and
         logprob lists are only appended to, or replaced, while a snapshot is held, so their
-        objects and lengths are enough."""
+        objects and lengths are enough. (Spelt out: a commit snapshots every sequence of
+        the step.)"""
+        t, lp, slp, sup, top, ver = (self.token_ids, self.logprobs, self.sampling_logprobs,
+                                     self.support, self.top_logprobs, self.versions)
         return (self.status, self.num_computed, self.cached_len, self.node, self.row,
                 self.finish_reason, self.stop_text_at, self.routed_experts, self.kv_tag,
-                *self._lists(), *map(len, self._lists()))
+                t, lp, slp, sup, top, ver, len(t), len(lp), len(slp), len(sup), len(top),
+                len(ver))
 
     def restore(self, snapshot: tuple) -> None:
         (self.status, self.num_computed, self.cached_len, self.node, self.row,
@@ -91,10 +95,10 @@ class Sequence:
         return (self.token_ids, self.logprobs, self.sampling_logprobs, self.support,
                 self.top_logprobs, self.versions)
 
-    def stamp(self, version: int, first: int) -> None:
-        """Output tokens from index `first` on were sampled under weights `version`."""
+    def stamp(self, version: int) -> None:
+        """The output tokens appended next were sampled under weights `version`."""
         if not self.versions or self.versions[-1][1] != version:
-            self.versions.append((first, version))
+            self.versions.append((self.num_output, version))
 
     def token_versions(self) -> list[int]:
         """The weights version of each output token."""

@@ -17,6 +17,7 @@ import torch
 
 from rollout_kernels.cpu import gumbel as native_gumbel
 
+from ..ops.host_lists import host_tensor
 from ..ops.op import Op, always, on_cuda
 from .filters import filter_by_sort, filter_by_threshold
 from .log_softmax import log_softmax
@@ -52,21 +53,28 @@ class SamplingBatch:
     def build(cls, temperature: list[float], top_k: list[int], top_p: list[float],
               min_p: list[float], seed: list[int], position: list[int],
               device: torch.device | str) -> "SamplingBatch":
+        # The flags from each list's distinct values (a set is one pass in C; a step's rows
+        # mostly share a few SamplingParams), the per-row tuples only where they vary.
+        temperatures = set(temperature)
+        any_greedy = 0 in temperatures
+        filtered = (any(k > 0 for k in set(top_k)) or any(p < 1 for p in set(top_p))
+                    or any(m > 0 for m in set(min_p)))
+        rows = len(temperature)
         return cls(
-            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.int32, device=device),
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
-            min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
-            seed=torch.tensor(seed, dtype=torch.int32, device=device),
-            position=torch.tensor(position, dtype=torch.int32, device=device),
-            all_greedy=all(t == 0 for t in temperature),
-            any_greedy=any(t == 0 for t in temperature),
-            needs_filter=any(k > 0 for k in top_k) or any(p < 1 for p in top_p)
-            or any(m > 0 for m in min_p),
-            unit_temperature=all(t in (0, 1) for t in temperature),
-            greedy=tuple(t == 0 for t in temperature),
+            temperature=host_tensor(temperature, torch.float32, device),
+            top_k=host_tensor(top_k, torch.int32, device),
+            top_p=host_tensor(top_p, torch.float32, device),
+            min_p=host_tensor(min_p, torch.float32, device),
+            seed=host_tensor(seed, torch.int32, device),
+            position=host_tensor(position, torch.int32, device),
+            all_greedy=temperatures <= {0},
+            any_greedy=any_greedy,
+            needs_filter=filtered,
+            unit_temperature=temperatures <= {0, 1},
+            greedy=tuple(t == 0 for t in temperature) if any_greedy else (False,) * rows,
             truncated=tuple(t != 0 and (k > 0 or p < 1 or m > 0)
-                            for t, k, p, m in zip(temperature, top_k, top_p, min_p)),
+                            for t, k, p, m in zip(temperature, top_k, top_p, min_p))
+            if filtered else (False,) * rows,
         )
 
     def rows(self, r: slice) -> "SamplingBatch":

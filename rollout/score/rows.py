@@ -32,6 +32,8 @@ def score_inputs(items, device: torch.device) -> ScoreInputs | None:
     """The rows a step's items score: each scored sequence's positions from its first unknown
     row on (those below it ran only for their K/V: a cache miss on a prefix whose rows the call
     copied)."""
+    if all(it.seq.score is None for it in items):  # a rollout's step: one pass, no lists
+        return None
     index, targets, temperature, counts, top, offset = [], [], [], [], 0, 0
     for it in items:
         state, end = it.seq.score, it.start + it.num_new
