@@ -32,7 +32,7 @@ class Failure:
     keep_kv: bool  # False: the K/V may hold the non-finite values; caching it would poison
 
 
-@dataclass
+@dataclass(slots=True)
 class _Verdict:
     emitted: Emitted  # cut at the stop
     reason: str | None
