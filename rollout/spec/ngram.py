@@ -10,16 +10,18 @@ from ..requests.sequence import Sequence
 from .drafter import Drafter
 
 
-def find_continuation(source: list[int], pattern: list[int], k: int) -> list[int]:
+def find_continuation(source: list[int], pattern: list[int], k: int,
+                      hay: bytes | None = None) -> list[int]:
     """Up to k tokens that followed the newest occurrence of `pattern` in `source` that has a
     continuation (so a pattern that is source's own tail does not find itself).
 
     The search runs as a bytes search over int32 arrays, at C speed; a hit at an offset that
-    is not a multiple of 4 straddles two tokens and is skipped.
+    is not a multiple of 4 straddles two tokens and is skipped. `hay`: `as_bytes(source)`,
+    where the caller searches one source several times.
     """
-    hay = array("i", source[:-1]).tobytes()
+    hay = as_bytes(source) if hay is None else hay
     needle = array("i", pattern).tobytes()
-    end = len(hay)
+    end = max(len(hay) - 4, 0)  # (the newest token has no continuation)
     while True:
         at = hay.rfind(needle, 0, end)
         if at < 0:
@@ -36,22 +38,36 @@ def find_continuation(source: list[int], pattern: list[int], k: int) -> list[int
     return proposal
 
 
+def as_bytes(tokens: list[int]) -> bytes:
+    return array("i", tokens).tobytes()
+
+
 class NgramDrafter(Drafter):
     def __init__(self, ngram_min: int, ngram_max: int) -> None:
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
 
     def propose_batch(self, wanted: list[tuple[Sequence, int]], siblings):
         """[(draft, None)] per (sequence, k): n-gram proposals are deterministic (q one-hot)."""
-        return [(self.propose(seq, siblings(seq), k), None) for seq, k in wanted]
+        hays: dict[int, bytes] = {}
+        return [(self.search(seq, siblings(seq), k, hays)[0], None) for seq, k in wanted]
 
-    def propose(self, seq: Sequence, siblings: list[Sequence], k: int) -> list[int]:
-        """Longest n first; the sample's own tokens before its siblings'."""
+    def search(self, seq: Sequence, siblings: list[Sequence], k: int, hays: dict[int, bytes]
+               ) -> tuple[list[int], int, str | None]:
+        """(draft, the n it matched, "self" or "siblings"), or ([], 0, None): longest n first;
+        the sample's own tokens before its siblings'. `hays`: each source's bytes by id(its
+        token list), built once in a step's proposals (they change no tokens); a group's
+        samples search one another, so without it a step converted every list up to
+        ngram_max x samples-of-the-group times (a miss at every n converts every source)."""
         tokens = seq.token_ids
-        sources = [tokens] + [s.token_ids for s in siblings if s is not seq]
+        sources = [("self", tokens)] + [("siblings", s.token_ids) for s in siblings
+                                        if s is not seq]
         for n in range(min(self.ngram_max, len(tokens) - 1), self.ngram_min - 1, -1):
             pattern = tokens[-n:]
-            for source in sources:
-                found = find_continuation(source, pattern, k)
+            for name, source in sources:
+                hay = hays.get(id(source))
+                if hay is None:
+                    hay = hays[id(source)] = as_bytes(source)
+                found = find_continuation(source, pattern, k, hay)
                 if found:
-                    return found
-        return []
+                    return found, n, name
+        return [], 0, None

@@ -16,7 +16,7 @@ from __future__ import annotations
 from ..journal import Journal
 from ..requests.sequence import Sequence
 from .history import DraftHistory
-from .ngram import NgramDrafter, find_continuation
+from .ngram import NgramDrafter
 
 # The sources a draft came from, for stats (Speculator.record).
 SOURCES = ("self", "siblings", "history")
@@ -44,28 +44,17 @@ class SuffixDrafter(NgramDrafter):
 
     def propose_batch(self, wanted: list[tuple[Sequence, int]], siblings):
         self._flush()
-        proposals, self.last_sources = [], []
+        proposals, self.last_sources, hays = [], [], {}
         for seq, k in wanted:
-            draft, source = self.propose_from(seq, siblings(seq), k)
+            draft, source = self.propose_from(seq, siblings(seq), k, hays)
             proposals.append((draft, None))
             self.last_sources.append(source)
         return proposals
 
-    def propose_from(self, seq: Sequence, siblings: list[Sequence], k: int
-                     ) -> tuple[list[int], str | None]:
-        tokens = seq.token_ids
-        own, own_len, source = [], 0, None
-        sources = [("self", tokens)] + [("siblings", s.token_ids) for s in siblings
-                                         if s is not seq]
-        for n in range(min(self.ngram_max, len(tokens) - 1), self.ngram_min - 1, -1):
-            for name, other in sources:
-                own = find_continuation(other, tokens[-n:], k)
-                if own:
-                    own_len, source = n, name
-                    break
-            if own:
-                break
-        length, positions = self.history.matches(tokens, seq.prompt_ids)
+    def propose_from(self, seq: Sequence, siblings: list[Sequence], k: int,
+                     hays: dict[int, bytes]) -> tuple[list[int], str | None]:
+        own, own_len, source = self.search(seq, siblings, k, hays)
+        length, positions = self.history.matches(seq.token_ids, seq.prompt_ids)
         if length > own_len:
             drafted = self.history.continuation(positions, k, self.min_share)
             if drafted:
