@@ -66,7 +66,8 @@ if [ "$what" = owed ]; then
   # workers (their time is Triton compilation, a core each): all passed on 2026-12-04 (77 s),
   # rerun since they are cheap and the code moves (new since: carried_kv="park" on CUDA; ties
   # kept whole at the filters' cuts, the Triton sampler against the torch filter's supports on
-  # tied rows; top-k alternatives ordered by id among ties, on CUDA tensors). Then the
+  # tied rows; top-k alternatives ordered by id among ties, on CUDA tensors; the step's host
+  # lists uploaded through arrays, decodes sharing one slots tensor). Then the
   # timings, alone: what no GPU run has measured yet, partial rollouts against synchronous
   # ones, the engine against transformers on SmolLM2's shapes. Limits add up to 550 s: one
   # device call (timeout_s 590).
@@ -75,7 +76,7 @@ if [ "$what" = owed ]; then
       tests/attention/test_{invariant_attention,triton_backend}.py \
       tests/executor/test_cuda_graph.py tests/project/test_gpu.py \
       tests/sample/test_sampling_distribution.py tests/models/test_lm_head_dtype.py \
-      tests/sample/test_top_logprobs.py
+      tests/sample/test_top_logprobs.py tests/executor/test_step_host_inputs.py
   # What a wake-up costs with CUDA graphs (each bucket captured again), and what the weight
   # sync's checksums cost on a GPU (issue 25's goal: <= 10 % of a sync): neither run there yet.
   section graph_capture 60 $PY bench/graph_capture.py --device cuda --model-shape smollm2 \
@@ -103,6 +104,8 @@ fi
 if [ "$what" = bench ] || [ "$what" = owed ] || [ "$what" = all ]; then
   # One model each, one transformers run, an engine with CUDA graphs off then on. SmolLM2-135M's
   # shapes with random weights: its checkpoint (93 MB) does not fit the 64 MiB that travel.
+  # Its "engine ms per step" line is the host's part on a GPU host after the 2026-12-06 cut
+  # (docs/benchmarks.md, "Where the time goes"): owed.
   section engine_vs_hf_smollm2 90 $PY bench/engine_vs_hf.py --device cuda --model-shape smollm2 \
       --dtype bfloat16 --kv-tokens 400000 --cuda-graphs both
 fi
