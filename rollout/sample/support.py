@@ -47,15 +47,20 @@ def sampled_at(candidates: torch.Tensor | None, rows: list[int], tokens: list[in
     support: kept ids, or None for the whole vocabulary; None too where not wanted). Rows are
     indices into `candidates` and the per-row flags; a row not in `want_logprobs` (default:
     all) skips the renormalisation (its sampling logprob is then its logprob, unused)."""
-    sampling = [0.0 if greedy[r] else lp for r, lp in zip(rows, logprobs)]
+    # (Each per-row pass only where a flag is set anywhere: a rollout's step has none.)
+    sampling = ([0.0 if greedy[r] else lp for r, lp in zip(rows, logprobs)] if any(greedy)
+                else list(logprobs))
     cut = [i for i, r in enumerate(rows)
-           if truncated[r] and (want_logprobs is None or want_logprobs[r])]
+           if truncated[r] and (want_logprobs is None or want_logprobs[r])] \
+        if any(truncated) else []
     if cut:
         index = torch.tensor([rows[i] for i in cut], device=candidates.device)
         chosen = torch.tensor([tokens[i] for i in cut], device=candidates.device)
         for i, lp in zip(cut, truncated_logprobs(candidates[index], chosen).tolist()):
             sampling[i] = lp
     supports: list = [None] * len(rows)
+    if not any(want_support):
+        return sampling, supports
     kept = iter(support_ids(candidates, [r for r in rows if truncated[r] and want_support[r]])
                 if candidates is not None else ())
     for i, (r, token) in enumerate(zip(rows, tokens)):
