@@ -2,8 +2,10 @@
 
 `torch.tensor(list)` inspects every element's Python type: ~9.5 us for 128 ints on the
 project's CPUs against ~3 us through an `array` of the C type, and a step builds some twenty of
-them (docs/benchmarks.md, "Where the time goes"). The values convert as torch.tensor converts
-them (floats round to nearest; an int out of the dtype's range raises OverflowError).
+them (docs/benchmarks.md, "Where the time goes"). Values in range convert as torch.tensor
+converts them (floats round to nearest); where torch.tensor would refuse or truncate, this
+raises: OverflowError for an int out of the dtype's range, TypeError for a float in an int
+list (the step's lists hold checked ints: rollout/fields.py).
 """
 
 from __future__ import annotations

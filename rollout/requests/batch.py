@@ -50,7 +50,8 @@ class Batch:
     @property
     def out_slots(self) -> torch.Tensor:
         """Slots of the new tokens, item after item (consecutive elements of a shared tensor
-        taken as one slice: a decode-only step's are that tensor)."""
+        taken as one slice: a decode-only step's are that tensor). Read only: it may be the
+        items' own slots."""
         parts, items, i = [], self.items, 0
         while i < len(items):
             it = items[i]

@@ -54,7 +54,8 @@ class SamplingBatch:
               min_p: list[float], seed: list[int], position: list[int],
               device: torch.device | str) -> "SamplingBatch":
         # The flags from each list's distinct values (a set is one pass in C; a step's rows
-        # mostly share a few SamplingParams), the per-row tuples only where they vary.
+        # mostly share a few SamplingParams); the per-row tuples built only where some row is
+        # greedy (greedy) or filtered (truncated), else all False.
         temperatures = set(temperature)
         any_greedy = 0 in temperatures
         filtered = (any(k > 0 for k in set(top_k)) or any(p < 1 for p in set(top_p))

@@ -48,26 +48,26 @@ class NgramDrafter(Drafter):
 
     def propose_batch(self, wanted: list[tuple[Sequence, int]], siblings):
         """[(draft, None)] per (sequence, k): n-gram proposals are deterministic (q one-hot)."""
-        hays: dict[int, bytes] = {}
+        hays: dict[int, tuple[list[int], bytes]] = {}
         return [(self.search(seq, siblings(seq), k, hays)[0], None) for seq, k in wanted]
 
-    def search(self, seq: Sequence, siblings: list[Sequence], k: int, hays: dict[int, bytes]
-               ) -> tuple[list[int], int, str | None]:
+    def search(self, seq: Sequence, siblings: list[Sequence], k: int,
+               hays: dict[int, tuple[list[int], bytes]]) -> tuple[list[int], int, str | None]:
         """(draft, the n it matched, "self" or "siblings"), or ([], 0, None): longest n first;
-        the sample's own tokens before its siblings'. `hays`: each source's bytes by id(its
-        token list), built once in a step's proposals (they change no tokens); a group's
-        samples search one another, so without it a step converted every list up to
-        ngram_max x samples-of-the-group times (a miss at every n converts every source)."""
+        the sample's own tokens before its siblings'. `hays`: (token list, its bytes) by the
+        list's id, built once in a step's proposals (they change no tokens; the list is held,
+        so its id is not reused); a group's samples search one another, so without it a step
+        converted every list up to ngram_max x samples-of-the-group times (a miss at every n
+        converts every source)."""
         tokens = seq.token_ids
         sources = [("self", tokens)] + [("siblings", s.token_ids) for s in siblings
                                         if s is not seq]
         for n in range(min(self.ngram_max, len(tokens) - 1), self.ngram_min - 1, -1):
             pattern = tokens[-n:]
             for name, source in sources:
-                hay = hays.get(id(source))
-                if hay is None:
-                    hay = hays[id(source)] = as_bytes(source)
-                found = find_continuation(source, pattern, k, hay)
+                if id(source) not in hays:
+                    hays[id(source)] = source, as_bytes(source)
+                found = find_continuation(source, pattern, k, hays[id(source)][1])
                 if found:
                     return found, n, name
         return [], 0, None

@@ -52,7 +52,7 @@ class SuffixDrafter(NgramDrafter):
         return proposals
 
     def propose_from(self, seq: Sequence, siblings: list[Sequence], k: int,
-                     hays: dict[int, bytes]) -> tuple[list[int], str | None]:
+                     hays: dict[int, tuple[list[int], bytes]]) -> tuple[list[int], str | None]:
         own, own_len, source = self.search(seq, siblings, k, hays)
         length, positions = self.history.matches(seq.token_ids, seq.prompt_ids)
         if length > own_len:
