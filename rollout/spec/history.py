@@ -113,8 +113,9 @@ class DraftHistory:
             return 0, []
         gram = tuple(context[-self.min_match:])
         indexes = [self.global_index]
-        if prompt is not None and hash(tuple(prompt)) in self.prompt_index:
-            indexes.insert(0, self.prompt_index[hash(tuple(prompt))])
+        own = None if prompt is None else self.prompt_index.get(hash(tuple(prompt)))
+        if own is not None:
+            indexes.insert(0, own)
         for index in indexes:
             best, found = 0, []
             for eid, end in reversed(index.lookup(gram)[-MAX_CANDIDATES:]):
