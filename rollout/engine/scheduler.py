@@ -77,7 +77,9 @@ class Scheduler:
             scheduled.add(seq.seq_id)
             self._schedule_seq(seq, slots, items)
             budget -= n
-        if not preempted and self.waiting:
+        # (Checked first: with the batch full, ordering the queue every step costs the host
+        # a radix walk per waiting sequence for nothing.)
+        if not preempted and self.waiting and self._room(budget):
             budget = self._admit(budget, items)
         if not items:
             return None
@@ -125,8 +127,7 @@ class Scheduler:
         decode_reserve = len(self.running)
         sharing = self.kv.shares_prefixes
         for seq in self._admission_order():
-            if (budget == 0 or len(self.running) >= self.config.max_num_seqs
-                    or self.kv.table.num_free_rows == 0):
+            if not self._room(budget):
                 break
             if sharing and seq.group in in_flight:
                 continue
@@ -159,6 +160,12 @@ class Scheduler:
             self.waiting = deque(s for s in before if s.seq_id not in admitted)
             self.journal.record(lambda: setattr(self, "waiting", before))
         return budget
+
+    def _room(self, budget: int) -> bool:
+        """Whether a waiting sequence could be admitted: tokens left in the step's budget, a
+        sequence and a slot-table row to spare."""
+        return (budget > 0 and len(self.running) < self.config.max_num_seqs
+                and self.kv.table.num_free_rows > 0)
 
     def _run(self, seq: Sequence) -> None:
         self.journal.touch(seq)

@@ -66,6 +66,30 @@ def test_lpm_without_prefix_caching_is_fcfs():
     assert order == ["cold", "warm"] and hits == 0
 
 
+def test_a_full_batch_orders_no_queue(monkeypatch):
+    """With max_num_seqs running nobody can be admitted: the steps in between order no queue
+    (each lpm sort walks the radix tree once per waiting sequence) and admission resumes as a
+    sequence ends, in lpm order."""
+    engine = Engine(tiny_model("llama"), EngineConfig(kv_cache_tokens=256, max_model_len=64,
+                                                      max_num_seqs=1))
+    walks = []
+    prefix_len = engine.kv.prefix_len
+    monkeypatch.setattr(engine.kv, "prefix_len", lambda t: walks.append(1) or prefix_len(t))
+    engine.generate([CACHED], PARAMS)
+    names = {engine.add_request(COLD, PARAMS): "cold",
+             engine.add_request(CACHED + [40], PARAMS): "warm"}
+    order, sorted_at = [], []
+    while engine.has_unfinished:
+        before = len(walks)
+        order += [names[o.request_id] for o in engine.step()]
+        sorted_at.append(len(walks) > before)
+        engine.check_invariants()
+    assert order == ["warm", "cold"]
+    # 3 tokens each: the first step admits warm (2 waiting: sorted), the next two decode it
+    # with cold waiting (full: no sort), then cold is admitted alone (1 waiting: sorted once).
+    assert sorted_at == [True, False, False, True, False, False]
+
+
 # --- the automatically sized pool -------------------------------------------------------------
 MAX_MODEL_LEN, MAX_NUM_SEQS = 64, 16
 
