@@ -49,8 +49,7 @@ class KernelRows:
 
 class CpuAttention(TorchAttention):
     def _kernel_rows(self, meta: AttentionMetadata) -> KernelRows | None:
-        rows = [b for b, q in enumerate(meta.q_lens)
-                if q <= MAX_SHARED_Q_LEN or serves(q, meta.kv_lens[b])]  # (a decode: no call)
+        rows = [b for b, (q, kv) in enumerate(zip(meta.q_lens, meta.kv_lens)) if serves(q, kv)]
         if not rows:
             return None
         q_starts, kv_starts = [0, *accumulate(meta.q_lens)], [0, *accumulate(meta.kv_lens)]

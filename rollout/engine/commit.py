@@ -120,7 +120,8 @@ class Committer:
         # positions of rejected drafts, and of accepted ones past a stop, drop out.
         emitted = verdict.emitted
         kept = it.num_new - len(it.draft) + len(emitted.tokens) - 1
-        self.kv.advance(seq, kept)  # (it snapshots seq for the journal: first change)
+        self.journal.touch(seq)
+        self.kv.advance(seq, kept)
         if kept < it.num_new:
             self.kv.free(it.slots[kept:])
         seq.stamp(version)

@@ -15,19 +15,15 @@ from collections.abc import Iterable
 
 import torch
 
-_CODES = {torch.int64: "q", torch.int32: "i", torch.float32: "f", torch.float64: "d",
-          torch.bool: "b"}
+_CODES = {torch.int64: "q", torch.int32: "i", torch.float32: "f"}  # what a step's lists hold
 
 
 def host_tensor(values: Iterable, dtype: torch.dtype, device: torch.device | str = "cpu"
                 ) -> torch.Tensor:
-    """torch.tensor(values, dtype=dtype, device=device) for Python numbers (bools for
-    torch.bool)."""
+    """torch.tensor(values, dtype=dtype, device=device) for Python numbers, dtype int64,
+    int32 or float32."""
     buffer = array(_CODES[dtype], values)
     if not buffer:
         return torch.empty(0, dtype=dtype, device=device)
     # The tensor keeps the array alive and shares its memory; nothing else holds the array.
-    t = torch.frombuffer(buffer, dtype=torch.int8 if dtype is torch.bool else dtype)
-    if dtype is torch.bool:
-        t = t.view(torch.bool)
-    return t.to(device)
+    return torch.frombuffer(buffer, dtype=dtype).to(device)

@@ -73,14 +73,11 @@ class Sequence:
     def snapshot(self) -> tuple:
         """State to restore if a step's bookkeeping is undone (rollout/journal.py). Token and
         logprob lists are only appended to, or replaced, while a snapshot is held, so their
-        objects and lengths are enough. (Spelt out: a commit snapshots every sequence of
-        the step.)"""
-        t, lp, slp, sup, top, ver = (self.token_ids, self.logprobs, self.sampling_logprobs,
-                                     self.support, self.top_logprobs, self.versions)
+        objects and lengths are enough."""
+        lists = self._lists()
         return (self.status, self.num_computed, self.cached_len, self.node, self.row,
                 self.finish_reason, self.stop_text_at, self.routed_experts, self.kv_tag,
-                t, lp, slp, sup, top, ver, len(t), len(lp), len(slp), len(sup), len(top),
-                len(ver))
+                *lists, *map(len, lists))
 
     def restore(self, snapshot: tuple) -> None:
         (self.status, self.num_computed, self.cached_len, self.node, self.row,

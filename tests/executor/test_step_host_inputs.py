@@ -49,16 +49,14 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 @pytest.mark.parametrize("device", DEVICES)
 def test_host_lists_reach_the_device(device):
     for dtype, values in ((torch.int64, [3, -1, 2**40]), (torch.int32, [7, -2**31]),
-                          (torch.float32, [0.1, -2.5]), (torch.bool, [True, False])):
+                          (torch.float32, [0.1, -2.5])):
         got = host_tensor(values, dtype, device)
         assert got.device.type == device and got.dtype == dtype
         assert torch.equal(got.cpu(), torch.tensor(values, dtype=dtype))
 
 
-def test_host_bools_empties_and_out_of_range():
-    assert torch.equal(host_tensor([True, False, True], torch.bool),
-                       torch.tensor([True, False, True]))
-    for dtype in (torch.int64, torch.int32, torch.float32, torch.bool):
+def test_host_empties_and_out_of_range():
+    for dtype in (torch.int64, torch.int32, torch.float32):
         empty = host_tensor([], dtype)
         assert empty.dtype == dtype and empty.shape == (0,)
     with pytest.raises(OverflowError):
