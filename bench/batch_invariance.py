@@ -12,6 +12,9 @@ machine is shared). Nothing asserted.
     python bench/batch_invariance.py                     # SmolLM2-135M, fp32 and bf16
     python bench/batch_invariance.py --model-shape 25m   # a random 25M Qwen2 instead
     python bench/batch_invariance.py --model-shape moe   # a random small Qwen3-MoE (top-8 of 32)
+    python bench/batch_invariance.py --device cuda --model-shape smollm2-random
+        # on a GPU (the Triton backend's invariant mode, CUDA graphs on): SmolLM2-135M's shapes
+        # with random weights, since its checkpoint does not travel to the GPU machine
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from workloads import (QWEN2_25M, QWEN3_MOE_SMALL, cpu_name, grpo_prompts,  # noqa: E402
-                       random_qwen2, random_qwen3_moe)
+from workloads import (QWEN2_25M, QWEN3_MOE_SMALL, SMOLLM2_135M, cpu_name,  # noqa: E402
+                       grpo_prompts, random_llama, random_qwen2, random_qwen3_moe)
 
 from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
 
@@ -45,29 +48,35 @@ def compare(alone, batched) -> tuple[int, int, float]:
     return same, total, worst
 
 
-def load(name: str, dtype: torch.dtype):
+def load(name: str, dtype: torch.dtype, device: str):
     if name == "25m":
-        return random_qwen2(QWEN2_25M, dtype), QWEN2_25M["vocab_size"]
+        return random_qwen2(QWEN2_25M, dtype, device), QWEN2_25M["vocab_size"]
     if name == "moe":
-        return random_qwen3_moe(QWEN3_MOE_SMALL, dtype), QWEN3_MOE_SMALL["vocab_size"]
+        return random_qwen3_moe(QWEN3_MOE_SMALL, dtype, device), QWEN3_MOE_SMALL["vocab_size"]
+    if name == "smollm2-random":
+        return random_llama(SMOLLM2_135M, dtype, device), SMOLLM2_135M["vocab_size"]
     from rollout_recipes.run import smollm2
 
-    model = smollm2.load_model(dtype)
+    model = smollm2.load_model(dtype).to(device)
     return model, model.config.vocab_size
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model-shape", choices=["smollm2", "25m", "moe"], default="smollm2")
+    ap.add_argument("--model-shape", choices=["smollm2", "smollm2-random", "25m", "moe"],
+                    default="smollm2")
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    print(f"{cpu_name()}, {torch.get_num_threads()} threads; {args.model_shape}, "
+    where = (torch.cuda.get_device_name() if args.device.startswith("cuda")
+             else f"{cpu_name()}, {torch.get_num_threads()} threads")
+    print(f"{where}; {args.model_shape}, "
           f"{args.prompts} prompts x n={args.n} x {args.max_new} tokens")
     for dtype in (torch.float32, torch.bfloat16):
-        model, vocab = load(args.model_shape, dtype)
+        model, vocab = load(args.model_shape, dtype, args.device)
         prompts = grpo_prompts(args.prompts, 96, 64, vocab)
         params = [SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_new, seed=i,
                                  logprobs=True, ignore_eos=True) for i in range(len(prompts))]

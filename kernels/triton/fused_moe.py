@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .row_invariant import dot_precision, row_dot
+
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
@@ -76,11 +78,10 @@ def _expert_matmul(a, a_rows, stride_a, valid, w_e, stride_wn, stride_wk, n, n_o
                          mask=valid[:, None] & k_ok[None, :], other=0.0)
         w_tile = w_e + n[None, :] * stride_wn + kk[:, None] * stride_wk
         w_ok = k_ok[:, None] & n_ok[None, :]
-        acc = tl.dot(a_tile, tl.load(w_tile, mask=w_ok, other=0.0), acc,
-                     input_precision=DOT_PRECISION)
+        acc = row_dot(a_tile, tl.load(w_tile, mask=w_ok, other=0.0), acc, DOT_PRECISION)
         if UP_ROWS:
-            acc_up = tl.dot(a_tile, tl.load(w_tile + UP_ROWS * stride_wn, mask=w_ok, other=0.0),
-                            acc_up, input_precision=DOT_PRECISION)
+            acc_up = row_dot(a_tile, tl.load(w_tile + UP_ROWS * stride_wn, mask=w_ok, other=0.0),
+                             acc_up, DOT_PRECISION)
     return acc, acc_up
 
 
@@ -200,21 +201,25 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int
     return sorted_pairs, block_expert
 
 
-def _config(num_pairs: int, num_experts: int, on_gpu: bool) -> tuple[int, int, int, int]:
+def _config(num_pairs: int, num_experts: int, on_gpu: bool,
+            invariant: bool) -> tuple[int, int, int, int]:
     """BLOCK_M, BLOCK_N, BLOCK_K, num_warps. Small blocks of tokens when each expert gets few
-    (decode), larger ones for prefill. Untuned: no device was lent when this was written."""
+    (decode), larger ones for prefill, unless `invariant` (one tile shape whatever the token
+    count: a token's sums must not change with it). Untuned: no device was lent when this
+    was written."""
     if not on_gpu:  # the interpreter: small tiles keep it quick
         return 16, 32, 32, 1
-    block_m = 16 if num_pairs <= 32 * num_experts else 64
+    block_m = 16 if invariant or num_pairs <= 32 * num_experts else 64
     return block_m, 64, 64, 4
 
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              activation: str = "silu", lora=None) -> torch.Tensor:
+              activation: str = "silu", lora=None, invariant: bool = False) -> torch.Tensor:
     """x [T, H]; w_gate_up [E, 2I, H]; w_down [E, H, I]; topk_weights [T, k] (fp32);
     topk_ids [T, k] (ints in [0, E)); `lora`: (gate-up's, down's) LoRA adapter (A [E, r, in],
-    B [E, out, r], scale), fp32, either None. Returns [T, H] in x's dtype."""
+    B [E, out, r], scale), fp32, either None; `invariant`: each token's result the same bits
+    whatever the other tokens (EngineConfig.batch_invariant). Returns [T, H] in x's dtype."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"fused_moe: activation must be one of {ACTIVATIONS}, got "
                          f"{activation!r}")
@@ -229,14 +234,16 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
         return torch.zeros_like(x)
     x = x.contiguous()
     num_pairs = num_tokens * top_k
-    block_m, block_n, block_k, warps = _config(num_pairs, num_experts, x.is_cuda)
+    block_m, block_n, block_k, warps = _config(num_pairs, num_experts, x.is_cuda, invariant)
     sorted_pairs, block_expert = align(topk_ids, num_experts, block_m)
     num_blocks = block_expert.numel()
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
-    # fp32 inputs would otherwise be rounded to tf32 on the GPU.
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    # fp32 inputs would otherwise be rounded to tf32 on the GPU; invariant, under the
+    # interpreter, summed row by row (row_invariant.row_dot).
+    precision = (dot_precision(x.dtype, x.is_cuda) if invariant
+                 else "ieee" if x.dtype == torch.float32 else "tf32")
     gate_up_lora, down_lora = lora or (None, None)
     tiles = (sorted_pairs, block_expert, num_pairs, block_m, block_n, block_k, warps)
     delta = None if gate_up_lora is None else _lora_delta(x, top_k, gate_up_lora, *tiles)
@@ -253,5 +260,13 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
         y.stride(0), 0 if delta is None else delta.stride(0), HIDDEN=hidden, INTER=inter,
         HAS_DELTA=delta is not None, DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, num_warps=warps)
-    return y.view(num_tokens, top_k, hidden).float().sum(1).to(x.dtype)
+    per_expert = y.view(num_tokens, top_k, hidden)
+    if not invariant:
+        return per_expert.float().sum(1).to(x.dtype)
+    # The k experts' outputs added in one fixed order: torch's sum over them may split the
+    # work by the token count.
+    out = per_expert[:, 0].float()
+    for j in range(1, top_k):
+        out += per_expert[:, j]
+    return out.to(x.dtype)
 

@@ -15,9 +15,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .row_invariant import row_dot
+
 
 @triton.jit
-def _shrink_kernel(x, a, s, T, K, R, stride_xt, stride_ar, stride_st,
+def _shrink_kernel(x, a, s, T, K, R, stride_xt, stride_ar, stride_st, PRECISION: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     pt, pr = tl.program_id(0), tl.program_id(1)
     t = pt * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -29,14 +31,15 @@ def _shrink_kernel(x, a, s, T, K, R, stride_xt, stride_ar, stride_st,
                      mask=(t[:, None] < T) & (k[None, :] < K), other=0.0).to(tl.float32)
         at = tl.load(a + r[None, :] * stride_ar + k[:, None],
                      mask=(r[None, :] < R) & (k[:, None] < K), other=0.0)
-        acc += tl.dot(xt, at, input_precision="ieee")
+        acc += row_dot(xt, at, tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32), PRECISION)
     tl.store(s + t[:, None].to(tl.int64) * stride_st + r[None, :], acc,
              mask=(t[:, None] < T) & (r[None, :] < R))
 
 
 @triton.jit
 def _expand_kernel(s, b, y, rows, ranks, scales, T, stride_st, stride_br, stride_yt,
-                   BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+                   PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_R: tl.constexpr):
     pt, pn, blk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row0 = tl.load(rows + blk * 3)
     count = tl.load(rows + blk * 3 + 1)
@@ -51,7 +54,7 @@ def _expand_kernel(s, b, y, rows, ranks, scales, T, stride_st, stride_br, stride
                      mask=(t[:, None] < T) & (r[None, :] < rank), other=0.0)
         bt = tl.load(b + (row0 + n[None, :]).to(tl.int64) * stride_br + col0 + r[:, None],
                      mask=(n[None, :] < count) & (r[:, None] < rank), other=0.0)
-        delta = tl.dot(st, bt, input_precision="ieee")
+        delta = row_dot(st, bt, tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32), PRECISION)
         out = y + t[:, None].to(tl.int64) * stride_yt + row0 + n[None, :]
         keep = (t[:, None] < T) & (n[None, :] < count)
         base = tl.load(out, mask=keep, other=0.0).to(tl.float32)
@@ -62,9 +65,11 @@ def _tile(n: int) -> int:
     return max(16, triton.next_power_of_2(n))  # tl.dot wants every dimension >= 16
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, precision: str = "ieee") -> torch.Tensor:
     """x [T, K] (unit stride within a row) times a [R, K] (float32, contiguous)'s transpose:
-    [T, R] float32, new."""
+    [T, R] float32, new. `precision`: row_invariant.row_dot's (the tiles are the same for any
+    T, so compiled a token's row never depends on the others; under the interpreter the
+    batch-invariant mode passes row_invariant.ROWS)."""
     num_tokens, k = x.shape
     rank = a.shape[0]
     assert a.shape[1] == k and x.stride(1) == 1 and a.is_contiguous() and a.dtype == torch.float32
@@ -73,23 +78,25 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         block_r = min(_tile(rank), 64)
         grid = (triton.cdiv(num_tokens, 16), triton.cdiv(rank, block_r))
         _shrink_kernel[grid](x, a, s, num_tokens, k, rank, x.stride(0), a.stride(0), s.stride(0),
-                             BLOCK_T=16, BLOCK_R=block_r, BLOCK_K=64)
+                             PRECISION=precision, BLOCK_T=16, BLOCK_R=block_r, BLOCK_K=64)
     return s
 
 
 def lora_expand_add(s: torch.Tensor, b: torch.Tensor, y: torch.Tensor, rows: torch.Tensor,
                     ranks: torch.Tensor, scales: torch.Tensor, max_rows: int,
-                    max_rank: int) -> None:
+                    max_rank: int, precision: str = "ieee") -> None:
     """y [T, N] += each block's scale * s[:, its columns] B[its rows, its columns]^T, in place
     (s [T, R] and b [N, R] float32, contiguous; y with unit stride within a row). `max_rows`
-    and `max_rank`: the largest block's, which size the grid and the rank tile."""
+    and `max_rank`: the largest block's, which size the grid and the rank tile; `precision`:
+    as lora_shrink's."""
     num_tokens = s.shape[0]
     assert s.is_contiguous() and b.is_contiguous() and y.stride(1) == 1
     if num_tokens == 0 or rows.shape[0] == 0:
         return
     grid = (triton.cdiv(num_tokens, 16), triton.cdiv(max_rows, 64), rows.shape[0])
     _expand_kernel[grid](s, b, y, rows, ranks, scales, num_tokens, s.stride(0), b.stride(0),
-                         y.stride(0), BLOCK_T=16, BLOCK_N=64, BLOCK_R=_tile(max_rank))
+                         y.stride(0), PRECISION=precision, BLOCK_T=16, BLOCK_N=64,
+                         BLOCK_R=_tile(max_rank))
 
 
 def lora_add_ref(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, y: torch.Tensor,

@@ -97,8 +97,11 @@ def attach(model, layout: Layout, backend) -> bool:
     absent), a projection's delta the implementation `backend` (the engine's,
     rollout/ops/backend.py) chooses; whether any changed (captured CUDA graphs are then
     stale)."""
-    choice = backend.choose(lora_implementations(backend.pack_weights), LORA_DTYPE)
-    if backend.batch_invariant and choice != "cpu" and layout:
+    if backend.batch_invariant and backend.name == "triton":
+        choice = "triton"  # its kernels' tiles do not depend on the row count (interpreted too)
+    else:
+        choice = backend.choose(lora_implementations(backend.pack_weights), LORA_DTYPE)
+    if backend.batch_invariant and choice not in ("cpu", "triton") and layout:
         raise ValueError("batch_invariant: an unmerged LoRA adapter needs the C linear kernel "
                          "(AVX2 and FMA), which this machine did not build; use lora='merged'")
     if backend.batch_invariant and any(isinstance(m, StackedExperts) and layout.get(path)

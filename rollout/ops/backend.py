@@ -41,7 +41,7 @@ class Backend:
     # cpu: projections multiply by a packed copy of their weight (EngineConfig.pack_cpu_weights)
     pack_weights: bool = True
     # EngineConfig.batch_invariant: ops whose per-row results do not depend on the other rows
-    # (rollout/attention/invariant.py, packed_linear.invariant_packing)
+    # (rollout/attention/invariant.py, packed_linear.invariant_packing and TritonRows)
     batch_invariant: bool = False
 
     def choose(self, implementations: Mapping[str, Supported], dtype: torch.dtype) -> str:
@@ -85,9 +85,7 @@ def _check_invariant(name: str, device: torch.device, pack_weights: bool) -> Non
         raise ValueError("batch_invariant: backend 'torch' runs SDPA and F.linear, whose rows "
                          "round differently with the batch's shape; use backend 'cpu' or "
                          "'auto'")
-    if device.type != "cpu":
-        raise ValueError(f"batch_invariant: runs on the CPU only for now (on {device} the "
-                         f"projections' cuBLAS matmuls are not row-invariant)")
-    if not pack_weights:
+    # The Triton backend multiplies by its own row-invariant kernel, whatever pack_weights.
+    if name == "cpu" and not pack_weights:
         raise ValueError("batch_invariant: needs pack_cpu_weights=True (F.linear's rows round "
                          "differently with the number of rows)")

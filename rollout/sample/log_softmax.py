@@ -29,10 +29,29 @@ def as_batch(reduce: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) ->
     return reduce(x.reshape(1, -1).expand(2, -1))[:1].reshape(*x.shape[:-1], 1)
 
 
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """x.sum(-1, keepdim=True), each row rounded as it is in any batch: on the CPU through
+    as_batch; on CUDA outside autograd by the row kernel of kernels/triton/row_invariant.py,
+    since torch's CUDA sum splits a row across blocks when the rows are few."""
+    if x.is_cuda and not (x.requires_grad and torch.is_grad_enabled()):
+        from rollout_kernels.triton.row_invariant import row_sum as kernel
+
+        return kernel(x).to(x.dtype)
+    return as_batch(lambda e: e.sum(dim=-1, keepdim=True), x)
+
+
+def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """torch.logsumexp(x, -1, keepdim=True), each row rounded as it is in any batch."""
+    if not x.is_cuda:
+        return as_batch(lambda c: torch.logsumexp(c, dim=-1, keepdim=True), x)
+    top = x.amax(dim=-1, keepdim=True)
+    return top + row_sum((x - top).exp()).log()
+
+
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
     """log_softmax(x, dim=-1) in x's dtype; differentiable (the shift by the row's max is
     constant to it: the max is taken off the graph)."""
     shifted = x - x.detach().amax(dim=-1, keepdim=True)
-    log_total = as_batch(lambda e: e.sum(dim=-1, keepdim=True), shifted.exp()).log()
+    log_total = row_sum(shifted.exp()).log()
     # In place: nothing on the graph keeps `shifted` (exp's backward reads exp's output).
     return shifted.sub_(log_total)

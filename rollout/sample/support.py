@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .log_softmax import as_batch
+from .log_softmax import row_logsumexp
 
 
 def support_ids(candidates: torch.Tensor, rows: list[int]) -> list[torch.Tensor]:
@@ -35,7 +35,7 @@ def support_ids(candidates: torch.Tensor, rows: list[int]) -> list[torch.Tensor]
 
 def truncated_logprobs(candidates: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log p(token) under each row's renormalised candidates: candidates[t] - logsumexp."""
-    lse = as_batch(lambda c: torch.logsumexp(c, dim=-1, keepdim=True), candidates)
+    lse = row_logsumexp(candidates)
     return (candidates.gather(-1, tokens[:, None]) - lse).squeeze(-1)
 
 

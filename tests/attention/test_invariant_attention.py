@@ -8,9 +8,9 @@ import contextlib
 import dataclasses
 import os
 
-import numpy as np
 import pytest
 import torch
+from kernels_env import rows_rounded_by_position
 from test_native_attention import native_forward
 from test_torch_shared_prefix import MIXED, make_step, random_pool, reference
 
@@ -40,26 +40,6 @@ HEADS = [(3, 9, 64), (2, 4, 32), (2, 6, 40)]
 STEP_CASES = [pytest.param(*case.values, *heads, id=f"{case.id}-{'-'.join(map(str, heads))}",
                            marks=case.marks)
               for case in CASES for heads in (HEADS if case.id.startswith("cpu") else HEADS[1:2])]
-
-
-@contextlib.contextmanager
-def rows_rounded_by_position():
-    """np.matmul, the interpreter's tl.dot, rounding a row by where it sits in the matrix (the
-    odd rows one ulp up): OpenBLAS on AVX2 hosts does (a row moved in the matrix changed bits),
-    on AVX-512 hosts it did not. The invariant Triton kernel must put a token in the same row of
-    its tile however its request was chunked, on every host."""
-    matmul = np.matmul
-
-    def by_position(a, b, *args, **kwargs):
-        out = matmul(a, b, *args, **kwargs)
-        out[..., 1::2, :] = np.nextafter(out[..., 1::2, :], np.inf)
-        return out
-
-    np.matmul = by_position
-    try:
-        yield
-    finally:
-        np.matmul = matmul
 
 
 def forward(backend, meta, q, k, v, softcap):

@@ -8,11 +8,13 @@ with GQA, sliding windows with soft-capping (Gemma 2), and q/k norms (Qwen3)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import random
 
 import pytest
 import torch
+from kernels_env import rows_rounded_by_position
 from models import tiny_model
 
 from rollout import Engine, EngineConfig, SamplingParams
@@ -115,25 +117,116 @@ def test_speculation_changes_nothing(dtype):
         assert speculating.stats.spec_proposed > 0
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available(),
-                    reason="the Triton backend on the CPU runs under TRITON_INTERPRET=1")
+def interpreted(test):
+    """A test of the Triton backend on the CPU, under TRITON_INTERPRET=1, with the
+    interpreter's matmul rounding a row by its place in the tile, as on AVX2 hosts
+    (kernels_env.rows_rounded_by_position): the invariance must not rest on this host's BLAS."""
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        with rows_rounded_by_position():
+            return test(*args, **kwargs)
+
+    return pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available(),
+        reason="the Triton backend on the CPU runs under TRITON_INTERPRET=1")(run)
+
+
+@interpreted
 def test_triton_backend_under_the_interpreter():
-    """The Triton attention's invariant mode (one tile shape, no split-KV, no shared-prefix
-    path, window blocks aligned: Gemma 2's sliding window found that one), the projections as
-    on the cpu backend, the torch sampler. The kernel's own cases: tests/attention/
-    test_invariant_attention.py."""
+    """The Triton backend's invariant mode, every kernel of it run by the interpreter: the
+    attention's (one tile shape, no split-KV, no shared-prefix path, window blocks aligned:
+    Gemma 2's sliding window found that one), the projections' and the norms' (kernels/triton/
+    row_invariant.py). The kernels' own cases: tests/attention/test_invariant_attention.py,
+    tests/kernels/test_row_invariant.py."""
     model = tiny_model("gemma2", seed=1)
     prompts, params = requests(count=3, longest=6)  # the interpreter is slow: short samples
     solo = engine(model, backend="triton", enable_prefix_caching=False)
     reference = [record(solo.generate([p], [sp]))[0] for p, sp in zip(prompts, params)]
     batched = engine(model, backend="triton", max_num_batched_tokens=40)
-    assert batched.implementations()["attention"] == "triton-invariant"
+    kinds = batched.implementations()
+    assert (kinds["attention"], kinds["RMSNorm"]) == ("triton-invariant", "triton")
+    assert kinds["projection"] == "triton-invariant"
     assert record(batched.generate(prompts, params)) == reference
     assert batched.stats.cache_hit_tokens > 0
-    # and the default Triton attention on the same requests is not invariant
+    # and the default Triton backend on the same requests is not invariant
     default = Engine(model, EngineConfig(kv_cache_tokens=8192, max_model_len=160,
                                          backend="triton", max_num_batched_tokens=40))
     assert record(default.generate(prompts, params)) != reference
+
+
+@interpreted
+def test_triton_backend_fp32_head_of_an_fp16_model():
+    """An fp16 model (the interpreter runs no bf16) with its logits in float32
+    (EngineConfig.lm_head_dtype): the head multiplies a float32 copy of its weight."""
+    model = tiny_model("llama", seed=2, dtype=torch.float16)
+    prompts, params = requests(count=3, longest=6)
+    config = dict(backend="triton", lm_head_dtype=torch.float32)
+    solo = engine(model, enable_prefix_caching=False, **config)
+    reference = [record(solo.generate([p], [sp]))[0] for p, sp in zip(prompts, params)]
+    batched = engine(model, max_num_batched_tokens=40, **config)
+    assert batched.implementations()["projection"] == "triton-invariant-fp32"  # the head: last
+    assert record(batched.generate(prompts, params)) == reference
+    held = batched.memory_held()
+    batched.sleep(1)
+    batched.wake_up()
+    assert batched.memory_held() == held  # the float32 copy made again, once
+    assert record(batched.generate(prompts, params)) == reference
+
+
+@interpreted
+def test_triton_backend_unmerged_lora():
+    """A PEFT adapter served unmerged by the Triton shrink and expand (kernels/triton/
+    lora.py): their tiles do not depend on the row count; interpreted, they sum explicitly."""
+    from lora_models import peft_model
+
+    model = peft_model("llama")
+    prompts, params = requests(count=3, longest=6)
+    solo = engine(model, backend="triton", enable_prefix_caching=False)
+    reference = [record(solo.generate([p], [sp]))[0] for p, sp in zip(prompts, params)]
+    batched = engine(model, backend="triton", max_num_batched_tokens=40)
+    assert batched.lora_status == "unmerged"
+    assert batched.implementations()["lora"] == "triton"
+    assert record(batched.generate(prompts, params)) == reference
+
+
+@interpreted
+def test_triton_backend_moe_under_the_interpreter():
+    """The router through the row-invariant linear, the experts through fused_moe's
+    invariant tiles, their k outputs added in one order."""
+    model = tiny_model("qwen3_moe", seed=1)
+    prompts, params = requests(count=3, longest=6)
+    solo = engine(model, backend="triton", enable_prefix_caching=False)
+    reference = [record(solo.generate([p], [sp]))[0] for p, sp in zip(prompts, params)]
+    batched = engine(model, backend="triton", max_num_batched_tokens=40)
+    assert batched.implementations()["SparseMoE"] == "triton"
+    assert record(batched.generate(prompts, params)) == reference
+
+
+CUDA_CASES = [("llama", torch.float32), ("llama", torch.bfloat16), ("gemma2", torch.bfloat16),
+              ("qwen3_moe", torch.bfloat16)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton backend compiled, on CUDA")
+@pytest.mark.parametrize("family,dtype", CUDA_CASES,
+                         ids=[f"{f}-{str(d)[6:]}" for f, d in CUDA_CASES])
+def test_triton_backend_on_cuda(family, dtype):
+    """Compiled, where cuBLAS and torch's row reductions would split rows by the batch's
+    shape: the whole case list above, with the sampler's supports and alternatives (the row
+    sums of rollout/sample/log_softmax.py) and the fp32 head of a bf16 model."""
+    model = tiny_model(family, seed=1, dtype=dtype).cuda()
+    prompts, params = requests()
+    reference = alone(model, prompts, params)
+    batched = engine(model)
+    assert batched.implementations()["attention"] == "triton-invariant"
+    assert record(batched.generate(prompts, params)) == reference
+    tight = engine(model, max_num_batched_tokens=24, kv_cache_tokens=400)
+    assert record(tight.generate(prompts, params)) == reference
+    assert tight.stats.preemptions > 0
+    if dtype == torch.bfloat16:
+        solo = engine(model, enable_prefix_caching=False, lm_head_dtype=torch.float32)
+        head = [record(solo.generate([p], [sp]))[0] for p, sp in zip(prompts, params)]
+        fp32_head = engine(model, lm_head_dtype=torch.float32, max_num_batched_tokens=40)
+        assert record(fp32_head.generate(prompts, params)) == head
 
 
 def test_fp32_head_of_a_bf16_model():

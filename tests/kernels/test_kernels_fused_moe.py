@@ -6,7 +6,7 @@ tiles."""
 import pytest
 import torch
 from floors import assert_as_exact_as
-from kernels_env import ATOL, DEVICE, DTYPES
+from kernels_env import ATOL, DEVICE, DTYPES, rows_rounded_by_position
 from transformers.activations import ACT2FN
 
 from rollout.models.layers.moe import moe_torch
@@ -134,3 +134,20 @@ def test_align_pads_each_experts_run_to_whole_blocks():
     assert block_expert.tolist()[:5] == [0, 1, 2, 3, 3]
     assert all(e == -1 for e in block_expert.tolist()[5:])
     assert all(p == pad for row in runs[5:] for p in row)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_invariant_tokens_do_not_depend_on_the_batch(dtype):
+    """`invariant=True` (EngineConfig.batch_invariant): each token's output is the same bits
+    alone and among 1,000 pairs (where the default tiles grow on a GPU), as exact as the
+    default; its k outputs are added in one order."""
+    x, w_gate_up, w_down, weights, ids, _, ref = check(500, 8, 2, 32, 24, dtype, seed=3)
+    batched = fused_moe(x, w_gate_up, w_down, weights, ids, invariant=True)
+    exact = exact_moe(x, w_gate_up, w_down, weights, ids)
+    assert_as_exact_as(batched.cpu(), exact, ref.cpu(), "invariant experts' output")
+    with rows_rounded_by_position():  # a token's row rounded alike wherever it sits
+        batched = fused_moe(x, w_gate_up, w_down, weights, ids, invariant=True)
+        for t in (0, 17, 499):
+            alone = fused_moe(x[t:t + 1], w_gate_up, w_down, weights[t:t + 1], ids[t:t + 1],
+                              invariant=True)
+            assert torch.equal(alone, batched[t:t + 1]), t

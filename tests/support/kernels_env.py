@@ -5,6 +5,9 @@ runs. On a GPU the same tests run compiled and add bf16; bf16 is left out on the
 the interpreter's bf16 tl.dot is wrong.
 """
 
+import contextlib
+
+import numpy as np
 import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -64,3 +67,25 @@ def paged_case(q_lens, kv_lens, q_heads, kv_heads, head_dim, dtype, *, causal=Tr
                               causal, window=window, softcap=softcap)
     torch.testing.assert_close(out.float(), ref.float(), atol=ATOL[dtype], rtol=0)
     return ref
+
+
+@contextlib.contextmanager
+def rows_rounded_by_position():
+    """np.matmul, the interpreter's tl.dot, rounding a row by where it sits in the matrix (the
+    odd rows one ulp up): OpenBLAS on AVX2 hosts does (a row moved in the matrix changed bits),
+    on AVX-512 hosts it did not. A batch-invariant Triton kernel must round a row alike wherever
+    batching puts it, on every host (the attention: a token in the same row of its tile however
+    its request was chunked; the projections: no tl.dot under the interpreter, row_invariant.
+    row_dot). On a GPU it changes nothing."""
+    matmul = np.matmul
+
+    def by_position(a, b, *args, **kwargs):
+        out = matmul(a, b, *args, **kwargs)
+        out[..., 1::2, :] = np.nextafter(out[..., 1::2, :], np.inf)
+        return out
+
+    np.matmul = by_position
+    try:
+        yield
+    finally:
+        np.matmul = matmul

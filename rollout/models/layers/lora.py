@@ -64,9 +64,9 @@ class LoraWeights(nn.Module):
     def __init__(self, in_features: int, out_features: int, blocks: tuple[LoraBlock, ...],
                  device: torch.device, implementation: str = "torch",
                  all_rows: bool = False) -> None:
-        """`all_rows`: "cpu" runs the panels for any number of rows, not only up to
-        native_linear.MAX_ROWS (the batch-invariant mode: a row must not depend on how many
-        there are)."""
+        """`all_rows` (the batch-invariant mode: a row must not depend on how many there are):
+        "cpu" runs the panels for any number of rows, not only up to native_linear.MAX_ROWS;
+        "triton" under the interpreter sums its products explicitly."""
         super().__init__()
         self.blocks, self.implementation, self.all_rows = blocks, implementation, all_rows
         # Each block's first column of B (row of A), and the largest block's rows and rank (the
@@ -91,6 +91,13 @@ class LoraWeights(nn.Module):
         native = implementation == "cpu"
         self.panels = [SmallPanels(all_rows) for _ in range(len(blocks) + 1)] if native else None
         triton = implementation == "triton"
+        # The Triton kernels' row_dot precision: the batch-invariant mode (all_rows) sums
+        # explicitly under the interpreter (kernels/triton/row_invariant.py).
+        self.precision = "ieee"
+        if triton and all_rows:
+            from rollout_kernels.triton.row_invariant import dot_precision
+
+            self.precision = dot_precision(LORA_DTYPE, device.type == "cuda")
         self.register_buffer("block_rows", torch.tensor(
             [[b.row, b.rows, col] for b, col in zip(blocks, self.columns)],
             dtype=torch.int32, device=device) if triton else None, persistent=False)
@@ -137,9 +144,9 @@ class LoraWeights(nn.Module):
     def _add_triton(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         from rollout_kernels.triton.lora import lora_expand_add, lora_shrink
 
-        shrunk = lora_shrink(x if x.stride(-1) == 1 else x.contiguous(), self.a)
+        shrunk = lora_shrink(x if x.stride(-1) == 1 else x.contiguous(), self.a, self.precision)
         lora_expand_add(shrunk, self.b, out, self.block_rows, self.block_ranks,
-                        self.block_scales, self.max_rows, self.max_rank)
+                        self.block_scales, self.max_rows, self.max_rank, self.precision)
         return out
 
     # Derived panels, as CausalLM handles a projection's packed weights (base.py).

@@ -22,6 +22,17 @@ class RMSNorm(Dispatched, nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
         self.eps, self.offset = eps, offset
 
+    def use_backend(self, backend, dtype: torch.dtype) -> None:
+        # The Triton norm only in the batch-invariant mode: torch's row reductions on CUDA
+        # split a row across blocks when the rows are few, so a row rounds with the batch.
+        if backend.batch_invariant and backend.name == "triton":
+            from rollout_kernels.triton.row_invariant import rms_norm
+
+            self.rows_norm = rms_norm
+            self.implementation = "triton"
+        else:
+            super().use_backend(backend, dtype)
+
     def _scale(self) -> torch.Tensor:
         return 1.0 + self.weight if self.offset else self.weight
 
@@ -40,6 +51,9 @@ class RMSNorm(Dispatched, nn.Module):
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         """Sums the squares in another order than torch: a float32 rounding apart."""
         return norm_rope.rms_norm(x, self._scale(), self.eps)
+
+    def forward_triton(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rows_norm(x, self.weight, self.eps, self.offset)
 
     def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()

@@ -178,6 +178,33 @@ class Float32Panels(NativePackedWeight):
         return super().linear(x.float(), weight, bias)
 
 
+class TritonRows(Float32Copy):
+    """The Triton backend's batch-invariant projections (kernels/triton/row_invariant.py): the
+    weight itself, multiplied by a kernel whose launch does not depend on the row count.
+    `float32`: in float32 from a float32 copy of the weight (EngineConfig.lm_head_dtype),
+    refreshed in place as Float32Copy's, so CUDA graphs keep its address."""
+
+    __slots__ = ("float32", "matmul")
+
+    def __init__(self, float32: bool = False) -> None:
+        super().__init__()
+        from rollout_kernels.triton.row_invariant import linear
+
+        self.float32, self.matmul = float32, linear
+
+    @property
+    def kind(self) -> str:
+        return "triton-invariant-fp32" if self.float32 else "triton-invariant"
+
+    def refresh(self, weight: torch.Tensor) -> torch.Tensor:
+        return super().refresh(weight) if self.float32 else weight
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+        x = x.float() if self.float32 else x
+        return self.matmul(x, self.refresh(weight), None if bias is None else bias.to(x.dtype))
+
+
 def invariant_packing(device: torch.device, dtype: torch.dtype) -> PackedCopy | None:
     """The packing of a batch-invariant engine's projections: one whose rows do not depend
     on the other rows, for every row count. The panels (fp32), else oneDNN's packed layout,
@@ -194,6 +221,8 @@ def packing_for(backend, dtype: torch.dtype, implementations) -> PackedCopy | No
     `backend` (None: F.linear): the invariant packing in a batch-invariant engine, the panels
     (else oneDNN's layout) where the cpu backend packs weights."""
     if backend.batch_invariant:
+        if backend.name == "triton":
+            return TritonRows()
         return invariant_packing(backend.device, dtype)
     if backend.choose(implementations, dtype) == "cpu" and backend.pack_weights:
         fast = native_linear.supported(backend.device, dtype)
@@ -206,7 +235,7 @@ class Projection:
     multiplies by the weight, or by its packed copy under the cpu backend (use_backend)."""
 
     implementations = {"torch": always, "cpu": can_pack}
-    packing = None  # a PackedWeight or NativePackedWeight
+    packing = None  # a PackedCopy: PackedWeight, NativePackedWeight, Float32Copy, ...
     # An unmerged LoRA adapter (lora.py) is served here: its LoraWeights is the submodule
     # `lora` (a class attribute of that name would shadow the submodule), set by rollout/lora/.
     lora_active = False
@@ -217,6 +246,9 @@ class Projection:
     def compute_in_float32(self, backend) -> None:
         """Multiply in float32 whatever the weight's dtype (a float32 copy of it, derived like
         the packed ones; EngineConfig.lm_head_dtype for the LM head)."""
+        if backend.batch_invariant and backend.name == "triton":
+            self.packing = TritonRows(float32=True)
+            return
         cpu = backend.device.type == "cpu" and (backend.name == "cpu" or backend.batch_invariant)
         fast = cpu and native_linear.supported(backend.device, torch.float32)
         if backend.batch_invariant and not fast:
