@@ -1,5 +1,6 @@
 """How far seeded samples depend on what else shares the batch, and what
-EngineConfig(batch_invariant=True) costs, on SmolLM2-135M-Instruct in fp32 and bf16 (CPU).
+EngineConfig(batch_invariant=True) costs, on SmolLM2-135M-Instruct in fp32 and bf16 (CPU by
+default).
 
 Each seeded request is generated alone (no prefix cache), then inside one batch with the others
 (n samples each, prompts behind one system prompt): the counter noise is the same, so any
@@ -13,8 +14,9 @@ machine is shared). Nothing asserted.
     python bench/batch_invariance.py --model-shape 25m   # a random 25M Qwen2 instead
     python bench/batch_invariance.py --model-shape moe   # a random small Qwen3-MoE (top-8 of 32)
     python bench/batch_invariance.py --device cuda --model-shape smollm2-random
-        # on a GPU (the Triton backend's invariant mode, CUDA graphs on): SmolLM2-135M's shapes
-        # with random weights, since its checkpoint does not travel to the GPU machine
+        # on a GPU (the Triton backend's invariant mode; CUDA graphs off, the engine's
+        # default): SmolLM2-135M's shapes with random weights, since its checkpoint does not
+        # travel to the GPU machine
 """
 
 from __future__ import annotations

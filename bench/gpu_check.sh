@@ -79,17 +79,19 @@ if [ "$what" = owed ]; then
       tests/executor/test_cuda_graph.py tests/project/test_gpu.py \
       tests/sample/test_sampling_distribution.py tests/models/test_lm_head_dtype.py \
       tests/sample/test_top_logprobs.py tests/executor/test_step_host_inputs.py \
-      tests/kernels/test_row_invariant.py tests/engine/test_batch_invariant.py
+      tests/kernels/test_row_invariant.py \
+      tests/engine/test_batch_invariant.py::test_triton_backend_on_cuda \
+      tests/engine/test_batch_invariant.py::test_triton_backend_unmerged_lora_on_cuda
   # What a wake-up costs with CUDA graphs (each bucket captured again), and what the weight
   # sync's checksums cost on a GPU (issue 25's goal: <= 10 % of a sync): neither run there yet.
   section graph_capture 50 $PY bench/graph_capture.py --device cuda --model-shape smollm2 \
       --dtype bfloat16
   section colocation 50 $PY bench/colocation.py --device cuda
-  # With carried_kv="park" beside the re-prefilling partial rollouts (pinned host copies of the
-  # carried K/V at each sleep): never run on a GPU yet.
   # What the batch-invariant mode costs on a GPU (issue 24's goal: <= 15 %): never measured.
   section batch_invariance 60 $PY bench/batch_invariance.py --device cuda \
-      --model-shape smollm2-random --prompts 8 --n 8 --max-new 64 --repeats 2
+      --model-shape smollm2-random --prompts 4 --n 8 --max-new 32 --repeats 2
+  # With carried_kv="park" beside the re-prefilling partial rollouts (pinned host copies of the
+  # carried K/V at each sleep): never run on a GPU yet.
   section partial 130 $PY bench/partial.py --device cuda --dtype bfloat16 --model-shape smollm2 \
       --cuda-graphs --kv-tokens 131072 --max-tokens 256 --mean-tokens 64 --steps 6 \
       --carried-kv recompute park

@@ -124,6 +124,11 @@ class EngineConfig:
         self.keep_cpu_heap = as_bool("keep_cpu_heap", self.keep_cpu_heap)
         self.batch_invariant = as_bool("batch_invariant", self.batch_invariant)
         self.tensor_parallel_size = as_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.batch_invariant and self.tensor_parallel_size > 2:
+            # Two ranks' partial sums add as a + b in any order; three or more in an order the
+            # collective library chooses by the message's size, i.e. by the batch.
+            raise ValueError(f"batch_invariant: tensor_parallel_size must be at most 2, got "
+                             f"{self.tensor_parallel_size}")
         self.check_tensor_parallel = as_bool("check_tensor_parallel", self.check_tensor_parallel)
         if self.dtype is not None:
             self.dtype = as_dtype(self.dtype)

@@ -85,7 +85,9 @@ def _expert_matmul(a, a_rows, stride_a, valid, w_e, stride_wn, stride_wk, n, n_o
     return acc, acc_up
 
 
-@triton.jit
+# num_pairs is not specialised: Triton compiles apart a call where it is 1 (one token, k = 1),
+# and a lone token must run the code a batch runs (EngineConfig.batch_invariant).
+@triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(x, w, h, delta, sorted_pairs, block_expert, num_pairs,
                     stride_xt, stride_we, stride_wn, stride_wk, stride_ht, stride_dt,
                     TOP_K: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr,
@@ -112,7 +114,7 @@ def _gate_up_kernel(x, w, h, delta, sorted_pairs, block_expert, num_pairs,
              mask=valid[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(h, w, y, weights, delta, sorted_pairs, block_expert, num_pairs,
                  stride_ht, stride_we, stride_wn, stride_wk, stride_yt, stride_dt,
                  HIDDEN: tl.constexpr, INTER: tl.constexpr, HAS_DELTA: tl.constexpr,
@@ -265,7 +267,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
         return per_expert.float().sum(1).to(x.dtype)
     # The k experts' outputs added in one fixed order: torch's sum over them may split the
     # work by the token count.
-    out = per_expert[:, 0].float()
+    out = per_expert[:, 0].float().contiguous()  # a copy of the strided view (all_reduce: dense)
     for j in range(1, top_k):
         out += per_expert[:, j]
     return out.to(x.dtype)

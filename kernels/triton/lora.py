@@ -18,7 +18,9 @@ import triton.language as tl
 from .row_invariant import row_dot
 
 
-@triton.jit
+# T is not specialised: Triton compiles apart a call where it is 1, and a lone row must run the
+# code a batch runs (EngineConfig.batch_invariant).
+@triton.jit(do_not_specialize=["T"])
 def _shrink_kernel(x, a, s, T, K, R, stride_xt, stride_ar, stride_st, PRECISION: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     pt, pr = tl.program_id(0), tl.program_id(1)
@@ -36,7 +38,7 @@ def _shrink_kernel(x, a, s, T, K, R, stride_xt, stride_ar, stride_st, PRECISION:
              mask=(t[:, None] < T) & (r[None, :] < R))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _expand_kernel(s, b, y, rows, ranks, scales, T, stride_st, stride_br, stride_yt,
                    PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_R: tl.constexpr):
@@ -69,7 +71,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, precision: str = "ieee") -> to
     """x [T, K] (unit stride within a row) times a [R, K] (float32, contiguous)'s transpose:
     [T, R] float32, new. `precision`: row_invariant.row_dot's (the tiles are the same for any
     T, so compiled a token's row never depends on the others; under the interpreter the
-    batch-invariant mode passes row_invariant.ROWS)."""
+    batch-invariant mode passes "rows": row_invariant.dot_precision)."""
     num_tokens, k = x.shape
     rank = a.shape[0]
     assert a.shape[1] == k and x.stride(1) == 1 and a.is_contiguous() and a.dtype == torch.float32

@@ -18,15 +18,12 @@ import triton
 import triton.language as tl
 
 
-# The precision argument of row_dot that sums the products over k explicitly: what the
-# interpreter runs in the batch-invariant mode.
-ROWS = "rows"
-
-
 def dot_precision(dtype: torch.dtype, on_gpu: bool) -> str:
-    """row_dot's PRECISION for a batch-invariant matmul of `dtype` inputs."""
+    """row_dot's PRECISION for a batch-invariant matmul of `dtype` inputs: "rows" (the products
+    summed explicitly) under the interpreter; compiled, "ieee" for fp32 (no TF32) and tl.dot's
+    default for 16-bit inputs (for which it means nothing)."""
     if not on_gpu:
-        return ROWS
+        return "rows"
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
@@ -36,7 +33,7 @@ def row_dot(a, b, acc, PRECISION: tl.constexpr):
     wherever it sits in the tile. Compiled, tl.dot: the tensor cores treat every row alike
     (`PRECISION` "ieee" for fp32 inputs: no TF32). Under the interpreter tl.dot is numpy's
     matmul, and OpenBLAS on AVX2 hosts rounds a row by its place in the matrix (tests/
-    attention/test_invariant_attention.py shows it): there (PRECISION == ROWS) the products
+    attention/test_invariant_attention.py shows it): there (PRECISION "rows") the products
     are summed over k by an elementwise reduction, the same operations for every row."""
     if PRECISION == "rows":
         return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
@@ -143,7 +140,7 @@ def _row_sum_kernel(x, out, N, stride_x, BLOCK: tl.constexpr):
 
 
 def row_sum(x: torch.Tensor) -> torch.Tensor:
-    """x.sum(-1, keepdim=True) in float32, one program a row adding in one fixed order (lanes
+    """x.sum(-1, keepdim=True) in float32 (whatever x's dtype), one program a row adding in one fixed order (lanes
     of BLOCK strided elements, then across the lanes): torch's CUDA sum splits a row across
     blocks when there are few rows, so a lone row's sum rounds otherwise than in a batch."""
     n = x.shape[-1]

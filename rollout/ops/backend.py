@@ -10,9 +10,11 @@
   layout for bf16 where the CPU has it). An op without a C kernel, or a library that did not
   build (no compiler, ROLLOUT_NATIVE=0), runs its torch implementation.
 - `triton`: the CUDA default. The Triton kernels of rollout_kernels.triton: paged and
-  shared-prefix attention, the fused sampler and acceptance scan, fused MoE; CUDA graphs. Off
-  CUDA only attention runs Triton (under TRITON_INTERPRET=1, which the process must set before
-  anything imports triton kernels); the other ops take their torch implementation.
+  shared-prefix attention, the fused sampler and acceptance scan, fused MoE; CUDA graphs; in the
+  batch-invariant mode also the projections, RMSNorm and LoRA (kernels/triton/row_invariant.py).
+  Off CUDA attention runs Triton (under TRITON_INTERPRET=1, which the process must set before
+  anything imports triton kernels), and in the batch-invariant mode the ops just named; the
+  other ops take their torch implementation.
 - `auto`: triton on CUDA, cpu on the CPU.
 
 Every op lists its implementations with one `supported(device, dtype)` check each

@@ -30,9 +30,11 @@ def as_batch(reduce: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) ->
 
 
 def row_sum(x: torch.Tensor) -> torch.Tensor:
-    """x.sum(-1, keepdim=True), each row rounded as it is in any batch: on the CPU through
-    as_batch; on CUDA outside autograd by the row kernel of kernels/triton/row_invariant.py,
-    since torch's CUDA sum splits a row across blocks when the rows are few."""
+    """x.sum(-1, keepdim=True) in x's dtype, each row rounded as it is in any batch: on the
+    CPU through as_batch; on CUDA outside autograd by the row kernel of kernels/triton/
+    row_invariant.py (in every backend: the engine's logprobs go through here), since torch's
+    CUDA sum splits a row across blocks when the rows are few. Under autograd, torch's sum
+    (on CUDA, then, not batch-invariant)."""
     if x.is_cuda and not (x.requires_grad and torch.is_grad_enabled()):
         from rollout_kernels.triton.row_invariant import row_sum as kernel
 

@@ -204,29 +204,55 @@ def test_triton_backend_moe_under_the_interpreter():
 
 CUDA_CASES = [("llama", torch.float32), ("llama", torch.bfloat16), ("gemma2", torch.bfloat16),
               ("qwen3_moe", torch.bfloat16)]
+on_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                             reason="the Triton backend compiled, on CUDA")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton backend compiled, on CUDA")
+def cuda_model(family: str, dtype: torch.dtype):
+    """Sizes at which cuBLAS and torch's CUDA row sums change their split with the row
+    count (a 40,000-token vocabulary: a lone row's sum is split across blocks)."""
+    return tiny_model(family, seed=1, dtype=dtype, vocab_size=40000, hidden_size=256,
+                      intermediate_size=512).cuda()
+
+
+@on_cuda
 @pytest.mark.parametrize("family,dtype", CUDA_CASES,
                          ids=[f"{f}-{str(d)[6:]}" for f, d in CUDA_CASES])
 def test_triton_backend_on_cuda(family, dtype):
-    """Compiled, where cuBLAS and torch's row reductions would split rows by the batch's
-    shape: the whole case list above, with the sampler's supports and alternatives (the row
-    sums of rollout/sample/log_softmax.py) and the fp32 head of a bf16 model."""
-    model = tiny_model(family, seed=1, dtype=dtype).cuda()
+    """Compiled: the case list of test_alone_equals_batched (its sampler supports and
+    alternatives summing rows through rollout/sample/log_softmax.py and the top-p scan),
+    CUDA graphs, and the fp32 head of a bf16 model; in bf16 the default mode, the control,
+    must differ somewhere."""
+    model = cuda_model(family, dtype)
     prompts, params = requests()
     reference = alone(model, prompts, params)
     batched = engine(model)
-    assert batched.implementations()["attention"] == "triton-invariant"
+    kinds = batched.implementations()
+    assert (kinds["attention"], kinds["projection"]) == ("triton-invariant", "triton-invariant")
     assert record(batched.generate(prompts, params)) == reference
     tight = engine(model, max_num_batched_tokens=24, kv_cache_tokens=400)
     assert record(tight.generate(prompts, params)) == reference
     assert tight.stats.preemptions > 0
+    assert record(engine(model, cuda_graphs=True).generate(prompts, params)) == reference
     if dtype == torch.bfloat16:
+        default = Engine(model, EngineConfig(kv_cache_tokens=8192, max_model_len=160))
+        assert record(default.generate(prompts, params)) != reference
         solo = engine(model, enable_prefix_caching=False, lm_head_dtype=torch.float32)
         head = [record(solo.generate([p], [sp]))[0] for p, sp in zip(prompts, params)]
         fp32_head = engine(model, lm_head_dtype=torch.float32, max_num_batched_tokens=40)
         assert record(fp32_head.generate(prompts, params)) == head
+
+
+@on_cuda
+def test_triton_backend_unmerged_lora_on_cuda():
+    from lora_models import peft_model
+
+    model = peft_model("llama").cuda()
+    prompts, params = requests(count=9)
+    reference = alone(model, prompts, params)
+    batched = engine(model, max_num_batched_tokens=40)
+    assert batched.implementations()["lora"] == "triton"
+    assert record(batched.generate(prompts, params)) == reference
 
 
 def test_fp32_head_of_a_bf16_model():
@@ -267,6 +293,7 @@ def test_default_mode_is_not_invariant_where_it_says():
     (dict(backend="torch"), "backend 'torch'"),
     (dict(pack_cpu_weights=False), "pack_cpu_weights"),
     (dict(batch_invariant="yes"), "batch_invariant"),
+    (dict(tensor_parallel_size=3), "tensor_parallel_size"),
 ])
 def test_refused_where_rows_cannot_be_kept_apart(config, message):
     with pytest.raises(ValueError, match=message):

@@ -2,8 +2,11 @@
 row sums. Each against the float64 answer, as exact as torch's own computation in the same
 dtype (floors.assert_as_exact_as), and each row the same bits computed alone, in any slice of
 the batch and in the whole batch: row counts around the tiles' sizes, a lone row (which
-Triton would compile separately were the row count specialised), strided inputs. The engine
-under this mode: tests/engine/test_batch_invariant.py."""
+Triton would compile separately were the row count specialised), strided inputs. Under the
+interpreter a row's matmul is rounded by its place in the tile (kernels_env.
+rows_rounded_by_position), which the projections must not feel; the norm's and the row sums'
+invariance can fail only compiled, on a GPU (bench/gpu_check.sh owed). The engine under this
+mode: tests/engine/test_batch_invariant.py."""
 
 import random
 

@@ -182,7 +182,8 @@ class TritonRows(Float32Copy):
     """The Triton backend's batch-invariant projections (kernels/triton/row_invariant.py): the
     weight itself, multiplied by a kernel whose launch does not depend on the row count.
     `float32`: in float32 from a float32 copy of the weight (EngineConfig.lm_head_dtype),
-    refreshed in place as Float32Copy's, so CUDA graphs keep its address."""
+    refreshed in place as Float32Copy's, so CUDA graphs keep its address (without `float32`
+    nothing is copied: refresh hands back the weight)."""
 
     __slots__ = ("float32", "matmul")
 
