@@ -72,12 +72,14 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"],
+                    default=["float32", "bfloat16"])
     args = ap.parse_args()
     where = (torch.cuda.get_device_name() if args.device.startswith("cuda")
              else f"{cpu_name()}, {torch.get_num_threads()} threads")
     print(f"{where}; {args.model_shape}, "
           f"{args.prompts} prompts x n={args.n} x {args.max_new} tokens")
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (getattr(torch, name) for name in args.dtypes):
         model, vocab = load(args.model_shape, dtype, args.device)
         prompts = grpo_prompts(args.prompts, 96, 64, vocab)
         params = [SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_new, seed=i,
