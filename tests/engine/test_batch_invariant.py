@@ -148,6 +148,16 @@ def test_triton_backend_under_the_interpreter():
     assert kinds["projection"] == "triton-invariant"
     assert record(batched.generate(prompts, params)) == reference
     assert batched.stats.cache_hit_tokens > 0
+    # a pool too small for everyone (4 preemptions), prefill in 16-token chunks; n-gram
+    # drafts verified
+    tight = engine(model, backend="triton", max_num_batched_tokens=16, kv_cache_tokens=96,
+                   max_model_len=80)
+    assert record(tight.generate(prompts, params)) == reference
+    assert tight.stats.preemptions > 0
+    speculating = engine(model, backend="triton",
+                         speculative=SpeculativeConfig("ngram", num_speculative_tokens=3))
+    assert record(speculating.generate(prompts, params)) == reference
+    assert speculating.stats.spec_proposed > 0
     # and the default Triton backend on the same requests is not invariant
     default = Engine(model, EngineConfig(kv_cache_tokens=8192, max_model_len=160,
                                          backend="triton", max_num_batched_tokens=40))
