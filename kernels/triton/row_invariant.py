@@ -140,15 +140,16 @@ def _row_sum_kernel(x, out, N, stride_x, BLOCK: tl.constexpr):
 
 
 def row_sum(x: torch.Tensor) -> torch.Tensor:
-    """x.sum(-1, keepdim=True) in float32 (whatever x's dtype), one program a row adding in one fixed order (lanes
-    of BLOCK strided elements, then across the lanes): torch's CUDA sum splits a row across
-    blocks when there are few rows, so a lone row's sum rounds otherwise than in a batch."""
+    """x.sum(-1, keepdim=True) in float32 (whatever x's dtype), one program a row adding in
+    one fixed order (4,096 lanes, each summing the elements 4,096 apart, then the lanes in a
+    tree): torch's CUDA sum splits a row across blocks when there are few rows, so a lone
+    row's sum rounds otherwise than in a batch. A vocabulary of 152k is 37 steps a program."""
     n = x.shape[-1]
     rows = x.reshape(-1, n)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
     if rows.shape[0]:
-        _row_sum_kernel[(rows.shape[0],)](rows, out, n, rows.stride(0), BLOCK=1024,
-                                          num_warps=4)
+        _row_sum_kernel[(rows.shape[0],)](rows, out, n, rows.stride(0), BLOCK=4096,
+                                          num_warps=8)
     return out.reshape(*x.shape[:-1], 1)

@@ -108,9 +108,9 @@ def test_rms_norm_dtypes():
 
 
 @pytest.mark.parametrize("rows", [1, 3, 40])
-@pytest.mark.parametrize("n", [5, 1024, 3000])
+@pytest.mark.parametrize("n", [5, 4096, 9000])
 def test_row_sum(rows, n):
-    """Rows shorter than, as long as, and three times the kernel's lanes; a strided input."""
+    """Rows shorter than, as long as, and over twice the kernel's lanes; a strided input."""
     gen = torch.Generator().manual_seed(n)
     x = torch.rand(rows, n, 2, generator=gen)[..., 0].to(DEVICE)
     got = row_invariant.row_sum(x)
