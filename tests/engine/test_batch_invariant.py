@@ -86,6 +86,34 @@ def test_alone_equals_batched(family, dtype):
     tight.check_invariants()
 
 
+def scored(eng: Engine, prompts, params, outs) -> list:
+    """Engine.score of every sample (prompt + its tokens) from the prompt's end, at the
+    temperature its logprobs were reported at (1 for greedy rows)."""
+    return [list(r.logprobs) for p, sp, out in zip(prompts, params, outs)
+            for r in eng.score([p + s.token_ids for s in out.samples], start=len(p),
+                               temperature=sp.temperature or 1.0)]
+
+
+SCORE_CASES = [("llama", torch.float32), ("llama", torch.bfloat16), ("qwen3_moe", torch.float32)]
+
+
+@pytest.mark.parametrize("family,dtype", SCORE_CASES,
+                         ids=[f"{f}-{str(d)[6:]}" for f, d in SCORE_CASES])
+def test_score_gives_the_rollout_logprobs(family, dtype):
+    """The trainer's recomputation of the behaviour logprobs (Engine.score of prompt +
+    completion: one prefill, the tokens as prompt rows) gives the rollout's logprobs bit for
+    bit, so a first PPO/GRPO ratio against them is exactly 1; the default mode's differ (its
+    prefill rows round otherwise than its decode rows)."""
+    model = tiny_model(family, seed=1, dtype=dtype)
+    prompts, params = requests(count=12)
+    for invariant in (True, False):
+        eng = Engine(model, EngineConfig(kv_cache_tokens=8192, max_model_len=160,
+                                         batch_invariant=invariant))
+        outs = eng.generate(prompts, params)
+        rollout = [s.logprobs for out in outs for s in out.samples]
+        assert (scored(eng, prompts, params, outs) == rollout) == invariant
+
+
 def test_alone_equals_batched_on_two_threads_with_a_long_vocabulary():
     """The suite runs on one thread; with two, torch splits the sum of a lone row of 32,768
     elements or more across them (a request decoding alone, n = 1): its logprobs must still be
@@ -146,8 +174,10 @@ def test_triton_backend_under_the_interpreter():
     kinds = batched.implementations()
     assert (kinds["attention"], kinds["RMSNorm"]) == ("triton-invariant", "triton")
     assert kinds["projection"] == "triton-invariant"
-    assert record(batched.generate(prompts, params)) == reference
+    outs = batched.generate(prompts, params)
+    assert record(outs) == reference
     assert batched.stats.cache_hit_tokens > 0
+    assert scored(batched, prompts, params, outs) == [s.logprobs for o in outs for s in o.samples]
     # a pool too small for everyone (4 preemptions), prefill in 16-token chunks; n-gram
     # drafts verified
     tight = engine(model, backend="triton", max_num_batched_tokens=16, kv_cache_tokens=96,
@@ -231,7 +261,7 @@ def cuda_model(family: str, dtype: torch.dtype):
 def test_triton_backend_on_cuda(family, dtype):
     """Compiled: the case list of test_alone_equals_batched (its sampler supports and
     alternatives summing rows through rollout/sample/log_softmax.py and the top-p scan),
-    CUDA graphs, and the fp32 head of a bf16 model; in bf16 the default mode, the control,
+    Engine.score giving the rollout's logprobs, CUDA graphs, and the fp32 head of a bf16 model; in bf16 the default mode, the control,
     must differ somewhere."""
     model = cuda_model(family, dtype)
     prompts, params = requests()
@@ -239,7 +269,9 @@ def test_triton_backend_on_cuda(family, dtype):
     batched = engine(model)
     kinds = batched.implementations()
     assert (kinds["attention"], kinds["projection"]) == ("triton-invariant", "triton-invariant")
-    assert record(batched.generate(prompts, params)) == reference
+    outs = batched.generate(prompts, params)
+    assert record(outs) == reference
+    assert scored(batched, prompts, params, outs) == [s.logprobs for o in outs for s in o.samples]
     tight = engine(model, max_num_batched_tokens=24, kv_cache_tokens=400)
     assert record(tight.generate(prompts, params)) == reference
     assert tight.stats.preemptions > 0
