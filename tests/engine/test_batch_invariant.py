@@ -179,7 +179,7 @@ def test_triton_backend_under_the_interpreter():
     assert batched.stats.cache_hit_tokens > 0
     assert scored(batched, prompts, params, outs) == [s.logprobs for o in outs for s in o.samples]
     # a pool too small for everyone (4 preemptions), prefill in 16-token chunks; n-gram
-    # drafts verified
+    # drafts verified; CUDA graphs' padded batches
     tight = engine(model, backend="triton", max_num_batched_tokens=16, kv_cache_tokens=96,
                    max_model_len=80)
     assert record(tight.generate(prompts, params)) == reference
@@ -188,6 +188,10 @@ def test_triton_backend_under_the_interpreter():
                          speculative=SpeculativeConfig("ngram", num_speculative_tokens=3))
     assert record(speculating.generate(prompts, params)) == reference
     assert speculating.stats.spec_proposed > 0
+    # decode steps padded to graph buckets (off CUDA the graphs' eager stand-in)
+    graphed = engine(model, backend="triton", cuda_graphs=True)
+    assert record(graphed.generate(prompts, params)) == reference
+    assert graphed.stats.graph_captures > 0
     # and the default Triton backend on the same requests is not invariant
     default = Engine(model, EngineConfig(kv_cache_tokens=8192, max_model_len=160,
                                          backend="triton", max_num_batched_tokens=40))
