@@ -2,9 +2,9 @@
 the wrappers make them on CUDA (the batch-invariant mode's projections, norms, row sums, MoE
 and LoRA; the sampler's and the noise's libdevice branch, which the interpreter never takes;
 paged attention in its modes and head sizes, the shared-prefix path, merges, the K/V store,
-draft acceptance), through Triton's pipeline to ptxas's cubin (tests/support/
-gpu_compile.py, ~50 s). What only compiled code meets fails here, not in a GPU session;
-whether the compiled kernels compute the right rows is their tests' on a GPU."""
+draft acceptance), specialised as the JIT specialises them on CUDA, through Triton's
+pipeline to ptxas's cubin, within a Hopper SM's shared memory (tests/support/gpu_compile.py,
+~1 min). Whether the compiled kernels compute the right rows is their tests' on a GPU."""
 
 import os
 import pathlib
@@ -28,11 +28,5 @@ def test_kernels_compile_for_hopper(tmp_path):
                           text=True, timeout=600)
     lines = done.stdout.splitlines()
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    compiled = {line.split()[1] for line in lines if line.startswith("ok ")}
-    assert compiled == KERNELS, lines
-
-
-KERNELS = {"_linear_kernel", "_rms_norm_kernel", "_row_sum_kernel", "_gate_up_kernel",
-           "_down_kernel", "_shrink_kernel", "_expand_kernel", "_sample_kernel", "_noise_kernel",
-           "_paged_attention_kernel", "_merge_states_kernel", "_store_kv_kernel",
-           "_accept_drafts_kernel"}
+    # (the script fails itself where a kernel of rollout_kernels.triton had no launch)
+    assert len({line.split()[1] for line in lines if line.startswith("ok ")}) >= 14, lines

@@ -7,14 +7,15 @@ tests do that, interpreted here and compiled on a GPU.
 
 Run in a process where TRITON_INTERPRET is unset (it decides, when a kernel is decorated,
 whether it is compiled at all): `python tests/support/gpu_compile.py` prints one line per
-launch and exits non-zero if any failed; tests/kernels/test_compile_for_gpu.py runs it.
+distinct launch and exits non-zero if any failed to compile, asked for more shared memory or
+threads than a Hopper SM has, or if a kernel of rollout_kernels.triton had no launch
+compiled; tests/kernels/test_compile_for_gpu.py runs it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-import os
 import sys
 import time
 
@@ -23,8 +24,10 @@ import torch
 # Hopper (H100/H200), the GPU machines this project is lent.
 ARCH = 90
 
-_POINTERS = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16",
-             torch.int32: "*i32", torch.int64: "*i64", torch.bool: "*i1", torch.uint8: "*u8"}
+# What a Hopper SM gives one block: shared memory (227 KB) and threads. Triton checks these
+# only when a GPU loads the kernel.
+MAX_SHARED = 232448
+MAX_THREADS = 1024
 
 
 @contextlib.contextmanager
@@ -45,37 +48,42 @@ def recorded_launches():
         JITFunction.run = run
 
 
-def _type(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return _POINTERS[value.dtype]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -2**31 <= value < 2**31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"no Triton type for {type(value).__name__}")
+def bind(kernel, args, kwargs, arch: int = ARCH):
+    """(key, source, options) of the launch as the JIT's own binder specialises it on CUDA:
+    its types, constexprs, the alignment and value-1 attributes it derives from the arguments
+    (pointers 16-aligned, ints divisible by 16 or equal to 1 unless `do_not_specialize`), its
+    options; an option it does not know is a KeyError, as at a launch."""
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(GPUTarget("cuda", arch, 32))
+    kwargs = dict(kwargs, debug=knobs.runtime.debug,
+                  instrumentation_mode=knobs.compilation.instrumentation_mode,
+                  fpsan_homomorphic_casts=knobs.compilation.fpsan_homomorphic_casts)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound,
+                                                              specialization, options)
+    key = (kernel.__name__, repr(specialization), repr(sorted(options.__dict__.items())))
+    return key, ASTSource(kernel, signature, constexprs, attrs), options
 
 
-def compile_launch(kernel, args, kwargs, arch: int = ARCH):
-    """The launch compiled for sm_`arch` (no specialisation on values or alignment)."""
+def compile_launch(source, options, arch: int = ARCH):
+    """The bound launch compiled for sm_`arch`, checked against what the SM can give it."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
-    bound = dict(zip((p.name for p in kernel.params), args))
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "enable_fp_fusion")
-               if k in kwargs}
-    bound.update(kwargs)
-    signature, constexprs = {}, {}
-    for param in kernel.params:
-        value = bound[param.name]
-        if param.is_constexpr:
-            signature[param.name], constexprs[param.name] = "constexpr", value
-        else:
-            signature[param.name] = _type(value)
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                              options=options.__dict__)
+    if compiled.metadata.shared > MAX_SHARED:
+        raise ValueError(f"{compiled.metadata.shared} B of shared memory, the SM has "
+                         f"{MAX_SHARED}")
+    if compiled.metadata.num_warps * 32 > MAX_THREADS:
+        raise ValueError(f"{compiled.metadata.num_warps} warps, a block holds at most "
+                         f"{MAX_THREADS // 32}")
+    return compiled
 
 
 @contextlib.contextmanager
@@ -108,7 +116,7 @@ def as_on_gpu():
 def launches():
     """What the batch-invariant mode's wrappers launch (kernels/triton/row_invariant.py, the
     invariant fused MoE, the LoRA shrink and expand), in fp32, bf16 and fp16, at a decode
-    step's and a prefill's row counts, as they would on CUDA."""
+    step's and a prefill's row counts, as they would on CUDA; and the default mode's MoE."""
     from rollout_kernels.triton import fused_moe, lora, row_invariant
 
     with recorded_launches() as recorded, as_on_gpu():
@@ -120,10 +128,20 @@ def launches():
                 row_invariant.rms_norm(x, torch.zeros(576, dtype=dtype), 1e-6, False)
                 row_invariant.rms_norm(x, torch.zeros(576, dtype=dtype), 1e-6, True)
             row_invariant.row_sum(torch.zeros(3, 49152, dtype=dtype))
+            w_gate_up = torch.zeros(8, 96, 64, dtype=dtype)
+            w_down = torch.zeros(8, 64, 48, dtype=dtype)
             ids = torch.arange(16).remainder(8).view(8, 2)
-            fused_moe.fused_moe(torch.zeros(8, 64, dtype=dtype), torch.zeros(8, 96, 64, dtype=dtype),
-                                torch.zeros(8, 64, 48, dtype=dtype), torch.ones(8, 2), ids,
-                                invariant=True)
+            fused_moe.fused_moe(torch.zeros(8, 64, dtype=dtype), w_gate_up, w_down,
+                                torch.ones(8, 2), ids, invariant=True)
+            # the default mode: blocks of 64 tokens past 32 pairs an expert, GELU, an
+            # adapter on the experts (its delta through the pair matmul)
+            adapter = ((torch.zeros(8, 4, 64), torch.zeros(8, 96, 4), 0.5),
+                       (torch.zeros(8, 4, 48), torch.zeros(8, 64, 4), 0.5))
+            ids = torch.arange(600).remainder(8).view(300, 2)
+            fused_moe.fused_moe(torch.zeros(300, 64, dtype=dtype), w_gate_up, w_down,
+                                torch.ones(300, 2), ids, "gelu_pytorch_tanh", adapter)
+            wide = torch.zeros(2, 4096, dtype=dtype)  # 8 warps a row
+            row_invariant.rms_norm(wide, torch.zeros(4096, dtype=dtype), 1e-6, False)
         x = torch.zeros(5, 576)
         s = lora.lora_shrink(x, torch.zeros(24, 576))
         blocks = torch.zeros(2, 3, dtype=torch.int32)
@@ -179,29 +197,49 @@ def engine_launches():
     return recorded
 
 
+def kernels() -> set[str]:
+    """The names of every Triton kernel in rollout_kernels.triton (its `_..._kernel`s)."""
+    import pkgutil
+
+    from triton.runtime.jit import JITFunction
+
+    import rollout_kernels.triton as package
+
+    names = set()
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        names |= {name for name, value in vars(module).items()
+                  if isinstance(value, JITFunction) and name.endswith("_kernel")}
+    return names
+
+
 def main() -> int:
-    failed = 0
-    seen = set()
-    for kernel, args, kwargs in launches() + engine_launches():
-        key = (kernel.__name__, tuple(_type(a) if not isinstance(a, (int, float)) or
-                                      isinstance(a, bool) else type(a).__name__ for a in args),
-               tuple(sorted(kwargs.items())))
-        if key in seen:  # the same compilation (constexprs and types alike)
-            continue
-        seen.add(key)
+    from triton import knobs
+
+    if knobs.runtime.interpret:
+        return "run with TRITON_INTERPRET unset: the interpreter compiles nothing"
+    failed, seen, compiled = 0, set(), set()
+    recorded = launches() + engine_launches()
+    for kernel, args, kwargs in recorded:
         what = f"{kernel.__name__} {', '.join(f'{k}={v}' for k, v in kwargs.items())}"
         try:
+            key, source, options = bind(kernel, args, kwargs)
+            if key in seen:  # the same compilation (types, constexprs, attributes, options)
+                continue
+            seen.add(key)
             start = time.perf_counter()
-            compiled = compile_launch(kernel, args, dict(kwargs))
-            print(f"ok {what}: shared {compiled.metadata.shared} B, "
+            binary = compile_launch(source, options)
+            compiled.add(kernel.__name__)
+            print(f"ok {what}: shared {binary.metadata.shared} B, "
                   f"{time.perf_counter() - start:.1f} s")
         except Exception as error:  # every launch reported, then the exit code
             failed += 1
             print(f"FAILED {what}: {type(error).__name__}: {error}")
+    for name in sorted(kernels() - compiled):
+        failed += 1
+        print(f"FAILED {name}: no launch of it compiled (add one to gpu_compile.py)")
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        sys.exit("run with TRITON_INTERPRET unset: the interpreter compiles nothing")
     sys.exit(main())
