@@ -2,10 +2,13 @@
 
 Each engine step kind (store, prefill, extend, a chunk beside decodes, decode with and without
 split-KV, speculative verify, shared-prefix decode, sliding-window and soft-capped attention,
-sampling, draft acceptance) is driven through
+sampling and its noise, draft acceptance, MoE experts with and without an adapter, an unmerged
+LoRA adapter, and the batch-invariant mode's projections, norms and row sums) is driven through
 the real launch wrappers in `kernels/` on CPU tensors shaped like a named model. Launches are
 compiled for the target GPU with Triton's own compiler, never run, and each distinct variant is
-reported against the target's limits:
+reported against the target's limits; a Triton kernel of `rollout_kernels.triton` that no case
+launches is reported too (and fails the run), so a new kernel is compiled here before a GPU
+session spends its minutes on it:
 
   shared   bytes of shared memory per block; over the target's per-block limit the launch would
            fail with OutOfResources, so the report exits 1
@@ -165,10 +168,21 @@ class Recorder:
         pa = sys.modules["rollout_kernels.triton.paged_attention"]
         sp = sys.modules["rollout_kernels.triton.shared_prefix"]
         sample = sys.modules["rollout_kernels.triton.sample"]
+        noise = sys.modules["rollout_kernels.triton.counter_noise"]
+        rows = sys.modules["rollout_kernels.triton.row_invariant"]
+        moe = sys.modules["rollout_kernels.triton.fused_moe"]
+        # The choices the wrappers make by whether their tensors are on CUDA, as CUDA makes them.
+        linear_config, precision, moe_config = rows._linear_config, rows.dot_precision, moe._config
         with mock.patch.object(JITFunction, "run", run), \
                 mock.patch.object(pa, "_num_sms", lambda device: self.target.sms), \
                 mock.patch.object(sp, "_num_sms", lambda device: self.target.sms), \
                 mock.patch.object(sample, "use_libdevice", lambda device: True), \
+                mock.patch.object(noise, "use_libdevice", lambda device: True), \
+                mock.patch.object(rows, "_linear_config", lambda on_gpu: linear_config(True)), \
+                mock.patch.object(rows, "dot_precision", lambda dt, on_gpu: precision(dt, True)), \
+                mock.patch.object(moe, "dot_precision", lambda dt, on_gpu: precision(dt, True)), \
+                mock.patch.object(moe, "_config", lambda pairs, experts, on_gpu, invariant:
+                                  moe_config(pairs, experts, True, invariant)), \
                 no_host_reads():
             yield
 
@@ -200,13 +214,19 @@ def engine_cases(model: str, dtype: torch.dtype) -> list[tuple[str, Callable[[],
     described by their lengths alone: the pool and slot tensors stay small."""
     from rollout_kernels.triton import (
         accept_drafts,
+        gumbel_noise_triton,
+        lora_expand_add,
+        lora_shrink,
         paged_attention,
+        row_invariant,
         sample,
         shared_prefix_attention,
         store_kv,
     )
+    from rollout_kernels.triton.fused_moe import fused_moe
 
     hq, hkv, d, vocab = MODELS[model]
+    hidden = hq * d
     pool_k = torch.empty(4096, hkv, d, dtype=dtype)
     pool_v = torch.empty_like(pool_k)
     slots = torch.zeros(4096, dtype=torch.int32)
@@ -245,6 +265,48 @@ def engine_cases(model: str, dtype: torch.dtype) -> list[tuple[str, Callable[[],
         return lambda: accept_drafts(row_indptr, tokens, tokens, torch.zeros(rows, dtype=bool),
                                      probs, probs, probs, tokens if rejection else None)
 
+    def noise(batch: int):
+        ints = torch.zeros(batch, dtype=torch.int32)  # seed, position
+        return lambda: gumbel_noise_triton(ints, ints, vocab)
+
+    def projection(rows: int):  # a gate-up's shape, the batch-invariant mode's matmul
+        x = torch.empty(rows, hidden, dtype=dtype)
+        w = torch.empty(4 * hidden, hidden, dtype=dtype)
+        return lambda: row_invariant.linear(x, w, torch.empty(4 * hidden, dtype=dtype))
+
+    def norm(rows: int, offset: bool):
+        x = torch.empty(rows, hidden, dtype=dtype)
+        return lambda: row_invariant.rms_norm(x, torch.empty(hidden, dtype=dtype), 1e-6, offset)
+
+    def row_sums(batch: int):
+        return lambda: row_invariant.row_sum(torch.empty(batch, vocab))
+
+    def lora(tokens: int, rank: int, precision: str):  # q, k, v blocks of a fused QKV
+        x = torch.empty(tokens, hidden, dtype=dtype)
+        a = torch.empty(3 * rank, hidden)
+        b = torch.empty((hq + 2 * hkv) * d, 3 * rank)
+        y = torch.empty(tokens, (hq + 2 * hkv) * d, dtype=dtype)
+        blocks = torch.zeros(3, 3, dtype=torch.int32)
+        ranks = torch.full((3,), rank, dtype=torch.int32)
+
+        def launch():
+            s = lora_shrink(x, a, precision)
+            lora_expand_add(s, b, y, blocks, ranks, torch.ones(3), hq * d, rank, precision)
+        return launch
+
+    def experts(tokens: int, invariant: bool, rank: int | None = None, act: str = "silu"):
+        # 8 experts of Qwen3-30B-A3B's width, top-2: the tiles do not depend on how many
+        num, width, top = 8, 768, 2
+        w_gate_up = torch.empty(num, 2 * width, hidden, dtype=dtype)
+        w_down = torch.empty(num, hidden, width, dtype=dtype)
+        adapter = None if rank is None else (
+            (torch.empty(num, rank, hidden), torch.empty(num, 2 * width, rank), 1.0),
+            (torch.empty(num, rank, width), torch.empty(num, hidden, rank), 1.0))
+        ids = torch.arange(tokens * top).remainder(num).view(tokens, top)
+        return lambda: fused_moe(torch.empty(tokens, hidden, dtype=dtype), w_gate_up, w_down,
+                                 torch.ones(tokens, top), ids, act, adapter,
+                                 invariant=invariant)
+
     return [
         ("store_kv 512 tokens", store(512)),
         ("prefill 1 x 2048", attention([2048], [2048])),
@@ -262,9 +324,36 @@ def engine_cases(model: str, dtype: torch.dtype) -> list[tuple[str, Callable[[],
         ("softcap: extend 2 x 512 over 4096", attention([512] * 2, [4096] * 2, softcap=50.0)),
         ("softcap: shared prefix 4 groups x 8", shared_prefix(4, 8, 1024, 64, softcap=50.0)),
         ("sample 64 rows", sampler(64)),
+        ("noise 64 rows", noise(64)),
         ("accept coupled", accept(40, False)),
         ("accept rejection", accept(40, True)),
+        ("lora rank 16: decode 256", lora(256, 16, "ieee")),
+        ("experts: decode 64 tokens", experts(64, False)),
+        ("experts: prefill 2048 tokens, GELU, adapter rank 16",
+         experts(2048, False, 16, "gelu_pytorch_tanh")),
+        # EngineConfig(batch_invariant=True): one configuration whatever the row count
+        ("invariant: projection decode 256", projection(256)),
+        ("invariant: projection prefill 2048", projection(2048)),
+        ("invariant: rms_norm 256 rows", norm(256, False)),
+        ("invariant: rms_norm (1 + w) 256 rows", norm(256, True)),
+        ("invariant: experts decode 64 tokens", experts(64, True)),
+        ("logprob row sums 64 rows", row_sums(64)),
     ]
+
+
+def all_kernels() -> set[str]:
+    """Every Triton kernel of rollout_kernels.triton: the module-level `..._kernel`s."""
+    import pkgutil
+
+    import rollout_kernels.triton as package
+
+    names = set()
+    for info in pkgutil.iter_modules(package.__path__):
+        module = sys.modules.get(f"{package.__name__}.{info.name}") or __import__(
+            f"{package.__name__}.{info.name}", fromlist=["_"])
+        names |= {name for name, value in vars(module).items()
+                  if isinstance(value, JITFunction) and name.endswith("_kernel")}
+    return names
 
 
 def tile_sweep_cases() -> list[tuple[str, Callable[[], object]]]:
@@ -346,6 +435,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"HOST READ in {case}: {e}")
                 failures += 1
         failures += report(name, recorder)
+        for kernel in sorted(all_kernels() - {v.kernel for v in recorder.variants.values()}):
+            print(f"NOT COMPILED: {kernel} (no case launches it: add one to engine_cases)")
+            failures += 1
     return 1 if failures else 0
 
 

@@ -28,8 +28,7 @@ torch.set_num_threads(1)
 # scheduling). A file missing here or grown since only costs balance, never a test.
 LONGEST_FIRST = ("test_learning.py", "test_real_model.py", "test_tensor_parallel.py",
                  "test_cpu_build.py", "test_cuda_graph.py", "test_cpu_heap.py",
-                 "test_batch_invariant.py", "test_invariant_attention.py",
-                 "test_compile_for_gpu.py")
+                 "test_batch_invariant.py", "test_invariant_attention.py")
 
 
 def pytest_collection_modifyitems(items) -> None:
