@@ -8,7 +8,8 @@ difference comes from the logits, whose last bits can depend on the batch shape 
 blocking, attention splits, SDPA prefill). Prints, per dtype and mode, the share of samples
 whose tokens are identical, the largest logprob difference before a sample's divergence, and
 the batched rollout's tokens/s, the modes interleaved and the best of --repeats kept (the
-machine is shared). Nothing asserted.
+machine is shared), and for each mode's best call the forward's and the rest's ms a step (where
+a cost lies). Nothing asserted.
 
     python bench/batch_invariance.py                     # SmolLM2-135M, fp32 and bf16
     python bench/batch_invariance.py --model-shape 25m   # a random 25M Qwen2 instead
@@ -34,6 +35,7 @@ from workloads import (QWEN2_25M, QWEN3_MOE_SMALL, SMOLLM2_135M, cpu_name,  # no
                        grpo_prompts, random_llama, random_qwen2, random_qwen3_moe)
 
 from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
+from rollout.engine.stats import STEP_PHASES  # noqa: E402
 
 
 def compare(alone, batched) -> tuple[int, int, float]:
@@ -94,6 +96,7 @@ def main() -> None:
             same, total, worst = compare(alone, batched)
             print(f"{str(dtype)[6:]:9s} batch_invariant={invariant!s:5s}: identical samples "
                   f"{same}/{total}, max logprob diff before divergence {worst:.2e}")
+        phases = {}  # mode -> the best call's ms a step of forward and of the rest
         for _ in range(args.repeats):  # interleaved: both modes see the same machine load
             for invariant in (False, True):
                 # a fresh engine (cold cache: the prompts' prefill counts), built untimed
@@ -103,10 +106,23 @@ def main() -> None:
                 outs = engine.generate(prompts, params)
                 seconds = time.perf_counter() - start
                 tokens = sum(len(s.token_ids) for o in outs for s in o.samples)
-                best[invariant] = max(best.get(invariant, 0.0), tokens / seconds)
+                if tokens / seconds > best.get(invariant, 0.0):
+                    best[invariant] = tokens / seconds
+                    phases[invariant] = step_ms(engine.stats)
         print(f"{str(dtype)[6:]:9s} rollout tok/s (best of {args.repeats}): default "
               f"{best[False]:.1f}, batch_invariant {best[True]:.1f}: cost "
               f"{1 - best[True] / best[False]:+.1%}")
+        for invariant in (False, True):  # where the cost lies: the forward or the rest
+            forward, rest, steps = phases[invariant]
+            print(f"{str(dtype)[6:]:9s} batch_invariant={invariant!s:5s}: {steps} steps, "
+                  f"forward {forward:.2f} ms a step, the rest {rest:.2f}")
+
+
+def step_ms(stats) -> tuple[float, float, int]:
+    """(forward ms a step, the step's other phases' ms, steps) of an engine's calls so far."""
+    forward = stats.forward_seconds / stats.steps * 1e3
+    rest = sum(getattr(stats, p) for p in STEP_PHASES if p != "forward_seconds")
+    return forward, rest / stats.steps * 1e3, stats.steps
 
 
 if __name__ == "__main__":

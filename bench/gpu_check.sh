@@ -71,9 +71,9 @@ if [ "$what" = owed ]; then
   # on CUDA: the Triton backend's row-invariant projections, norms, row sums and MoE tiles,
   # kernels/triton/row_invariant.py). Then the
   # timings, alone: what no GPU run has measured yet, partial rollouts against synchronous
-  # ones, the engine against transformers on SmolLM2's shapes. Limits add up to 580 s: one
+  # ones, the engine against transformers on SmolLM2's shapes. Limits add up to 575 s: one
   # device call (timeout_s 590).
-  section tests 200 $PY -m pytest -q -p no:cacheprovider -n 12 -rfE \
+  section tests 190 $PY -m pytest -q -p no:cacheprovider -n 12 -rfE \
       tests/kernels/test_kernels_*.py \
       tests/attention/test_{invariant_attention,triton_backend}.py \
       tests/executor/test_cuda_graph.py tests/project/test_gpu.py \
@@ -84,15 +84,15 @@ if [ "$what" = owed ]; then
       tests/engine/test_batch_invariant.py::test_triton_backend_unmerged_lora_on_cuda
   # What a wake-up costs with CUDA graphs (each bucket captured again), and what the weight
   # sync's checksums cost on a GPU (issue 25's goal: <= 10 % of a sync): neither run there yet.
-  section graph_capture 50 $PY bench/graph_capture.py --device cuda --model-shape smollm2 \
+  section graph_capture 45 $PY bench/graph_capture.py --device cuda --model-shape smollm2 \
       --dtype bfloat16
-  section colocation 50 $PY bench/colocation.py --device cuda
+  section colocation 45 $PY bench/colocation.py --device cuda
   # What the batch-invariant mode costs on a GPU (issue 24's goal: <= 15 %): never measured.
-  section batch_invariance 60 $PY bench/batch_invariance.py --device cuda \
+  section batch_invariance 90 $PY bench/batch_invariance.py --device cuda \
       --model-shape smollm2-random --prompts 4 --n 8 --max-new 32 --repeats 2
   # With carried_kv="park" beside the re-prefilling partial rollouts (pinned host copies of the
   # carried K/V at each sleep): never run on a GPU yet.
-  section partial 130 $PY bench/partial.py --device cuda --dtype bfloat16 --model-shape smollm2 \
+  section partial 120 $PY bench/partial.py --device cuda --dtype bfloat16 --model-shape smollm2 \
       --cuda-graphs --kv-tokens 131072 --max-tokens 256 --mean-tokens 64 --steps 6 \
       --carried-kv recompute park
 fi
@@ -114,7 +114,7 @@ if [ "$what" = bench ] || [ "$what" = owed ] || [ "$what" = all ]; then
   # shapes with random weights: its checkpoint (93 MB) does not fit the 64 MiB that travel.
   # Its "engine ms per step" line is the host's part on a GPU host after the 2026-12-06 cut
   # (docs/benchmarks.md, "Where the time goes"): owed.
-  section engine_vs_hf_smollm2 90 $PY bench/engine_vs_hf.py --device cuda --model-shape smollm2 \
+  section engine_vs_hf_smollm2 85 $PY bench/engine_vs_hf.py --device cuda --model-shape smollm2 \
       --dtype bfloat16 --kv-tokens 400000 --cuda-graphs both
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then

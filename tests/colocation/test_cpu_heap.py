@@ -84,7 +84,11 @@ def test_unfiltered_draws_stop_faulting_without_the_kept_heap():
     """Without filters the sampler draws a block of rows at a time (Sampler.draw): no [B, V]
     temporaries, so even glibc's defaults keep the logits' pages from step to step."""
     counts = step_faults(False, 1.0)
-    assert sorted(counts)[len(counts) // 2] < 1000, counts
+    # Drawn whole, a step faults in every [B, V] temporary: 6,144 pages each, the median step
+    # over 6,000. In blocks the median step faults ~0 (8 runs beside a busy core: 0 to 26), but
+    # a step now and then faults part of a buffer as glibc moves its heap (one suite run saw
+    # 4 steps of 8 at 177 to 10,144, median 1,847): held under half a buffer.
+    assert sorted(counts)[len(counts) // 2] < 6144 // 2, counts
 
 
 def test_sleep_gives_the_kept_heap_back():
