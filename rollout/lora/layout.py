@@ -97,7 +97,7 @@ def attach(model, layout: Layout, backend) -> bool:
     absent), a projection's delta the implementation `backend` (the engine's,
     rollout/ops/backend.py) chooses; whether any changed (captured CUDA graphs are then
     stale)."""
-    if backend.batch_invariant and backend.name == "triton":
+    if backend.triton_rows:
         choice = "triton"  # its kernels' tiles do not depend on the row count (interpreted too)
     else:
         choice = backend.choose(lora_implementations(backend.pack_weights), LORA_DTYPE)

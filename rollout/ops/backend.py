@@ -58,6 +58,13 @@ class Backend:
         return op.functions[self.choose(op.implementations, dtype)]
 
     @property
+    def triton_rows(self) -> bool:
+        """The batch-invariant mode on the Triton backend: the projections, RMSNorm, the MoE
+        experts and LoRA take its row-invariant kernels (kernels/triton/row_invariant.py),
+        under the interpreter too, where the default mode keeps torch's."""
+        return self.batch_invariant and self.name == "triton"
+
+    @property
     def cuda_graphs(self) -> bool:
         """Decode steps can be captured (the Triton attention backend plans for graphs; off
         CUDA an eager stand-in keeps the contract, for tests)."""

@@ -13,6 +13,8 @@ import torch
 from rollout_kernels.cpu import radix_sort as native_sort
 from rollout_kernels.cpu import top_p_prefix as native_prefix
 
+from .log_softmax import as_batch
+
 # --- top-k / top-p / min-p ----------------------------------------------------------------
 #
 # The definition is `filter_by_sort`: sort the row, keep the first k (top-k), then, renormalised
@@ -76,7 +78,9 @@ def filter_by_sort(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).to(torch.int64)
     drop_sorted = _cut_at(sorted_logp, k)  # top-k
     probs = sorted_logp.masked_fill(drop_sorted, float("-inf")).softmax(dim=-1)
-    mass_before = _cumsum(probs) - probs
+    # (On CUDA a lone row's scan as a batch's; the CPU scans each row in order either way.)
+    mass_before = (as_batch(lambda p: p.cumsum(dim=-1), probs) if probs.is_cuda
+                   else probs.cumsum(dim=-1)) - probs
     # top_p == 1 means off: in fp32 the mass before the tail can round to exactly 1.0.
     drop_sorted |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
     drop_sorted[:, 0] = False  # the most likely token always survives
@@ -86,16 +90,6 @@ def filter_by_sort(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
         log_min_p = torch.log(min_p)
     drop |= logp < (sorted_logp[:, :1] + log_min_p[:, None])
     return logp.masked_fill(drop, float("-inf"))
-
-
-def _cumsum(x: torch.Tensor) -> torch.Tensor:
-    """x.cumsum(-1), a lone row rounded as in a batch: torch's CUDA scan takes another
-    algorithm (CUB's device scan) for a tensor that is one row, so a request drawn alone would
-    cut its top-p where a batch's row may not (as_batch's trick: two rows of a broadcast
-    view; the CPU scans each row in order either way)."""
-    if x.is_cuda and x.shape[0] == 1:
-        return x.expand(2, -1).cumsum(dim=-1)[:1]
-    return x.cumsum(dim=-1)
 
 
 def _cut_at(sorted_logp: torch.Tensor, r: torch.Tensor) -> torch.Tensor:

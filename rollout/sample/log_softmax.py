@@ -17,16 +17,17 @@ from collections.abc import Callable
 import torch
 
 
-def as_batch(reduce: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """reduce(x), a reduction over the last dimension that keeps it (size 1), rounded for a lone
-    row as for the same row in a batch. torch reduces a batch's rows one per thread, each in the
-    same order, but splits a lone row (a single output) across threads when it is long (32,768
-    elements or more), which rounds differently: a token's logprob would depend on whether
-    anything else was sampled with it. A lone row is reduced as two rows of a broadcast view (no
-    copy)."""
+def as_batch(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """fn(x), a row-wise operation over the last dimension (a reduction that keeps it, or a
+    scan), rounded for a lone row as for the same row in a batch. torch reduces a batch's rows
+    one per thread, each in the same order, but on the CPU splits a lone row (a single output)
+    across threads when it is long (32,768 elements or more), and on CUDA takes another
+    algorithm for a tensor of one row (its scans: CUB's device scan): either rounds
+    differently, and a token's logprob or top-p cut would depend on whether anything else was
+    sampled with it. A lone row goes through as two rows of a broadcast view (no copy)."""
     if x.dim() == 0 or x.shape[:-1].numel() != 1:
-        return reduce(x)
-    return reduce(x.reshape(1, -1).expand(2, -1))[:1].reshape(*x.shape[:-1], 1)
+        return fn(x)
+    return fn(x.reshape(1, -1).expand(2, -1))[:1].reshape(*x.shape[:-1], -1)
 
 
 def row_sum(x: torch.Tensor) -> torch.Tensor:

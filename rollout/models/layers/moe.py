@@ -176,21 +176,24 @@ class SparseMoE(Dispatched, nn.Module):
 
     packed: PackedExperts | None = None  # the packed copies, where projections are packed
 
-    # The batch-invariant mode on the Triton backend: the router through the row-invariant
-    # linear, the experts through fused_moe's invariant tiles (a function, or None).
-    rows_linear = None
+    # The batch-invariant mode on the Triton backend (Backend.triton_rows), bound when the
+    # engine builds the layer: the router's row-invariant linear and fused_moe with its
+    # invariant tiles (functions), or None.
+    rows_linear = rows_experts = None
 
     def use_backend(self, backend, dtype: torch.dtype) -> None:
         super().use_backend(backend, dtype)
-        self.packed = self.rows_linear = None
-        if backend.batch_invariant and backend.name == "triton":
-            from rollout_kernels.triton.fused_moe import ACTIVATIONS
+        self.packed = self.rows_linear = self.rows_experts = None
+        if backend.triton_rows:
+            from rollout_kernels.triton.fused_moe import ACTIVATIONS, fused_moe
             from rollout_kernels.triton.row_invariant import linear
 
             if self.activation not in ACTIVATIONS:
                 raise ValueError(f"batch_invariant: the MoE activation {self.activation!r} has "
                                  f"no fused Triton kernel (it has {', '.join(ACTIVATIONS)})")
-            self.rows_linear, self.implementation = linear, "triton"
+            self.rows_linear = linear
+            self.rows_experts = functools.partial(fused_moe, invariant=True)
+            self.implementation = "triton"
             return
         make = functools.partial(packing_for, backend, dtype, Projection.implementations)
         if make() is None:
@@ -222,12 +225,11 @@ class SparseMoE(Dispatched, nn.Module):
                              functools.partial(moe_torch, packed=self.packed))
 
     def forward_triton(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        if self.rows_experts is not None:
+            weights, ids = route(self.rows_linear(x, self.gate.weight), self.options)
+            return self._experts(x, ctx, weights, ids, self.rows_experts)
         from rollout_kernels.triton.fused_moe import ACTIVATIONS, fused_moe
 
-        if self.rows_linear is not None:
-            weights, ids = route(self.rows_linear(x, self.gate.weight), self.options)
-            return self._experts(x, ctx, weights, ids,
-                                 functools.partial(fused_moe, invariant=True))
         # An activation the kernel lacks takes the torch experts.
         return self._forward(x, ctx, fused_moe if self.activation in ACTIVATIONS else moe_torch)
 

@@ -25,7 +25,7 @@ class RMSNorm(Dispatched, nn.Module):
     def use_backend(self, backend, dtype: torch.dtype) -> None:
         # The Triton norm only in the batch-invariant mode: torch's row reductions on CUDA
         # split a row across blocks when the rows are few, so a row rounds with the batch.
-        if backend.batch_invariant and backend.name == "triton":
+        if backend.triton_rows:
             from rollout_kernels.triton.row_invariant import rms_norm
 
             self.rows_norm = rms_norm

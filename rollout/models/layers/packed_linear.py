@@ -221,9 +221,9 @@ def packing_for(backend, dtype: torch.dtype, implementations) -> PackedCopy | No
     """A new packed copy for one weight of a layer with these `implementations` under
     `backend` (None: F.linear): the invariant packing in a batch-invariant engine, the panels
     (else oneDNN's layout) where the cpu backend packs weights."""
+    if backend.triton_rows:
+        return TritonRows()
     if backend.batch_invariant:
-        if backend.name == "triton":
-            return TritonRows()
         return invariant_packing(backend.device, dtype)
     if backend.choose(implementations, dtype) == "cpu" and backend.pack_weights:
         fast = native_linear.supported(backend.device, dtype)
@@ -247,7 +247,7 @@ class Projection:
     def compute_in_float32(self, backend) -> None:
         """Multiply in float32 whatever the weight's dtype (a float32 copy of it, derived like
         the packed ones; EngineConfig.lm_head_dtype for the LM head)."""
-        if backend.batch_invariant and backend.name == "triton":
+        if backend.triton_rows:
             self.packing = TritonRows(float32=True)
             return
         cpu = backend.device.type == "cpu" and (backend.name == "cpu" or backend.batch_invariant)
