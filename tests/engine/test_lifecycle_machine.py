@@ -1,0 +1,342 @@
+"""The engine's calls in any order: rollout (groups, over-sampling, abort_rest), generate,
+streaming add_request/step, abort, sleep at both levels, wake_up and update_weights with the same
+or other weights, the draft history cleared, under every drafter and staleness policy (a
+Hypothesis state machine).
+
+The reference is independent of the engine's lifecycle: in the batch-invariant mode a token's
+row is the same bits whatever batch or step computed it, so every token a sample got under
+weights version v, from position a on, is what a fresh engine holding those weights draws given
+prompt + the sample's tokens before a (the same seed and sample index: the noise is a function of
+seed, position and token), with the same logprobs, bit for bit. After every call the engine's
+invariants hold; at the end every group it took has been returned once, aborted or dropped, and
+every slot is free or cached unlocked.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from hypothesis import HealthCheck, Phase, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (RuleBasedStateMachine, invariant, precondition, rule,
+                                 run_state_machine_as_test)
+from test_carry import other_weights
+from test_faults import PROMPTS, Fault, make, target
+
+from rollout import SamplingParams
+from rollout.requests.sequence import Sequence
+
+# Seeded sampling (whole, top-p, top-k) and greedy; lengths such that a 64-slot pool preempts.
+PARAMS = [SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=12, logprobs=True),
+          SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=9, logprobs=True, top_p=0.8),
+          SamplingParams(n=1, temperature=1.2, seed=2, max_tokens=16, logprobs=True, top_k=4),
+          SamplingParams(n=2, temperature=0, max_tokens=10, logprobs=True)]
+WEIGHTS = {"target": target, "other": other_weights}
+PICK = st.tuples(st.integers(0, len(PROMPTS) - 1), st.integers(0, len(PARAMS) - 1))
+# Calls a fault may hit, and their arguments.
+CALLS = {
+    "rollout": st.fixed_dictionaries({"picks": st.lists(PICK, max_size=3),
+                                      "share": st.floats(0, 1), "abort_rest": st.booleans()}),
+    "generate": st.fixed_dictionaries({"picks": st.lists(PICK, min_size=1, max_size=2)}),
+    "stream": st.fixed_dictionaries({"pick": PICK, "steps": st.integers(1, 4)}),
+    "sleep_and_wake": st.fixed_dictionaries({"level": st.sampled_from([1, 2]),
+                                             "weights": st.sampled_from(list(WEIGHTS))}),
+    "update_awake": st.fixed_dictionaries({"weights": st.sampled_from(list(WEIGHTS))}),
+}
+# Where a fault may strike (what holds the method and its name, given the engine) and the calls
+# that reach it: a step's phases, handing groups out and dropping them, stamping versions,
+# retracting, sleep and wake-up, parked K/V, the drafters' history and rates. Points an engine
+# lacks (no drafter, no parking) are left out.
+STEPS = ("rollout", "generate", "stream")
+COLOCATION = ("sleep_and_wake", "update_awake")
+POINTS = {
+    "schedule": (lambda e: (e.scheduler, "schedule"), STEPS),
+    "alloc": (lambda e: (e.kv, "alloc"), STEPS + ("sleep_and_wake",)),
+    "preempt": (lambda e: (e.scheduler, "preempt"), STEPS + COLOCATION),
+    "prepare": (lambda e: (e.runner, "prepare"), STEPS),
+    "forward": (lambda e: (e.model, "forward"), STEPS),
+    "sampler": (lambda e: (e.stack.sampler, "draw"), STEPS),
+    "radix_insert": (lambda e: (e.cache, "insert"), STEPS + ("sleep_and_wake",)),
+    "commit": (lambda e: (e.committer, "commit"), STEPS),
+    "finish": (lambda e: (e.scheduler, "finish"), STEPS),
+    "settle": (lambda e: (e.kv, "settle"), STEPS),
+    "stamp": (lambda e: (e.committer, "weights_version"), STEPS),
+    "take_ready": (lambda e: (e.requests, "take_ready"), ("rollout", "update_awake")),
+    "drop": (lambda e: (e.carry, "drop"), ("rollout",) + COLOCATION),
+    "restart": (lambda e: (Sequence, "restart"), COLOCATION),
+    "park_weights": (lambda e: (e.stack.parking, "park"), ("sleep_and_wake",)),
+    "restore_weights": (lambda e: (e.stack.parking, "restore"), ("sleep_and_wake",)),
+    "pool_release": (lambda e: (e.pool, "release"), ("sleep_and_wake",)),
+    "pool_allocate": (lambda e: (e.pool, "allocate"), ("sleep_and_wake",)),
+    "pack": (lambda e: (e.model, "pack_weights"), COLOCATION),
+    "keep_stale": (lambda e: (e.kv, "keep_stale"), COLOCATION),
+    "tag_branches": (lambda e: (e.cache, "tag_branches"), COLOCATION),
+    "propose": (lambda e: (e.speculator.drafter, "propose_batch"), STEPS),
+    "verify": (lambda e: (e.speculator, "verify"), STEPS),
+    "draft_forward": (lambda e: (e.speculator.drafter.stack.model, "forward"), STEPS),
+    "remember": (lambda e: (e.speculator.drafter, "remember"), STEPS),
+    "history_add": (lambda e: (e.speculator.drafter.history, "add"), STEPS),
+    "learn": (lambda e: (e.speculator, "_learn"), STEPS),
+}
+
+
+@functools.cache
+def reference(weights: str):
+    """A plain engine (no drafter, no carry) holding `weights`."""
+    return make("plain", True, WEIGHTS[weights](), batch_invariant=True)
+
+
+def expected(weights: str, context: list[int], params: SamplingParams, index: int,
+             max_tokens: int):
+    """Sample `index` of `params` drawn from `context` by a fresh engine on `weights`."""
+    again = SamplingParams(n=index + 1, temperature=params.temperature, top_p=params.top_p,
+                           top_k=params.top_k, seed=params.seed, max_tokens=max_tokens,
+                           logprobs=True)
+    return reference(weights).generate([context], again)[0].samples[index]
+
+
+def runs(versions: list[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs (start, end, version) of equal versions."""
+    out, start = [], 0
+    for i in range(1, len(versions) + 1):
+        if i == len(versions) or versions[i] != versions[start]:
+            out.append((start, i, versions[start]))
+            start = i
+    return out
+
+
+# (drafter, carried_kv, max_staleness, stale_groups): each drafter once, each staleness policy
+# where an update finds carried tokens one version old.
+CONFIGS = [("plain", "recompute", 0, "restart"), ("ngram", "recompute", 0, "drop"),
+           ("suffix", "park", None, "restart"), ("draft", "recompute", 0, "keep"),
+           ("ngram", "park", 1, "restart")]
+
+
+class Lifecycle(RuleBasedStateMachine):
+    config = CONFIGS[0]
+
+    def __init__(self) -> None:
+        super().__init__()
+        spec, carried_kv, max_staleness, policy = self.config
+        self.engine = make(spec, True, batch_invariant=True, max_staleness=max_staleness,
+                           stale_groups=policy, carried_kv=carried_kv)
+        self.park = carried_kv == "park"
+        self.max_staleness = None if policy == "keep" else max_staleness
+        self.unenforced = False  # an update raised after its weights went in
+        self.bringing = "target"  # the weights the last update_weights brought
+        self.points = {}
+        for point, (where, calls) in POINTS.items():
+            try:
+                obj, name = where(self.engine)
+            except AttributeError:  # e.g. no drafter
+                continue
+            if callable(getattr(obj, name, None)):
+                self.points[point] = (obj, name, calls)
+        self.versions = ["target"]  # weights version -> the weights it holds
+        # Request ids count up from 0 in the order requests are made (a refused call makes
+        # none): request id -> its params.
+        self.params_of: dict[str, SamplingParams] = {}
+        self.returned: set[str] = set()
+        self.aborted: set[str] = set()
+
+    # --- what the engine returns is checked against the reference ----------------------------
+    def check(self, outs) -> None:
+        for out in outs:
+            assert out.request_id not in self.returned | self.aborted, out.request_id
+            self.returned.add(out.request_id)
+            params = self.params_of[out.request_id]
+            assert len(out.samples) == params.n
+            for j, s in enumerate(out.samples):
+                assert s.index == j and len(s.weights_versions) == len(s.token_ids)
+                assert s.weights_versions == sorted(s.weights_versions)
+                if self.max_staleness is not None and s.token_ids and not self.unenforced:
+                    assert s.weights_versions[-1] - s.weights_versions[0] <= self.max_staleness
+                event(f"a sample's runs of one weights version: {len(runs(s.weights_versions))}")
+                for start, end, version in runs(s.weights_versions):
+                    last = end == len(s.token_ids)
+                    want = expected(self.versions[version],
+                                    out.prompt_token_ids + s.token_ids[:start], params, j,
+                                    params.max_tokens - start)
+                    n = end - start
+                    assert s.token_ids[start:end] == want.token_ids[:n]
+                    assert s.logprobs[start:end] == want.logprobs[:n]
+                    assert s.sampling_logprobs[start:end] == want.sampling_logprobs[:n]
+                    if last:
+                        assert len(want.token_ids) == n
+                        assert s.finish_reason == want.finish_reason
+
+    def new_requests(self, picks: list[tuple[int, int]]):
+        """Prompts and params of `picks`, and the ids the engine will give them."""
+        ids = [str(len(self.params_of) + i) for i in range(len(picks))]
+        self.params_of.update({rid: PARAMS[q] for rid, (_, q) in zip(ids, picks)})
+        return [PROMPTS[p] for p, _ in picks], [PARAMS[q] for _, q in picks], ids
+
+    # --- rules --------------------------------------------------------------------------------
+    @rule(args=CALLS["rollout"])
+    def rollout_rule(self, args):
+        self.rollout(**args)
+
+    def rollout(self, picks, share, abort_rest):
+        prompts, params, ids = self.new_requests(picks)
+        carried = self.engine.carried
+        groups = round(share * (len(carried) + len(prompts)))
+        outs = self.engine.rollout(prompts, params, groups=groups, abort_rest=abort_rest)
+        assert len(outs) == groups
+        ages = [int(o.request_id) for o in outs]
+        assert ages == sorted(ages), "complete groups come oldest first"
+        self.check(outs)
+        handed = {o.request_id for o in outs}
+        if abort_rest:
+            assert not self.engine.carried
+            self.aborted |= set(carried + ids) - handed
+        else:
+            assert set(self.engine.carried) | handed == set(carried + ids)
+
+    @rule(args=CALLS["generate"])
+    def generate_rule(self, args):
+        self.generate(**args)
+
+    def generate(self, picks):
+        prompts, params, ids = self.new_requests(picks)
+        carried = self.engine.carried
+        outs = self.engine.generate(prompts, params)
+        assert [o.request_id for o in outs] == ids
+        assert all(s.finish_reason in ("stop", "length") for o in outs for s in o.samples)
+        self.check(outs)
+        assert self.engine.carried == carried
+
+    @rule(args=CALLS["stream"])
+    def stream_rule(self, args):
+        self.stream(**args)
+
+    def stream(self, pick, steps):
+        """A streaming request (add_request), then a few step()s."""
+        [prompt], [params], [rid] = self.new_requests([pick])
+        assert self.engine.add_request(prompt, params) == rid
+        for _ in range(steps):
+            self.check(self.engine.step())
+
+    @rule(args=CALLS["sleep_and_wake"])
+    def sleep_and_wake_rule(self, args):
+        self.sleep_and_wake(**args)
+
+    def sleep_and_wake(self, level, weights):
+        self.engine.sleep(level)
+        self.engine.check_invariants()
+        self.engine.wake_up()
+        if level == 2:
+            self.update(weights)
+
+    @rule(args=CALLS["update_awake"])
+    def update_awake(self, args):
+        self.update(args["weights"])
+
+    @rule(data=st.data(), kind=st.sampled_from([RuntimeError, KeyboardInterrupt]),
+          at=st.integers(1, 3), after=st.booleans())
+    def faulted(self, data, kind, at, after):
+        """A fault at the `at`-th call of a point during one call: the call raises (unless it
+        never got that far), the engine's invariants hold, and whatever it returns later is
+        still the reference's."""
+        point = data.draw(st.sampled_from(sorted(self.points)))
+        obj, name, calls = self.points[point]
+        call = data.draw(st.sampled_from(calls))
+        args = data.draw(CALLS[call])
+        made = len(self.params_of)
+        fault = Fault(kind, at, after)
+        own = name in vars(obj)
+        original = getattr(obj, name)
+        setattr(obj, name, fault.wrap(original))
+        try:
+            if call == "update_awake":
+                self.update(**args)
+            else:
+                getattr(self, call)(**args)
+        except kind as e:
+            assert "injected" in str(e)
+            event(f"fault at {point} in {call}")
+            self.recover(call, made)
+        finally:
+            if own:
+                setattr(obj, name, original)
+            else:
+                delattr(obj, name)
+        self.engine.check_invariants()
+
+    @precondition(lambda self: self.engine.carried)
+    @rule(data=st.data())
+    def abort_carried(self, data):
+        rid = data.draw(st.sampled_from(self.engine.carried))
+        self.engine.abort(rid)
+        self.aborted.add(rid)
+        assert rid not in self.engine.carried
+
+    @rule()
+    def clear_history(self):
+        self.engine.clear_draft_history()
+
+    @rule(share=st.floats(0, 1))
+    def too_many_groups(self, share):
+        """A bad call changes nothing."""
+        carried = self.engine.carried
+        with pytest.raises(ValueError, match="groups"):
+            self.engine.rollout([PROMPTS[0]], PARAMS[0], groups=len(carried) + 2)
+        assert self.engine.carried == carried
+
+    @invariant()
+    def consistent(self):
+        self.engine.check_invariants()
+
+    def teardown(self):
+        """Everything left runs to the end: each group made is returned once, aborted or
+        dropped as stale, and nothing holds a slot."""
+        engine = self.engine
+        self.check(engine.rollout())
+        while engine.has_unfinished:
+            self.check(engine.step())
+        assert not engine.carried
+        lost = set(self.params_of) - self.returned - self.aborted
+        assert len(lost) == engine.stats.stale_drops
+        assert self.returned.isdisjoint(self.aborted)
+        assert engine.inspect().kv_available == engine.inspect().kv_slots
+        engine.check_invariants()
+        for name in ("retracted", "preemptions", "stale_restarts", "stale_drops",
+                     "parked_tokens", "spec_accepted"):
+            event(f"{name} > 0: {getattr(engine.stats, name, 0) > 0}")
+
+    # --- helpers ------------------------------------------------------------------------------
+    def update(self, weights: str) -> None:
+        if self.park:
+            weights = "target"  # parked K/V is the old weights': only same-weights updates
+        self.bringing = weights
+        self.engine.update_weights(WEIGHTS[weights]())
+        self.versions.append(weights)
+        assert self.engine.weights_version == len(self.versions) - 1
+
+    def recover(self, call: str, made: int) -> None:
+        """After a call that raised: a generate()'s requests were abandoned; an update that
+        got its weights in counts as a version (staleness may not have been enforced); the
+        engine is woken and its weights refilled if the call left it so."""
+        if call == "generate":
+            self.aborted |= set(list(self.params_of)[made:])
+        engine = self.engine
+        if len(self.versions) <= engine.weights_version:
+            self.versions.append(self.bringing)
+            self.unenforced = True
+        assert engine.weights_version == len(self.versions) - 1
+        if engine.is_sleeping:
+            engine.wake_up()
+        if engine.needs_weights:
+            self.update(self.bringing)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["-".join(map(str, c)) for c in CONFIGS])
+def test_any_order_of_calls_matches_the_reference(config):
+    """30 runs of up to 20 calls each (about 10 s a configuration on 2 cores)."""
+    machine = type("Lifecycle", (Lifecycle,), {"config": config})
+    # No shrinking: a failing run of up to 20 calls is printed as it ran (shrinking one took
+    # Hypothesis more than five minutes of engine runs).
+    run_state_machine_as_test(machine, settings=settings(
+        max_examples=30, stateful_step_count=20, deadline=None, derandomize=True,
+        phases=[Phase.explicit, Phase.reuse, Phase.generate],
+        suppress_health_check=[HealthCheck.too_slow]))
