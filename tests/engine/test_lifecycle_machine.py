@@ -1,7 +1,8 @@
 """The engine's calls in any order: rollout (groups, over-sampling, abort_rest), generate,
-streaming add_request/step, abort, sleep at both levels, wake_up and update_weights with the same
-or other weights, the draft history cleared, under every drafter and staleness policy (a
-Hypothesis state machine).
+streaming add_request/step, multi-turn episodes (K/V held, later turns resuming on it), abort,
+sleep at both levels, wake_up and update_weights with the same or other weights, Engine.score,
+the draft history cleared, a refused call, and faults at each point those calls reach, under
+every drafter, both carried_kv modes and each staleness policy (a Hypothesis state machine).
 
 The reference is independent of the engine's lifecycle: in the batch-invariant mode a token's
 row is the same bits whatever batch or step computed it, so every token a sample got under
@@ -22,7 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, invariant, precondition, rule,
                                  run_state_machine_as_test)
 from test_carry import other_weights
-from test_faults import PROMPTS, Fault, make, target
+from test_faults import PROMPTS, TOK, Fault, make, target
 
 from rollout import SamplingParams
 from rollout.requests.sequence import Sequence
@@ -33,13 +34,17 @@ PARAMS = [SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=12, logprobs=
           SamplingParams(n=1, temperature=1.2, seed=2, max_tokens=16, logprobs=True, top_k=4),
           SamplingParams(n=2, temperature=0, max_tokens=10, logprobs=True)]
 WEIGHTS = {"target": target, "other": other_weights}
+# A later turn: the environment's answer appended to a held sample, a short reply sampled.
+OBSERVATION = TOK.encode(" ok.")
+TURN = SamplingParams(n=1, temperature=1.0, seed=3, max_tokens=4, logprobs=True)
 PICK = st.tuples(st.integers(0, len(PROMPTS) - 1), st.integers(0, len(PARAMS) - 1))
 # Calls a fault may hit, and their arguments.
 CALLS = {
     "rollout": st.fixed_dictionaries({"picks": st.lists(PICK, max_size=3),
                                       "share": st.floats(0, 1), "abort_rest": st.booleans()}),
     "generate": st.fixed_dictionaries({"picks": st.lists(PICK, min_size=1, max_size=2)}),
-    "stream": st.fixed_dictionaries({"pick": PICK, "steps": st.integers(1, 4)}),
+    "stream": st.fixed_dictionaries({"pick": PICK, "steps": st.integers(1, 4),
+                                     "hold": st.booleans()}),
     "sleep_and_wake": st.fixed_dictionaries({"level": st.sampled_from([1, 2]),
                                              "weights": st.sampled_from(list(WEIGHTS))}),
     "update_awake": st.fixed_dictionaries({"weights": st.sampled_from(list(WEIGHTS))}),
@@ -141,6 +146,9 @@ class Lifecycle(RuleBasedStateMachine):
         self.returned: set[str] = set()
         self.aborted: set[str] = set()
         self.samples = []  # (prompt ids, params, sample) of every sample returned
+        self.hold_kv: set[str] = set()  # streaming requests whose samples hold their K/V
+        # hold key -> its tokens, the weights version they ended under
+        self.held: dict[tuple[str, int], tuple[list[int], int]] = {}
 
     # --- what the engine returns is checked against the reference ----------------------------
     def check(self, outs) -> None:
@@ -151,6 +159,9 @@ class Lifecycle(RuleBasedStateMachine):
             assert len(out.samples) == params.n
             for j, s in enumerate(out.samples):
                 self.samples.append((out.prompt_token_ids, params, s))
+                if out.request_id in self.hold_kv and s.finish_reason != "abort":
+                    self.held[(out.request_id, j)] = (out.prompt_token_ids + s.token_ids,
+                                                      self.engine.weights_version)
                 assert s.index == j and len(s.weights_versions) == len(s.token_ids)
                 assert s.weights_versions == sorted(s.weights_versions)
                 if self.max_staleness is not None and s.token_ids and not self.unenforced:
@@ -214,12 +225,54 @@ class Lifecycle(RuleBasedStateMachine):
     def stream_rule(self, args):
         self.stream(**args)
 
-    def stream(self, pick, steps):
-        """A streaming request (add_request), then a few step()s."""
+    def stream(self, pick, steps, hold):
+        """A streaming request (add_request, its samples' K/V held for a next turn or not),
+        then a few step()s."""
         [prompt], [params], [rid] = self.new_requests([pick])
-        assert self.engine.add_request(prompt, params) == rid
-        for _ in range(steps):
+        assert self.engine.add_request(prompt, params, hold_kv=hold) == rid
+        if hold:
+            self.hold_kv.add(rid)
+        self.steps(steps)
+
+    def steps(self, count: int) -> None:
+        for _ in range(count):
             self.check(self.engine.step())
+
+    @rule(pick=PICK)
+    def first_turn(self, pick):
+        """An episode's first turn, its K/V held, stepped until every streaming request has
+        finished and been returned."""
+        self.stream(pick, 0, True)
+        while self.engine.has_unfinished:
+            self.check(self.engine.step())
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data(), hold=st.booleans(), steps=st.integers(0, 4))
+    def next_turn(self, data, hold, steps):
+        """A later turn of a held sample (add_request(resume=key)): its context and an
+        observation as the prompt, the held K/V reused where it still stands, whatever
+        sleeps and updates came between (old weights' K/V must not be)."""
+        key = data.draw(st.sampled_from(sorted(self.held)))
+        tokens, version = self.held.pop(key)
+        context = tokens + OBSERVATION
+        event(f"a next turn across an update: {version != self.engine.weights_version}")
+        if len(context) + TURN.max_tokens > 40:  # past max_model_len
+            assert self.engine.release_hold(key) in (True, False)
+            return
+        rid = str(self.next_id)
+        self.next_id += 1
+        self.params_of[rid] = TURN
+        assert self.engine.add_request(context, TURN, hold_kv=hold, resume=key) == rid
+        if hold:
+            self.hold_kv.add(rid)
+        self.steps(steps)
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def end_episode(self, data):
+        key = data.draw(st.sampled_from(sorted(self.held)))
+        del self.held[key]
+        assert self.engine.release_hold(key) in (True, False)  # False: dropped under pressure
 
     @rule(args=CALLS["sleep_and_wake"])
     def sleep_and_wake_rule(self, args):
@@ -310,13 +363,15 @@ class Lifecycle(RuleBasedStateMachine):
         self.engine.check_invariants()
 
     def teardown(self):
-        """Everything left runs to the end: each group made is returned once, aborted or
-        dropped as stale, and nothing holds a slot."""
+        """Everything left runs to the end and the episodes end: each group made is returned
+        once, aborted or dropped as stale, and nothing holds a slot."""
         engine = self.engine
         self.check(engine.rollout())
         while engine.has_unfinished:
             self.check(engine.step())
         assert not engine.carried
+        for key in self.held:  # the episodes end
+            engine.release_hold(key)
         lost = set(self.params_of) - self.returned - self.aborted
         assert len(lost) == engine.stats.stale_drops
         assert self.returned.isdisjoint(self.aborted)
