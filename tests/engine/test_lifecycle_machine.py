@@ -2,7 +2,8 @@
 streaming add_request/step, multi-turn episodes (K/V held, later turns resuming on it), abort,
 sleep at both levels, wake_up and update_weights with the same or other weights, Engine.score,
 the draft history cleared, a refused call, and faults at each point those calls reach, under
-every drafter, both carried_kv modes and each staleness policy (a Hypothesis state machine).
+every drafter, both carried_kv modes, each staleness policy and an unmerged LoRA adapter (a
+Hypothesis state machine).
 
 The reference is independent of the engine's lifecycle: in the batch-invariant mode a token's
 row is the same bits whatever batch or step computed it, so every token a sample got under
@@ -22,6 +23,8 @@ from hypothesis import HealthCheck, Phase, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, invariant, precondition, rule,
                                  run_state_machine_as_test)
+from lora_models import lora_config, randomise_b
+from models import tiny_model
 from test_carry import other_weights
 from test_faults import PROMPTS, TOK, Fault, make, target
 
@@ -33,7 +36,24 @@ PARAMS = [SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=12, logprobs=
           SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=9, logprobs=True, top_p=0.8),
           SamplingParams(n=1, temperature=1.2, seed=2, max_tokens=16, logprobs=True, top_k=4),
           SamplingParams(n=2, temperature=0, max_tokens=10, logprobs=True)]
-WEIGHTS = {"target": target, "other": other_weights}
+
+
+@functools.cache
+def adapter(seed: int):
+    """target()'s base (a fresh copy: PEFT wraps it in place) with a LoRA adapter of its own,
+    served unmerged: updates between two of them copy the adapters only."""
+    import peft
+
+    model = peft.get_peft_model(tiny_model("qwen2", vocab_size=len(TOK)), lora_config("qwen2"))
+    randomise_b(model, seed)
+    return model.eval()
+
+
+# The weights an engine starts with ("target") and an update brings ("target" again or "other"):
+# whole models, or adapters on one base for configurations that serve LoRA.
+WEIGHTS = {"target": target, "other": other_weights,
+           "adapter": lambda: adapter(1), "adapter2": lambda: adapter(2)}
+AS_LORA = {"target": "adapter", "other": "adapter2"}
 # A later turn: the environment's answer appended to a held sample, a short reply sampled.
 OBSERVATION = TOK.encode(" ok.")
 TURN = SamplingParams(n=1, temperature=1.0, seed=3, max_tokens=4, logprobs=True)
@@ -46,8 +66,8 @@ CALLS = {
     "stream": st.fixed_dictionaries({"pick": PICK, "steps": st.integers(1, 4),
                                      "hold": st.booleans()}),
     "sleep_and_wake": st.fixed_dictionaries({"level": st.sampled_from([1, 2]),
-                                             "weights": st.sampled_from(list(WEIGHTS))}),
-    "update_awake": st.fixed_dictionaries({"weights": st.sampled_from(list(WEIGHTS))}),
+                                             "weights": st.sampled_from(list(AS_LORA))}),
+    "update_awake": st.fixed_dictionaries({"weights": st.sampled_from(list(AS_LORA))}),
 }
 # Where a fault may strike (what holds the method and its name, given the engine) and the calls
 # that reach it: a step's phases, handing groups out and dropping them, stamping versions,
@@ -111,11 +131,14 @@ def runs(versions: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-# (drafter, carried_kv, max_staleness, stale_groups): each drafter once, each staleness policy
-# where an update finds carried tokens one version old.
-CONFIGS = [("plain", "recompute", 0, "restart"), ("ngram", "recompute", 0, "drop"),
-           ("suffix", "park", None, "restart"), ("draft", "recompute", 0, "keep"),
-           ("ngram", "park", 1, "restart")]
+# (drafter, carried_kv, max_staleness, stale_groups, weights): each drafter once, each
+# staleness policy where an update finds carried tokens one version old, LoRA served unmerged.
+CONFIGS = [("plain", "recompute", 0, "restart", "model"),
+           ("ngram", "recompute", 0, "drop", "model"),
+           ("suffix", "park", None, "restart", "model"),
+           ("draft", "recompute", 0, "keep", "model"),
+           ("ngram", "park", 1, "restart", "model"),
+           ("suffix", "recompute", 1, "drop", "lora")]
 
 
 class Lifecycle(RuleBasedStateMachine):
@@ -123,13 +146,16 @@ class Lifecycle(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        spec, carried_kv, max_staleness, policy = self.config
-        self.engine = make(spec, True, batch_invariant=True, max_staleness=max_staleness,
+        spec, carried_kv, max_staleness, policy, weights = self.config
+        self.names = AS_LORA if weights == "lora" else {}
+        self.engine = make(spec, True, WEIGHTS[self.names.get("target", "target")](),
+                           batch_invariant=True, max_staleness=max_staleness,
                            stale_groups=policy, carried_kv=carried_kv)
+        if self.names:
+            assert self.engine.lora_status == "unmerged"
         self.park = carried_kv == "park"
         self.max_staleness = None if policy == "keep" else max_staleness
         self.unenforced = False  # an update raised after its weights went in
-        self.bringing = "target"  # the weights the last update_weights brought
         self.points = {}
         for point, (where, calls) in POINTS.items():
             try:
@@ -138,7 +164,8 @@ class Lifecycle(RuleBasedStateMachine):
                 continue
             if callable(getattr(obj, name, None)):
                 self.points[point] = (obj, name, calls)
-        self.versions = ["target"]  # weights version -> the weights it holds
+        self.versions = [self.names.get("target", "target")]  # version -> the weights it holds
+        self.bringing = self.versions[0]  # the weights the last update_weights brought
         # Request ids count up from 0 in the order requests are made (a refused call makes
         # none; Engine.score makes one a sequence): request id -> its params.
         self.next_id = 0
@@ -385,6 +412,7 @@ class Lifecycle(RuleBasedStateMachine):
     def update(self, weights: str) -> None:
         if self.park:
             weights = "target"  # parked K/V is the old weights': only same-weights updates
+        weights = self.names.get(weights, weights)
         self.bringing = weights
         self.engine.update_weights(WEIGHTS[weights]())
         self.versions.append(weights)
