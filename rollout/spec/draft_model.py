@@ -99,6 +99,10 @@ class DraftModelDrafter(Drafter):
     def check_invariants(self) -> None:
         self.kv.check()
         assert set(self.shadows) == set(self.kv.attached), "draft shadows differ from its KV"
+        # What the draft's tree holds of a shadow cannot be truncated: it must lie within the
+        # target's tokens but the newest, whose K/V the target has yet to compute.
+        for target, shadow in self.shadows.values():
+            assert shadow.cached_len < target.num_tokens, "draft cache past the target's tokens"
 
     # --- proposing --------------------------------------------------------------------------
     def propose_batch(self, wanted: list[tuple[Sequence, int]], siblings):
@@ -152,10 +156,13 @@ class DraftModelDrafter(Drafter):
         with self.journal.unit():
             for it, (target, shadow, _), token, q_row in zip(items, kept, tokens.tolist(), q):
                 self.kv.advance(shadow, it.num_new)
-                if it.start < shadow.num_prompt:
-                    # The prompt only, for the siblings: what the shadow computed past it
-                    # stays private, so rollback can always go back to the target's tokens.
-                    self.kv.cache_computed(shadow, shadow.num_prompt)
+                if it.start < shadow.num_prompt - 1:
+                    # The prompt but its last token, for the siblings: what the shadow computed
+                    # past it stays private, so rollback can always go back to the target's
+                    # tokens, even to a target that has sampled nothing yet (its prompt cached
+                    # in the engine's tree: it decodes, and drafts, from its first step) whose
+                    # step then failed.
+                    self.kv.cache_computed(shadow, shadow.num_prompt - 1)
                 shadow.token_ids.append(token)
                 drafted, probs = results[target.seq_id]
                 drafted.append(token)

@@ -10,6 +10,7 @@ faulted the same way.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -162,6 +163,33 @@ def test_fault_in_a_step_leaves_the_engine_exact(point, spec, after, kind, cachi
     assert_clean(engine)
     assert_exact(engine, spec, caching)
     assert_clean(engine)
+
+
+@pytest.mark.parametrize("kind", [RuntimeError, KeyboardInterrupt], ids=["error", "interrupt"])
+def test_failed_step_after_drafting_for_a_cached_prompt(kind, monkeypatch):
+    """A request whose prompt the prefix cache holds all but the last token of decodes from
+    its first step, so the draft model drafts for it before it has sampled anything, caching
+    the prompt in its own tree. The target's step then fails after the draft rounds (which
+    commit on their own): the draft must still be able to go back to the target's tokens (it
+    once kept the whole prompt cached, one position past what the target had computed, and
+    the next step crashed on an empty draft batch)."""
+    engine = make("draft", True)
+    # One sample: beside a sibling the empty item took the sibling's row and drafted from it.
+    prompt, params = PROMPTS[1], dataclasses.replace(PARAMS[1], n=1)
+    engine.generate([prompt], params)  # the prompt cached
+    rid = engine.add_request(prompt, params)
+    Fault(kind, at=1, after=True).install(monkeypatch, engine.model, "forward")
+    with pytest.raises(kind, match="injected"):
+        engine.step()
+    monkeypatch.undo()
+    assert engine.stats.spec_proposed > 0  # it drafted before the target's forward
+    engine.check_invariants()
+    done = {}
+    while engine.has_unfinished:
+        done.update({o.request_id: o for o in engine.step()})
+        engine.check_invariants()
+    fresh = make("draft", True).generate([prompt], params)
+    assert view([done[rid]]) == view(fresh)
 
 
 @pytest.mark.parametrize("kind", [RuntimeError, KeyboardInterrupt], ids=["error", "interrupt"])
