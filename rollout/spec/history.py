@@ -7,156 +7,177 @@ matching suffix in that history is a draft the target often accepts. Entries are
 prompt (so the first tokens of a completion can be drafted) and the completion. Each entry is
 indexed twice: in the index of its prompt (searched first: the same question's earlier
 answers) and in the global one. An index maps every `min_match`-gram to where it ended;
-longer matches are found by comparing backwards from those positions.
+longer matches are found by comparing backwards from those positions, a token at a time for
+all of them at once.
 
-The history lives in host memory (it survives sleep), bounded by `budget` tokens: the oldest
-entries go first. Evicted entries are skipped at lookup and dropped from the indexes when they
-make up half of them.
+The entries lie in one token buffer, oldest first, each after a gap that no token equals (so a
+comparison stops at an entry's start); a position is an offset in it. The history lives in
+host memory (it survives sleep), bounded by `budget` tokens: the oldest entries go first, so
+what was evicted is a prefix of the buffer and of every index's offsets, dropped when it makes
+up half of them.
 """
 
 from __future__ import annotations
 
 import itertools
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+
+import numpy as np
 
 # Positions examined per lookup, newest first: a frequent n-gram occurs everywhere, and the
 # newest occurrences come from the nearest policy.
 MAX_CANDIDATES = 256
-
-
-class NgramIndex:
-    """`min_match`-gram -> [(entry id, offset just past the gram)]."""
-
-    def __init__(self, min_match: int) -> None:
-        self.min_match = min_match
-        self.positions: dict[tuple[int, ...], list[tuple[int, int]]] = {}
-        self.size = 0
-
-    def add(self, eid: int, tokens: array) -> None:
-        n = self.min_match
-        for end in range(n, len(tokens)):  # only grams followed by something
-            self.positions.setdefault(tuple(tokens[end - n:end]), []).append((eid, end))
-        self.size += max(0, len(tokens) - n)
-
-    def lookup(self, gram: tuple[int, ...]) -> list[tuple[int, int]]:
-        return self.positions.get(gram, [])
-
-    def rebuild(self, entries: dict[int, array], eids) -> None:
-        self.positions, self.size = {}, 0
-        for eid in eids:
-            if eid in entries:
-                self.add(eid, entries[eid])
+GAP = -1  # before every entry: no token id
 
 
 class DraftHistory:
     def __init__(self, budget: int, min_match: int, max_match: int) -> None:
         self.budget, self.min_match, self.max_match = budget, min_match, max_match
-        self.entries: OrderedDict[int, array] = OrderedDict()  # oldest first
+        self.entries: OrderedDict[int, tuple[int, int]] = OrderedDict()  # id -> (start, length)
         self.prompt_of: dict[int, int] = {}
-        self.global_index = NgramIndex(min_match)
-        self.prompt_index: dict[int, NgramIndex] = {}
-        self.prompt_entries: dict[int, list[int]] = {}
+        # gram -> offsets (int64, ascending) of the tokens that followed it
+        self.global_index: dict[tuple[int, ...], array] = {}
+        self.prompt_index: dict[int, dict[tuple[int, ...], array]] = {}
+        self.prompt_entries: dict[int, int] = {}  # prompt -> entries held
         self.tokens = 0  # tokens held
-        self._live = 0  # index positions of the entries held
         self.evicted = 0  # entries evicted under the budget
         self._ids = itertools.count()
+        # The first max_match places are gaps: looking back from any position stays inside.
+        self._flat = np.full(4 * max_match + 1024, GAP, dtype=np.int32)
+        self._used = max_match
+        self._live = max_match  # offsets below it belong to evicted entries
 
     def add(self, prompt: list[int], completion: list[int]) -> int | None:
         """Remember one finished sample; returns its entry id (None: nothing worth keeping)."""
-        tokens = array("i", prompt[-self.max_match:] + completion)
-        if not completion or len(tokens) > self.budget:
+        tokens = prompt[-self.max_match:] + completion
+        n = len(tokens)
+        if not completion or n > self.budget:
             return None
-        while self.entries and self.tokens + len(tokens) > self.budget:
+        while self.entries and self.tokens + n > self.budget:
             self._evict_oldest()
-        eid, key = next(self._ids), hash(tuple(prompt))
-        self.entries[eid], self.prompt_of[eid] = tokens, key
-        self.tokens += len(tokens)
-        self._live += max(0, len(tokens) - self.min_match)
-        self.global_index.add(eid, tokens)
-        self.prompt_index.setdefault(key, NgramIndex(self.min_match)).add(eid, tokens)
-        self.prompt_entries.setdefault(key, []).append(eid)
-        return eid
-
-    def remove(self, eid: int) -> None:
-        tokens = self.entries.pop(eid)
-        self.tokens -= len(tokens)
-        self._live -= max(0, len(tokens) - self.min_match)
-        key = self.prompt_of.pop(eid)
-        self.prompt_entries[key].remove(eid)
-        if not self.prompt_entries[key]:
-            del self.prompt_entries[key], self.prompt_index[key]
         self._compact()
+        start = self._reserve(n + 1)
+        self._flat[start:start + n] = tokens
+        eid, key = next(self._ids), hash(tuple(prompt))
+        self.entries[eid], self.prompt_of[eid] = (start, n), key
+        self.tokens += n
+        own = self.prompt_index.setdefault(key, {})
+        self.prompt_entries[key] = self.prompt_entries.get(key, 0) + 1
+        m = self.min_match
+        for end in range(m, n):  # only grams followed by something
+            gram = tuple(tokens[end - m:end])
+            for index in (self.global_index, own):
+                held = index.get(gram)
+                if held is None:
+                    index[gram] = held = array("q")
+                held.append(start + end)
+        return eid
 
     def clear(self) -> None:
         self.__init__(self.budget, self.min_match, self.max_match)
 
+    def _reserve(self, n: int) -> int:
+        """Room for n more places at the end of the buffer (a gap follows each entry)."""
+        start = self._used
+        if start + n > len(self._flat):
+            grown = np.full(max(2 * len(self._flat), start + n), GAP, dtype=np.int32)
+            grown[:start] = self._flat[:start]
+            self._flat = grown
+        self._used = start + n
+        return start
+
     def _evict_oldest(self) -> None:
-        self.remove(next(iter(self.entries)))
+        eid, (start, n) = self.entries.popitem(last=False)
+        self.tokens -= n
+        self._live = start + n + 1
+        key = self.prompt_of.pop(eid)
+        self.prompt_entries[key] -= 1
+        if not self.prompt_entries[key]:
+            del self.prompt_entries[key], self.prompt_index[key]
         self.evicted += 1
 
     def _compact(self) -> None:
-        """Drop evicted positions once they are half of the global index."""
-        if self.global_index.size > 2 * self._live + 1024:
-            self.global_index.rebuild(self.entries, self.entries)
-            for key, index in self.prompt_index.items():
-                index.rebuild(self.entries, self.prompt_entries[key])
+        """Drop the evicted entries' places once they are half of the buffer: what is held
+        moves down, and every offset with it."""
+        dead = self._live - self.max_match
+        if dead <= self._used - self._live + 1024:
+            return
+        held = self._used - self._live
+        self._flat[self.max_match:self.max_match + held] = self._flat[self._live:self._used]
+        self._flat[self.max_match + held:self._used] = GAP
+        for index in (self.global_index, *self.prompt_index.values()):
+            for gram in list(index):
+                kept = self._live_offsets(index[gram])
+                if len(kept):
+                    index[gram] = _int64s(kept - dead)
+                else:
+                    del index[gram]
+        self.entries = OrderedDict((e, (s - dead, n)) for e, (s, n) in self.entries.items())
+        self._used -= dead
+        self._live = self.max_match
+
+    def _live_offsets(self, held: array) -> np.ndarray:
+        """An index's offsets of entries still held (a view of its array)."""
+        offsets = np.frombuffer(held, dtype=np.int64)
+        return offsets[np.searchsorted(offsets, self._live):]
 
     # --- matching -----------------------------------------------------------------------------
     def matches(self, context: list[int], prompt: list[int] | None = None
-                ) -> tuple[int, list[tuple[int, int]]]:
+                ) -> tuple[int, np.ndarray]:
         """(length, positions) of the longest suffix of `context` (min_match .. max_match
         tokens) that occurs in the history followed by something: in the entries of `prompt`
-        when it has any match there, else in all. Positions: (entry id, offset of the token
-        that followed)."""
+        when it has any match there, else in all. Positions, newest first: offsets of the
+        token that followed in the buffer (`entries` gives each entry's start)."""
+        none = np.empty(0, dtype=np.int64)
         if len(context) < self.min_match:
-            return 0, []
+            return 0, none
         gram = tuple(context[-self.min_match:])
         indexes = [self.global_index]
         own = None if prompt is None else self.prompt_index.get(hash(tuple(prompt)))
         if own is not None:
             indexes.insert(0, own)
+        span = min(self.max_match, len(context))
         for index in indexes:
-            best, found = 0, []
-            for eid, end in reversed(index.lookup(gram)[-MAX_CANDIDATES:]):
-                tokens = self.entries.get(eid)
-                if tokens is None:
-                    continue
-                n = self._match_len(tokens, end, context)
-                if n > best:
-                    best, found = n, [(eid, end)]
-                elif n == best:
-                    found.append((eid, end))
-            if found:
-                return best, found
-        return 0, []
+            held = index.get(gram)
+            if held is None:
+                continue
+            best = self._live_offsets(held)[-MAX_CANDIDATES:]
+            if not len(best):
+                continue
+            # One token further back at a time, keeping the candidates that still agree with
+            # the context (a gap ends a match at its entry's start): those left when none
+            # would are the longest matches.
+            n = self.min_match
+            while n < span:
+                agree = best[self._flat[best - n - 1] == context[-n - 1]]
+                if not len(agree):
+                    break
+                best, n = agree, n + 1
+            return n, best[::-1].copy()  # (a view would pin the index's array)
+        return 0, none
 
-    def _match_len(self, tokens: array, end: int, context: list[int]) -> int:
-        """How many tokens before `end` in `tokens` equal the tail of `context` (at most
-        max_match; at least min_match, which the index matched)."""
-        n = self.min_match
-        limit = min(self.max_match, end, len(context))
-        while n < limit and tokens[end - n - 1] == context[-n - 1]:
-            n += 1
-        return n
-
-    def continuation(self, positions: list[tuple[int, int]], k: int, min_share: float
-                     ) -> list[int]:
+    def continuation(self, positions: np.ndarray, k: int, min_share: float) -> list[int]:
         """Up to k tokens: at each step the token that most of the still-agreeing positions
-        continue with, while its share of all the positions stays at least `min_share`."""
+        continue with (ties: the one the newest position continues with), while its share of
+        all the positions stays at least `min_share`."""
         draft: list[int] = []
-        alive = [(self.entries[eid], end) for eid, end in positions]
-        total = len(alive)
+        alive, total = positions, len(positions)
         for j in range(k):
-            counts: dict[int, int] = {}
-            for tokens, end in alive:
-                if end + j < len(tokens):
-                    counts[tokens[end + j]] = counts.get(tokens[end + j], 0) + 1
+            following = self._flat[alive + j]
+            counts = Counter(following.tolist())
+            counts.pop(GAP, None)  # entries that ended
             if not counts:
                 break
-            token, count = max(counts.items(), key=lambda kv: kv[1])
+            token, count = counts.most_common(1)[0]  # the first counted among the most common
             if count < min_share * total:
                 break
             draft.append(token)
-            alive = [(t, e) for t, e in alive if e + j < len(t) and t[e + j] == token]
+            alive = alive[following == token]
         return draft
+
+
+def _int64s(values: np.ndarray) -> array:
+    out = array("q")
+    out.frombytes(np.ascontiguousarray(values, dtype=np.int64).tobytes())
+    return out

@@ -3,6 +3,8 @@ brute-force search under random insertions and evictions; drafts only continue w
 the budget holds; outputs unchanged (greedy, seeded under coupled acceptance, distribution
 under rejection); kept across sleep, cleared on request; per-source stats."""
 
+from collections import Counter
+
 import numpy as np
 import pytest
 import torch
@@ -13,31 +15,59 @@ from models import tiny_model
 from scipy.stats import chisquare
 
 from rollout import Engine, EngineConfig, SamplingParams, SpeculativeConfig
-from rollout.spec.history import DraftHistory
+from rollout.spec.history import MAX_CANDIDATES, DraftHistory
 
 MIN, MAX = 2, 5
 
 
-def brute_matches(entries, context, prompt):
-    """(length, positions) as DraftHistory.matches defines them, by exhaustive search."""
+def brute_matches(entries, context, prompt, min_match=MIN, max_match=MAX):
+    """(length, positions) as DraftHistory.matches defines them, by exhaustive search: among
+    the newest MAX_CANDIDATES places where the context's last min_match tokens occur followed
+    by something, those matching the most of the context's tail (at most max_match)."""
     def search(pool):
+        gram = context[len(context) - min_match:]
+        places = [(eid, end) for eid, (_, tokens) in pool.items()
+                  for end in range(min_match, len(tokens))
+                  if len(context) >= min_match and tokens[end - min_match:end] == gram]
         best, found = 0, set()
-        for eid, (_, tokens) in pool.items():
-            for end in range(MIN, len(tokens)):
-                n = 0
-                while (n < min(MAX, end, len(context))
-                       and tokens[end - n - 1] == context[len(context) - n - 1]):
-                    n += 1
-                if n < MIN:
-                    continue
-                if n > best:
-                    best, found = n, {(eid, end)}
-                elif n == best:
-                    found.add((eid, end))
+        for eid, end in places[-MAX_CANDIDATES:]:
+            tokens = pool[eid][1]
+            n = 0
+            while (n < min(max_match, end, len(context))
+                   and tokens[end - n - 1] == context[len(context) - n - 1]):
+                n += 1
+            if n > best:
+                best, found = n, {(eid, end)}
+            elif n == best:
+                found.add((eid, end))
         return best, found
     own = {e: v for e, v in entries.items() if v[0] == tuple(prompt)}
     best, found = search(own)
     return (best, found) if found else search(entries)
+
+
+def named(history, positions, ordered=False):
+    """(entry id, offset in the entry) of each of DraftHistory's positions (buffer offsets)."""
+    starts = sorted((start, eid) for eid, (start, _) in history.entries.items())
+    places = [next((eid, p - start) for start, eid in reversed(starts) if start <= p)
+              for p in positions.tolist()]
+    return places if ordered else set(places)
+
+
+def brute_continuation(entries, places, k, min_share):
+    """DraftHistory.continuation by its definition over (entry id, offset) places, newest
+    first: the most common next token (ties: the first place's), while enough agree."""
+    draft, alive = [], [(entries[eid][1], end) for eid, end in places]
+    for j in range(k):
+        counts = Counter(t[end + j] for t, end in alive if end + j < len(t))
+        if not counts:
+            break
+        token, count = counts.most_common(1)[0]  # first counted among the most common
+        if count < min_share * len(places):
+            break
+        draft.append(token)
+        alive = [(t, end) for t, end in alive if end + j < len(t) and t[end + j] == token]
+    return draft
 
 
 tokens_st = st.lists(st.integers(0, 3), min_size=0, max_size=12)
@@ -64,13 +94,45 @@ def test_matches_equal_brute_force_under_insertions_and_evictions(adds, context,
         assert set(history.entries) == set(alive)
     length, positions = history.matches(context, list(prompt))
     want_len, want = brute_matches(alive, context, prompt)
-    assert (length, set(positions)) == (want_len, want)
+    assert (length, named(history, positions)) == (want_len,
+                                                                                   want)
     # A draft only ever continues what followed the match somewhere.
     draft = history.continuation(positions, 4, 0.3)
     if draft:
         tail = context[-length:] + draft
         assert any(tail == t[i:i + len(tail)] for _, t in alive.values()
                    for i in range(len(t)))
+
+
+def test_matches_equal_brute_force_past_the_candidate_cap_and_compaction():
+    """Thousands of entries under a budget that evicts most of them (the buffer and indexes
+    then compacted, offsets moved), and a budget large enough that a frequent gram occurs in
+    more than MAX_CANDIDATES places: matches, drafts and entry names as the brute force."""
+    rng = np.random.default_rng(0)
+    for budget, count, vocab in [(120, 3000, 4), (1 << 16, 600, 3)]:
+        history = DraftHistory(budget, 1, 8)
+        alive = {}
+        for i in range(count):
+            prompt = [int(rng.integers(2))]
+            completion = rng.integers(0, vocab, int(rng.integers(1, 12))).tolist()
+            eid = history.add(prompt, completion)
+            alive[eid] = (tuple(prompt), prompt[-8:] + completion)
+            while sum(len(t) for _, t in alive.values()) > budget:
+                del alive[next(iter(alive))]
+            if i % 97 == 0 or i == count - 1:
+                assert set(history.entries) == set(alive)
+                for _ in range(5):
+                    context = rng.integers(0, vocab, int(rng.integers(1, 12))).tolist()
+                    length, positions = history.matches(context, prompt)
+                    want_len, want = brute_matches(alive, context, prompt, 1, 8)
+                    assert length == want_len
+                    assert named(history, positions) == want
+                    for share in (0.1, 0.5):
+                        assert history.continuation(positions, 4, share) == \
+                            brute_continuation(alive, named(history, positions, ordered=True), 4,
+                                               share)
+        assert history.evicted == count - len(alive)
+    assert len(want) > 0 and max(len(t) for _, t in alive.values()) > 1
 
 
 PROMPTS = [[1, 2, 3, 4, 5, 6], [9, 8, 7], list(range(20, 40))]
