@@ -1,7 +1,7 @@
 """Benchmarks run end to end here with tiny shapes on the CPU (Triton's interpreter, the CUDA
 graphs' stand-in), so a Python-level bug in them surfaces in CI and not in a short GPU session
 or a long run: bench/triton_kernels.py --smoke (every section), bench/decode_step.py,
-bench/graph_capture.py."""
+bench/graph_capture.py, bench/history_lookup.py."""
 
 import os
 import shutil
@@ -55,3 +55,13 @@ def test_bench_graph_capture_smoke():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [line for line in proc.stdout.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
     assert len(rows) == 2 and "all 2 buckets" in proc.stdout, proc.stdout
+
+
+def test_bench_history_lookup_smoke():
+    """bench/history_lookup.py on a small history: it drives the history and the n-gram search
+    through their own calls, so an API change there breaks it here first."""
+    proc = subprocess.run([sys.executable, "bench/history_lookup.py", "--epochs", "1",
+                           "--prompts", "2", "--n", "2", "--repeat", "1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "us a sample" in proc.stdout and "history / n-gram" in proc.stdout, proc.stdout
