@@ -45,12 +45,22 @@ class DraftModelDrafter(Drafter):
         self.kv, self.runner, self.journal = self.stack.kv, self.stack.runner, target.kv.journal
         self.sampler = self.stack.sampler
         self.device, self.stream = device, stream
-        self.shadows: dict[int, tuple[Sequence, Sequence]] = {}  # seq_id -> (target, shadow)
+        # seq_id -> (target, shadow, the target's token list when the shadow was made)
+        self.shadows: dict[int, tuple[Sequence, Sequence, list[int]]] = {}
 
     # --- shadow bookkeeping -----------------------------------------------------------------
+    @staticmethod
+    def _restarted(entry) -> bool:
+        """The target went back to its prompt (a stale group restarted, rollout/engine/
+        carry.py): Sequence.restart gives it new token lists, and it may sample other tokens
+        than those the shadow's cached prefix holds, which rollback cannot undo."""
+        return entry[0].token_ids is not entry[2]
+
     def _forget_retired(self) -> None:
+        """Shadows of targets no longer running, or restarted, go (a restarted one's shadow is
+        made again from its tokens)."""
         for seq_id, entry in list(self.shadows.items()):
-            if entry[0].status is not SeqStatus.RUNNING:
+            if entry[0].status is not SeqStatus.RUNNING or self._restarted(entry):
                 self.kv.release(entry[1])
                 del self.shadows[seq_id]
                 self.journal.record(lambda i=seq_id, e=entry: self.shadows.__setitem__(i, e))
@@ -66,7 +76,7 @@ class DraftModelDrafter(Drafter):
         slots, node = self.kv.match(shadow.token_ids[:-1])
         self.kv.lock(node)
         self.kv.attach(shadow, slots, node)
-        self.shadows[target.seq_id] = (target, shadow)
+        self.shadows[target.seq_id] = (target, shadow, target.token_ids)
         self.journal.record(lambda: self.shadows.pop(target.seq_id))
         return shadow
 
@@ -100,9 +110,12 @@ class DraftModelDrafter(Drafter):
         self.kv.check()
         assert set(self.shadows) == set(self.kv.attached), "draft shadows differ from its KV"
         # What the draft's tree holds of a shadow cannot be truncated: it must lie within the
-        # target's tokens but the newest, whose K/V the target has yet to compute.
-        for target, shadow in self.shadows.values():
-            assert shadow.cached_len < target.num_tokens, "draft cache past the target's tokens"
+        # target's tokens but the newest, whose K/V the target has yet to compute (a restarted
+        # target's shadow is stale until the next proposal drops it).
+        for entry in self.shadows.values():
+            target, shadow, _ = entry
+            assert self._restarted(entry) or shadow.cached_len < target.num_tokens, \
+                "draft cache past the target's tokens"
 
     # --- proposing --------------------------------------------------------------------------
     def propose_batch(self, wanted: list[tuple[Sequence, int]], siblings):

@@ -198,6 +198,52 @@ def test_staleness_policies(policy):
     assert set(returned) | set(rest) == set(PROMPTS[:3])
 
 
+def test_a_restarted_group_drafts_from_its_new_tokens():
+    """A group restarted at an update starts again from its prompt while the draft model's
+    shadow of it still held its old tokens in the draft's tree (which rollback cannot undo):
+    the shadow is made again, and the group finishes as a fresh engine's (the restarted sample
+    decodes from its first step, its prompt cached by a sibling: it once crashed on an empty
+    draft batch)."""
+    engine = make("draft", True, max_staleness=0)
+    params = SamplingParams(n=2, temperature=0, max_tokens=8)
+    engine.generate([PROMPTS[4]], params)  # the draft's tree holds the prompt
+    engine.update_weights(target())
+    rid = engine.add_request(PROMPTS[4], params)
+    for _ in range(3):
+        engine.step()
+    engine.update_weights(target())
+    assert engine.stats.stale_restarts == 1
+    engine.check_invariants()
+    done = {}
+    while engine.has_unfinished:
+        done.update({o.request_id: o for o in engine.step()})
+        engine.check_invariants()
+    fresh = make("plain", True).generate([PROMPTS[4]], params)[0]
+    assert [s.token_ids for s in done[rid].samples] == [s.token_ids for s in fresh.samples]
+
+
+def test_an_update_releases_kv_holds():
+    """A multi-turn episode's held K/V came from the old weights: after update_weights the
+    next turn, resuming on its hold, draws what a fresh engine on the new weights draws from
+    the same context, bit for bit (the batch-invariant mode)."""
+    params = SamplingParams(n=1, temperature=1.0, seed=3, max_tokens=6, logprobs=True)
+    engine = make("plain", True, batch_invariant=True)
+    first = engine.add_request(PROMPTS[1], params, hold_kv=True)
+    done = {}
+    while engine.has_unfinished:
+        done.update({o.request_id: o for o in engine.step()})
+    context = done[first].prompt_token_ids + done[first].samples[0].token_ids + TOK.encode(" ok")
+    engine.update_weights(other_weights())
+    assert engine.inspect().kv_available == engine.inspect().kv_slots  # nothing held
+    second = engine.add_request(context, params, resume=(first, 0))
+    while engine.has_unfinished:
+        done.update({o.request_id: o for o in engine.step()})
+    fresh = make("plain", True, other_weights(), batch_invariant=True)
+    want = fresh.generate([context], params)[0].samples[0]
+    got = done[second].samples[0]
+    assert (got.token_ids, got.logprobs) == (want.token_ids, want.logprobs)
+
+
 def test_staleness_counts_versions():
     """max_staleness=1: a group is stale only once its oldest token is two versions old; a
     group still waiting (no token yet) never is."""

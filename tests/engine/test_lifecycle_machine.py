@@ -7,7 +7,8 @@ Hypothesis state machine).
 
 The reference is independent of the engine's lifecycle: in the batch-invariant mode a token's
 row is the same bits whatever batch or step computed it, so every token a sample got under
-weights version v, from position a on, is what a fresh engine holding those weights draws given
+weights version v, from position a on, is what a reference engine holding those weights (plain,
+no prefix cache, no carried state) draws given
 prompt + the sample's tokens before a (the same seed and sample index: the noise is a function of
 seed, position and token), with the same logprobs, bit for bit. After every call the engine's
 invariants hold; at the end every group it took has been returned once, aborted or dropped, and
@@ -108,13 +109,13 @@ POINTS = {
 
 @functools.cache
 def reference(weights: str):
-    """A plain engine (no drafter, no carry) holding `weights`."""
-    return make("plain", True, WEIGHTS[weights](), batch_invariant=True)
+    """A plain engine (no drafter, no carry, no prefix cache) holding `weights`."""
+    return make("plain", False, WEIGHTS[weights](), batch_invariant=True)
 
 
 def expected(weights: str, context: list[int], params: SamplingParams, index: int,
              max_tokens: int):
-    """Sample `index` of `params` drawn from `context` by a fresh engine on `weights`."""
+    """Sample `index` of `params` drawn from `context` by the reference engine on `weights`."""
     again = SamplingParams(n=index + 1, temperature=params.temperature, top_p=params.top_p,
                            top_k=params.top_k, seed=params.seed, max_tokens=max_tokens,
                            logprobs=True)
@@ -137,6 +138,7 @@ CONFIGS = [("plain", "recompute", 0, "restart", "model"),
            ("ngram", "recompute", 0, "drop", "model"),
            ("suffix", "park", None, "restart", "model"),
            ("draft", "recompute", 0, "keep", "model"),
+           ("draft", "recompute", 0, "restart", "model"),
            ("ngram", "park", 1, "restart", "model"),
            ("suffix", "recompute", 1, "drop", "lora")]
 
@@ -417,6 +419,7 @@ class Lifecycle(RuleBasedStateMachine):
         self.engine.update_weights(WEIGHTS[weights]())
         self.versions.append(weights)
         assert self.engine.weights_version == len(self.versions) - 1
+        self.unenforced = False  # every group still out is within max_staleness again
 
     def recover(self, call: str, made: int) -> None:
         """After a call that raised: a generate()'s requests were abandoned; an update that
