@@ -109,7 +109,8 @@ class Sequence:
 
     def restart(self) -> None:
         """Back to the prompt, waiting: every output token, logprob and version is gone (new
-        lists, so a journal snapshot keeps the old ones whole)."""
+        lists, so a journal snapshot keeps the old ones whole; the draft model tells a
+        restarted target by its new token list, rollout/spec/draft_model.py)."""
         self.token_ids = list(self.prompt_ids)
         self.logprobs, self.sampling_logprobs, self.support = [], [], []
         self.top_logprobs, self.versions = [], []

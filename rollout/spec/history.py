@@ -46,7 +46,6 @@ class DraftHistory:
         # The first max_match places are gaps: looking back from any position stays inside.
         self._flat = np.full(4 * max_match + 1024, GAP, dtype=np.int32)
         self._used = max_match
-        self._live = max_match  # offsets below it belong to evicted entries
 
     def add(self, prompt: list[int], completion: list[int]) -> int | None:
         """Remember one finished sample; returns its entry id (None: nothing worth keeping)."""
@@ -90,7 +89,6 @@ class DraftHistory:
     def _evict_oldest(self) -> None:
         eid, (start, n) = self.entries.popitem(last=False)
         self.tokens -= n
-        self._live = start + n + 1
         key = self.prompt_of.pop(eid)
         self.prompt_entries[key] -= 1
         if not self.prompt_entries[key]:
@@ -100,11 +98,12 @@ class DraftHistory:
     def _compact(self) -> None:
         """Drop the evicted entries' places once they are half of the buffer: what is held
         moves down, and every offset with it."""
-        dead = self._live - self.max_match
-        if dead <= self._used - self._live + 1024:
+        live = self._live
+        dead = live - self.max_match
+        if dead <= self._used - live + 1024:
             return
-        held = self._used - self._live
-        self._flat[self.max_match:self.max_match + held] = self._flat[self._live:self._used]
+        held = self._used - live
+        self._flat[self.max_match:self.max_match + held] = self._flat[live:self._used]
         self._flat[self.max_match + held:self._used] = GAP
         for index in (self.global_index, *self.prompt_index.values()):
             for gram in list(index):
@@ -115,7 +114,11 @@ class DraftHistory:
                     del index[gram]
         self.entries = OrderedDict((e, (s - dead, n)) for e, (s, n) in self.entries.items())
         self._used -= dead
-        self._live = self.max_match
+
+    @property
+    def _live(self) -> int:
+        """Where the oldest entry held starts: offsets below it are the evicted entries'."""
+        return next(iter(self.entries.values()))[0] if self.entries else self._used
 
     def _live_offsets(self, held: array) -> np.ndarray:
         """An index's offsets of entries still held (a view of its array)."""

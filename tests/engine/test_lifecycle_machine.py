@@ -26,11 +26,11 @@ from hypothesis.stateful import (RuleBasedStateMachine, invariant, precondition,
                                  run_state_machine_as_test)
 from lora_models import lora_config, randomise_b
 from models import tiny_model
-from test_carry import other_weights
-from test_faults import PROMPTS, TOK, Fault, make, target
+from test_carry import CARRY_POINTS, other_weights
+from test_faults import PROMPTS, SLEEP_POINTS, STEP_POINTS, TOK, WAKE_POINTS, Fault, make, target
+from test_suffix_faults import POINTS as HISTORY_POINTS
 
 from rollout import SamplingParams
-from rollout.requests.sequence import Sequence
 
 # Seeded sampling (whole, top-p, top-k) and greedy; lengths such that a 64-slot pool preempts.
 PARAMS = [SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=12, logprobs=True),
@@ -71,39 +71,22 @@ CALLS = {
     "update_awake": st.fixed_dictionaries({"weights": st.sampled_from(list(AS_LORA))}),
 }
 # Where a fault may strike (what holds the method and its name, given the engine) and the calls
-# that reach it: a step's phases, handing groups out and dropping them, stamping versions,
-# retracting, sleep and wake-up, parked K/V, the drafters' history and rates. Points an engine
-# lacks (no drafter, no parking) are left out.
+# that reach it: the points the other fault tests strike one at a time (a step's, sleep's and
+# wake-up's: test_faults.py; carrying groups: test_carry.py; the history and adaptive rates:
+# test_suffix_faults.py), and the stale K/V kept at an update with carried_kv="park" (which
+# test_carry_park.py strikes inline). Points an engine lacks (no drafter, no parking) are left
+# out.
 STEPS = ("rollout", "generate", "stream")
 COLOCATION = ("sleep_and_wake", "update_awake")
 POINTS = {
-    "schedule": (lambda e: (e.scheduler, "schedule"), STEPS),
-    "alloc": (lambda e: (e.kv, "alloc"), STEPS + ("sleep_and_wake",)),
-    "preempt": (lambda e: (e.scheduler, "preempt"), STEPS + COLOCATION),
-    "prepare": (lambda e: (e.runner, "prepare"), STEPS),
-    "forward": (lambda e: (e.model, "forward"), STEPS),
-    "sampler": (lambda e: (e.stack.sampler, "draw"), STEPS),
-    "radix_insert": (lambda e: (e.cache, "insert"), STEPS + ("sleep_and_wake",)),
-    "commit": (lambda e: (e.committer, "commit"), STEPS),
-    "finish": (lambda e: (e.scheduler, "finish"), STEPS),
-    "settle": (lambda e: (e.kv, "settle"), STEPS),
-    "stamp": (lambda e: (e.committer, "weights_version"), STEPS),
-    "take_ready": (lambda e: (e.requests, "take_ready"), ("rollout", "update_awake")),
-    "drop": (lambda e: (e.carry, "drop"), ("rollout",) + COLOCATION),
-    "restart": (lambda e: (Sequence, "restart"), COLOCATION),
-    "park_weights": (lambda e: (e.stack.parking, "park"), ("sleep_and_wake",)),
-    "restore_weights": (lambda e: (e.stack.parking, "restore"), ("sleep_and_wake",)),
-    "pool_release": (lambda e: (e.pool, "release"), ("sleep_and_wake",)),
-    "pool_allocate": (lambda e: (e.pool, "allocate"), ("sleep_and_wake",)),
-    "pack": (lambda e: (e.model, "pack_weights"), COLOCATION),
+    # (a failing tokenizer fails its own request, not the call: test_faults.py)
+    **{name: (where, STEPS) for name, (where, _, _) in STEP_POINTS.items() if name != "tokenizer"},
+    **{name: (where, ("sleep_and_wake",))
+       for name, (where, _) in {**SLEEP_POINTS, **WAKE_POINTS}.items()},
+    **{name: (where, ("rollout",) + COLOCATION) for name, (where, _) in CARRY_POINTS.items()},
+    **{name: (where, STEPS) for name, where in HISTORY_POINTS.items()},
     "keep_stale": (lambda e: (e.kv, "keep_stale"), COLOCATION),
     "tag_branches": (lambda e: (e.cache, "tag_branches"), COLOCATION),
-    "propose": (lambda e: (e.speculator.drafter, "propose_batch"), STEPS),
-    "verify": (lambda e: (e.speculator, "verify"), STEPS),
-    "draft_forward": (lambda e: (e.speculator.drafter.stack.model, "forward"), STEPS),
-    "remember": (lambda e: (e.speculator.drafter, "remember"), STEPS),
-    "history_add": (lambda e: (e.speculator.drafter.history, "add"), STEPS),
-    "learn": (lambda e: (e.speculator, "_learn"), STEPS),
 }
 
 
