@@ -15,25 +15,37 @@ comparison stops at an entry's start); a position is an offset in it. The histor
 host memory (it survives sleep), bounded by `budget` tokens: the oldest entries go first, so
 what was evicted is a prefix of the buffer and of every index's offsets, dropped when it makes
 up half of them.
+
+Changes are journaled (journal.py): inside a unit each eviction, compaction and addition records
+its inverse, so a failed flush (suffix.py) leaves the history as it was, with no sample added
+twice or lost.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from array import array
 from collections import Counter, OrderedDict
 
 import numpy as np
 
+from ..journal import Journal
+
 # Positions examined per lookup, newest first: a frequent n-gram occurs everywhere, and the
 # newest occurrences come from the nearest policy.
 MAX_CANDIDATES = 256
 GAP = -1  # before every entry: no token id
+# Evicted places are dropped once they outnumber the held ones by this many: compaction copies
+# everything held, so it waits until there is enough to drop.
+COMPACT_SLACK = 1024
 
 
 class DraftHistory:
-    def __init__(self, budget: int, min_match: int, max_match: int) -> None:
+    def __init__(self, budget: int, min_match: int, max_match: int,
+                 journal: Journal | None = None) -> None:
         self.budget, self.min_match, self.max_match = budget, min_match, max_match
+        self.journal = Journal() if journal is None else journal  # (its own: never recording)
         self.entries: OrderedDict[int, tuple[int, int]] = OrderedDict()  # id -> (start, length)
         self.prompt_of: dict[int, int] = {}
         # gram -> offsets (int64, ascending) of the tokens that followed it
@@ -53,28 +65,79 @@ class DraftHistory:
         n = len(tokens)
         if not completion or n > self.budget:
             return None
+        grams = self._grams(tokens)
         while self.entries and self.tokens + n > self.budget:
             self._evict_oldest()
         self._compact()
         start = self._reserve(n + 1)
+        # From here to the undo's record nothing is called that could fail halfway.
         self._flat[start:start + n] = tokens
         eid, key = next(self._ids), hash(tuple(prompt))
         self.entries[eid], self.prompt_of[eid] = (start, n), key
         self.tokens += n
         own = self.prompt_index.setdefault(key, {})
         self.prompt_entries[key] = self.prompt_entries.get(key, 0) + 1
-        m = self.min_match
-        for end in range(m, n):  # only grams followed by something
-            gram = tuple(tokens[end - m:end])
+        for gram, end in grams:
             for index in (self.global_index, own):
                 held = index.get(gram)
                 if held is None:
                     index[gram] = held = array("q")
                 held.append(start + end)
+        self.journal.record(functools.partial(self._unadd, eid, grams))
         return eid
 
+    def _grams(self, tokens: list[int]) -> list[tuple[tuple[int, ...], int]]:
+        """(min_match-gram, where the token after it is in the entry), for the grams followed
+        by something."""
+        m = self.min_match
+        return [(tuple(tokens[end - m:end]), end) for end in range(m, len(tokens))]
+
+    def _unadd(self, eid: int, grams: list) -> None:
+        """Undo add() (the place it reserved is given back by _reserve's undo, next): its
+        offsets are the last of their indexes' arrays."""
+        start, n = self.entries.pop(eid)
+        key = self.prompt_of.pop(eid)
+        own = self.prompt_index[key]
+        for gram, _ in reversed(grams):
+            for index in (self.global_index, own):
+                held = index[gram]
+                held.pop()
+                if not held:
+                    del index[gram]
+        self.tokens -= n
+        self.prompt_entries[key] -= 1
+        if not self.prompt_entries[key]:
+            del self.prompt_entries[key], self.prompt_index[key]
+        self._flat[start:start + n] = GAP
+
     def clear(self) -> None:
-        self.__init__(self.budget, self.min_match, self.max_match)
+        self.__init__(self.budget, self.min_match, self.max_match, self.journal)
+
+    def check(self) -> None:
+        """The indexes hold exactly the grams of the entries held (rebuilt here from the
+        buffer), each entry between gaps, the counts agree, the budget holds."""
+        want_global: dict = {}
+        want_own: dict = {}
+        end = self._live  # where the next entry may start
+        for eid, (start, n) in self.entries.items():
+            assert start >= end and self._flat[start - 1] == GAP, "entries overlap"
+            tokens = self._flat[start:start + n].tolist()
+            assert GAP not in tokens, "a gap inside an entry"
+            own = want_own.setdefault(self.prompt_of[eid], {})
+            for gram, after in self._grams(tokens):
+                for index in (want_global, own):
+                    index.setdefault(gram, []).append(start + after)
+            end = start + n + 1  # past its gap
+        assert end == self._used and (self._flat[end - 1:] == GAP).all(), "the buffer's end"
+        live = {key: {gram: self._live_offsets(offsets).tolist() for gram, offsets in index.items()}
+                for key, index in [(None, self.global_index), *self.prompt_index.items()]}
+        for index in live.values():
+            for gram in [gram for gram, offsets in index.items() if not offsets]:
+                del index[gram]  # only evicted entries' offsets: dropped at compaction
+        assert live == {None: want_global, **want_own}, "indexes differ from the entries"
+        assert self.prompt_entries == Counter(self.prompt_of.values()), "entry counts"
+        assert set(self.prompt_of) == set(self.entries), "prompts of entries"
+        assert self.tokens == sum(n for _, n in self.entries.values()) <= self.budget, "tokens"
 
     def _reserve(self, n: int) -> int:
         """Room for n more places at the end of the buffer (a gap follows each entry)."""
@@ -82,8 +145,9 @@ class DraftHistory:
         if start + n > len(self._flat):
             grown = np.full(max(2 * len(self._flat), start + n), GAP, dtype=np.int32)
             grown[:start] = self._flat[:start]
-            self._flat = grown
+            self._flat = grown  # (kept by the undo: the same places, more room)
         self._used = start + n
+        self.journal.record(functools.partial(setattr, self, "_used", start))
         return start
 
     def _evict_oldest(self) -> None:
@@ -91,29 +155,51 @@ class DraftHistory:
         self.tokens -= n
         key = self.prompt_of.pop(eid)
         self.prompt_entries[key] -= 1
+        own = None  # the prompt's index, when this was its last entry
         if not self.prompt_entries[key]:
-            del self.prompt_entries[key], self.prompt_index[key]
+            del self.prompt_entries[key]
+            own = self.prompt_index.pop(key)
         self.evicted += 1
+        self.journal.record(functools.partial(self._unevict, eid, start, n, key, own))
+
+    def _unevict(self, eid: int, start: int, n: int, key: int, own: dict | None) -> None:
+        """Undo _evict_oldest(): its places and offsets are still in the buffer and indexes
+        (only compaction drops them, and its undo ran first)."""
+        self.entries[eid] = (start, n)
+        self.entries.move_to_end(eid, last=False)
+        self.prompt_of[eid] = key
+        self.prompt_entries[key] = self.prompt_entries.get(key, 0) + 1
+        if own is not None:
+            self.prompt_index[key] = own
+        self.tokens += n
+        self.evicted -= 1
 
     def _compact(self) -> None:
         """Drop the evicted entries' places once they are half of the buffer: what is held
-        moves down, and every offset with it."""
+        moves down, and every offset with it. Into new structures, so the undo puts the old
+        ones back."""
         live = self._live
         dead = live - self.max_match
-        if dead <= self._used - live + 1024:
+        if dead <= self._used - live + COMPACT_SLACK:
             return
         held = self._used - live
-        self._flat[self.max_match:self.max_match + held] = self._flat[live:self._used]
-        self._flat[self.max_match + held:self._used] = GAP
-        for index in (self.global_index, *self.prompt_index.values()):
-            for gram in list(index):
-                kept = self._live_offsets(index[gram])
-                if len(kept):
-                    index[gram] = _int64s(kept - dead)
-                else:
-                    del index[gram]
-        self.entries = OrderedDict((e, (s - dead, n)) for e, (s, n) in self.entries.items())
-        self._used -= dead
+        flat = np.full(len(self._flat), GAP, dtype=np.int32)
+        flat[self.max_match:self.max_match + held] = self._flat[live:self._used]
+
+        def moved(index: dict) -> dict:
+            kept = ((gram, self._live_offsets(offsets)) for gram, offsets in index.items())
+            return {gram: _int64s(offsets - dead) for gram, offsets in kept if len(offsets)}
+        layout = (flat, self._used - dead, moved(self.global_index),
+                  {key: moved(index) for key, index in self.prompt_index.items()},
+                  OrderedDict((e, (s - dead, n)) for e, (s, n) in self.entries.items()))
+        self.journal.record(functools.partial(self._set_layout, self._layout()))
+        self._set_layout(layout)
+
+    def _layout(self) -> tuple:
+        return self._flat, self._used, self.global_index, self.prompt_index, self.entries
+
+    def _set_layout(self, layout: tuple) -> None:
+        self._flat, self._used, self.global_index, self.prompt_index, self.entries = layout
 
     @property
     def _live(self) -> int:

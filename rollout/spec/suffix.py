@@ -6,8 +6,9 @@ that matched, as long as it stays the continuation of at least `min_share` of th
 length follows how much earlier samples agreed.
 
 Finished samples enter the history after the journal unit that finished them has committed
-(`remember` journals the pending entry; the next proposal flushes it), so a failed step leaves
-the history as it was. Verification makes any draft safe: coupled acceptance never changes an
+(`remember` journals the pending entry; the next step's proposal flushes it, in a unit of its
+own), so a failed step leaves the history as it was, and a failed flush keeps every pending
+sample for the next. Verification makes any draft safe: coupled acceptance never changes an
 output, rejection keeps the target's distribution (verify.py).
 """
 
@@ -26,7 +27,7 @@ class SuffixDrafter(NgramDrafter):
     def __init__(self, config, journal: Journal) -> None:
         super().__init__(config.ngram_min, config.ngram_max)
         self.history = DraftHistory(config.history_tokens, config.ngram_min,
-                                    config.history_max_match)
+                                    config.history_max_match, journal)
         self.min_share, self.journal = config.history_min_share, journal
         self._pending: list[tuple[list[int], list[int]]] = []
         self.last_sources: list[str | None] = []
@@ -42,8 +43,20 @@ class SuffixDrafter(NgramDrafter):
         self.history.clear()
         self._pending.clear()
 
+    def flush(self) -> None:
+        """Pending samples into the history, all of them or none."""
+        if not self._pending:
+            return
+        with self.journal.unit():
+            pending, self._pending = self._pending, []
+            self.journal.record(lambda: setattr(self, "_pending", pending))
+            for prompt, completion in pending:
+                self.history.add(prompt, completion)
+
+    def check_invariants(self) -> None:
+        self.history.check()
+
     def propose_batch(self, wanted: list[tuple[Sequence, int]], siblings):
-        self._flush()
         proposals, self.last_sources, hays = [], [], {}
         for seq, k in wanted:
             draft, source = self.propose_from(seq, siblings(seq), k, hays)
@@ -60,10 +73,3 @@ class SuffixDrafter(NgramDrafter):
             if drafted:
                 return drafted, "history"
         return own, source
-
-    def _flush(self) -> None:
-        """Pending samples into the history (outside any unit: the steps that finished them
-        committed)."""
-        for prompt, completion in self._pending:
-            self.history.add(prompt, completion)
-        self._pending.clear()
