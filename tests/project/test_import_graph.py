@@ -34,7 +34,7 @@ LAYERS = [
     ["rollout.executor"],
     ["rollout.spec"],
     ["rollout.engine"],
-    ["rollout", "rollout.api", "rollout.agent", "rollout.testing"],  # the package face
+    ["rollout", "rollout.api", "rollout.agent"],  # the package face
     ["trainer_hooks"],
     ["rollout_recipes"],
 ]
