@@ -163,3 +163,23 @@ def test_a_failed_flush_keeps_every_finished_sample_once(point, after, monkeypat
         e.check_invariants()
     assert len(history.entries) == 9
     assert held(history)[0] == held(clean.speculator.drafter.history)[0]
+
+
+def test_finished_samples_enter_at_the_next_step_whatever_its_batch():
+    """Even a step that drafts nothing (a prefill, or more decoding samples than
+    max_batch_size) takes the waiting samples into the history."""
+    engine = Engine(tiny_model("llama"), EngineConfig(
+        kv_cache_tokens=2048, max_model_len=64, seed=0,
+        speculative=SpeculativeConfig(method="suffix", max_batch_size=1)))
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=10, seed=1)
+    engine.generate(PROMPTS, params)
+    history = engine.speculator.drafter.history
+    assert not history.entries
+    for prompt in PROMPTS:
+        engine.add_request(prompt, params)
+    engine.step()  # prefills only
+    assert len(history.entries) == 9
+    skipped = engine.stats.spec_skipped_steps
+    engine.step()  # 9 decoding samples: no drafts
+    assert engine.stats.spec_skipped_steps == skipped + 1
+    history.check()
