@@ -88,7 +88,13 @@ def run_episodes(engine: Engine, prompts, env_factory: Callable[[], object],
     bounds each model turn. `prompts`: strings (encoded with the engine's tokenizer), token-id
     lists or 1-D tensors, or chat conversations (lists of {"role", "content"} messages,
     rendered by the tokenizer's chat template with the generation prompt, as Engine.chat)."""
+    if params is not None and not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams or None, got {type(params).__name__}")
+    if not callable(env_factory):
+        raise ValueError(f"env_factory must be callable (it makes one environment per "
+                         f"episode), got {type(env_factory).__name__}")
     params = SamplingParams() if params is None else dataclasses.replace(params)
+    use_tqdm = as_bool("use_tqdm", use_tqdm)
     max_turns = as_int("max_turns", max_turns, low=1)
     env_workers = as_int("env_workers", env_workers, low=1)
     if max_episode_tokens is not None:

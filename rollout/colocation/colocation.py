@@ -21,6 +21,7 @@ from typing import Protocol
 
 import torch
 
+from ..fields import as_int
 from ..journal import RollbackFailed
 from ..parallel.reshard import ReshardStats, rank_parts
 from . import host_heap
@@ -85,8 +86,7 @@ class Colocation:
                                f"generating")
 
     def sleep(self, level: int = 1) -> None:
-        if level not in (1, 2):
-            raise ValueError(f"level must be 1 or 2, got {level!r}")
+        level = as_int("level", level, 1, 2)
         if level <= self.sleep_level:
             return
         self._carried.retract()

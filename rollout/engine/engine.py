@@ -28,7 +28,7 @@ from ..lora.sync import LoraSync
 from ..models.base import ROUTED_EXPERTS
 from ..models.loader import build_model, eos_token_ids, load_into, resolve_model
 from ..parallel import shared_seed, tensor_parallel
-from ..requests.intake import Prompt, check_request, check_requests, hold_key
+from ..requests.intake import Prompt, check_request, check_requests, hold_key, token_ids
 from ..requests.outputs import RolloutOutput, build_output
 from ..requests.request import Request
 from ..requests.sequence import Sequence
@@ -260,6 +260,7 @@ class Engine(ColocationCalls):
         aborted (non-finite logits) comes back with finish_reason "abort" and `error`.
         Streaming requests that finish meanwhile are kept for the next step() to return."""
         with self._entered("generate"):
+            use_tqdm = as_bool("use_tqdm", use_tqdm)
             requests = self._queue(check_requests(prompts, params))
             ready = self.requests.ready
             try:
@@ -285,6 +286,7 @@ class Engine(ColocationCalls):
             pairs = check_requests(prompts, params)
             groups = self.carry.groups_wanted(groups, len(pairs))
             abort_rest = as_bool("abort_rest", abort_rest)
+            use_tqdm = as_bool("use_tqdm", use_tqdm)
             self._queue(pairs, from_rollout=True)
             self._step_until(self.carry.num_complete, groups, use_tqdm, "group")
             handed = self.carry.complete()[:groups]
@@ -329,7 +331,8 @@ class Engine(ColocationCalls):
         cached, the prompt's K/V is reused."""
         with self._entered("score"):
             self.colocation.check_ready()
-            return score(self, sequences, temperature, top_logprobs, start, use_tqdm)
+            return score(self, sequences, temperature, top_logprobs, start,
+                         as_bool("use_tqdm", use_tqdm))
 
     def chat(self, conversations, params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = False, chat_template_kwargs: dict | None = None
@@ -357,8 +360,12 @@ class Engine(ColocationCalls):
         return view(self)
 
     def cached_prefix_len(self, tokens) -> int:
-        """How many leading tokens of `tokens` the prefix cache holds K/V for now."""
-        return self.cache.prefix_len(list(tokens))
+        """How many leading tokens of `tokens` (a string or token ids, as a prompt) the prefix
+        cache holds K/V for now."""
+        if isinstance(tokens, (list, tuple)) and not tokens:
+            return 0
+        return self.cache.prefix_len(token_ids("tokens", tokens, self.vocab_size,
+                                               self.tokenizer)[1])
 
     def implementations(self) -> dict[str, str]:
         """Which implementation each op runs: {"backend", "attention", "sample", "projection",

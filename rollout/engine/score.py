@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from ..fields import as_float
+from ..requests.intake import token_ids
 from ..requests.request import Request
 from ..sample.params import SamplingParams
 from ..score.intake import check_scores
@@ -71,12 +74,17 @@ def check_probe(engine, probe, reference) -> tuple[list[int], list[float] | None
         if reference is not None:
             raise ValueError("probe_reference needs a probe (the token ids it scores)")
         return None
-    (tokens,), _, _, _ = check_scores([probe], 1.0, 0, 1, engine.vocab_size,
-                                      engine.config.max_model_len, engine.tokenizer)
-    if len(tokens) < 2:
-        raise ValueError("probe: it needs at least 2 tokens (the first is never scored)")
+    tokens = token_ids("probe", probe, engine.vocab_size, engine.tokenizer)[1]
+    if not 2 <= len(tokens) <= engine.config.max_model_len:
+        raise ValueError(f"probe: {len(tokens)} tokens; it needs at least 2 (the first is never "
+                         f"scored) and at most max_model_len={engine.config.max_model_len}")
     if reference is not None:
-        reference = [as_float("probe_reference", x) for x in list(reference)]
+        if isinstance(reference, torch.Tensor):
+            reference = reference.tolist()
+        if not isinstance(reference, (list, tuple)):
+            raise ValueError(f"probe_reference must be a list of logprobs, got "
+                             f"{type(reference).__name__}")
+        reference = [as_float("probe_reference", x) for x in reference]
         if len(reference) != len(tokens) - 1:
             raise ValueError(f"probe_reference: {len(reference)} logprobs for a probe of "
                              f"{len(tokens)} tokens (one per token after the first)")

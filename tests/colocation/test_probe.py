@@ -63,7 +63,10 @@ def test_without_a_reference_the_logprobs_are_recorded(setup):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(probe=[5]), "probe: it needs at least 2 tokens"),
+    (dict(probe=[5]), "probe: 1 tokens; it needs at least 2"),
+    (dict(probe=list(range(2, 100))), "probe: 98 tokens; .* at most max_model_len"),
+    (dict(probe=True), "probe must be a string or a list of token ids"),
+    (dict(probe=PROBE, probe_reference=0.5), "probe_reference must be a list"),
     (dict(probe=[5, 500]), r"token id 500 is outside"),
     (dict(probe="abc"), "a string needs a tokenizer"),
     (dict(probe_reference=[0.1]), "probe_reference needs a probe"),

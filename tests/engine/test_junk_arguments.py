@@ -1,0 +1,110 @@
+"""Every public call with junk in one argument at a time (wrong types, out-of-range numbers,
+tensors, NaN, huge ints, nested lists): it either works or raises ValueError naming the
+argument, never a TypeError / RuntimeError / AttributeError from deep inside; the engine stays
+consistent and then generates what it generated before. test_bad_input.py and
+test_bad_fields.py hold the cases that need a chosen message or limit."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from models import char_tokenizer, tiny_model
+
+from rollout import Engine, EngineConfig, SamplingParams
+from rollout.agent import Step, run_episodes
+
+TOK = char_tokenizer()
+TOK.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+GREEDY = SamplingParams(temperature=0, max_tokens=4)
+JUNK = [None, True, False, 0, -1, 1, 2, 3, 2**70, -2**70, 1.5, math.nan, math.inf, "x", "",
+        b"x", [], [1], [[1]], [None], [1.5], [-1], [10**9], {}, {"a": 1}, (1,), ("a", 0),
+        ("a", "b"), torch.tensor(1), torch.tensor([1, 2]), torch.tensor([[1]]), np.int64(1),
+        np.array([1]), object(), 1j]
+
+
+class Done:
+    def reset(self, prompt_ids):
+        pass
+
+    def step(self, turn_ids, text):
+        return Step(observation="", reward=0.0, done=True)
+
+
+# (argument, call with the junk value in that argument); the ValueError must name it (the
+# trailing spaces keep the keys apart; `source`'s message names the weight).
+CALLS = {
+    "request_id": lambda e, v: e.abort(v),
+    "key": lambda e, v: e.release_hold(v),
+    "tokens": lambda e, v: e.cached_prefix_len(v),
+    "prompt": lambda e, v: e.add_request(v, GREEDY),
+    "params": lambda e, v: e.add_request([1, 2], v),
+    "request_id ": lambda e, v: e.add_request([1, 2], GREEDY, request_id=v),
+    "hold_kv": lambda e, v: e.add_request([1, 2], GREEDY, hold_kv=v),
+    "resume": lambda e, v: e.add_request([1, 2], GREEDY, resume=v),
+    "prompt ": lambda e, v: e.generate(v, GREEDY),  # (generate's message names one prompt)
+    "params ": lambda e, v: e.generate([[1, 2]], v),
+    "use_tqdm": lambda e, v: e.generate([[1, 2]], GREEDY, use_tqdm=v),
+    "groups": lambda e, v: e.rollout([[1, 2]], GREEDY, groups=v),
+    "abort_rest": lambda e, v: e.rollout([[1, 2]], GREEDY, groups=1, abort_rest=v),
+    "use_tqdm ": lambda e, v: e.rollout([[1, 2]], GREEDY, use_tqdm=v),
+    "conversations": lambda e, v: e.chat(v, GREEDY),
+    "chat_template_kwargs": lambda e, v: e.chat([{"role": "user", "content": "a"}], GREEDY,
+                                                chat_template_kwargs=v),
+    "sequences": lambda e, v: e.score(v),
+    "temperature": lambda e, v: e.score([[1, 2, 3]], temperature=v),
+    "top_logprobs": lambda e, v: e.score([[1, 2, 3]], top_logprobs=v),
+    "start": lambda e, v: e.score([[1, 2, 3]], start=v),
+    "use_tqdm  ": lambda e, v: e.score([[1, 2, 3]], use_tqdm=v),
+    "level": lambda e, v: e.sleep(v),
+    "bucket_bytes": lambda e, v: e.update_weights(e.model_for_test, bucket_bytes=v),
+    "source": lambda e, v: e.update_weights(v),
+    "probe": lambda e, v: e.update_weights(e.model_for_test, probe=v),
+    "probe_reference": lambda e, v: e.update_weights(e.model_for_test, probe=[1, 2, 3],
+                                                     probe_reference=v),
+    "prompts": lambda e, v: run_episodes(e, v, Done, GREEDY),
+    "env_factory": lambda e, v: run_episodes(e, ["ab"], v, GREEDY),
+    "params  ": lambda e, v: run_episodes(e, ["ab"], Done, v),
+    "max_turns": lambda e, v: run_episodes(e, ["ab"], Done, GREEDY, max_turns=v),
+    "max_episode_tokens": lambda e, v: run_episodes(e, ["ab"], Done, GREEDY,
+                                                    max_episode_tokens=v),
+    "use_tqdm   ": lambda e, v: run_episodes(e, ["ab"], Done, GREEDY, use_tqdm=v),
+    "env_workers": lambda e, v: run_episodes(e, ["ab"], Done, GREEDY, env_workers=v),
+}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    model = tiny_model("llama", vocab_size=len(TOK))
+    engine = Engine(model, EngineConfig(kv_cache_tokens=512, max_model_len=64, seed=0),
+                    tokenizer=TOK)
+    engine.model_for_test = model
+    return engine
+
+
+def outputs(engine):
+    return [s.token_ids for o in engine.generate([[1, 2, 3], "ab"], GREEDY) for s in o.samples]
+
+
+@pytest.mark.parametrize("argument", list(CALLS))
+def test_junk_in_any_argument_works_or_names_it(engine, argument):
+    before = outputs(engine)
+    for value in JUNK:
+        try:
+            CALLS[argument](engine, value)
+        except ValueError as e:
+            # (a list's message may name one of its items: prompt, sequences[0], ...)
+            name = {"key": "hold", "source": "weight"}.get(argument, argument.strip().rstrip("s"))
+            assert name in str(e), (value, str(e))
+        finally:
+            if engine.is_sleeping:
+                engine.wake_up()
+            if engine.needs_weights:  # sleep(2)
+                engine.update_weights(engine.model_for_test)
+            engine.abort_all()
+            for key in list(engine.inspect().holds):
+                engine.release_hold(key)
+            engine.check_invariants()
+    assert outputs(engine) == before
