@@ -20,6 +20,7 @@ import weakref
 from torch import nn
 
 from rollout import Engine
+from rollout.fields import as_bool, as_int
 from rollout.colocation.weights import watch_optimizer, weights_version
 
 # Open blocks per engine, across every ColocatedRollout that shares it.
@@ -37,10 +38,18 @@ class ColocatedRollout:
         `optimizer`: the trainer's optimizer, whose steps then count as weight changes even
         where its kernels bump no version counter (fused AdamW; see `watch`). `carry`: leaving
         keeps the groups `rollout()` carries (Engine.carried) instead of aborting them."""
-        if sleep_level not in (1, 2):
-            raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level!r}")
+        if not isinstance(engine, Engine):
+            raise ValueError(f"engine must be an Engine, got {type(engine).__name__}")
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model must be the trainer's torch.nn.Module, got "
+                             f"{type(model).__name__}")
+        if gather is not None and not callable(gather):
+            raise ValueError(f"gather must be a context-manager factory or None, got "
+                             f"{type(gather).__name__}")
+        sleep_level = as_int("sleep_level", sleep_level, 1, 2)
+        synced = as_bool("synced", synced)
         self.engine, self.model, self.sleep_level, self.gather = engine, model, sleep_level, gather
-        self.carry = carry
+        self.carry = as_bool("carry", carry)
         self._synced_version: tuple[int, ...] | None = weights_version(model) if synced else None
         self.timings: dict[str, float] = {}
         self.synced = False  # whether the last entry copied weights in

@@ -16,7 +16,7 @@ from trl import GRPOTrainer
 from trl.models import unwrap_model_for_generation
 
 from rollout import Engine, EngineConfig, SamplingParams
-from rollout.fields import as_choice
+from rollout.fields import as_choice, as_int
 
 from .colocate import ColocatedRollout
 from .trl_support import SupportTable
@@ -83,7 +83,8 @@ class EngineRollout:
             self.engine, self._factory = None, engine_or_factory
         else:
             raise ValueError("engine_or_factory must be an Engine or a callable(trainer) -> Engine")
-        self.sleep_level, self.seed = sleep_level, seed
+        self.sleep_level = as_int("sleep_level", sleep_level, 1, 2)
+        self.seed = None if seed is None else as_int("seed", seed)
         self.colocated: ColocatedRollout | None = None
         self.calls = 0  # rollout_func calls (first turns)
         self.generate_calls = 0  # engine.generate calls, every turn

@@ -15,6 +15,8 @@ from models import char_tokenizer, tiny_model
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.agent import Step, run_episodes
+from trainer_hooks import ColocatedRollout
+from trainer_hooks.trl_rollout import make_rollout_func
 
 TOK = char_tokenizer()
 TOK.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -72,6 +74,18 @@ CALLS = {
                                                     max_episode_tokens=v),
     "use_tqdm   ": lambda e, v: run_episodes(e, ["ab"], Done, GREEDY, use_tqdm=v),
     "env_workers": lambda e, v: run_episodes(e, ["ab"], Done, GREEDY, env_workers=v),
+    # trainer_hooks: what they are built with
+    "engine": lambda e, v: ColocatedRollout(v, e.model_for_test),
+    "model": lambda e, v: ColocatedRollout(e, v),
+    "sleep_level": lambda e, v: ColocatedRollout(e, e.model_for_test, sleep_level=v),
+    "gather": lambda e, v: ColocatedRollout(e, e.model_for_test, gather=v),
+    "synced": lambda e, v: ColocatedRollout(e, e.model_for_test, synced=v),
+    "optimizer": lambda e, v: ColocatedRollout(e, e.model_for_test, optimizer=v),
+    "carry": lambda e, v: ColocatedRollout(e, e.model_for_test, carry=v),
+    "engine_or_factory": lambda e, v: make_rollout_func(v),
+    "sleep_level ": lambda e, v: make_rollout_func(e, sleep_level=v),
+    "seed": lambda e, v: make_rollout_func(e, seed=v),
+    "importance_ratio": lambda e, v: make_rollout_func(e, importance_ratio=v),
 }
 
 
