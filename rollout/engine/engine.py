@@ -28,7 +28,7 @@ from ..lora.sync import LoraSync
 from ..models.base import ROUTED_EXPERTS
 from ..models.loader import build_model, eos_token_ids, load_into, resolve_model
 from ..parallel import shared_seed, tensor_parallel
-from ..requests.intake import Prompt, check_request, check_requests, hold_key, token_ids
+from ..requests.intake import Prompt, check_request, check_requests, hold_key, prefix_ids
 from ..requests.outputs import RolloutOutput, build_output
 from ..requests.request import Request
 from ..requests.sequence import Sequence
@@ -362,10 +362,8 @@ class Engine(ColocationCalls):
     def cached_prefix_len(self, tokens) -> int:
         """How many leading tokens of `tokens` (a string or token ids, as a prompt) the prefix
         cache holds K/V for now."""
-        if isinstance(tokens, (list, tuple)) and not tokens:
-            return 0
-        return self.cache.prefix_len(token_ids("tokens", tokens, self.vocab_size,
-                                               self.tokenizer)[1])
+        return self.cache.prefix_len(prefix_ids("tokens", tokens, self.vocab_size,
+                                                self.tokenizer))
 
     def implementations(self) -> dict[str, str]:
         """Which implementation each op runs: {"backend", "attention", "sample", "projection",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from ..fields import as_float
@@ -79,7 +80,7 @@ def check_probe(engine, probe, reference) -> tuple[list[int], list[float] | None
         raise ValueError(f"probe: {len(tokens)} tokens; it needs at least 2 (the first is never "
                          f"scored) and at most max_model_len={engine.config.max_model_len}")
     if reference is not None:
-        if isinstance(reference, torch.Tensor):
+        if isinstance(reference, (torch.Tensor, np.ndarray)):
             reference = reference.tolist()
         if not isinstance(reference, (list, tuple)):
             raise ValueError(f"probe_reference must be a list of logprobs, got "

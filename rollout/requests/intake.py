@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence as Seq
 
+import numpy as np
 import torch
 
 from ..fields import as_int, show
@@ -69,6 +70,15 @@ def prompt_ids(prompt: Prompt, vocab_size: int, max_model_len: int, tokenizer
     return text, ids
 
 
+def prefix_ids(name: str, value: Prompt, vocab_size: int, tokenizer) -> list[int]:
+    """token_ids' ids, where empty is an empty prefix."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        value = value.tolist()
+    if isinstance(value, (str, list, tuple)) and not value:
+        return []
+    return token_ids(name, value, vocab_size, tokenizer)[1]
+
+
 def token_ids(name: str, value: Prompt, vocab_size: int, tokenizer
               ) -> tuple[str | None, list[int]]:
     """A string (tokenized) or a list of token ids (a tensor too) as (text, ids), refused when
@@ -79,7 +89,7 @@ def token_ids(name: str, value: Prompt, vocab_size: int, tokenizer
             raise ValueError(f"{name}: a string needs a tokenizer; pass tokenizer= to Engine "
                              f"or give token ids")
         text, value = value, tokenizer.encode(value)
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, (torch.Tensor, np.ndarray)):
         value = value.tolist()
     if not isinstance(value, (list, tuple)):
         raise ValueError(f"{name} must be a string or a list of token ids, "

@@ -83,22 +83,23 @@ class DraftHistory:
                 if held is None:
                     index[gram] = held = array("q")
                 held.append(start + end)
-        self.journal.record(functools.partial(self._unadd, eid, grams))
+        self.journal.record(functools.partial(self._unadd, eid))
         return eid
 
-    def _grams(self, tokens: list[int]) -> list[tuple[tuple[int, ...], int]]:
+    def _grams(self, tokens: list[int]):
         """(min_match-gram, where the token after it is in the entry), for the grams followed
         by something."""
         m = self.min_match
-        return [(tuple(tokens[end - m:end]), end) for end in range(m, len(tokens))]
+        return ((tuple(tokens[end - m:end]), end) for end in range(m, len(tokens)))
 
-    def _unadd(self, eid: int, grams: list) -> None:
-        """Undo add() (the place it reserved is given back by _reserve's undo, next): its
-        offsets are the last of their indexes' arrays."""
+    def _unadd(self, eid: int) -> None:
+        """Undo add(). Undos run newest first, so the history is as add() left it: the entry's
+        tokens are in the buffer and its offsets the last of their indexes' arrays (the place
+        it reserved is given back by _reserve's undo, next)."""
         start, n = self.entries.pop(eid)
         key = self.prompt_of.pop(eid)
         own = self.prompt_index[key]
-        for gram, _ in reversed(grams):
+        for gram, _ in self._grams(self._flat[start:start + n].tolist()):
             for index in (self.global_index, own):
                 held = index[gram]
                 held.pop()

@@ -7,8 +7,8 @@ length follows how much earlier samples agreed.
 
 Finished samples enter the history after the journal unit that finished them has committed
 (`remember` journals the pending entry; the next step's proposal flushes it, in a unit of its
-own), so a failed step leaves the history as it was, and a failed flush keeps every pending
-sample for the next. Verification makes any draft safe: coupled acceptance never changes an
+own), so a failed step leaves the history as it was, and a failed flush too (without the
+samples it was adding). Verification makes any draft safe: coupled acceptance never changes an
 output, rejection keeps the target's distribution (verify.py).
 """
 
@@ -44,14 +44,14 @@ class SuffixDrafter(NgramDrafter):
         self._pending.clear()
 
     def flush(self) -> None:
-        """Pending samples into the history, all of them or none."""
-        if not self._pending:
-            return
-        with self.journal.unit():
-            pending, self._pending = self._pending, []
-            self.journal.record(lambda: setattr(self, "_pending", pending))
-            for prompt, completion in pending:
-                self.history.add(prompt, completion)
+        """Pending samples into the history, all of them or none. A flush that fails drops
+        them: the history only feeds drafts, and samples that cannot enter (memory, say)
+        must not fail every later step."""
+        pending, self._pending = self._pending, []
+        if pending:
+            with self.journal.unit():
+                for prompt, completion in pending:
+                    self.history.add(prompt, completion)
 
     def check_invariants(self) -> None:
         self.history.check()

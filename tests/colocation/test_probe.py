@@ -31,7 +31,7 @@ def setup():
 def test_the_probe_agrees_with_the_trainer_after_a_good_sync(setup):
     engine, a, b = setup
     reference = trainer_logprobs(b, PROBE)
-    result = engine.update_weights(b, probe=PROBE, probe_reference=reference.tolist())
+    result = engine.update_weights(b, probe=PROBE, probe_reference=reference)  # (a tensor)
     # The floor: the trainer's float32 forward against a float64 one of the same weights.
     exact = trainer_logprobs(b.double(), PROBE).double()
     b.float()
@@ -46,7 +46,7 @@ def test_a_stale_sync_shows_in_the_gap(setup):
     wrong state): the gap is that of two different models."""
     engine, a, b = setup
     reference = trainer_logprobs(b, PROBE)
-    result = engine.update_weights(a, probe=PROBE, probe_reference=reference.tolist())
+    result = engine.update_weights(a, probe=PROBE, probe_reference=reference.numpy())
     assert result["probe_gap"] == engine.stats.probe_gap
     assert result["probe_gap"] > 0.1
 

@@ -7,6 +7,7 @@ test_bad_fields.py hold the cases that need a chosen message or limit."""
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -89,6 +90,12 @@ CALLS = {
 }
 
 
+# Where the message names an item or the argument's role rather than the argument.
+NAMED = {"prompt ": r"prompt", "sequences": r"sequences(\[\d\])? ", "key": r"(key|hold)",
+         "source": r"(weight|update_weights: source)", "prompts": r"prompts?\b",
+         "tokens": r"tokens?\b"}
+
+
 @pytest.fixture(scope="module")
 def engine():
     model = tiny_model("llama", vocab_size=len(TOK))
@@ -109,9 +116,12 @@ def test_junk_in_any_argument_works_or_names_it(engine, argument):
         try:
             CALLS[argument](engine, value)
         except ValueError as e:
-            # (a list's message may name one of its items: prompt, sequences[0], ...)
-            name = {"key": "hold", "source": "weight"}.get(argument, argument.strip().rstrip("s"))
-            assert name in str(e), (value, str(e))
+            # The message begins with the argument's name, or an item's (prompt,
+            # sequences[0], ...), and the refused call left nothing behind.
+            name = NAMED.get(argument, argument.strip())
+            assert re.match(name, str(e)), (value, str(e))
+            assert not (engine.has_unfinished or engine.inspect().holds or engine.is_sleeping
+                        or engine.needs_weights), value
         finally:
             if engine.is_sleeping:
                 engine.wake_up()
@@ -122,3 +132,16 @@ def test_junk_in_any_argument_works_or_names_it(engine, argument):
                 engine.release_hold(key)
             engine.check_invariants()
     assert outputs(engine) == before
+
+
+def test_prompts_and_prefixes_as_numpy_arrays(engine):
+    """A numpy array of ids is a prompt like the list; an empty one an empty prefix."""
+    ids = [1, 2, 3, 4]
+    assert outputs_of(engine, np.array(ids)) == outputs_of(engine, ids)
+    assert engine.cached_prefix_len(np.array(ids)) == engine.cached_prefix_len(ids) > 0
+    for empty in ([], (), "", torch.tensor([], dtype=torch.long), np.array([], np.int64)):
+        assert engine.cached_prefix_len(empty) == 0
+
+
+def outputs_of(engine, prompt):
+    return [s.token_ids for s in engine.generate([prompt], GREEDY)[0].samples]

@@ -95,20 +95,28 @@ def test_a_failed_unit_leaves_the_history_as_it_was(compacting, before, unit, po
     assert held(history) == held(twin)
 
 
-def test_every_call_of_a_unit_that_evicts_and_compacts_can_fail(compacting):
-    """A fixed unit that evicts and compacts, faulted before and after each call of each
-    point in turn: every time the history is as it was, and then as if it had never failed."""
+@pytest.mark.parametrize("grows", [False, True], ids=["evicts_and_compacts", "grows"])
+def test_every_call_of_a_unit_can_fail(compacting, grows):
+    """A fixed unit that evicts and compacts (or, under a large budget, outgrows the buffer),
+    faulted before and after each call of each point in turn: every time the history is as it
+    was, and then as if it had never failed."""
+    budget, count = (4000, 120) if grows else (20, 4)
+
     def build():
-        history = DraftHistory(20, MIN, MAX, Journal())
+        history = DraftHistory(budget, MIN, MAX, Journal())
         add_all(history, [((i % 2,), [1, 2, 3, i % 4, 0, 1]) for i in range(6)])
         return history
-    unit = [((i % 3,), [2, 3, i % 4, 1, 0]) for i in range(4)]
+    unit = [((i % 3,), [2, 3, i % 4, 1, 0, i % 5, 2]) for i in range(count)]
     done, calls = build(), Counter()
+    size = len(done._flat)
     for point in POINTS:
         setattr(done, point, counted(getattr(done, point), calls, point))
     add_all(done, unit)
-    assert calls["_evict_oldest"] >= 3 and calls["_compact"] == 4 and done.evicted >= 3
-    assert done._used < max(s + n for s, n in done.entries.values()) + 20  # it compacted
+    if grows:
+        assert len(done._flat) > size and not done.evicted
+    else:
+        assert calls["_evict_oldest"] >= 3 and done.evicted >= 3 and len(done._flat) == size
+        assert done._used < max(s + n for s, n in done.entries.values()) + 20  # it compacted
     for point in POINTS:
         for at in range(1, calls[point] + 1):
             for after in (False, True):
@@ -136,33 +144,42 @@ PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16]]
 
 @pytest.mark.parametrize("point", ["flush", "history_add"])
 @pytest.mark.parametrize("after", [False, True], ids=["before", "after"])
-def test_a_failed_flush_keeps_every_finished_sample_once(point, after, monkeypatch):
-    """The samples of a call wait for the next step's proposal to enter the history; a fault
-    there (at the flush, or at its 2nd addition, before or after it) fails that step, and the
-    samples enter with the next flush, each once: what an engine that never failed holds."""
+def test_a_failed_flush_adds_all_of_its_samples_or_none(point, after, monkeypatch):
+    """Finished samples wait for the next step's proposal to enter the history; a fault there
+    fails that step. At the flush's call: before it, the samples enter at the next step; after
+    it, they are in. At its 2nd addition: the flush is undone and its samples dropped (they
+    only feed drafts), none half in or twice. Later samples enter as before."""
     def engine():
         return Engine(tiny_model("llama"), EngineConfig(
             kv_cache_tokens=2048, max_model_len=64, seed=0, batch_invariant=True,
             speculative=SpeculativeConfig(method="suffix", num_speculative_tokens=3)))
-    params = [SamplingParams(n=3, temperature=1.0, max_tokens=10, seed=s) for s in (1, 2, 3)]
+
+    def bag(e):  # the history's entries, in whatever order drafting let them finish
+        return Counter(map(repr, held(e.speculator.drafter.history)[0]))
+    params = [SamplingParams(n=3, temperature=1.0, max_tokens=10, seed=s, ignore_eos=True)
+              for s in (1, 2, 3)]
     faulty, clean = engine(), engine()
     for e in (faulty, clean):
-        e.generate(PROMPTS, params[0])  # finished samples wait in the drafter
-    history = faulty.speculator.drafter.history
-    obj = faulty.speculator.drafter if point == "flush" else history
-    name = "flush" if point == "flush" else "add"
+        e.generate(PROMPTS, params[0])
+    clean.speculator.drafter.flush()
+    first = bag(clean)  # the first call's 9 samples
+    was = bag(faulty)  # those that finished before its last step; the others wait
+    assert len(faulty.speculator.drafter._pending) >= 2 and sum(first.values()) == 9
+    obj = faulty.speculator.drafter if point == "flush" else faulty.speculator.drafter.history
     fault = Fault(RuntimeError, at=1 if point == "flush" else 2, after=after)
-    fault.install(monkeypatch, obj, name)
+    fault.install(monkeypatch, obj, "flush" if point == "flush" else "add")
     with pytest.raises(RuntimeError, match="injected"):
         faulty.generate(PROMPTS, params[1])
     monkeypatch.undo()
     faulty.check_invariants()
     assert not faulty.running_requests
     for e in (faulty, clean):
-        e.generate(PROMPTS, params[2])  # flushes the first call's samples
+        e.generate(PROMPTS, params[2])
+        e.speculator.drafter.flush()
         e.check_invariants()
-    assert len(history.entries) == 9
-    assert held(history)[0] == held(clean.speculator.drafter.history)[0]
+    third = bag(clean) - first
+    assert sum(third.values()) == 9
+    assert bag(faulty) == third + (was if point == "history_add" else first)
 
 
 def test_finished_samples_enter_at_the_next_step_whatever_its_batch():
