@@ -55,12 +55,20 @@ class Engine(ColocationCalls):
                  process_group=None, **overrides) -> None:
         """`process_group`: the torch.distributed group of `tensor_parallel_size` ranks to run
         on; None builds one out of the world (rollout/parallel/group.py)."""
-        config = config or EngineConfig()
+        if config is None:
+            config = EngineConfig()
+        elif not isinstance(config, EngineConfig):
+            raise ValueError(f"config must be an EngineConfig or None, got "
+                             f"{type(config).__name__}")
         if overrides:
             config = dataclasses.replace(config, **overrides)
         self.config = config
         self.tp = tensor_parallel(config.tensor_parallel_size, process_group)
         hf_config, weights, device, dtype, tokenizer = resolve_model(model, config, tokenizer)
+        if tokenizer is not None and not all(
+                callable(getattr(tokenizer, f, None)) for f in ("encode", "decode")):
+            raise ValueError(f"tokenizer must encode and decode (a transformers tokenizer), got "
+                             f"{type(tokenizer).__name__}")
         self.hf_config, self.tokenizer, self.device = hf_config, tokenizer, device
         self.model = build_model(hf_config, config.max_model_len, dtype, device, self.tp,
                                  source=model)

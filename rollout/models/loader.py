@@ -59,8 +59,9 @@ def load_into(model, named_tensors) -> None:
                          f"{sorted(missing)[:3]}")
 
 
-def resolve_model(model, config: EngineConfig, tokenizer):
-    """(hf_config, named weights, device, dtype, tokenizer) for an in-memory model or a path."""
+def resolve_model(model, config: EngineConfig, tokenizer, name: str = "model"):
+    """(hf_config, named weights, device, dtype, tokenizer) for an in-memory model or a path;
+    `name`: the field in a refusal's message."""
     if isinstance(model, str):
         from transformers import AutoConfig, AutoTokenizer
 
@@ -74,8 +75,8 @@ def resolve_model(model, config: EngineConfig, tokenizer):
     inner = unwrap(model) if isinstance(model, torch.nn.Module) else model
     param = next(inner.parameters(), None) if hasattr(inner, "parameters") else None
     if not hasattr(inner, "config") or param is None:
-        raise ValueError("model must be a transformers PreTrainedModel (possibly DDP/PEFT "
-                         "wrapped) or a local path")
+        raise ValueError(f"{name} must be a transformers PreTrainedModel (possibly DDP/PEFT "
+                         f"wrapped) or a local path, got {type(model).__name__}")
     device = _check_device(config.device or param.device)
     hf_config = inner.get_base_model().config if is_peft(inner) else inner.config
     return (hf_config, model_tensors(model), device, _model_dtype(config.dtype or param.dtype),

@@ -31,6 +31,9 @@ def tensor_parallel(size: int, group=None) -> TensorParallel:
     consecutive ranks of the world (`dist.new_subgroups`: ranks 0..k-1 form one engine, k..2k-1
     the next), which is a collective over the whole world, so every rank builds its engine at
     the same point. ValueError naming `tensor_parallel_size` when that cannot be done."""
+    if group is not None and not isinstance(group, getattr(dist, "ProcessGroup", ())):
+        raise ValueError(f"process_group must be a torch.distributed ProcessGroup or None, got "
+                         f"{type(group).__name__}")
     if size == 1 and group is None:
         return SINGLE
     if not (dist.is_available() and dist.is_initialized()):

@@ -31,7 +31,8 @@ class DraftModelDrafter(Drafter):
         rolls both back together). `stream`: the noise the draft samples with; the target's own
         (TOKEN_STREAM) for coupled acceptance, an independent one (DRAFT_STREAM) for rejection
         sampling."""
-        hf_config, weights, _, _, _ = resolve_model(draft_model, config, tokenizer)
+        hf_config, weights, _, _, _ = resolve_model(draft_model, config, tokenizer,
+                                                    "speculative.draft_model")
         vocab = target.model.vocab_size
         if hf_config.vocab_size != vocab:
             raise ValueError(f"speculative.draft_model: vocab_size {hf_config.vocab_size} differs "

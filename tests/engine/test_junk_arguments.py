@@ -14,7 +14,7 @@ import pytest
 import torch
 from models import char_tokenizer, tiny_model
 
-from rollout import Engine, EngineConfig, SamplingParams
+from rollout import Engine, EngineConfig, SamplingParams, SpeculativeConfig
 from rollout.agent import Step, run_episodes
 from trainer_hooks import ColocatedRollout
 from trainer_hooks.trl_rollout import make_rollout_func
@@ -145,3 +145,26 @@ def test_prompts_and_prefixes_as_numpy_arrays(engine):
 
 def outputs_of(engine, prompt):
     return [s.token_ids for s in engine.generate([prompt], GREEDY)[0].samples]
+
+
+CONFIG = EngineConfig(kv_cache_tokens=256, max_model_len=32)
+# What the engine is built with (strings are left out for the models: a name is a checkpoint
+# to look up, and tests use no network).
+BUILDS = {
+    "model": lambda model, v: Engine(v, CONFIG),
+    "config": lambda model, v: Engine(model, v),
+    "tokenizer": lambda model, v: Engine(model, CONFIG, tokenizer=v),
+    "process_group": lambda model, v: Engine(model, CONFIG, process_group=v),
+    "speculative": lambda model, v: Engine(model, CONFIG, speculative=v),
+    "speculative.draft_model": lambda model, v: Engine(model, CONFIG, speculative=(
+        SpeculativeConfig(method="draft", draft_model=v))),
+}
+
+
+@pytest.mark.parametrize("argument", list(BUILDS))
+def test_junk_to_build_an_engine_with_names_the_argument(engine, argument):
+    for value in JUNK:
+        if value is None or isinstance(value, (str, bytes)) and "model" in argument:
+            continue
+        with pytest.raises(ValueError, match=rf"^{re.escape(argument)}\b"):
+            BUILDS[argument](engine.model_for_test, value)
