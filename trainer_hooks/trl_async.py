@@ -31,11 +31,14 @@ import itertools
 import queue
 import threading
 import time
+import warnings
 
 import numpy as np
 
 from rollout import Engine, SamplingParams
 from rollout.engine.chat import render_conversations
+
+STOP_WAIT = 60.0  # seconds stop() waits for the thread's current engine call
 
 
 class EngineRolloutWorker:
@@ -78,10 +81,18 @@ class EngineRolloutWorker:
         self._thread.start()
 
     def stop(self) -> None:
+        """The thread ends after its current engine call, aborting what the engine still
+        holds. Only one thread may call the engine: while that call runs, aborting from here
+        would be refused, so past STOP_WAIT the thread is left to abort on its way out."""
         self._stop.set()
         self._run.set()
         if self._thread is not None:
-            self._thread.join(timeout=60)
+            self._thread.join(timeout=STOP_WAIT)
+            if self._thread.is_alive():
+                warnings.warn(f"the engine's rollout thread is still in an engine call after "
+                              f"{STOP_WAIT:g} s; it aborts the engine's requests when the call "
+                              f"returns", RuntimeWarning, stacklevel=2)
+                return
         self.engine.abort_all()
 
     def update_model_version(self, model_version: int) -> None:
@@ -136,6 +147,9 @@ class EngineRolloutWorker:
                     self._push(out)
         except BaseException as e:  # check_health raises it in the trainer
             self._error = e
+        finally:
+            if self._stop.is_set():  # (stop() may have stopped waiting for this)
+                self.engine.abort_all()
 
     def _prompt_ids(self, row: dict) -> list[int]:
         prompt = row["prompt"]

@@ -19,6 +19,7 @@ from datasets import Dataset
 from models import char_tokenizer, tiny_model
 
 from rollout import Engine, EngineConfig, SamplingParams
+from trainer_hooks import trl_async
 from trainer_hooks.trl_async import EngineRolloutWorker, EngineWeightTransfer, engine_async_grpo
 
 AsyncGRPOConfig = pytest.importorskip("trl.experimental.async_grpo").AsyncGRPOConfig
@@ -149,3 +150,32 @@ def test_what_the_engine_cannot_give_is_refused(tmp_path, checkpoint):
     with pytest.raises(ValueError, match="groups_in_flight"):
         EngineRolloutWorker(engine, data, [length_reward], tok, 2, SamplingParams(),
                             groups_in_flight=0)
+
+
+def test_stop_while_the_thread_is_in_a_long_engine_call(checkpoint, monkeypatch):
+    """stop() waits STOP_WAIT for the thread's engine call; past it, it returns with a warning
+    instead of calling the engine from a second thread (refused: the engine is busy), and the
+    thread aborts the engine's requests when its call returns."""
+    path, tok = checkpoint
+    engine = Engine(path, EngineConfig(kv_cache_tokens=1024, max_model_len=64), tokenizer=tok)
+    inside, release = threading.Event(), threading.Event()
+    step = engine._step_or_raise
+
+    def slow_step():  # the first step of the thread's first call waits
+        inside.set()
+        release.wait(60)
+        return step()
+    monkeypatch.setattr(engine, "_step_or_raise", slow_step)
+    monkeypatch.setattr(trl_async, "STOP_WAIT", 0.2)
+    worker = EngineRolloutWorker(engine, Dataset.from_dict({"prompt": PROMPTS}),
+                                 [length_reward], tok, num_generations=2,
+                                 params=SamplingParams(max_tokens=6), groups_in_flight=3)
+    worker.start()
+    assert inside.wait(60)
+    with pytest.warns(RuntimeWarning, match="still in an engine call"):
+        worker.stop()
+    release.set()
+    worker._thread.join(60)
+    assert not worker._thread.is_alive() and worker._error is None
+    assert not engine.has_unfinished and not engine.carried
+    engine.check_invariants()
