@@ -65,6 +65,13 @@ def resolve_model(model, config: EngineConfig, tokenizer, name: str = "model"):
     if isinstance(model, str):
         from transformers import AutoConfig, AutoTokenizer
 
+        # A path that is not there would be looked up as a hub id (and refused as a badly
+        # formed one): say what is missing.
+        if model.startswith(("/", "./", "../", "~")):
+            if not os.path.isdir(os.path.expanduser(model)):
+                raise ValueError(f"{name}: no checkpoint directory at {model!r}")
+            model = os.path.expanduser(model)
+
         device = _check_device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         hf_config = AutoConfig.from_pretrained(model)
         default = getattr(hf_config, "dtype", None) if device.type == "cuda" else None

@@ -168,3 +168,13 @@ def test_junk_to_build_an_engine_with_names_the_argument(engine, argument):
             continue
         with pytest.raises(ValueError, match=rf"^{re.escape(argument)}\b"):
             BUILDS[argument](engine.model_for_test, value)
+
+
+@pytest.mark.parametrize("path", ["/nonexistent/checkpoint", "./no_such_dir", "~/no_such_dir"])
+def test_a_checkpoint_path_that_is_not_there_is_named(path):
+    """Not looked up as a hub id (refused as a badly formed one, or retried over the network)."""
+    with pytest.raises(ValueError, match=r"^model: no checkpoint directory at"):
+        Engine(path, CONFIG)
+    with pytest.raises(ValueError, match=r"^speculative.draft_model: no checkpoint directory"):
+        Engine(tiny_model("llama", vocab_size=len(TOK)), CONFIG, speculative=SpeculativeConfig(
+            method="draft", draft_model=path))
