@@ -150,8 +150,9 @@ class RolloutGRPOTrainer(GRPOTrainer):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
                 compute_aux_loss, **multimodal)
-        return on_support_logps(model, self.rollout.supports, input_ids, attention_mask,
-                                logits_to_keep, self.temperature,
+        # (the policy's mode, not `model`'s: the reference model stays in eval mode)
+        return on_support_logps(model, self.rollout.tables[self.model.training], input_ids,
+                                attention_mask, logits_to_keep, self.temperature,
                                 batch_size or input_ids.size(0), compute_entropy,
                                 compute_aux_loss, self.accelerator.autocast)
 

@@ -76,7 +76,10 @@ class EngineRollout:
         (trl_support.py) for RolloutGRPOTrainer to renormalise TRL's side over them."""
         self.importance_ratio = as_choice("importance_ratio", importance_ratio,
                                           IMPORTANCE_RATIOS)
-        self.supports = SupportTable()
+        # One table per trainer mode (trainer.model.training): an evaluation's generation
+        # between two training steps of one generation batch must not clear the batch's.
+        self.tables = {True: SupportTable(), False: SupportTable()}
+        self.supports = self.tables[True]  # the last generation's
         if isinstance(engine_or_factory, Engine):
             self.engine, self._factory = engine_or_factory, None
         elif callable(engine_or_factory):
@@ -151,7 +154,8 @@ class EngineRollout:
         engine = self.setup(trainer)
         prompt_ids = tokenize_prompts(prompts, trainer)
         sampling_params(trainer, engine)  # bad settings fail before the engine wakes
-        self.supports.clear()  # a new generation batch
+        self.supports = self.tables[trainer.model.training]
+        self.supports.clear()  # a new generation batch of this mode
         with self.session(trainer):
             completion_ids, logprobs = self.generate_rows(trainer, prompt_ids, first_turn=True)
         self.calls += 1

@@ -80,6 +80,11 @@ def on_support_logps(model, table: SupportTable, input_ids: torch.Tensor,
         logps = full.gather(-1, tokens[..., None].long()).squeeze(-1)
         rows = []
         for row in range(ids.size(0)):
+            if not mask[row, -logits_to_keep:].any():
+                # No completion token counts (TRL's mask_truncated_completions masks a
+                # truncated one whole): out of the loss, and not a row the table can name.
+                rows.append(logps[row])
+                continue
             support = table.get(ids[row], mask[row])
             n = len(support)
             kept = logprobs_on_support(logits[row, :n], support, temperature, tokens[row, :n])

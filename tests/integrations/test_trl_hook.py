@@ -336,6 +336,40 @@ def test_importance_ratio_under_top_p(tmp_path, importance_ratio):
         assert len(trainer.rollout.supports) > 0
 
 
+def test_on_support_with_truncated_rows_masked(tmp_path):
+    """on_support where TRL masks truncated completions whole: those rows name no completion
+    and drop out of the loss; the ratio on the rows that count is 1 within the floor above."""
+    tok = char_tokenizer()
+    trainer = RolloutGRPOTrainer(
+        tiny_model("qwen2", vocab_size=len(tok)), reward_funcs=Recorder(),
+        args=grpo_args(tmp_path, top_p=0.8, max_steps=1, max_completion_length=16,
+                       mask_truncated_completions=True),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tok,
+        engine_config=ENGINE, importance_ratio="on_support")
+    trainer.train()
+    (h,) = [h for h in trainer.state.log_history if "loss" in h]
+    assert 0 < h["completions/clipped_ratio"] < 1  # rows masked whole, and rows that count
+    assert abs(h["sampling/importance_sampling_ratio/mean"] - 1) < 1e-4
+
+
+def test_on_support_with_an_evaluation_between_steps_of_one_generation(tmp_path):
+    """An evaluation generates between the two optimizer steps of one generation batch: its
+    kept sets do not replace the batch's, which the second step still needs."""
+    tok = char_tokenizer()
+    trainer = RolloutGRPOTrainer(
+        tiny_model("qwen2", vocab_size=len(tok)), reward_funcs=Recorder(),
+        args=grpo_args(tmp_path, top_p=0.8, max_steps=2, steps_per_generation=2,
+                       per_device_train_batch_size=4, eval_strategy="steps", eval_steps=1,
+                       per_device_eval_batch_size=8),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        eval_dataset=Dataset.from_dict({"prompt": ["qq", "rr"]}), processing_class=tok,
+        engine_config=ENGINE, importance_ratio="on_support")
+    trainer.train()
+    history = trainer.state.log_history
+    assert [h["step"] for h in history if "loss" in h] == [1, 2]
+    assert any("eval_loss" in h for h in history)
+
+
 def test_on_support_logps_against_a_masked_log_softmax():
     """trl_support.on_support_logps against a naive masked log-softmax of the model's own
     logits, gradients included; padding rows get the full log-softmax."""
