@@ -169,9 +169,7 @@ class EngineRolloutWorker:
         columns = [func(prompts=[row["prompt"]] * n, completions=completions,
                         completion_ids=[s.token_ids for s in out.samples], **extra)
                    for func in self.reward_funcs]
-        rewards = np.nansum(np.array([[np.nan if r is None else r for r in c] for c in columns],
-                                     dtype=float), axis=0)
-        advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-8)
+        rewards, advantages, spread = group_advantages(columns)
         group_id = next(self._group_ids)
         prompt_ids = list(out.prompt_token_ids)
         for s, completion, advantage, reward in zip(out.samples, completions, advantages,
@@ -180,7 +178,7 @@ class EngineRolloutWorker:
             self._put(_sample(
                 row["prompt"], completion, prompt_ids, s, float(advantage),
                 self._versions.get(oldest, 0), group_id,
-                {"reward": float(reward), "reward_std": float(rewards.std())}))
+                {"reward": float(reward), "reward_std": spread}))
         self._last_push = time.time()
 
     def _put(self, sample) -> None:
@@ -191,6 +189,22 @@ class EngineRolloutWorker:
                 return
             except queue.Full:  # the trainer is behind: waiting is not a stall
                 self._last_push = time.time()
+
+
+def group_advantages(columns: list[list]) -> tuple[np.ndarray, np.ndarray, float]:
+    """(rewards, advantages, the rewards' spread) of one group from each reward function's
+    column, as TRL's own worker scores them: the functions' rewards summed; a completion every
+    function returned None for is unscorable (reward NaN, advantage 0: a 0 would pull the
+    policy away from it as if wrong), and the others are normalised among themselves."""
+    table = np.array([[np.nan if r is None else r for r in c] for c in columns], dtype=float)
+    rewards = np.nansum(table, axis=0)
+    rewards[np.isnan(table).all(axis=0)] = np.nan
+    scored = ~np.isnan(rewards)
+    advantages = np.zeros_like(rewards)
+    spread = float(rewards[scored].std()) if scored.any() else float("nan")
+    if scored.any():
+        advantages[scored] = (rewards[scored] - rewards[scored].mean()) / (spread + 1e-8)
+    return rewards, advantages, spread
 
 
 def _sample(prompt, completion, prompt_ids, s, advantage, version, group_id, metrics):

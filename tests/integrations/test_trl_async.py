@@ -13,6 +13,7 @@ import threading
 import time
 
 import flash_varlen
+import numpy as np
 import pytest
 import torch
 from datasets import Dataset
@@ -179,3 +180,18 @@ def test_stop_while_the_thread_is_in_a_long_engine_call(checkpoint, monkeypatch)
     assert not worker._thread.is_alive() and worker._error is None
     assert not engine.has_unfinished and not engine.carried
     engine.check_invariants()
+
+
+def test_unscorable_completions_get_no_advantage():
+    """A completion every reward function returned None for is unscorable: reward NaN,
+    advantage 0, left out of the group's mean and spread (as TRL's own worker scores it);
+    a None beside another function's reward counts as 0 there. By hand: rewards 1, 0, 1
+    scored, mean 2/3, spread sqrt(2)/3."""
+    rewards, advantages, spread = trl_async.group_advantages(
+        [[1.0, 0.0, None, None], [None, 0.0, 1.0, None]])
+    assert np.isnan(rewards[3]) and rewards[:3].tolist() == [1.0, 0.0, 1.0]
+    assert spread == pytest.approx(2 ** 0.5 / 3)
+    s = 2 ** 0.5 / 3 + 1e-8
+    assert advantages.tolist() == pytest.approx([(1 / 3) / s, (-2 / 3) / s, (1 / 3) / s, 0.0])
+    _, advantages, spread = trl_async.group_advantages([[None, None]])
+    assert advantages.tolist() == [0.0, 0.0] and np.isnan(spread)
