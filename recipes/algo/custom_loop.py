@@ -235,7 +235,8 @@ class CustomTrainer:
     def ppo_update(self, batch: RolloutBatch) -> dict:
         with torch.no_grad():
             old_values = self._chunked(batch, lambda rows: self.module(
-                input_ids=rows["input_ids"], attention_mask=rows["attention_mask"])[1][:, :-1])
+                input_ids=rows["input_ids"], attention_mask=rows["attention_mask"])[1][:, :-1],
+                replayed=True)
         token_rewards = torch.zeros_like(batch.mask)
         last = (batch.mask * torch.arange(batch.mask.shape[1], device=batch.mask.device)).argmax(1)
         token_rewards[torch.arange(batch.size), last] = batch.rewards
@@ -322,7 +323,7 @@ class CustomTrainer:
 
         self.module.eval()
         with torch.no_grad():
-            decouple(batch, self._chunked(batch, proximal))
+            decouple(batch, self._chunked(batch, proximal, replayed=True))
 
     def _mismatch(self, logprobs, rows) -> dict:
         """The rollout-vs-trainer statistics of the first minibatch (the trainer's policy is
@@ -350,9 +351,19 @@ class CustomTrainer:
                 self.ref, rows["input_ids"], rows["attention_mask"], self.cfg.temperature,
                 rows.get("keep")))
 
-    def _chunked(self, batch: RolloutBatch, fn) -> torch.Tensor:
+    def _chunked(self, batch: RolloutBatch, fn, replayed: bool = False) -> torch.Tensor:
+        """fn over the batch's rows a micro-batch at a time; `replayed`: the policy's forwards
+        routed as the loss's are (cfg.routing_replay), so the proximal policy and the old
+        values are those of the policy the loss then computes (a plain forward's routing
+        can differ: pi / pi_prox would not start at 1). Its flips are not counted again."""
         index = torch.arange(batch.size, device=self.acc.device)
-        return torch.cat([fn(batch.rows(i)) for i in index.split(self.cfg.micro_batch_size)])
+        out = []
+        for i in index.split(self.cfg.micro_batch_size):
+            forced = replayed and self.routes is not None and self.cfg.routing_replay
+            with routing_replay(self.module, self.routes[i], True, FlipCount()) if forced \
+                    else contextlib.nullcontext():
+                out.append(fn(batch.rows(i)))
+        return torch.cat(out)
 
     def _mean_over_ranks(self, metrics: dict) -> dict:
         """Each engine's k ranks count alike (k times each), so this is the mean over engines."""
