@@ -1,5 +1,8 @@
-"""Which prompts each engine rolls out: every rank draws the same global batch from a shared
-seed and keeps its engine's slice, so engines never overlap and no communication is needed.
+"""Which prompts each engine rolls out: each epoch is one shuffle of the rows from a shared seed,
+and each engine takes its own slice of it, so engines never overlap within an epoch and no
+communication is needed, however many prompts each draws a step (partial rollouts and dynamic
+sampling draw as many as their carried and dropped groups leave room for, which differs
+between engines).
 
 With `tensor_parallel_size` k, W processes run W / k engines of k consecutive ranks
 (rollout/parallel/group.py builds them so): the data is sharded across engines, and the k ranks
@@ -27,21 +30,27 @@ def engine_slot(process_index: int, num_processes: int, tensor_parallel_size: in
 class PromptSampler:
     def __init__(self, num_rows: int, per_engine: int, engine: int, engines: int,
                  seed: int) -> None:
+        if num_rows < engines:
+            raise ValueError(f"training set: {num_rows} rows for {engines} engines; each "
+                             f"engine needs rows of its own")
         self.num_rows, self.per_engine = num_rows, per_engine
-        self.engine, self.engines = engine, engines
-        self.rng = random.Random(seed)  # same seed on every rank: the same global order
-        self.order: list[int] = []
+        self.engine, self.engines, self.seed = engine, engines, seed
+        self.epoch = 0
+        self.order: list[int] = []  # this engine's rows still to draw
 
     def next(self, count: int | None = None) -> list[int]:
-        """This engine's row indices for one step (`count` of them; default per_engine);
-        epochs reshuffle, no row repeats within one."""
-        need = (self.per_engine if count is None else count) * self.engines
+        """This engine's row indices (`count` of them; default per_engine); epochs reshuffle,
+        no row repeats within one, on one engine or across engines."""
+        need = self.per_engine if count is None else count
         while len(self.order) < need:
-            epoch = list(range(self.num_rows))
-            self.rng.shuffle(epoch)
-            self.order += epoch
+            # Every rank shuffles epoch e alike (the seed and e alone decide it), whenever
+            # its engine gets there.
+            rows = list(range(self.num_rows))
+            random.Random(f"{self.seed}:{self.epoch}").shuffle(rows)
+            self.order += rows[self.engine::self.engines]
+            self.epoch += 1
         batch, self.order = self.order[:need], self.order[need:]
-        return batch[self.engine::self.engines]
+        return batch
 
 
 def rank_slice(items: list, rank: int, world: int) -> list:
