@@ -121,17 +121,18 @@ class RolloutGRPOTrainer(GRPOTrainer):
         if self._is_vlm:
             raise ValueError("processing_class: a multimodal processor (VLM); the rollout engine "
                              "serves text-only models")
-        # Built now so a bad EngineConfig fails here, not mid-training, and, for a
-        # tensor-parallel engine, at the same point on every rank; asleep until used.
-        self.engine = self.rollout.setup(self, synced=False)
         if self.tools and importance_ratio == "on_support":
             raise ValueError("importance_ratio='on_support': tool and environment turns put "
                              "tokens the engine did not sample into the completion; use "
                              "'untruncated' or 'full_policy'")
-        if self.tools and self.engine.tp.size > 1:
+        if self.tools and engine_config is not None and engine_config.tensor_parallel_size > 1:
             raise ValueError("tools / environment_factory: need tensor_parallel_size 1 (the "
                              "ranks of one engine must run the same turns, and each rank's "
                              "tool loop ends on its own)")
+        # Built now, after every refusal (an engine would hold its memory), so a bad
+        # EngineConfig fails here, not mid-training, and, for a tensor-parallel engine, at the
+        # same point on every rank; asleep until used.
+        self.engine = self.rollout.setup(self, synced=False)
         self.engine.sleep(sleep_level)
         self.use_vllm, self.vllm_mode = True, "colocate"
         self.vllm_generation, self._last_loaded_step = EngineGeneration(self, self.rollout), -1

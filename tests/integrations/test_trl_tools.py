@@ -9,6 +9,7 @@ random weights take over: that turn's tokens and logprobs are ordinary samples.
 """
 
 import dataclasses
+import re
 import string
 
 import pytest
@@ -20,7 +21,7 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from rollout import EngineConfig
-from trainer_hooks.trl import EngineGeneration, make_rollout_func
+from trainer_hooks.trl import EngineGeneration, RolloutGRPOTrainer, make_rollout_func
 
 CALL = '{"name": "add", "arguments": {"a": 3, "b": 4}}'
 RESULT = "<tool>7</tool><ans>"  # the template's rendering of the tool message + next header
@@ -313,3 +314,24 @@ def test_refusals(tmp_path):
     with pytest.raises(ValueError, match="RolloutGRPOTrainer"):
         plain.rollout_func([[{"role": "user", "content": "3+4"}]] * 4, plain)
     assert trainer.engine.is_sleeping
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(importance_ratio="on_support"), "importance_ratio='on_support': tool"),
+    (dict(engine_config=dataclasses.replace(ENGINE, tensor_parallel_size=2)),
+     "tools / environment_factory: need tensor_parallel_size 1"),
+])
+def test_tools_refuse_what_they_cannot_have_before_an_engine_is_built(tmp_path, kwargs,
+                                                                      match, monkeypatch):
+    """Refused in the constructor before the engine exists (one would hold its memory while
+    the error's traceback lives)."""
+    import trainer_hooks.trl
+
+    built = []
+    build = trainer_hooks.trl.build_engine
+    monkeypatch.setattr(trainer_hooks.trl, "build_engine",
+                        lambda *a: built.append(a) or build(*a))
+    with pytest.raises(ValueError, match=re.escape(match)):
+        make_trainer(tmp_path, tool_tokenizer(), cls=RolloutGRPOTrainer, tools=[add],
+                     **{"engine_config": ENGINE, **kwargs})
+    assert not built
