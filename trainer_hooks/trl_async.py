@@ -255,6 +255,10 @@ def engine_async_grpo(engine: Engine, model, reward_funcs, args, train_dataset,
     if args.repetition_penalty != 1.0:
         raise ValueError(f"repetition_penalty: the engine has none; got "
                          f"{args.repetition_penalty}, set it to 1.0")
+    if engine.config.stale_groups == "drop":
+        raise ValueError("stale_groups='drop': the worker pairs each group with its dataset row "
+                         "when the group comes back, and a dropped group never does; use "
+                         "'restart' (the default) or 'keep' (TRL then drops what is too old)")
     if args.token_budget is None:  # TRL would ask the vLLM server for its max_model_len
         args.token_budget = engine.config.max_model_len
     # The engine restarts what TRL would drop (rebinding its config: the caller's object stays).

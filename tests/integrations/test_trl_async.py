@@ -145,6 +145,10 @@ def test_what_the_engine_cannot_give_is_refused(tmp_path, checkpoint):
     with pytest.raises(ValueError, match="tools"):
         engine_async_grpo(engine, path, length_reward, async_args(tmp_path), data, tok,
                           tools=[len])
+    dropping = Engine(path, EngineConfig(kv_cache_tokens=1024, max_model_len=64,
+                                         stale_groups="drop"), tokenizer=tok)
+    with pytest.raises(ValueError, match="stale_groups='drop'"):
+        engine_async_grpo(dropping, path, length_reward, async_args(tmp_path), data, tok)
     with pytest.raises(ValueError, match="dataset"):
         EngineRolloutWorker(engine, Dataset.from_dict({"prompt": []}), [length_reward], tok, 2,
                             SamplingParams())
