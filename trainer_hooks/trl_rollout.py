@@ -204,6 +204,9 @@ class EngineRollout:
             session.generate_calls += 1
             self.generate_calls += 1
         for key, out in zip(keys, outs):
+            if out.error is not None:  # e.g. non-finite logits: no completion to give TRL
+                raise RuntimeError(f"the engine aborted a request of this generation batch: "
+                                   f"{out.error}")
             for row, sample in zip(groups[key], out.samples):
                 completion_ids[row] = list(sample.token_ids)
                 logprobs[row] = list(sample.logprobs if self.importance_ratio == "untruncated"

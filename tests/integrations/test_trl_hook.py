@@ -1,5 +1,6 @@
 """TRL GRPOTrainer with the engine as its rollout backend (trainer_hooks/trl.py), on CPU."""
 
+import dataclasses
 import json
 import os
 import socket
@@ -196,6 +197,30 @@ def test_plain_grpo_trainer_eval_with_chat_template(tmp_path, monkeypatch):
         text = tok.apply_chat_template(prompts[0], add_generation_prompt=True, tokenize=False)
         assert text.endswith("a=") and out["prompt_ids"][0] == tok(text)["input_ids"]
     assert engine.is_sleeping and engine.stats.generated_tokens > 0
+
+
+def test_a_request_the_engine_aborted_fails_the_step_saying_why(tmp_path, monkeypatch):
+    """Non-finite logits abort a request with no tokens; TRL needs a completion for every row
+    (an empty one failed deep in TRL with an IndexError): the step raises the engine's error."""
+    tok = char_tokenizer()
+    trainer = RolloutGRPOTrainer(
+        tiny_model("qwen2", vocab_size=len(tok)), reward_funcs=Recorder(),
+        args=grpo_args(tmp_path, max_steps=1), processing_class=tok, engine_config=ENGINE,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
+    generate = trainer.rollout.colocated.generate
+
+    def poisoned(prompts, params, **kw):
+        outs = generate(prompts, params, **kw)
+        aborted = [dataclasses.replace(s, token_ids=[], logprobs=[], sampling_logprobs=[],
+                                       finish_reason="abort") for s in outs[1].samples]
+        outs[1] = dataclasses.replace(outs[1], samples=aborted, error="logits: the model "
+                                      "produced non-finite values (nan/inf) for sample 0 at "
+                                      "position 3")
+        return outs
+    monkeypatch.setattr(trainer.rollout.colocated, "generate", poisoned)
+    with pytest.raises(RuntimeError, match="aborted a request .* non-finite"):
+        trainer.train()
+    assert trainer.engine.is_sleeping
 
 
 def test_unsupported_settings_are_refused(tmp_path):
