@@ -38,7 +38,7 @@ import numpy as np
 from rollout import Engine, SamplingParams
 from rollout.engine.chat import render_conversations
 
-STOP_WAIT = 60.0  # seconds stop() waits for the thread's current engine call
+STOP_WAIT = 60.0  # seconds stop() waits for the thread's current call before it says so
 
 
 class EngineRolloutWorker:
@@ -75,25 +75,27 @@ class EngineRolloutWorker:
 
     # --- the protocol -----------------------------------------------------------------------
     def start(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("start: the engine's rollout thread is still running")
         self._stop.clear()
         self._run.set()
         self._thread = threading.Thread(target=self._loop, name="engine-rollout", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        """The thread ends after its current engine call, aborting what the engine still
-        holds. Only one thread may call the engine: while that call runs, aborting from here
-        would be refused, so past STOP_WAIT the thread is left to abort on its way out."""
+        """Returns once the thread has ended, after its current engine call (one group's
+        completion at most), having aborted what the engine still holds: only then is the
+        engine free for the caller (one thread at a time may call it)."""
         self._stop.set()
         self._run.set()
         if self._thread is not None:
             self._thread.join(timeout=STOP_WAIT)
             if self._thread.is_alive():
-                warnings.warn(f"the engine's rollout thread is still in an engine call after "
-                              f"{STOP_WAIT:g} s; it aborts the engine's requests when the call "
-                              f"returns", RuntimeWarning, stacklevel=2)
-                return
-        self.engine.abort_all()
+                warnings.warn(f"stop: the engine's rollout thread is still in an engine call "
+                              f"after {STOP_WAIT:g} s; waiting for it to return",
+                              RuntimeWarning, stacklevel=2)
+                self._thread.join()
+        self.engine.abort_all()  # the thread has ended: the engine is this caller's
 
     def update_model_version(self, model_version: int) -> None:
         self.model_version = model_version
@@ -147,9 +149,6 @@ class EngineRolloutWorker:
                     self._push(out)
         except BaseException as e:  # check_health raises it in the trainer
             self._error = e
-        finally:
-            if self._stop.is_set():  # (stop() may have stopped waiting for this)
-                self.engine.abort_all()
 
     def _prompt_ids(self, row: dict) -> list[int]:
         prompt = row["prompt"]
@@ -159,6 +158,8 @@ class EngineRolloutWorker:
 
     def _push(self, out) -> None:
         row = self._rows[tuple(out.prompt_token_ids)].popleft()
+        if out.error is not None:  # aborted (non-finite logits): no completions to train on
+            return
         conversational = not isinstance(row["prompt"], str)
         texts = [s.text or "" for s in out.samples]
         completions = [[{"role": "assistant", "content": t}] for t in texts] \

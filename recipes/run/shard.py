@@ -1,8 +1,9 @@
 """Which prompts each engine rolls out: each epoch is one shuffle of the rows from a shared seed,
-and each engine takes its own slice of it, so engines never overlap within an epoch and no
-communication is needed, however many prompts each draws a step (partial rollouts and dynamic
+and each engine takes its own slice of it, so no two engines draw one row in the same epoch and
+no communication is needed, however many prompts each draws a step (partial rollouts and dynamic
 sampling draw as many as their carried and dropped groups leave room for, which differs
-between engines).
+between engines; an engine an epoch ahead of another may draw a row the other has still to
+draw in the earlier epoch).
 
 With `tensor_parallel_size` k, W processes run W / k engines of k consecutive ranks
 (rollout/parallel/group.py builds them so): the data is sharded across engines, and the k ranks

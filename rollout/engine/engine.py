@@ -64,11 +64,11 @@ class Engine(ColocationCalls):
             config = dataclasses.replace(config, **overrides)
         self.config = config
         self.tp = tensor_parallel(config.tensor_parallel_size, process_group)
-        hf_config, weights, device, dtype, tokenizer = resolve_model(model, config, tokenizer)
         if tokenizer is not None and not all(
                 callable(getattr(tokenizer, f, None)) for f in ("encode", "decode")):
             raise ValueError(f"tokenizer must encode and decode (a transformers tokenizer), got "
                              f"{type(tokenizer).__name__}")
+        hf_config, weights, device, dtype, tokenizer = resolve_model(model, config, tokenizer)
         self.hf_config, self.tokenizer, self.device = hf_config, tokenizer, device
         self.model = build_model(hf_config, config.max_model_len, dtype, device, self.tp,
                                  source=model)

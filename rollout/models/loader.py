@@ -62,6 +62,8 @@ def load_into(model, named_tensors) -> None:
 def resolve_model(model, config: EngineConfig, tokenizer, name: str = "model"):
     """(hf_config, named weights, device, dtype, tokenizer) for an in-memory model or a path;
     `name`: the field in a refusal's message."""
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
     if isinstance(model, str):
         from transformers import AutoConfig, AutoTokenizer
 

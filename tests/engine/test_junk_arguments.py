@@ -7,6 +7,7 @@ test_bad_fields.py hold the cases that need a chosen message or limit."""
 from __future__ import annotations
 
 import math
+import pathlib
 import re
 
 import numpy as np
@@ -170,7 +171,8 @@ def test_junk_to_build_an_engine_with_names_the_argument(engine, argument):
             BUILDS[argument](engine.model_for_test, value)
 
 
-@pytest.mark.parametrize("path", ["/nonexistent/checkpoint", "./no_such_dir", "~/no_such_dir"])
+@pytest.mark.parametrize("path", ["/nonexistent/checkpoint", "./no_such_dir", "~/no_such_dir",
+                                  pathlib.Path("/nonexistent/checkpoint")])
 def test_a_checkpoint_path_that_is_not_there_is_named(path):
     """Not looked up as a hub id (refused as a badly formed one, or retried over the network)."""
     with pytest.raises(ValueError, match=r"^model: no checkpoint directory at"):

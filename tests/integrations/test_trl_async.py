@@ -158,9 +158,9 @@ def test_what_the_engine_cannot_give_is_refused(tmp_path, checkpoint):
 
 
 def test_stop_while_the_thread_is_in_a_long_engine_call(checkpoint, monkeypatch):
-    """stop() waits STOP_WAIT for the thread's engine call; past it, it returns with a warning
-    instead of calling the engine from a second thread (refused: the engine is busy), and the
-    thread aborts the engine's requests when its call returns."""
+    """stop() returns only once the thread's engine call has returned and the thread ended
+    (past STOP_WAIT it says it is still waiting), then aborts what the engine holds: the
+    engine is the caller's again (a call from two threads is refused as busy)."""
     path, tok = checkpoint
     engine = Engine(path, EngineConfig(kv_cache_tokens=1024, max_model_len=64), tokenizer=tok)
     inside, release = threading.Event(), threading.Event()
@@ -177,13 +177,20 @@ def test_stop_while_the_thread_is_in_a_long_engine_call(checkpoint, monkeypatch)
                                  params=SamplingParams(max_tokens=6), groups_in_flight=3)
     worker.start()
     assert inside.wait(60)
+    timer = threading.Timer(1.0, release.set)  # the call goes on a while after STOP_WAIT
+    timer.start()
     with pytest.warns(RuntimeWarning, match="still in an engine call"):
         worker.stop()
-    release.set()
-    worker._thread.join(60)
-    assert not worker._thread.is_alive() and worker._error is None
+    assert release.is_set() and not worker._thread.is_alive() and worker._error is None
     assert not engine.has_unfinished and not engine.carried
     engine.check_invariants()
+    hold = threading.Event()  # a thread still running: start() refuses a second one
+    worker._thread = threading.Thread(target=hold.wait)
+    worker._thread.start()
+    with pytest.raises(RuntimeError, match="still running"):
+        worker.start()
+    hold.set()
+    worker._thread.join()
 
 
 def test_unscorable_completions_get_no_advantage():
@@ -199,3 +206,23 @@ def test_unscorable_completions_get_no_advantage():
     assert advantages.tolist() == pytest.approx([(1 / 3) / s, (-2 / 3) / s, (1 / 3) / s, 0.0])
     _, advantages, spread = trl_async.group_advantages([[None, None]])
     assert advantages.tolist() == [0.0, 0.0] and np.isnan(spread)
+
+
+def test_a_group_the_engine_aborted_is_not_pushed(checkpoint):
+    """An aborted group (non-finite logits) has no completions to train on: none of its
+    samples reaches TRL's queue, and its dataset row is not paired with a later group."""
+    from rollout import RolloutOutput, Sample
+
+    path, tok = checkpoint
+    engine = Engine(path, EngineConfig(kv_cache_tokens=1024, max_model_len=64), tokenizer=tok)
+    worker = EngineRolloutWorker(engine, Dataset.from_dict({"prompt": PROMPTS}),
+                                 [length_reward], tok, num_generations=2,
+                                 params=SamplingParams(max_tokens=6))
+    row = {"prompt": PROMPTS[0]}
+    ids = worker._prompt_ids(row)
+    worker._rows[tuple(ids)].append(row)
+    aborted = [Sample(index=i, token_ids=[], logprobs=[], finish_reason="abort", text="")
+               for i in range(2)]
+    worker._push(RolloutOutput("0", ids, aborted, error="logits: the model produced "
+                               "non-finite values (nan/inf) for sample 0 at position 3"))
+    assert worker.rollout_buffer.empty() and not worker._rows[tuple(ids)]

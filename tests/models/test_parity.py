@@ -66,7 +66,7 @@ def test_loads_from_a_local_checkpoint(tmp_path):
     from models import char_tokenizer
 
     char_tokenizer().save_pretrained(tmp_path)
-    engine = Engine(str(tmp_path), EngineConfig(kv_cache_tokens=512, max_model_len=64,
-                                                device="cpu"))
+    engine = Engine(tmp_path, EngineConfig(kv_cache_tokens=512, max_model_len=64,  # a Path
+                                           device="cpu"))
     outs = engine.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=8, logprobs=True))
     assert_matches_reference(model, PROMPTS[:2], outs)
