@@ -118,9 +118,12 @@ def _model_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def eos_token_ids(model, hf_config, tokenizer) -> frozenset[int]:
+    """Every id that ends a sample: the config's, the generation config's (a checkpoint's
+    generation_config.json often names more, e.g. an instruct model's end-of-turn) and the
+    tokenizer's."""
     ids: set[int] = set()
     sources = [getattr(hf_config, "eos_token_id", None),
-               getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+               getattr(_generation_config(model), "eos_token_id", None),
                getattr(tokenizer, "eos_token_id", None)]
     for value in sources:
         if isinstance(value, int):
@@ -128,3 +131,15 @@ def eos_token_ids(model, hf_config, tokenizer) -> frozenset[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(v for v in value if isinstance(v, int))
     return frozenset(ids)
+
+
+def _generation_config(model):
+    """An in-memory model's generation config, or a checkpoint's (None without one)."""
+    if not isinstance(model, (str, os.PathLike)):
+        return getattr(model, "generation_config", None)
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(os.path.expanduser(os.fspath(model)))
+    except OSError:  # no generation_config.json
+        return None

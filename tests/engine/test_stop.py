@@ -27,6 +27,26 @@ def test_stop_token_ids_eos_and_ignore_eos():
     assert ignored.token_ids == free.token_ids
 
 
+def test_a_checkpoints_generation_config_ends_samples_too(tmp_path):
+    """A checkpoint's generation_config.json may name end ids its config.json does not (an
+    instruct model's end of turn): loaded from the path, the engine stops on them, as it
+    does for the same model in memory."""
+    from transformers import GenerationConfig
+
+    model = tiny_model("qwen2")
+    free = greedy_run(Engine(model, EngineConfig(kv_cache_tokens=1024, max_model_len=128)),
+                      [3, 4, 5], max_tokens=30)
+    end = free.token_ids[10]  # a token greedy decoding reaches
+    model.generation_config = GenerationConfig(eos_token_id=[model.config.eos_token_id, end])
+    model.save_pretrained(tmp_path)
+    first = free.token_ids.index(end)
+    for source in (model, tmp_path):
+        engine = Engine(source, EngineConfig(kv_cache_tokens=1024, max_model_len=128,
+                                             device="cpu"))
+        cut = greedy_run(engine, [3, 4, 5], max_tokens=30)
+        assert cut.finish_reason == "stop" and cut.token_ids == free.token_ids[:first + 1]
+
+
 def test_max_model_len_ends_with_length():
     engine = Engine(tiny_model("llama"), EngineConfig(kv_cache_tokens=256, max_model_len=20))
     out = greedy_run(engine, list(range(1, 16)), max_tokens=100)
