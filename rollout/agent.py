@@ -125,7 +125,9 @@ class _Runner:
                  max_episode_tokens: int | None, env_workers: int) -> None:
         self.engine, self.env_factory, self.params = engine, env_factory, params
         self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
-        self.limit = engine.config.max_model_len - 1  # a prompt leaves one token to generate
+        # An episode's tokens end where a sequence's do; each later turn's prompt leaves the
+        # model a token (_env_turn ends the episode when an observation would not).
+        self.limit = engine.config.max_model_len
         self.workers = env_workers
         self.base_seed = params.seed if params.seed is not None else random.getrandbits(63)
         self.turn_params = dataclasses.replace(params, n=1, logprobs=True)
@@ -181,12 +183,17 @@ class _Runner:
         """One engine step, or, with nothing to compute, a wait for an environment."""
         if self.engine.has_unfinished:
             for out in self.engine.step():
-                lives = self.requests.pop(out.request_id, None)
+                lives = self.requests.get(out.request_id)
                 if lives is None:
                     continue  # someone else's streaming request
                 for live, sample in zip(lives, out.samples):
                     if live is not None:
                         self._model_turn(live, out.request_id, sample, out.error)
+                    else:  # its episode ended at reset: the first turn's KV is nobody's
+                        self.engine.release_hold((out.request_id, sample.index))
+                # Listed until its samples are taken: should this fail, _abandon releases
+                # their holds.
+                del self.requests[out.request_id]
         elif self.waiting:
             wait(list(self.waiting), return_when=FIRST_COMPLETED)
         for future in [f for f in self.waiting if f.done()]:
@@ -221,6 +228,9 @@ class _Runner:
             obs = self._observation(step.observation, last)
         except Exception as e:
             return self._end(live, "abort", f"environment step: {type(e).__name__}: {e}")
+        except BaseException as e:  # (KeyboardInterrupt, SystemExit): the run fails
+            self._end(live, "abort", f"environment step: {type(e).__name__}")
+            raise
         budget = self._budget(ep)
         if len(obs) >= budget:  # the observation would leave the model no token
             return self._end(live, "length")
@@ -274,13 +284,17 @@ class _Runner:
 
     def _abandon(self) -> None:
         """The run failed: stop its requests, release its holds, leave its envs to finish."""
-        for request_id in self.requests:
-            self.engine.abort(request_id)  # running, or finished and not yet stepped out
         for live in self.waiting.values():
             if live.hold is not None:
                 self.engine.release_hold(live.hold)
         for future in self.waiting:
             future.cancel()
+        for request_id, lives in self.requests.items():
+            try:
+                self.engine.abort(request_id)  # running, or finished and not yet stepped out
+            except ValueError:  # stepped out with the failing step's outputs: its samples
+                for j in range(len(lives)):  # hold KV
+                    self.engine.release_hold((request_id, j))
 
 
 def _env_step(env, turn_ids: list[int], text: str | None):

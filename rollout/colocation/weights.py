@@ -304,15 +304,18 @@ def weights_version(model: nn.Module) -> tuple:
     Trainer's default on CUDA) write without bumping counters: the steps of optimizers given
     to `watch_optimizer` count too (at worst one needless sync when another watched optimizer
     stepped).
-    Not seen: in-place writes through `.data` (`p.data.add_(...)`) bypass the counter; after
-    those call `engine.update_weights(model)` (or `ColocatedRollout.sync_weights(force=True)`).
+    Not seen: in-place writes through `.data` (`p.data.add_(...)`) bypass the counter, and
+    two `p.data = ...` between syncs can land the second tensor at the first one's freed
+    address (the allocator reuses it); after those call `engine.update_weights(model)` (or `ColocatedRollout.sync_weights(force=True)`).
     PEFT's `set_adapter` and `disable_adapter()` change which weights a read folds in without
     touching a parameter: each adapter layer's selection is part of the version too.
+    Inference tensors (made under torch.inference_mode) keep no counter; their addresses
+    and the optimizer steps still count.
     """
     model = unwrap(model)
     params = list(model.parameters())
-    return (_optimizer_steps, *(p._version for p in params), *(p.data_ptr() for p in params),
-            _adapter_selection(model))
+    return (_optimizer_steps, *(-1 if p.is_inference() else p._version for p in params),
+            *(p.data_ptr() for p in params), _adapter_selection(model))
 
 
 def _adapter_selection(model: nn.Module) -> tuple:

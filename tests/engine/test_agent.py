@@ -15,6 +15,7 @@ import torch
 from floors import assert_within_floor, exact_copy, token_logprobs
 from models import char_tokenizer, tiny_model
 
+import rollout.agent
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.agent import Step, message_tokens, run_episodes
 
@@ -159,6 +160,69 @@ def test_failing_environment_aborts_only_its_episode():
     assert all(ep.finish_reason == "done" for ep in episodes if ep is not failed[0])
     eng.check_invariants()
     assert eng.kv.available == eng.kv.num_slots
+
+
+def assert_no_kv_held(eng):
+    assert not eng.inspect().holds and not eng.has_unfinished
+    eng.check_invariants()
+    assert eng.kv.available == eng.kv.num_slots
+
+
+def test_a_failed_reset_releases_its_first_turn_kv():
+    """The first turn is one request for all of a prompt's episodes: the sample of an
+    episode whose reset failed is generated too, and its KV hold released."""
+    made = []
+
+    class BadReset(Echo):
+        def reset(self, prompt_ids):
+            made.append(self)
+            if len(made) == 2:
+                raise RuntimeError("bad reset")
+    eng = engine()
+    episodes = run_episodes(eng, PROMPTS[:1], BadReset, PARAMS)[0]
+    assert [ep.finish_reason for ep in episodes] == ["done", "abort", "done"]
+    assert "bad reset" in episodes[1].error
+    assert_no_kv_held(eng)
+
+
+@pytest.mark.parametrize("where", ["environment", "model turn"])
+def test_a_run_that_fails_midway_leaves_no_kv_held(where, monkeypatch):
+    """An environment raising SystemExit, or Ctrl-C while a step's outputs are being taken
+    (some requests' samples already holding KV, not yet handed to their episodes): the run
+    raises, and every hold is released, nothing left running."""
+    calls = []
+    if where == "environment":
+        class Exiting(Echo):
+            def step(self, turn_ids, text):
+                calls.append(1)
+                if len(calls) == 2:
+                    raise SystemExit("env exits")
+                return super().step(turn_ids, text)
+        env, kind = Exiting, SystemExit
+    else:
+        turn = rollout.agent._Runner._model_turn
+
+        def interrupted(self, *args):
+            calls.append(1)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+            return turn(self, *args)
+        monkeypatch.setattr(rollout.agent._Runner, "_model_turn", interrupted)
+        env, kind = functools.partial(Echo, 100), KeyboardInterrupt
+    eng = engine()
+    with pytest.raises(kind):
+        run_episodes(eng, PROMPTS, env, PARAMS)
+    assert_no_kv_held(eng)
+
+
+def test_a_prompt_of_max_model_len_minus_one_gets_its_one_token():
+    """As generate gives it: the episode's tokens may reach max_model_len."""
+    eng = engine(max_model_len=16)
+    prompt = TOK.encode("abcdefghijklmno", add_special_tokens=False)[:15]
+    assert len(prompt) == 15
+    (ep,) = run_episodes(eng, [prompt], Echo, SamplingParams(max_tokens=8, seed=1))[0]
+    assert len(ep.token_ids) == 1 and ep.finish_reason in ("done", "length")
+    assert_no_kv_held(eng)
 
 
 def test_a_slow_environment_does_not_stall_the_others():

@@ -35,3 +35,20 @@ def test_generate_reuses_its_engine_and_follows_optimizer_steps():
     engine.sleep(2)  # asleep without weights: the next call wakes and refills it
     assert tokens(rollout.generate(model, PROMPTS, GREEDY, **CONFIG)) == tokens(fresh)
     assert engine_for(model, max_model_len=32, kv_cache_tokens=512) is not engine
+
+
+def test_a_model_of_inference_tensors():
+    """Made under torch.inference_mode, its parameters keep no version counter (reading one
+    raised): generate works as for any model, and follows a change of its weights' storage."""
+    with torch.inference_mode():
+        model = tiny_model("llama")
+    first = rollout.generate(model, PROMPTS, GREEDY, **CONFIG)
+    assert tokens(first) == tokens(Engine(model, EngineConfig(**CONFIG)).generate(PROMPTS,
+                                                                                GREEDY))
+    with torch.inference_mode():
+        for p in model.parameters():
+            p.data = p.data * 3  # a new storage: its address changes
+    after = rollout.generate(model, PROMPTS, GREEDY, **CONFIG)
+    assert tokens(after) == tokens(Engine(model, EngineConfig(**CONFIG)).generate(PROMPTS,
+                                                                                GREEDY))
+    assert tokens(after) != tokens(first)
