@@ -140,25 +140,28 @@ class _Runner:
                                  engine.tokenizer)[1] for p in prompts]  # every prompt first
         result: list[list[Episode]] = []
         bar = self.bar = progress(len(prompts) * self.params.n, use_tqdm, unit="episode")
-        with ThreadPoolExecutor(self.workers, thread_name_prefix="rollout-env") as pool:
-            self.pool = pool
-            try:
-                for i, ids in enumerate(checked):
-                    lives = [self._start(Episode(list(ids)), (i, j))
-                             for j in range(self.params.n)]
-                    result.append([live.episode for live in lives])
-                    first = dataclasses.replace(
-                        self.params, logprobs=True, seed=self._seed(i, 0, 0),
-                        max_tokens=min(self.params.max_tokens, self._budget(lives[0].episode)))
-                    self._submit(ids, first, [live if live.episode.finish_reason is None
-                                              else None for live in lives], None)
-                while self.requests or self.waiting:
-                    self._advance()
-            except BaseException:
-                self._abandon()
-                raise
-            finally:
-                bar.close()
+        self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="rollout-env")
+        failed = True
+        try:
+            for i, ids in enumerate(checked):
+                lives = [self._start(Episode(list(ids)), (i, j))
+                         for j in range(self.params.n)]
+                result.append([live.episode for live in lives])
+                first = dataclasses.replace(
+                    self.params, logprobs=True, seed=self._seed(i, 0, 0),
+                    max_tokens=min(self.params.max_tokens, self._budget(lives[0].episode)))
+                self._submit(ids, first, [live if live.episode.finish_reason is None
+                                          else None for live in lives], None)
+            while self.requests or self.waiting:
+                self._advance()
+            failed = False
+        except BaseException:
+            self._abandon()
+            raise
+        finally:
+            bar.close()
+            # A failed run does not wait for its environments' steps still under way.
+            self.pool.shutdown(wait=not failed, cancel_futures=True)
         return result
 
     def _start(self, episode: Episode, index: tuple[int, int]) -> _Live:
@@ -166,8 +169,9 @@ class _Runner:
         try:
             live.env = self.env_factory()
             reset = getattr(live.env, "reset", None)
-            if reset is not None:
-                _run(reset(list(episode.prompt_ids)))
+            if reset is not None:  # on the pool, as steps are: an async reset then gets an
+                # event loop of its own even when the caller runs one (a notebook)
+                self.pool.submit(_env_call, reset, list(episode.prompt_ids)).result()
         except Exception as e:
             self._end(live, "abort", f"environment reset: {type(e).__name__}: {e}")
         return live
@@ -298,11 +302,12 @@ class _Runner:
 
 
 def _env_step(env, turn_ids: list[int], text: str | None):
-    return _run(env.step(turn_ids, text))
+    return _env_call(env.step, turn_ids, text)
 
 
-def _run(result):
-    """A coroutine's result (async environments), or the value itself."""
+def _env_call(method, *args):
+    """An environment method's result, awaited for an async environment."""
+    result = method(*args)
     return asyncio.run(result) if inspect.iscoroutine(result) else result
 
 

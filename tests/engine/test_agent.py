@@ -215,6 +215,53 @@ def test_a_run_that_fails_midway_leaves_no_kv_held(where, monkeypatch):
     assert_no_kv_held(eng)
 
 
+def test_a_failed_run_does_not_wait_for_a_slow_environment():
+    """Ctrl-C from one environment while another's step is still running: the run raises
+    at once (the slow step is left to finish on its own), with no KV held."""
+    started, release, finished = threading.Event(), threading.Event(), []
+    made = []
+
+    class SlowOrInterrupting(Echo):
+        def __init__(self):
+            super().__init__(100)
+            made.append(self)
+            self.slow = len(made) == 1
+
+        def step(self, turn_ids, text):
+            if self.slow:
+                started.set()
+                release.wait(30)
+                finished.append(1)
+            else:
+                started.wait(30)
+                raise KeyboardInterrupt
+            return super().step(turn_ids, text)
+    eng = engine()
+    with pytest.raises(KeyboardInterrupt):
+        run_episodes(eng, PROMPTS[:1], SlowOrInterrupting, PARAMS)
+    assert not finished  # returned while the slow step still ran
+    release.set()
+    assert_no_kv_held(eng)
+
+
+def test_an_async_reset_inside_a_running_event_loop():
+    """Called from code that runs an event loop (a notebook), an async environment's reset
+    and steps run as they do elsewhere."""
+    class AsyncEcho(Echo):
+        async def reset(self, prompt_ids):
+            await asyncio.sleep(0)
+            self.prompt_ids = prompt_ids
+
+        async def step(self, turn_ids, text):
+            await asyncio.sleep(0)
+            return Echo.step(self, turn_ids, text)
+
+    async def main():
+        return run_episodes(engine(), PROMPTS[:1], AsyncEcho, PARAMS)
+    episodes = asyncio.run(main())[0]
+    assert [ep.finish_reason for ep in episodes] == ["done"] * 3
+
+
 def test_a_prompt_of_max_model_len_minus_one_gets_its_one_token():
     """As generate gives it: the episode's tokens may reach max_model_len."""
     eng = engine(max_model_len=16)
