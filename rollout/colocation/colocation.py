@@ -153,6 +153,10 @@ class Colocation:
         else:
             shapes, named = plan.shapes, plan.tensors()
         written = model.check_weights(shapes)
+        if plan is None and not written:  # (an adapter-only sync may write no base weight)
+            named.close()
+            raise ValueError("update_weights: source holds no weight of the model (an "
+                             "exhausted iterator, or only names the model ties to others)")
         if self.weights_missing:
             missing = model.expected_weight_names() - written
             if missing:

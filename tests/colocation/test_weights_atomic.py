@@ -76,6 +76,28 @@ def test_unknown_name_is_refused_before_any_copy(container):
                    "no such parameter")
 
 
+def test_a_source_with_no_weight_is_refused_and_changes_nothing():
+    """An exhausted iterator (the same named_parameters() generator given twice) or an empty
+    dict: refused, the version, the weights and the prefix cache as they were (an update
+    of nothing bumped the version and emptied the cache)."""
+    engine, new = old_engine_and_new_model()
+    engine.generate(PROMPT, GREEDY)
+    pairs = new.named_parameters()
+    engine.update_weights(pairs)
+    version = engine.weights_version
+    engine.generate(PROMPT, GREEDY)  # cached under the new weights
+    cached = engine.cached_prefix_len(PROMPT[0])
+    for empty in (pairs, {}):
+        before = {n: t.clone() for n, t in engine.model.state_dict().items()}
+        with pytest.raises(ValueError, match="update_weights: source holds no weight"):
+            engine.update_weights(empty)
+        assert engine.weights_version == version and not engine.needs_weights
+        assert engine.cached_prefix_len(PROMPT[0]) == cached > 0
+        after = engine.model.state_dict()
+        assert all(torch.equal(after[n], t) for n, t in before.items())
+    assert outputs(engine.generate(PROMPT, GREEDY)) == fresh(new)
+
+
 @pytest.mark.parametrize("bad", ["meta", "int64", "bool", "complex"])
 def test_bad_model_parameter_is_refused_from_its_metadata(bad):
     spoil, problem = BAD[bad]
