@@ -84,8 +84,8 @@ class RolloutGRPOTrainer(GRPOTrainer):
     `vllm_generation.generate` (`_generate_single_turn`), and (b) together with
     `vllm_importance_sampling_correction` (on by default) makes TRL always recompute the old
     logprobs, treat the engine's logprobs as the sampling logprobs, apply the importance
-    ratio (`vllm_importance_sampling_mode`) over the loss mask (completion mask x tool mask) and log `sampling/*`
-    metrics, exactly as for vLLM. Its other branches are vLLM-only setup in __init__ and the
+    ratio (`vllm_importance_sampling_mode`) over the loss mask (completion mask x tool mask) and
+    log `sampling/*` metrics, exactly as for vLLM. Its other branches are vLLM-only setup in __init__ and the
     weight sync before each rollout (a no-op here). With the correction off, only (a) remains.
 
     The engine is awake for each whole `_generate` call (first turn, tool calls, later turns)

@@ -201,9 +201,9 @@ def group_advantages(columns: list[list]) -> tuple[np.ndarray, np.ndarray, float
     rewards = np.nansum(table, axis=0)
     rewards[np.isnan(table).all(axis=0)] = np.nan
     scored = ~np.isnan(rewards)
-    advantages = np.zeros_like(rewards)
-    spread = float(rewards[scored].std()) if scored.any() else float("nan")
+    advantages, spread = np.zeros_like(rewards), float("nan")
     if scored.any():
+        spread = float(rewards[scored].std())
         advantages[scored] = (rewards[scored] - rewards[scored].mean()) / (spread + 1e-8)
     return rewards, advantages, spread
 

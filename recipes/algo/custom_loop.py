@@ -357,9 +357,9 @@ class CustomTrainer:
         values are those of the policy the loss then computes (a plain forward's routing
         can differ: pi / pi_prox would not start at 1). Its flips are not counted again."""
         index = torch.arange(batch.size, device=self.acc.device)
+        forced = replayed and self.routes is not None and self.cfg.routing_replay
         out = []
         for i in index.split(self.cfg.micro_batch_size):
-            forced = replayed and self.routes is not None and self.cfg.routing_replay
             with routing_replay(self.module, self.routes[i], True, FlipCount()) if forced \
                     else contextlib.nullcontext():
                 out.append(fn(batch.rows(i)))

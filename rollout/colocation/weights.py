@@ -306,7 +306,8 @@ def weights_version(model: nn.Module) -> tuple:
     stepped).
     Not seen: in-place writes through `.data` (`p.data.add_(...)`) bypass the counter, and
     two `p.data = ...` between syncs can land the second tensor at the first one's freed
-    address (the allocator reuses it); after those call `engine.update_weights(model)` (or `ColocatedRollout.sync_weights(force=True)`).
+    address (the allocator reuses it); after those call `engine.update_weights(model)` (or
+    `ColocatedRollout.sync_weights(force=True)`).
     PEFT's `set_adapter` and `disable_adapter()` change which weights a read folds in without
     touching a parameter: each adapter layer's selection is part of the version too.
     Inference tensors (made under torch.inference_mode) keep no counter; their addresses

@@ -16,9 +16,9 @@ host memory (it survives sleep), bounded by `budget` tokens: the oldest entries 
 what was evicted is a prefix of the buffer and of every index's offsets, dropped when it makes
 up half of them.
 
-Changes are journaled (journal.py): inside a unit each eviction, compaction and addition records
-its inverse, so a failed flush (suffix.py) leaves the history as it was, with no sample added
-twice or lost.
+Changes are journaled (journal.py): inside a unit each eviction, compaction, reservation and
+addition records its inverse, so a failed flush (suffix.py) leaves the history as it was, no
+sample in it half or twice.
 """
 
 from __future__ import annotations
@@ -77,7 +77,9 @@ class DraftHistory:
         own = self.prompt_index.setdefault(key, {})
         self.prompt_entries[key] = self.prompt_entries.get(key, 0) + 1
         m = self.min_match
-        for end in range(m, n):  # as _grams (inline: a generator costs ~10 % of an add)
+        # As _grams, inline: through the generator an add took 115-118 against 104-106 us
+        # (6,000 samples of 250-600 tokens, best of 5, AMD EPYC Zen 4).
+        for end in range(m, n):
             gram = tuple(tokens[end - m:end])
             for index in (self.global_index, own):
                 held = index.get(gram)
@@ -131,11 +133,10 @@ class DraftHistory:
                     index.setdefault(gram, []).append(start + after)
             end = start + n + 1  # past its gap
         assert end == self._used and (self._flat[end - 1:] == GAP).all(), "the buffer's end"
-        live = {key: {gram: self._live_offsets(offsets).tolist() for gram, offsets in index.items()}
+        # (grams with only evicted entries' offsets are left until compaction drops them)
+        live = {key: {gram: kept.tolist() for gram, offsets in index.items()
+                      if len(kept := self._live_offsets(offsets))}
                 for key, index in [(None, self.global_index), *self.prompt_index.items()]}
-        for index in live.values():
-            for gram in [gram for gram, offsets in index.items() if not offsets]:
-                del index[gram]  # only evicted entries' offsets: dropped at compaction
         assert live == {None: want_global, **want_own}, "indexes differ from the entries"
         assert self.prompt_entries == Counter(self.prompt_of.values()), "entry counts"
         assert set(self.prompt_of) == set(self.entries), "prompts of entries"
