@@ -55,7 +55,17 @@ void pack_panels_f32(const float *w, int64_t n, int64_t k, float *wp, int num_th
 #define K_CHUNK_512 128
 #endif
 #endif
+/* With chunks, a chunk's first row block waits for its panel slice from memory (each pair of
+ * every layer is new to the cache): the slice after it (the pair's next chunk, else the next
+ * pair's first) is asked into L2 while the row blocks before it run, a share of its lines per
+ * row block. On the Intel Xeon the step's projections went 112-116 -> 97-106 ms (59 -> 66-71 %
+ * of the FMA peak, docs/benchmarks.md). Measured there only: the Zen 4's whole-k loop keeps
+ * none. A hint, never a bit of the result; -DPREFETCH_512=0|1 overrides. */
+#ifndef PREFETCH_512
+#define PREFETCH_512 (K_CHUNK_512 < INT32_MAX)
+#endif
 #define IN_ZMM(x) __asm__("" : "+v"(x))
+#define ROW_BLOCKS(m) ((m) > 0 ? ((m) + ROW_BLOCK_512 - 1) / ROW_BLOCK_512 : 1)
 
 /* Inputs k0 .. k0 + kc of y[r][0..cols) (= or += alpha *) x[r] . panels for R rows and P (1
  * or 2) adjacent panels (R, P constants after inlining; cols counts the columns of all P panels
@@ -116,7 +126,20 @@ static void panels_times(const float *x, int64_t x_stride, int64_t m, int64_t k,
         const int two = cols > PANEL;
         for (int64_t k0 = 0; k0 == 0 || k0 < k; k0 += chunk) {
             const int64_t kc = k - k0 < chunk ? k - k0 : chunk;
+            /* the next slice's inputs nk0 .. nk0 + lines: each a line of each of its two panels
+             * (a missing second panel is the next pair's first, or past the end: a prefetch of
+             * an address outside the mapping never faults) */
+            const int64_t nk0 = k0 + kc < k ? k0 + kc : 0;
+            const float *next = nk0 ? panel : panel + 2 * k * PANEL;
+            const int64_t lines = !PREFETCH_512 || (!nk0 && p + 1 == pairs) ? 0
+                                  : k - nk0 < chunk ? k - nk0 : chunk;
+            const int64_t per_block = (lines + ROW_BLOCKS(m) - 1) / ROW_BLOCKS(m);
             for (int64_t r = 0; r < m; r += ROW_BLOCK_512) {
+                const int64_t l0 = r / ROW_BLOCK_512 * per_block;
+                for (int64_t l = l0; l < l0 + per_block && l < lines; l++) {
+                    _mm_prefetch((const char *)(next + (nk0 + l) * PANEL), _MM_HINT_T1);
+                    _mm_prefetch((const char *)(next + (k + nk0 + l) * PANEL), _MM_HINT_T1);
+                }
                 const float *xr = x + r * x_stride;
                 float *yr = y + r * y_stride + col0;
                 const int rows = m - r < ROW_BLOCK_512 ? (int)(m - r) : ROW_BLOCK_512;
