@@ -24,6 +24,7 @@ from collections.abc import Generator, Iterable, Iterator
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef  # imported by torch itself
 
 _WRAPPER_ATTRS = ("module", "_orig_mod")  # DDP / DeepSpeed engine / FSDP, torch.compile
 _NAME_PREFIXES = ("module.", "_orig_mod.", "base_model.model.")
@@ -299,15 +300,16 @@ def watch_optimizer(optimizer: torch.optim.Optimizer) -> None:
 def weights_version(model: nn.Module) -> tuple:
     """Changes whenever the weights a read gives may have changed, without reading them.
     Autograd's per-tensor version counters catch copy_, load_state_dict and foreach
-    optimizers. Storage addresses catch `p.data = ...` (vector_to_parameters, Module.to),
-    which leaves the counter alone. Fused optimizer kernels (torch's fused AdamW, the HF
-    Trainer's default on CUDA) write without bumping counters: the steps of optimizers given
-    to `watch_optimizer` count too (at worst one needless sync when another watched optimizer
-    stepped).
-    Not seen: in-place writes through `.data` (`p.data.add_(...)`) bypass the counter, and
-    two `p.data = ...` between syncs can land the second tensor at the first one's freed
-    address (the allocator reuses it); after those call `engine.update_weights(model)` (or
-    `ColocatedRollout.sync_weights(force=True)`).
+    optimizers. The storages catch `p.data = ...` (vector_to_parameters, Module.to), which
+    leaves the counter alone: by a weak reference to each, not its address, because two
+    swaps between syncs can land the second tensor's data at the first one's freed address
+    (the allocator reuses it), while a storage's own record outlives its data as long as a
+    weak reference to it does, so no other storage can be told for it by a version held.
+    Fused optimizer kernels (torch's fused AdamW, the HF Trainer's default on CUDA) write
+    without bumping counters: the steps of optimizers given to `watch_optimizer` count too
+    (at worst one needless sync when another watched optimizer stepped).
+    Not seen: in-place writes through `.data` (`p.data.add_(...)`) bypass the counter; after
+    those call `engine.update_weights(model)` (or `ColocatedRollout.sync_weights(force=True)`).
     PEFT's `set_adapter` and `disable_adapter()` change which weights a read folds in without
     touching a parameter: each adapter layer's selection is part of the version too.
     Inference tensors (made under torch.inference_mode) keep no counter; their addresses
@@ -316,6 +318,7 @@ def weights_version(model: nn.Module) -> tuple:
     model = unwrap(model)
     params = list(model.parameters())
     return (_optimizer_steps, *(-1 if p.is_inference() else p._version for p in params),
+            *(StorageWeakRef(p.untyped_storage()) for p in params),
             *(p.data_ptr() for p in params), _adapter_selection(model))
 
 

@@ -1,6 +1,6 @@
 """Edges of weight sync and sleep: a failed update changes nothing, sleep(1) -> sleep(2) deepens
 without touching the device, rollout.generate takes a checkpoint path, and `.data` reassignment
-counts as a weight change."""
+counts as a weight change, a second one landing on the first one's freed address too."""
 
 import pytest
 import torch
@@ -169,4 +169,46 @@ def test_colocated_rollout_follows_data_reassignment(reassign):
     with hook as r:
         after = tokens(r.generate(PROMPTS, GREEDY))
     assert hook.synced
+    assert after == fresh(model) != before
+
+
+# --- two swaps between syncs, the second at the first one's freed address ----------------------
+def _swap_twice_onto_old_address(param) -> bool:
+    """`param.data = -param`, then a second tensor (the same weights times -2) allocated while
+    the first swap's still lives, at the address of the storage before both (the allocator
+    hands it out again): the data pointer and the version counter are as before, the weights
+    are not. False where no allocation within 64 landed there."""
+    address = param.data_ptr()
+    param.data = param.data * -1
+    held = []  # the misses stay allocated, so the next try gets another block
+    for _ in range(64):
+        t = torch.empty_like(param.data)
+        if t.data_ptr() == address:
+            param.data = t.copy_(param.data * 2)
+            return True
+        held.append(t)
+    return False
+
+
+def test_weights_version_sees_a_swap_onto_a_freed_address():
+    linear = torch.nn.Linear(64, 64, bias=False)
+    for _ in range(20):
+        version = weights_version(linear)
+        if _swap_twice_onto_old_address(linear.weight):
+            break
+    else:
+        pytest.skip("this allocator never handed the freed address out again")
+    assert weights_version(linear) != version
+
+
+def test_generate_follows_two_swaps_onto_a_freed_address():
+    model = tiny_model("llama")
+    head = model.get_output_embeddings().weight
+    for _ in range(20):
+        before = tokens(rollout.generate(model, PROMPTS, GREEDY, **CONFIG))
+        if _swap_twice_onto_old_address(head):
+            break
+    else:
+        pytest.skip("this allocator never handed the freed address out again")
+    after = tokens(rollout.generate(model, PROMPTS, GREEDY, **CONFIG))
     assert after == fresh(model) != before
