@@ -47,8 +47,11 @@ static inline float dot(const float *a, const float *b, int64_t d) {
  * the key and value rows AHEAD keys further on are asked for, into L2 (prefetcht2; t1 the
  * same): on a Zen 4 the suffixes' K/V then come at 23-28 GB/s instead of 16-18
  * (bench/attention_kernel.py; the cores stream 33). Into L1 (prefetcht0) they came no faster
- * than without: the L1's few outstanding misses, not the distance, were the limit. */
+ * than without: the L1's few outstanding misses, not the distance, were the limit. A build
+ * may set the distance (-DAHEAD=n; past every context it asks for nothing), to compare. */
+#ifndef AHEAD
 #define AHEAD 32
+#endif
 
 static inline __attribute__((always_inline)) void prefetch_row(const float *p, int64_t d) {
     for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(p + i, 0, 1);
