@@ -19,7 +19,6 @@ CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "de
 
 
 def main(argv: list[str] | None = None) -> dict:
-    os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_SILENT", "true")
     from rollout_recipes.run.config_file import load_config, parse_overrides
     from rollout_recipes.run.session import train

@@ -31,7 +31,6 @@ def write_sums(path: str, rows: int, seed: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_SILENT", "true")
     from rollout_recipes.demo import report
     from rollout_recipes.run.config_file import load_config, parse_overrides

@@ -29,7 +29,6 @@ LABELS = {"tool": "with the tool (multi-turn)", "no_tool": "without it (single-t
 
 
 def main(argv: list[str] | None = None) -> dict:
-    os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_SILENT", "true")
     from rollout_recipes.run.config_file import load_config, parse_overrides
     from rollout_recipes.run.plot import accuracy_curves

@@ -29,6 +29,7 @@ def async_args(cfg: RecipeConfig, accelerator):
         # One optimizer step trains prompts_per_step groups, as one step of the other loops.
         per_device_train_batch_size=cfg.prompts_per_step * cfg.num_generations,
         max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature,
+        top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p or None,
         learning_rate=cfg.learning_rate, lr_scheduler_type="constant",
         weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, epsilon=cfg.clip_eps,
         max_staleness=1 if cfg.max_staleness is None else cfg.max_staleness,

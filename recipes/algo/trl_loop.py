@@ -33,6 +33,10 @@ def grpo_args(cfg: RecipeConfig, accelerator):
     # Read before GRPOConfig: building it resets the accelerate state `accelerator` reads.
     on_cpu = accelerator.device.type == "cpu"
     precision = accelerator.mixed_precision
+    per_step = cfg.prompts_per_step * cfg.num_generations // cfg.minibatches
+    # RecipeConfig checked that a micro batch smaller than a minibatch divides it
+    micro = min(cfg.micro_batch_size or per_step, per_step)
+    accumulate = per_step // micro
     return GRPOConfig(
         output_dir=f"{cfg.output_dir}/trl", run_name=cfg.run_name, seed=cfg.seed,
         # Autocast as `accelerate launch --mixed_precision` asked; the engine has its own dtype.
@@ -42,9 +46,11 @@ def grpo_args(cfg: RecipeConfig, accelerator):
         max_steps=cfg.steps * _optimizer_steps_per_rollout(cfg),
         num_generations=cfg.num_generations,
         # One generation batch = prompts_per_step prompts x num_generations per process, split
-        # into `minibatches` optimizer steps, each reused `epochs` times (num_iterations).
-        per_device_train_batch_size=cfg.prompts_per_step * cfg.num_generations // cfg.minibatches,
-        steps_per_generation=cfg.minibatches, num_iterations=cfg.epochs,
+        # into `minibatches` optimizer steps, each reused `epochs` times (num_iterations), each
+        # of micro_batch_size sequences a forward/backward (TRL's steps_per_generation counts
+        # those, gradient accumulation gathers them into optimizer steps).
+        per_device_train_batch_size=micro, gradient_accumulation_steps=accumulate,
+        steps_per_generation=cfg.minibatches * accumulate, num_iterations=cfg.epochs,
         max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
         top_k=cfg.top_k, min_p=cfg.min_p or None,
         learning_rate=cfg.learning_rate, lr_scheduler_type="constant",

@@ -147,7 +147,9 @@ class RecipeConfig:
     run_name: str | None = None
     wandb: bool = True
     wandb_project: str = "rollout-recipes"
-    wandb_mode: str = "offline"  # offline by default: no network needed; `wandb sync` later
+    # None: $WANDB_MODE, else offline (no network needed; `wandb sync` later); a mode given
+    # here wins over $WANDB_MODE
+    wandb_mode: str | None = None
     plot: bool = True
     progress: bool = True  # tqdm bars and per-step lines
 
@@ -189,7 +191,7 @@ _NON_NEGATIVE = ("eval_size", "eval_every", "warmstart_steps", "beta", "weight_d
 
 def _check_values(cfg: RecipeConfig) -> None:
     for name, allowed in (("trainer", TRAINERS), ("algo", ALGOS), ("reward", REWARDS),
-                          ("task", TASKS), ("wandb_mode", ("offline", "online", "disabled")),
+                          ("task", TASKS), ("wandb_mode", (None, "offline", "online", "disabled")),
                           ("importance_ratio", ("on_support", "full_policy")),
                           ("lora_mode", LORA_MODES)):
         if getattr(cfg, name) not in allowed:
@@ -233,6 +235,21 @@ def _check_values(cfg: RecipeConfig) -> None:
     if cfg.trainer == "trl" and batch % cfg.minibatches:
         raise ValueError(f"minibatches: {cfg.minibatches} must divide prompts_per_step x "
                          f"num_generations = {batch} for the trl trainer")
+    if cfg.trainer == "trl" and cfg.micro_batch_size and \
+            cfg.micro_batch_size < batch // cfg.minibatches and \
+            (batch // cfg.minibatches) % cfg.micro_batch_size:
+        raise ValueError(f"micro_batch_size: {cfg.micro_batch_size} must divide a minibatch "
+                         f"({batch // cfg.minibatches} sequences) for the trl trainer")
+    if cfg.trainer == "trl_async":
+        # AsyncGRPOConfig has no KL term, one optimizer step per batch and a policy loaded from
+        # a full checkpoint (a PEFT model saves its adapter alone): refused, not ignored.
+        unmet = [f"{name} {getattr(cfg, name)}" for name, default in
+                 (("beta", 0.0), ("minibatches", 1), ("epochs", 1), ("lora", None))
+                 if getattr(cfg, name) != default]
+        if unmet:
+            raise ValueError(f"trainer: trl_async (TRL's AsyncGRPOTrainer) trains without a KL "
+                             f"term, one optimizer step per batch and no LoRA; got "
+                             f"{', '.join(unmet)} (--trainer trl or custom take them)")
     for name in ("gamma", "lam"):
         if not 0 <= getattr(cfg, name) <= 1:
             raise ValueError(f"{name} must be in [0, 1], got {getattr(cfg, name)}")

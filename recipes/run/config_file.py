@@ -32,8 +32,12 @@ def load_config(path: str | None = None, overrides: dict | None = None) -> Recip
     return RecipeConfig(**values)
 
 
+_NULLS = ("", "~", "null", "Null", "NULL")  # YAML's nulls
+
+
 def parse_overrides(args: list[str]) -> dict:
-    """`--key value` / `--key=value` pairs; values are read as YAML (so 1e-4, true, null work)."""
+    """`--key value` / `--key=value` pairs; values are read as YAML (so 1e-4, true, null work),
+    a string field's as typed."""
     out: dict = {}
     i = 0
     while i < len(args):
@@ -48,13 +52,13 @@ def parse_overrides(args: list[str]) -> dict:
             i += 1
         i += 1
         key = key.replace("-", "_")
+        # A string field keeps the text as typed (`--run_name 7` is "7", not 7; a system prompt
+        # "... after #### " keeps what YAML would read as a comment, quotes stay), null aside.
+        if str in field_types(key) and value not in _NULLS:
+            out[key] = value
+            continue
         try:
-            parsed = yaml.safe_load(value) if value != "" else None
+            out[key] = yaml.safe_load(value) if value != "" else None
         except yaml.YAMLError:  # e.g. a prompt template "{question}=" is not YAML: keep it
-            parsed = value
-        # A string field keeps the text as typed: `--run_name 7` is "7", not 7.
-        if str in field_types(key) and not isinstance(parsed, str) \
-                and parsed is not None:
-            parsed = value
-        out[key] = parsed
+            out[key] = value
     return out

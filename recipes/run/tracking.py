@@ -25,7 +25,7 @@ class Tracker:
             return
         os.makedirs(cfg.output_dir, exist_ok=True)
         self._jsonl = open(self.jsonl_path, "w")
-        mode = os.environ.get("WANDB_MODE", cfg.wandb_mode)
+        mode = cfg.wandb_mode or os.environ.get("WANDB_MODE", "offline")
         if cfg.wandb and mode != "disabled":
             import wandb
 

@@ -3,8 +3,8 @@
 Prompts come from `prompt_template` over each row: with the tokenizer's chat template (if any),
 a conversation (`system_prompt`, then that text as the user's message) that rollout/engine/chat.py
 renders (tasks/base.py); otherwise plain text, after `system_prompt` if one is given. The reward
-is `math` unless the config names another: the last number of the completion against the gold
-answer's number, which a GSM8K answer gives after `####`.
+is `math` unless the config names another: the completion's answer (the first number after its
+last `####`, else its last number) against the gold answer's, which GSM8K gives after `####`.
 """
 
 from __future__ import annotations
@@ -19,35 +19,42 @@ from rollout.engine.chat import render_conversations
 from ..run.config import DATA_FILE_TYPES, RecipeConfig, is_data_file
 from .base import Task
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+# Thousands separators allowed; a number may begin at its point (".5", "-.25").
+_NUMBER = re.compile(r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)")
 
 
-def final_number(text: str) -> float | None:
-    """The last number in `text` (thousands separators allowed), or None."""
+def _number(text: str, which: int) -> float | None:
+    """The first (which=0) or last (-1) number in `text`, or None."""
     found = _NUMBER.findall(text)
     if not found:
         return None
     try:
-        return float(found[-1].replace(",", ""))
+        return float(found[which].replace(",", ""))
     except ValueError:
         return None
 
 
+def final_number(text: str) -> float | None:
+    """The last number in `text`, or None."""
+    return _number(text, -1)
+
+
+def answer_number(text: str) -> float | None:
+    """The number a text names as its answer: the first one after its last `####`, on the
+    line it opens (a model that keeps writing after it, "#### 42 (6 x 7)", still named 42
+    first; so does a GSM8K gold answer), else the text's last number."""
+    if "####" not in text:
+        return final_number(text)
+    tail = text.rsplit("####", 1)[1].strip()
+    return _number(tail.split("\n", 1)[0], 0) if tail else None
+
+
 def gold_number(answer: str) -> float | None:
-    answer = str(answer)
-    if "####" in answer:
-        answer = answer.rsplit("####", 1)[1]
-    return final_number(answer)
+    return answer_number(str(answer))
 
 
 def math_reward(completion: str, answer: str) -> float:
-    # A model that keeps writing after `####` still names its answer right after it.
-    if "####" in completion:
-        tail = completion.rsplit("####", 1)[1]
-        got = final_number(tail.strip().split("\n", 1)[0]) if tail.strip() else None
-    else:
-        got = final_number(completion)
-    gold = gold_number(answer)
+    got, gold = answer_number(completion), gold_number(answer)
     return float(got is not None and gold is not None and abs(got - gold) < 1e-6)
 
 

@@ -278,6 +278,42 @@ def test_bad_values_name_their_key(key, value, match):
         RecipeConfig(**{key: value})
 
 
+def test_trl_micro_batches_accumulate_into_the_minibatch():
+    from types import SimpleNamespace
+
+    from rollout_recipes.algo.trl_loop import grpo_args
+
+    cpu = SimpleNamespace(device=torch.device("cpu"), mixed_precision="no")
+    args = grpo_args(RecipeConfig(trainer="trl", prompts_per_step=4, num_generations=8,
+                                  minibatches=2, micro_batch_size=4), cpu)
+    # 32 sequences a rollout, 2 optimizer steps of 16, each 4 forward/backward passes of 4
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps,
+            args.steps_per_generation, args.generation_batch_size) == (4, 4, 8, 32)
+    whole = grpo_args(RecipeConfig(trainer="trl", prompts_per_step=2, num_generations=4,
+                                   micro_batch_size=64), cpu)  # more than a minibatch: whole
+    assert (whole.per_device_train_batch_size, whole.gradient_accumulation_steps,
+            whole.generation_batch_size) == (8, 1, 8)
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        RecipeConfig(trainer="trl", prompts_per_step=4, num_generations=8, micro_batch_size=5)
+
+
+@pytest.mark.parametrize("key, value", [("beta", 0.1), ("minibatches", 2), ("epochs", 2),
+                                        ("lora", {"r": 4})])
+def test_trl_async_refuses_what_it_would_ignore(key, value):
+    with pytest.raises(ValueError, match=f"trl_async.*{key}"):
+        RecipeConfig(trainer="trl_async", **{key: value})
+
+
+def test_trl_async_samples_with_the_recipes_filters():
+    from types import SimpleNamespace
+
+    from rollout_recipes.algo.trl_async_loop import async_args
+
+    cpu = SimpleNamespace(device=torch.device("cpu"))
+    args = async_args(RecipeConfig(trainer="trl_async", top_p=0.5, top_k=5, min_p=0.1), cpu)
+    assert (args.top_p, args.top_k, args.min_p) == (0.5, 5, 0.1)
+
+
 def test_trl_minibatches_are_checked_before_any_model_is_built():
     with pytest.raises(ValueError, match="minibatches"):
         RecipeConfig(trainer="trl", prompts_per_step=4, num_generations=4, minibatches=3)
@@ -289,6 +325,11 @@ def test_overrides_are_read_as_yaml():
     assert got == {"learning_rate": "5e-4", "beta": 0.1, "wandb": False, "run_name": "7",
                    "kv_cache_tokens": None}
     assert RecipeConfig(learning_rate=got["learning_rate"]).learning_rate == 5e-4
+    # a string field's text as typed: what YAML reads as a comment or quoting stays
+    typed = {"system_prompt": "Think, then give the final number after #### ",
+             "run_name": "gsm8k #2", "output_dir": "'quoted' out"}
+    assert parse_overrides([x for k, v in typed.items() for x in (f"--{k}", v)]) == typed
+    assert parse_overrides(["--run_name=#hash"]) == {"run_name": "#hash"}
     with pytest.raises(ValueError, match="steps"):
         parse_overrides(["--steps"])
 
@@ -302,6 +343,33 @@ def test_rewards():
     assert math_reward("so #### 72\nand then 5 more", gold) == 1.0
     assert math_reward("I think 71", gold) == 0.0 and math_reward("no idea", gold) == 0.0
     assert math_reward("#### 1,234.0", "#### 1234") == 1.0
+    # the answer is the first number after `####`, whatever follows on its line
+    assert math_reward("7 x 6 is it\n#### 42 (6 x 7)", "#### 42") == 1.0
+    assert math_reward("#### 18 dollars for 3 hours", "#### 18") == 1.0
+    assert math_reward("#### 3 hours at 6 dollars", "#### 18") == 0.0
+    # a number may begin at its point, in completions and gold answers alike
+    assert math_reward("Half a cup: the answer is .5", "#### 0.5") == 1.0
+    assert math_reward("The answer is 0.5", "#### .5") == 1.0
+    assert math_reward("it fell by -.25", "#### -0.25") == 1.0
+    assert math_reward("10-3 = 7", "#### 7") == 1.0 and math_reward("####\n42", "#### 42") == 1.0
+
+
+@pytest.mark.parametrize("flag, env, want", [
+    (None, None, "offline"), (None, "disabled", None), (None, "online", "online"),
+    ("disabled", "offline", None), ("online", "offline", "online"), ("offline", "online", "offline")])
+def test_wandb_mode_flag_wins_over_the_environment(tmp_path, monkeypatch, flag, env, want):
+    import wandb
+
+    from rollout_recipes.run.tracking import Tracker
+
+    if env is None:
+        monkeypatch.delenv("WANDB_MODE", raising=False)
+    else:
+        monkeypatch.setenv("WANDB_MODE", env)
+    modes = []
+    monkeypatch.setattr(wandb, "init", lambda **kw: modes.append(kw["mode"]))
+    Tracker(RecipeConfig(output_dir=str(tmp_path), wandb_mode=flag), is_main=True).finish()
+    assert modes == ([want] if want else [])
 
 
 def test_data_seed_keeps_the_held_out_set_across_seeds():
