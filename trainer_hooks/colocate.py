@@ -83,11 +83,12 @@ class ColocatedRollout:
         version = weights_version(self.model)
         if not force and version == self._synced_version and not self.engine.needs_weights:
             return False
+        # forced: every weight, a PEFT model's frozen base too (writes through `.data`)
         if self.gather is None:
-            self.engine.update_weights(self.model)
+            self.engine.update_weights(self.model, full=force)
         else:
-            with self.gather(self.model) as full:
-                self.engine.update_weights(full)
+            with self.gather(self.model) as gathered:
+                self.engine.update_weights(gathered, full=force)
         # Read again: reading can itself bump counters (PEFT's merge/unmerge fallback for DoRA
         # writes the base weights in place), and that must not count as a change next time.
         self._synced_version = weights_version(self.model)

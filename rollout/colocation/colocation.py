@@ -27,7 +27,7 @@ from ..parallel.reshard import ReshardStats, rank_parts
 from . import host_heap
 from .checksum import Checked, CopyMismatch
 from .device_memory import release_cuda_cache, tensor_bytes
-from .weights import buckets, named_shapes_and_tensors
+from .weights import buckets, check_tied_embeddings, named_shapes_and_tensors
 
 
 class Sleeper(Protocol):
@@ -138,15 +138,16 @@ class Colocation:
         except BaseException as e:
             raise RollbackFailed("restoring the engine after a failed sleep/wake_up") from e
 
-    def update_weights(self, source, bucket_bytes: int = 256 << 20) -> dict:
+    def update_weights(self, source, bucket_bytes: int = 256 << 20, full: bool = False) -> dict:
         if self.is_sleeping:
             raise RuntimeError("update_weights: the engine is asleep: call wake_up() first")
         model = self.stack.model
         t0 = time.perf_counter()
         # Served unmerged (a PEFT LoRA model): the adapter and what may have changed of the
         # base (rollout/lora/sync.py); else every weight, adapters merged.
-        if self.lora is not None and self.weights_missing:
-            self.lora.forget()  # sleep(2) or a failed copy: the base is copied again
+        check_tied_embeddings(source, model.tie_word_embeddings)
+        if self.lora is not None and (self.weights_missing or full):
+            self.lora.forget()  # sleep(2), a failed copy or asked: the base is copied again
         plan = None if self.lora is None else self.lora.plan(source)
         if plan is None:
             shapes, named = named_shapes_and_tensors(source, gather=False)
@@ -162,7 +163,10 @@ class Colocation:
             if missing:
                 raise ValueError(f"update_weights: after sleep(level=2) every weight is "
                                  f"needed; {len(missing)} missing, e.g. {sorted(missing)[:3]}")
-        try:  # the source is checked: running sequences' K/V (from the old weights) goes now
+        try:
+            if self.lora is not None:  # can the adapter be attached? before anything changes
+                self.lora.check(plan, self.stack.backend)
+            # the source is checked: running sequences' K/V (from the old weights) goes now
             self._carried.retract()
         except BaseException:
             named.close()

@@ -55,6 +55,27 @@ def hf_name(name: str) -> str:
     return _SAVED_COPY.sub(".", name)
 
 
+def check_tied_embeddings(source, ties: bool) -> None:
+    """A model whose config ties its LM head to its embedding (`ties`: the engine's model
+    does) but whose own two are different tensors cannot be served: the engine's head is its
+    embedding. PEFT unties them so when `modules_to_save` names `lm_head` or `embed_tokens`
+    (it trains a copy of one). ValueError, before anything is read."""
+    if not ties or not isinstance(source, nn.Module):
+        return
+    model = unwrap(source)
+    try:
+        heads = model.get_input_embeddings(), model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        return
+    weights = [getattr(h, "weight", None) for h in heads]
+    if all(w is not None for w in weights) and weights[0] is not weights[1]:
+        raise ValueError("model: its config ties the LM head to the input embedding "
+                         "(tie_word_embeddings), but the two are different tensors (PEFT's "
+                         "modules_to_save of lm_head or embed_tokens trains a copy of one); "
+                         "the engine would serve the embedding as the head. Untie them in the "
+                         "config the engine is built from, or adapt neither")
+
+
 def is_peft(model: nn.Module) -> bool:
     return hasattr(model, "merge_adapter") and hasattr(model, "unmerge_adapter")
 
@@ -144,6 +165,10 @@ def weight_params(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     each `modules_to_save` wrapper only the copy its forward uses now."""
     unused = tuple(f"{name}.{copy}." for name, module in model.named_modules()
                    if is_modules_to_save(module) for copy in unused_copies(module))
+    # a tuner layer's own bookkeeping parameters (AdaLoRA's ranknum) are no weights either
+    unused += tuple(f"{name}.{other}." for name, module in model.named_modules()
+                    if hasattr(type(module), "adapter_layer_names")
+                    for other in getattr(module, "other_param_names", ()))
     for name, param in model.named_parameters():
         if "lora_" not in name and not name.startswith(unused):
             yield name, param
@@ -309,7 +334,9 @@ def weights_version(model: nn.Module) -> tuple:
     without bumping counters: the steps of optimizers given to `watch_optimizer` count too
     (at worst one needless sync when another watched optimizer stepped).
     Not seen: in-place writes through `.data` (`p.data.add_(...)`) bypass the counter; after
-    those call `engine.update_weights(model)` (or `ColocatedRollout.sync_weights(force=True)`).
+    those call `engine.update_weights(model, full=True)` (or
+    `ColocatedRollout.sync_weights(force=True)`): `full` also copies a PEFT model's frozen base,
+    which a sync otherwise skips while its counters stand still.
     PEFT's `set_adapter` and `disable_adapter()` change which weights a read folds in without
     touching a parameter: each adapter layer's selection is part of the version too.
     Inference tensors (made under torch.inference_mode) keep no counter; their addresses

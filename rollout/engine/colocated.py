@@ -53,7 +53,7 @@ class ColocationCalls:
             self.colocation.wake_up()
 
     def update_weights(self, source, bucket_bytes: int = 256 << 20, probe=None,
-                       probe_reference=None) -> dict:
+                       probe_reference=None, full: bool = False) -> dict:
         """Copy new weights in place (docs/colocation.md): `source` is the trainer's model
         (DDP/compile/PEFT wrapped or not) or (HF name, tensor) pairs, checked whole before the
         first copy (a bad one raises ValueError and changes nothing); each copy is verified
@@ -63,11 +63,14 @@ class ColocationCalls:
         (token ids): scored under the new weights, against `probe_reference` (the trainer's
         logprobs of its tokens 1..) when given (rollout/engine/score.py). A PEFT LoRA model
         served unmerged (EngineConfig.lora) sends its adapter and trainable weights only, the
-        frozen base once (rollout/lora/sync.py). Returns {'bytes', 'seconds',
+        frozen base once (rollout/lora/sync.py); `full` copies its base again too (after
+        writes through `.data`, which move no version counter). Returns {'bytes', 'seconds',
         'exchanged_bytes', 'collectives', 'adapter_only'} (+ 'probe_logprobs', 'probe_gap')."""
         with self._entered("update_weights"):
             checked = check_probe(self, probe, probe_reference)
-            result = self.colocation.update_weights(source, bucket_bytes)
+            if not isinstance(full, bool):
+                raise ValueError(f"full must be a bool, got {type(full).__name__}")
+            result = self.colocation.update_weights(source, bucket_bytes, full)
             stats = self._stats
             stats.weight_syncs += 1
             stats.adapter_syncs += result["adapter_only"]

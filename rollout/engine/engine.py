@@ -73,7 +73,7 @@ class Engine(ColocationCalls):
         self.model = build_model(hf_config, config.max_model_len, dtype, device, self.tp,
                                  source=model)
         # A PEFT LoRA model: its base unmerged, its adapter beside it (rollout/lora/).
-        self.lora = LoraSync(self.model, config.lora)
+        self.lora = LoraSync(self.model, config.lora, config.batch_invariant)
         adapter = self.lora.plan(model)
         load_into(self.model, weights if adapter is None else adapter.tensors())
         self.vocab_size = hf_config.vocab_size

@@ -92,23 +92,29 @@ def blocks_of(module: Projection | StackedExperts) -> tuple | None:
     return getattr(module, LORA_MODULE).blocks if module.lora_active else None
 
 
+def implementation(layout: Layout, backend) -> str:
+    """The projections' delta implementation for `layout` under the engine's `backend`;
+    ValueError where the batch-invariant mode has none (checked before a sync changes
+    anything, so a refused one leaves engine and adapter as they were)."""
+    if backend.triton_rows:
+        return "triton"  # its kernels' tiles do not depend on the row count (interpreted too)
+    choice = backend.choose(lora_implementations(backend.pack_weights), LORA_DTYPE)
+    if backend.batch_invariant and choice not in ("cpu", "triton") and layout:
+        raise ValueError("batch_invariant: an unmerged LoRA adapter needs the C linear kernel "
+                         "(AVX2 and FMA), which this machine did not build; use lora='merged'")
+    return choice
+
+
+# The adapters' tensors are made as plain ones even when a sync runs under inference_mode:
+# an inference tensor keeps no version counter (the packed panels would not see its copies
+# change) and refuses the in-place copies of a later sync made outside that mode.
+@torch.inference_mode(False)
 def attach(model, layout: Layout, backend) -> bool:
     """Make every projection and expert stack hold the blocks `layout` gives it (none if
     absent), a projection's delta the implementation `backend` (the engine's,
     rollout/ops/backend.py) chooses; whether any changed (captured CUDA graphs are then
     stale)."""
-    if backend.triton_rows:
-        choice = "triton"  # its kernels' tiles do not depend on the row count (interpreted too)
-    else:
-        choice = backend.choose(lora_implementations(backend.pack_weights), LORA_DTYPE)
-    if backend.batch_invariant and choice not in ("cpu", "triton") and layout:
-        raise ValueError("batch_invariant: an unmerged LoRA adapter needs the C linear kernel "
-                         "(AVX2 and FMA), which this machine did not build; use lora='merged'")
-    if backend.batch_invariant and any(isinstance(m, StackedExperts) and layout.get(path)
-                                       for path, m in model.named_modules()):
-        # refused before anything is attached: a sync that raises leaves the adapter as it was
-        raise ValueError("batch_invariant: LoRA on the MoE experts is served unmerged with "
-                         "torch.mm, whose rows round with the row count; use lora='merged'")
+    choice = implementation(layout, backend)
     changed = False
     for path, module in model.named_modules():
         if not isinstance(module, (MergedLinear, RowParallelLinear, StackedExperts)):

@@ -106,7 +106,9 @@ def read_source(model: nn.Module) -> tuple[list[SourceLora], list[tuple[str, nn.
 def _active_here(name: str, module: nn.Module) -> list[str]:
     """The adapters active in a PEFT tuner layer, in any of its kinds (lora_A,
     lora_embedding_A, ...); Unsupported for a layer no LoRA or merged into its base."""
-    if not is_lora_layer(module):
+    # AdaLoRA's layers pass for LoRA ones (lora_A, get_delta_weight) but hold their factors as
+    # bare parameters, scaled by lora_E and ranknum: not LoRA's B A.
+    if not is_lora_layer(module) or not isinstance(module.lora_A, nn.ModuleDict):
         raise Unsupported(f"{name}: a {type(module).__name__} adapter (only LoRA is served "
                           f"unmerged)")
     if getattr(module, "merged_adapters", None):

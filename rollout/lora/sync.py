@@ -4,9 +4,11 @@ projections hold, and what each update_weights must copy.
 A sync copies the adapter's A and B, every trainable weight (`requires_grad`: modules_to_save
 copies, anything the trainer unfroze; a fused optimizer may write those without bumping their
 version counters), and each frozen base weight only if it is not the very tensor, at the same
-version, that the engine last copied: so after the first sync only the adapter crosses. What
-was copied is remembered only once a sync completes; a sync that fails (or an engine that lost
-its weights at sleep(2)) forgets it all, so the next sync copies the base again.
+storage and version, that the engine last copied: so after the first sync only the adapter
+crosses (a write through `.data` moves no counter: `update_weights(..., full=True)` forgets
+what was copied, so the base crosses again). What was copied is remembered only once a sync
+completes; a sync that fails (or an engine that lost its weights at sleep(2)) forgets it all,
+so the next sync copies the base again.
 
 A weight PEFT adapts as a parameter (`target_parameters`: the MoE experts' stacks) is compared
 by its bits instead of its version (checksum.bit_sum, one read of it on its device): PEFT's
@@ -24,10 +26,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef  # imported by torch itself
 
 from ..colocation.checksum import bit_sum, copy_all_verified
 from ..colocation.weights import check_tensor
-from .layout import Layout, attach, copies, held, place
+from ..models.layers.moe import StackedExperts
+from .layout import Layout, attach, copies, held, implementation, place
 from .source import SourceLora, Unsupported, is_peft_lora, read_source
 
 
@@ -53,13 +57,21 @@ class SyncPlan:
 
 
 def _key(param: torch.nn.Parameter, by_bits: bool) -> tuple:
-    state = int(bit_sum(param.detach())) if by_bits else param._version
-    return weakref.ref(param), state, param.data_ptr()
+    """What tells the tensor copied from another, or from itself changed: the parameter, its
+    storage by a weak reference (an address alone is handed out again: two `p.data = ...`
+    swaps can put the second at the first one's freed address, and a held weak reference
+    keeps the storage's record, so no later storage is taken for it), its address within it,
+    and its version counter, or its bits where no counter helps (a parametrized weight; an
+    inference tensor, which keeps none)."""
+    bits = by_bits or param.is_inference()
+    state = int(bit_sum(param.detach())) if bits else param._version
+    return (weakref.ref(param), StorageWeakRef(param.untyped_storage()), param.data_ptr(),
+            state)
 
 
 class LoraSync:
-    def __init__(self, model, mode: str) -> None:
-        self.model, self.mode = model, mode
+    def __init__(self, model, mode: str, batch_invariant: bool = False) -> None:
+        self.model, self.mode, self.batch_invariant = model, mode, batch_invariant
         # How the source of the last sync that took effect is served: "unmerged", "merged:
         # <why>" or None (not a PEFT model, or lora="merged"); set when that sync changes what
         # the projections hold (attach), so a sync refused before has left it as it was.
@@ -78,6 +90,10 @@ class LoraSync:
         try:
             layers, base = read_source(source)
             layout = self._place(layers)
+            if self.batch_invariant and any(
+                    isinstance(self.model.get_submodule(path), StackedExperts) for path in layout):
+                raise Unsupported("LoRA on the MoE experts in the batch-invariant mode (served "
+                                  "unmerged with torch.mm, whose rows round with the row count)")
         except Unsupported as e:
             if self.mode == "unmerged":
                 raise ValueError(f"lora='unmerged': {e}; it cannot be served unmerged (lora="
@@ -106,6 +122,12 @@ class LoraSync:
         return {path: tuple(dataclasses.replace(p, source=by_weight[p.source.weight])
                             for p in placed)
                 for path, placed in self._placed[1].items()}
+
+    def check(self, plan: SyncPlan | None, backend) -> None:
+        """ValueError where the plan's adapter cannot be attached under `backend` (before a
+        sync changes anything)."""
+        if plan is not None:
+            implementation(plan.layout, backend)
 
     def attach(self, plan: SyncPlan | None, backend) -> bool:
         """The projections hold the plan's adapter (none without a plan), its delta the

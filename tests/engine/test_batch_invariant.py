@@ -370,8 +370,26 @@ def test_moe(family):
     assert record(batched.generate(prompts[::-1], params[::-1])) == reference[::-1]
 
 
-def test_expert_lora_refused():
+def test_expert_lora_refused_unmerged_and_merged_under_auto():
+    """LoRA on the experts has no batch-invariant unmerged path: "unmerged" refuses it, "auto"
+    merges it, at build and at a sync of an engine serving another adapter, which goes on
+    serving either way."""
     from lora_models import peft_model
+    from reference import PROMPTS, assert_matches_reference
 
+    experts = peft_model("qwen3_moe")
     with pytest.raises(ValueError, match="MoE experts"):
-        Engine(peft_model("qwen3_moe"), EngineConfig(batch_invariant=True, lora="unmerged"))
+        Engine(experts, EngineConfig(batch_invariant=True, lora="unmerged"))
+    greedy = SamplingParams(temperature=0, max_tokens=8, logprobs=True)
+    config = EngineConfig(batch_invariant=True, kv_cache_tokens=1024, max_model_len=96)
+    assert Engine(experts, config).lora_status.startswith("merged: LoRA on the MoE experts")
+    attention = peft_model("qwen3_moe", target_modules=["q_proj", "v_proj"])
+    served = Engine(attention, dataclasses.replace(config, lora="unmerged"))
+    with pytest.raises(ValueError, match="MoE experts"):
+        served.update_weights(experts)
+    assert not served.needs_weights and served.lora_status == "unmerged"
+    assert_matches_reference(attention, PROMPTS, served.generate(PROMPTS, greedy))
+    served = Engine(attention, config)
+    served.update_weights(experts)
+    assert served.lora_status.startswith("merged")
+    assert_matches_reference(experts, PROMPTS, served.generate(PROMPTS, greedy))

@@ -172,3 +172,42 @@ def test_non_finite_adapter_values_are_refused_and_a_good_sync_restores():
 def test_lora_mode_is_checked():
     with pytest.raises(ValueError, match="lora must be one of"):
         EngineConfig(lora="fused")
+
+
+@pytest.mark.parametrize("saved", [["lm_head"], ["embed_tokens"]])
+def test_an_untied_copy_of_a_tied_head_is_refused(saved):
+    """PEFT's modules_to_save of a tied model's head or embedding trains a copy of one: the
+    engine's tied model would serve the embedding as the head. Refused at build and at a sync,
+    the engine serving on."""
+    model = peft_model("qwen2", modules_to_save=saved)
+    assert model.config.tie_word_embeddings
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        Engine(model, EngineConfig(**CONFIG))
+    engine = Engine(peft_model("qwen2"), EngineConfig(**CONFIG))
+    before = engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4))
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        engine.update_weights(model)
+    assert not engine.needs_weights
+    after = engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4))
+    assert after[0].samples[0].token_ids == before[0].samples[0].token_ids
+
+
+def test_adalora_is_merged_not_crashed():
+    """AdaLoRA's layers look like LoRA's (lora_A, get_delta_weight) but hold bare factors
+    scaled by lora_E: "auto" merges it (its bookkeeping `ranknum` is no weight), "unmerged"
+    refuses it by name."""
+    from reference import PROMPTS
+
+    config = peft.AdaLoraConfig(init_r=4, target_r=2, lora_alpha=8, total_step=100,
+                                target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    model = peft.get_peft_model(tiny_model("llama"), config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_E" in name or "lora_B" in name:
+                p.normal_(0, 0.3)
+    with pytest.raises(ValueError, match="SVDLinear"):
+        Engine(model, EngineConfig(**CONFIG, lora="unmerged"))
+    engine = Engine(model, EngineConfig(**CONFIG))
+    assert engine.lora_status.startswith("merged")
+    greedy = SamplingParams(temperature=0, max_tokens=8, logprobs=True)
+    assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, greedy))

@@ -175,3 +175,82 @@ def test_sleep_keeps_the_base_and_level_2_is_refilled_by_a_full_sync(family, sep
     assert not result["adapter_only"] and not engine.needs_weights
     assert outputs(engine) == want
     assert engine.update_weights(model)["adapter_only"]
+
+
+# --- what a sync cannot see by counters, and sources it must refuse or merge ------------------
+def test_a_write_through_data_is_copied_by_a_full_sync():
+    """`.data.mul_` moves no version counter: a plain sync keeps the engine's old base weight
+    (documented), `full=True` and a forced ColocatedRollout sync copy it again."""
+    from trainer_hooks import ColocatedRollout
+
+    model = peft_model("qwen2")
+    engine = Engine(model, EngineConfig(**CONFIG))
+    down = model.base_model.model.model.layers[1].mlp.down_proj.base_layer.weight
+    down.data.mul_(3.0)
+    assert engine.update_weights(model)["bytes"] == adapter_bytes(model)  # not seen
+    result = engine.update_weights(model, full=True)
+    assert result["bytes"] > adapter_bytes(model) + 4 * down.numel()  # the whole base
+    assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, GREEDY))
+    down.data.mul_(0.5)
+    hook = ColocatedRollout(engine, model)
+    assert hook.sync_weights(force=True)
+    assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, GREEDY))
+    with pytest.raises(ValueError, match="full"):
+        engine.update_weights(model, full="yes")
+
+
+def test_a_frozen_weight_swapped_onto_its_old_address_is_sent_again():
+    """Two `p.data = ...` between syncs, the second at the address the engine copied from (the
+    allocator hands it out again): the storage differs, so it is sent."""
+    model = peft_model("qwen2")
+    engine = Engine(model, EngineConfig(**CONFIG))
+    gate = model.base_model.model.model.layers[0].mlp.gate_proj.base_layer.weight
+    for _ in range(20):
+        address = gate.data_ptr()
+        gate.data = gate.data * -1
+        held = [torch.empty_like(gate.data) for _ in range(64)]
+        hit = next((t for t in held if t.data_ptr() == address), None)
+        if hit is not None:
+            gate.data = hit.copy_(gate.data * 2)
+            break
+        engine.update_weights(model)  # the swap was seen by its address: try again
+    else:
+        pytest.skip("this allocator never handed the freed address out again")
+    result = engine.update_weights(model)
+    assert result["bytes"] == adapter_bytes(model) + 4 * gate.numel()
+    assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, GREEDY))
+
+
+def test_a_base_made_under_inference_mode_is_served_unmerged():
+    with torch.inference_mode():
+        base = tiny_model("qwen2")
+    model = peft.get_peft_model(base, lora_config("qwen2"))
+    randomise_b(model, seed=1)
+    engine = Engine(model.eval(), EngineConfig(**CONFIG))
+    assert engine.lora_status == "unmerged"
+    assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, GREEDY))
+    with torch.inference_mode():
+        base.model.layers[0].mlp.up_proj.base_layer.weight.mul_(1.5)  # no counter: bits
+    result = engine.update_weights(model)
+    assert result["adapter_only"] and result["bytes"] > adapter_bytes(model)
+    assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, GREEDY))
+
+
+def test_syncs_under_inference_mode_keep_the_adapter_plain():
+    """An adapter attached by a sync under inference_mode is made of plain tensors: the next
+    syncs (in the mode or out of it) copy into them and the panels see the change."""
+    model = peft_model("qwen2", target_modules=["q_proj"])
+    engine = Engine(model, EngineConfig(**CONFIG))
+    model.add_adapter("wide", lora_config("qwen2", r=8))
+    model.set_adapter("wide")
+    randomise_b(model, seed=5)
+    with torch.inference_mode():
+        engine.update_weights(model)  # a new layout: new adapter modules
+    for step, mode in enumerate([torch.inference_mode, torch.no_grad, torch.inference_mode]):
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B.wide" in name:
+                    p.add_(0.05 * (step + 1))
+        with mode():
+            assert engine.update_weights(model)["adapter_only"]
+        assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, GREEDY))
