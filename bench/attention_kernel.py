@@ -4,8 +4,9 @@ pool per layer as the engine has them (one buffer, on huge pages), each sample's
 runs of --run consecutive slots, the samples' runs taking turns (KVManager.alloc_decodes'
 arrangement; --run 1: token t of sample b at slot prefix + t * batch + b, the worst case).
 Times a step's 30 layers with the suffixes (whole) and without them (the prompt part alone: one
-key each), best of --repeat, interleaved; prints the prompt part's FMA rate and the rate at
-which the suffixes' K/V are read. Prints only; not in CI.
+key each), best of --repeat, interleaved; prints the prompt part's FMA rate against the CPU's
+FMA peak (fma_peak.c, measured in the same loop) and the rate at which the suffixes' K/V are
+read. Prints only; not in CI.
 
     python bench/attention_kernel.py [--threads 2] [--suffix 66] [--run 32] [--repeat 15]
 """
@@ -19,7 +20,11 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from fma_peak import FmaPeak  # noqa: E402
+from workloads import cpu_name  # noqa: E402
+
 from rollout.kv import huge_pages  # noqa: E402
 from rollout_kernels.cpu import paged_attention as native  # noqa: E402
 
@@ -64,12 +69,14 @@ def main() -> None:
     cases = {"prompt part": rows_for(args.prompts, args.n, args.prefix, 1, args.run),
              "whole": rows_for(args.prompts, args.n, args.prefix, args.suffix, args.run)}
     best = dict.fromkeys(cases, float("inf"))
+    probe, peak = FmaPeak(), 0.0
     for _ in range(args.repeat):
         for name, rows in cases.items():
             t0 = time.perf_counter()
             for k, v in pools:
                 native.paged_attention(q, k, v, out, rows, dim ** -0.5, None, None)
             best[name] = min(best[name], time.perf_counter() - t0)
+        peak = max(peak, probe.gflops(torch.get_num_threads()))
     # the prompt part: every query head's scores and values over the prefix, 2 FMAs a key-dim
     flops = 4 * batch * q_heads * args.prefix * dim * args.layers
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {batch} samples "
@@ -77,8 +84,9 @@ def main() -> None:
           f"{args.layers} layers, runs of {args.run} slots, best of {args.repeat}")
     for name, seconds in best.items():
         print(f"  {name:12} {seconds * 1e3:7.1f} ms a step")
-    print(f"  prompt part: {flops / best['prompt part'] / 1e9:.0f} GFLOP/s on "
-          f"{torch.get_num_threads()} threads (2 AVX2 FMAs a cycle a core: ~100 a core)")
+    rate = flops / best['prompt part'] / 1e9
+    print(f"  prompt part: {rate:.0f} GFLOP/s, {rate / peak:.0%} of the FMA peak ({peak:.0f} "
+          f"GFLOP/s on {torch.get_num_threads()} threads, {probe.lanes}-lane FMAs; {cpu_name()})")
     # the suffixes' keys beyond the prompt part's one: each read once, K and V, every KV head
     suffix_bytes = 2 * batch * (args.suffix - 1) * kv_heads * dim * 4 * args.layers
     print(f"  suffixes: {suffix_bytes / 1e9:.2f} GB of K/V read at "

@@ -52,7 +52,7 @@ from ..cache import cache_root
 SOURCES = ("paged_attention.c", "gumbel.c", "norm_rope.c", "silu_mul.c", "linear.c",
            "checked_copy.c", "radix_sort.c", "top_p_prefix.c")
 # Headers: not compiled on their own, part of the build's key.
-HEADERS = ("exp_approx.h", "attention_avx2.h")
+HEADERS = ("exp_approx.h", "attention_avx2.h", "attention_avx512.h")
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 # Every entry point's argument and result types, set once when the library loads: without them
 # ctypes passes Python ints as C ints, truncating 64-bit pointers and sizes.

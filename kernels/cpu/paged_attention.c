@@ -39,6 +39,7 @@ static inline float dot(const float *a, const float *b, int64_t d) {
 #define WIDE_ROWS 12
 
 #include "attention_avx2.h"
+#include "attention_avx512.h"
 
 /* A decode's own keys (the private suffix) sit in runs of consecutive slots at best
  * (KVManager.alloc_decodes), one token of each sample after the other at worst, and each
@@ -145,7 +146,11 @@ static inline __attribute__((always_inline)) void attend_range(
 #if defined(__AVX2__) && defined(__FMA__)
         if (kt != NULL) {
             transpose_block(k, n, d, kt);
+#ifdef WIDE_512
+            block_scores_on_lanes_512(qs, R, kt, n, d, s);
+#else
             block_scores_on_lanes(qs, R, kt, n, d, s);
+#endif
         } else
 #endif
             for (int64_t r = 0; r < R; r += ROWS)
@@ -169,6 +174,12 @@ static inline __attribute__((always_inline)) void attend_range(
             m[r] = mx;
             l[r] = l[r] * alpha[r] + sum;
         }
+#ifdef WIDE_512
+        if (kt != NULL && d % 64 == 0) {
+            block_values_512(o, alpha, s, v, n, d, R);
+            continue;
+        }
+#endif
         for (int64_t r = 0; r < R; r += ROWS)
             block_values(o + r * d, alpha + r, s + r * BLOCK, v, n, d,
                          R - r < ROWS ? R - r : ROWS);
