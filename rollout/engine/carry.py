@@ -164,11 +164,14 @@ class Carry:
 
     def abort(self, request: Request, keep_kv: bool) -> None:
         """A running request ends: its unfinished samples abort, their K/V to the prefix cache
-        (`keep_kv`) or freed."""
+        (`keep_kv`) or freed; its finished samples' KV holds go (their output is never
+        returned, so no one resumes them)."""
         self.requests.end(request)
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort", keep_kv)
+            else:
+                self.kv.unhold(seq.hold_key)
 
     # --- what rollout() hands out -----------------------------------------------------------
     def groups_wanted(self, groups, new: int) -> int:

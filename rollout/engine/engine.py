@@ -181,12 +181,18 @@ class Engine(ColocationCalls):
         """Stop a running request (its computed K/V stays in the prefix cache), or drop the
         output of a finished one that step() has not returned yet (and its KV holds)."""
         with self._entered("abort"), self.journal.unit():
-            request = self.requests.take_ready(str(request_id))
-            if request is None:
+            if not self._drop_ready(str(request_id)):
                 self._abort(request_id, keep_kv=True)
-                return
-            for seq in request.seqs:
-                self.kv.unhold(seq.hold_key)
+
+    def _drop_ready(self, request_id: str) -> bool:
+        """A finished request's output leaves unreturned, and its KV holds with it (no one
+        will resume them); False if it is not finished."""
+        request = self.requests.take_ready(request_id)
+        if request is None:
+            return False
+        for seq in request.seqs:
+            self.kv.unhold(seq.hold_key)
+        return True
 
     def _abort(self, request_id: str, keep_kv: bool) -> None:
         """keep_kv: the computed K/V goes to the prefix cache (a plain abort) or is dropped."""
@@ -197,16 +203,19 @@ class Engine(ColocationCalls):
 
     def release_hold(self, key: tuple[str, int]) -> bool:
         """Unlock the KV kept for a finished sample of a `hold_kv` request (the episode ended);
-        False if it was released already (or dropped under memory pressure)."""
+        False if it was released already (or dropped under memory pressure). `key` is read
+        as `resume=` reads it."""
         with self._entered("release_hold"), self.journal.unit():
-            return self.kv.unhold(key)
+            return self.kv.unhold(hold_key(key, "key"))
 
     def abort_all(self) -> None:
-        """Abort every running request and drop the outputs step() has yet to return."""
+        """Abort every running request and drop the outputs step() has yet to return (and
+        their KV holds)."""
         with self._entered("abort_all"), self.journal.unit():
             for request_id in list(self.requests.running):
                 self._abort(request_id, keep_kv=True)
-            self.requests.ready.clear()
+            for request_id in list(self.requests.ready):
+                self._drop_ready(request_id)
 
     @property
     def running_requests(self) -> list[str]:

@@ -18,15 +18,15 @@ from ..sample.params import SamplingParams
 Prompt = str | Seq[int]
 
 
-def hold_key(key) -> tuple[str, int]:
-    """A multi-turn hold's key as add_request(resume=) takes it: (request id, sample index).
-    A well-formed key whose hold is gone (released, or dropped under memory pressure) is
-    accepted: the turn then recomputes what the hold kept."""
+def hold_key(key, field: str = "resume") -> tuple[str, int]:
+    """A multi-turn hold's key as add_request(resume=) and release_hold take it: (request id,
+    sample index); `field` names the argument in a refusal. A well-formed key whose hold is
+    gone (released, or dropped under memory pressure) is accepted: the turn then recomputes
+    what the hold kept."""
     if (isinstance(key, (str, bytes)) or not isinstance(key, (tuple, list)) or len(key) != 2
             or not isinstance(key[0], str)):
-        raise ValueError(f"resume must be a (request_id, sample_index) pair as given to "
-                         f"release_hold, got {show(key)}")
-    return key[0], as_int("resume: sample_index", key[1], 0)
+        raise ValueError(f"{field} must be a (request_id, sample_index) pair, got {show(key)}")
+    return key[0], as_int(f"{field}: sample_index", key[1], 0)
 
 
 def check_requests(prompts, params) -> list[tuple[Prompt, SamplingParams | None]]:

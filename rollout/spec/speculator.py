@@ -45,15 +45,20 @@ def make_speculator(config: SpeculativeConfig | None, stack, engine_config, toke
         from .suffix import SuffixDrafter
 
         drafter = SuffixDrafter(config, stack.kv.journal)
-    return Speculator(config, stack, engine_config.max_model_len, siblings, drafter)
+    return Speculator(config, stack, engine_config.max_model_len, siblings, drafter,
+                      engine_config.max_num_batched_tokens)
 
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, stack, max_model_len: int,
-                 siblings: Callable[[Sequence], list[Sequence]], drafter=None) -> None:
+                 siblings: Callable[[Sequence], list[Sequence]], drafter=None,
+                 max_batched_tokens: int | None = None) -> None:
         """`stack`: the target's model stack (its KV manager holds the drafts' slots, its
-        backend chooses the acceptance scan, its sampler draws the target's tokens)."""
+        backend chooses the acceptance scan, its sampler draws the target's tokens);
+        `max_batched_tokens`: the step's token budget (EngineConfig.max_num_batched_tokens),
+        which the drafts' verify positions count against as the scheduled tokens do."""
         self.config, self.kv = config, stack.kv
+        self.max_batched_tokens = max_batched_tokens
         self.sampler = stack.sampler
         self.accept = stack.backend.bind(ACCEPT)
         self.max_model_len, self.siblings = max_model_len, siblings
@@ -122,12 +127,19 @@ class Speculator:
         origins = self.drafter.last_sources or [self.config.method] * len(wanted)
         extended = 0
         bar = self._bar(len(decodes)) if self.config.adaptive else None
+        # what the scheduler left of the step's token budget: drafts beyond it are cut
+        room = (self.max_batched_tokens - batch.num_tokens if self.max_batched_tokens
+                else math.inf)
         with self.kv.journal.unit():
             for (it, _), (draft, probs), origin in zip(wanted, proposals, origins):
+                keep = len(draft)
                 if draft and self.config.adaptive:
                     keep = self._paying(it.seq, origin, bar)
+                keep = max(0, min(keep, room))
+                if keep < len(draft):
                     draft, probs = draft[:keep], None if probs is None else probs[:keep]
                 if draft and self._add_draft(it, draft, probs):
+                    room -= len(draft)
                     extended += 1
                     self.sources[it.seq.seq_id] = origin
         return extended

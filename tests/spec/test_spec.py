@@ -49,6 +49,22 @@ def test_draft_model_greedy_equals_plain_greedy(target, k):
     assert spec.stats.spec_proposed > 0
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_drafts_count_against_the_step_token_budget(target, method, monkeypatch):
+    """max_num_batched_tokens is the tokens a step computes: the drafts' verify positions fit
+    in what the scheduled tokens leave of it (cut, or none), the outputs unchanged."""
+    params = SamplingParams(n=2, temperature=0, max_tokens=30)
+    draft = tiny_model("qwen2", seed=3, num_hidden_layers=1) if method == "draft" else None
+    spec = engine(target, SpeculativeConfig(method, num_speculative_tokens=6, draft_model=draft),
+                  max_num_batched_tokens=11)
+    sizes = []
+    prepare = spec.runner.prepare
+    monkeypatch.setattr(spec.runner, "prepare", lambda batch: (sizes.append(batch.num_tokens),
+                                                              prepare(batch))[1])
+    assert samples(run_checked(spec, PROMPTS, params)) == baseline(target, params)
+    assert spec.stats.spec_proposed > 0 and max(sizes) == 11
+
+
 def test_draft_identical_to_target_accepts_everything(target):
     params = SamplingParams(n=3, temperature=0.9, max_tokens=25, seed=5)
     spec = engine(target, SpeculativeConfig("draft", num_speculative_tokens=4, draft_model=target))

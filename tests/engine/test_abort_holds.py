@@ -1,0 +1,91 @@
+"""KV holds of outputs that are never returned go with them: abort() of a finished unreturned
+request, abort() of a running one (its finished samples' holds), abort_all(); release_hold
+reads its key as resume= does. Each checked against the pool: every slot free again once the
+prefix cache is the only user (KVManager's counts), invariants after every call."""
+
+import pytest
+import torch
+from models import tiny_model
+
+from rollout import Engine, EngineConfig, SamplingParams
+
+CONFIG = dict(kv_cache_tokens=256, max_model_len=64)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("qwen2")
+
+
+def locked(engine) -> int:
+    view = engine.inspect()
+    return view.kv_slots - view.kv_available
+
+
+def finished_unreturned(model):
+    """An engine whose hold_kv request "ep" (n = 2) finished while generate() stepped: its
+    output waits for step(), its two samples' K/V held."""
+    engine = Engine(model, EngineConfig(**CONFIG))
+    engine.add_request([3, 4, 5], SamplingParams(n=2, temperature=0, max_tokens=4),
+                       request_id="ep", hold_kv=True)
+    engine.generate([[7, 8]], SamplingParams(temperature=0, max_tokens=10))
+    assert engine.has_unfinished and set(engine.inspect().holds) == {("ep", 0), ("ep", 1)}
+    return engine
+
+
+@pytest.mark.parametrize("how", ["abort", "abort_all"])
+def test_dropping_a_finished_output_drops_its_holds(model, how):
+    engine = finished_unreturned(model)
+    engine.abort("ep") if how == "abort" else engine.abort_all()
+    engine.check_invariants()
+    assert not engine.has_unfinished and engine.inspect().holds == ()
+    assert locked(engine) == 0
+
+
+def test_aborting_a_running_request_drops_its_finished_samples_holds(model):
+    """Samples of one request end at different steps (one at EOS, say): sample 0 is made to
+    end after 2 tokens (its own params), sample 1 runs on when the request is aborted."""
+    engine = Engine(model, EngineConfig(**CONFIG))
+    params = SamplingParams(n=2, temperature=0, max_tokens=30, ignore_eos=True)
+    engine.add_request([3, 4, 5], params, request_id="ep", hold_kv=True)
+    seqs = engine.requests.running["ep"].seqs
+    seqs[0].params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    while not seqs[0].is_finished:
+        engine.step()
+    assert not seqs[1].is_finished and ("ep", 0) in engine.inspect().holds
+    engine.abort("ep")
+    engine.check_invariants()
+    assert engine.inspect().holds == () and locked(engine) == 0
+
+
+def test_release_hold_reads_its_key_as_resume_does(model):
+    engine = finished_unreturned(model)
+    assert engine.release_hold(["ep", torch.tensor(0)])  # a list, a tensor index
+    assert engine.inspect().holds == (("ep", 1),)
+    for bad in ("ep", ("ep",), (0, 1), ("ep", -1), ("ep", 1.5)):
+        with pytest.raises(ValueError, match="key"):
+            engine.release_hold(bad)
+    assert engine.inspect().holds == (("ep", 1),)  # nothing changed
+    engine.check_invariants()
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+@pytest.mark.parametrize("how", ["abort", "abort_all"])
+def test_a_failure_while_dropping_holds_changes_nothing(model, how, error, monkeypatch):
+    engine = finished_unreturned(model)
+    real, calls = engine.kv.unhold, [0]
+
+    def failing(key):
+        calls[0] += 1
+        if calls[0] == 2:  # the second sample's hold, the first already released
+            raise error("injected")
+        return real(key)
+
+    monkeypatch.setattr(engine.kv, "unhold", failing)
+    with pytest.raises(error):
+        engine.abort("ep") if how == "abort" else engine.abort_all()
+    monkeypatch.undo()
+    engine.check_invariants()
+    assert engine.has_unfinished and set(engine.inspect().holds) == {("ep", 0), ("ep", 1)}
+    outs = engine.step()  # the output is still there to return
+    assert [o.request_id for o in outs] == ["ep"]
