@@ -48,6 +48,22 @@ class Journal:
         setattr(obj, name, old + delta)
         self.record(lambda: setattr(obj, name, old))
 
+    def savepoint(self) -> int | None:
+        """Where the unit's log stands (None outside a unit), for rollback_to."""
+        return None if self._undo is None else len(self._undo)
+
+    def rollback_to(self, point: int | None) -> bool:
+        """Undo the unit's changes since `point` (newest first) and go on inside the unit;
+        False outside one (nothing recorded: the changes stand). Only for changes that touch
+        no sequence (their snapshots are the unit's, taken at its first change)."""
+        if point is None or self._undo is None:
+            return False
+        undo = self._undo[point:]
+        del self._undo[point:]
+        for revert in reversed(undo):
+            revert()
+        return True
+
     @contextlib.contextmanager
     def unit(self) -> Iterator[None]:
         """All of the block's bookkeeping changes, or none of them. Units do not nest: a block

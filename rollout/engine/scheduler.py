@@ -141,9 +141,11 @@ class Scheduler:
             # would only buy an immediate preemption (the match is locked first: what it
             # pins is not room).
             self.kv.lock(node)
+            kept = self.kv.journal.savepoint()
             if seq.resume_key is not None:
                 self.kv.unhold(seq.resume_key)  # the lock just taken pins the held tokens
             if not self.kv.make_room(n + decode_reserve):
+                self.kv.journal.rollback_to(kept)  # not admitted: its turn's hold stays
                 self.kv.unlock(node)
                 break
             new = self.kv.alloc(n)

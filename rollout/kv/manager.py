@@ -129,10 +129,15 @@ class KVManager:
 
     def make_room(self, n: int) -> bool:
         """Release holds, oldest first, until `n` slots can be allocated; False if they
-        cannot even then."""
+        cannot even then, the holds then kept (inside a unit: releasing them would buy
+        nothing, and their K/V would lose its protection from eviction)."""
+        point = self.journal.savepoint()
         while self.available < n and self._drop_oldest_hold():
             pass
-        return self.available >= n
+        if self.available >= n:
+            return True
+        self.journal.rollback_to(point)
+        return False
 
     def clear_cache(self) -> None:
         """Release every hold and evict every unlocked cached prefix (its K/V came from

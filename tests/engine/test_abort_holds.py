@@ -1,7 +1,8 @@
 """KV holds of outputs that are never returned go with them: abort() of a finished unreturned
 request, abort() of a running one (its finished samples' holds), abort_all(); release_hold
-reads its key as resume= does. Each checked against the pool: every slot free again once the
-prefix cache is the only user (KVManager's counts), invariants after every call."""
+reads its key as resume= does; admission releases holds only when that makes the room it
+needs (a turn not admitted keeps the hold it resumes). Checked against the pool's counts and
+the invariants after every call."""
 
 import pytest
 import torch
@@ -89,3 +90,64 @@ def test_a_failure_while_dropping_holds_changes_nothing(model, how, error, monke
     assert engine.has_unfinished and set(engine.inspect().holds) == {("ep", 0), ("ep", 1)}
     outs = engine.step()  # the output is still there to return
     assert [o.request_id for o in outs] == ["ep"]
+
+
+def held_turn_and_runner(model):
+    """A 64-slot pool: an episode's first turn held (19 slots), then a running request R."""
+    engine = Engine(model, EngineConfig(kv_cache_tokens=64, max_model_len=64))
+    engine.add_request(list(range(1, 16)), SamplingParams(temperature=0, max_tokens=5,
+                                                          ignore_eos=True),
+                       request_id="ep", hold_kv=True)
+    while engine.has_unfinished:
+        engine.step()
+    engine.add_request(list(range(20, 50)), SamplingParams(temperature=0, max_tokens=8,
+                                                           ignore_eos=True), request_id="R")
+    engine.step()
+    assert engine.inspect().holds == (("ep", 0),)
+    return engine
+
+
+def test_admission_keeps_holds_that_could_not_make_room(model):
+    """W (40 tokens) cannot fit beside R even with the hold released: the hold stays, W waits,
+    and is admitted once R is done."""
+    engine = held_turn_and_runner(model)
+    engine.add_request(list(range(50, 90)), SamplingParams(temperature=0, max_tokens=2,
+                                                           ignore_eos=True), request_id="W")
+    engine.step()
+    engine.check_invariants()
+    view = engine.inspect()
+    assert view.waiting == 1 and view.holds == (("ep", 0),)
+    assert engine.stats.holds_dropped == 0
+    done = {}
+    while engine.has_unfinished:
+        done.update((o.request_id, o) for o in engine.step())
+    assert set(done) == {"R", "W"}  # W ran once R freed its slots (the hold dropped then)
+    engine.check_invariants()
+
+
+def test_admission_drops_holds_that_make_room(model):
+    """W (24 tokens) fits once the hold is released: it is, oldest first, and W runs."""
+    engine = held_turn_and_runner(model)
+    engine.add_request(list(range(50, 74)), SamplingParams(temperature=0, max_tokens=2,
+                                                           ignore_eos=True), request_id="W")
+    engine.step()
+    engine.check_invariants()
+    view = engine.inspect()
+    assert view.waiting == 0 and view.holds == () and engine.stats.holds_dropped == 1
+
+
+def test_a_turn_not_admitted_keeps_the_hold_it_resumes(model):
+    """The next turn (its prompt the first turn's and 30 tokens more) cannot fit beside R:
+    the hold it resumes stays until it is admitted."""
+    engine = held_turn_and_runner(model)
+    first = engine.inspect()
+    engine.add_request(list(range(1, 16)) + list(range(60, 90)),
+                       SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                       request_id="turn2", resume=("ep", 0))
+    engine.step()
+    engine.check_invariants()
+    assert engine.inspect().waiting == 1 and engine.inspect().holds == first.holds
+    while engine.has_unfinished:
+        engine.step()
+    assert engine.inspect().holds == ()  # released once the turn was admitted
+    engine.check_invariants()
