@@ -56,10 +56,11 @@ def hf_name(name: str) -> str:
 
 
 def check_tied_embeddings(source, ties: bool) -> None:
-    """A model whose config ties its LM head to its embedding (`ties`: the engine's model
-    does) but whose own two are different tensors cannot be served: the engine's head is its
-    embedding. PEFT unties them so when `modules_to_save` names `lm_head` or `embed_tokens`
-    (it trains a copy of one). ValueError, before anything is read."""
+    """A PEFT model whose config ties its LM head to its embedding (`ties`: the engine's
+    model does) but whose `modules_to_save` names `lm_head` or `embed_tokens` cannot be
+    served: PEFT trains a copy of one, untying them, and the engine's head is its embedding.
+    ValueError, before anything is read. (Only there: a sharder may hold a tied pair as two
+    tensors of the same values.)"""
     if not ties or not isinstance(source, nn.Module):
         return
     model = unwrap(source)
@@ -68,7 +69,8 @@ def check_tied_embeddings(source, ties: bool) -> None:
     except (AttributeError, NotImplementedError):
         return
     weights = [getattr(h, "weight", None) for h in heads]
-    if all(w is not None for w in weights) and weights[0] is not weights[1]:
+    if (any(is_modules_to_save(h) for h in heads) and all(w is not None for w in weights)
+            and weights[0] is not weights[1]):
         raise ValueError("model: its config ties the LM head to the input embedding "
                          "(tie_word_embeddings), but the two are different tensors (PEFT's "
                          "modules_to_save of lm_head or embed_tokens trains a copy of one); "
