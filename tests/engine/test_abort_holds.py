@@ -107,15 +107,20 @@ def held_turn_and_runner(model):
     return engine
 
 
+def step_with(engine, ids: list[int], **kwargs):
+    """One step after request W (`ids`, 2 greedy tokens) arrives; the engine's view then."""
+    engine.add_request(ids, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                       request_id="W", **kwargs)
+    engine.step()
+    engine.check_invariants()
+    return engine.inspect()
+
+
 def test_admission_keeps_holds_that_could_not_make_room(model):
     """W (40 tokens) cannot fit beside R even with the hold released: the hold stays, W waits,
     and is admitted once R is done."""
     engine = held_turn_and_runner(model)
-    engine.add_request(list(range(50, 90)), SamplingParams(temperature=0, max_tokens=2,
-                                                           ignore_eos=True), request_id="W")
-    engine.step()
-    engine.check_invariants()
-    view = engine.inspect()
+    view = step_with(engine, list(range(50, 90)))
     assert view.waiting == 1 and view.holds == (("ep", 0),)
     assert engine.stats.holds_dropped == 0
     done = {}
@@ -128,11 +133,7 @@ def test_admission_keeps_holds_that_could_not_make_room(model):
 def test_admission_drops_holds_that_make_room(model):
     """W (24 tokens) fits once the hold is released: it is, oldest first, and W runs."""
     engine = held_turn_and_runner(model)
-    engine.add_request(list(range(50, 74)), SamplingParams(temperature=0, max_tokens=2,
-                                                           ignore_eos=True), request_id="W")
-    engine.step()
-    engine.check_invariants()
-    view = engine.inspect()
+    view = step_with(engine, list(range(50, 74)))
     assert view.waiting == 0 and view.holds == () and engine.stats.holds_dropped == 1
 
 
@@ -140,13 +141,8 @@ def test_a_turn_not_admitted_keeps_the_hold_it_resumes(model):
     """The next turn (its prompt the first turn's and 30 tokens more) cannot fit beside R:
     the hold it resumes stays until it is admitted."""
     engine = held_turn_and_runner(model)
-    first = engine.inspect()
-    engine.add_request(list(range(1, 16)) + list(range(60, 90)),
-                       SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
-                       request_id="turn2", resume=("ep", 0))
-    engine.step()
-    engine.check_invariants()
-    assert engine.inspect().waiting == 1 and engine.inspect().holds == first.holds
+    view = step_with(engine, list(range(1, 16)) + list(range(60, 90)), resume=("ep", 0))
+    assert view.waiting == 1 and view.holds == (("ep", 0),)
     while engine.has_unfinished:
         engine.step()
     assert engine.inspect().holds == ()  # released once the turn was admitted

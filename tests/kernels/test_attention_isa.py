@@ -6,20 +6,17 @@ key block of 1..15 keys past a multiple of 16, row counts that are no multiple o
 4-row tiles, head dims the 64-dim value loop takes whole (64, 128) and leaves to the AVX2 one
 (32, 96), GQA and MHA, a softcap and queries of several tokens sharing a prefix."""
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 from floors import assert_as_exact_as
+from native_builds import computed
 
 from rollout_kernels import cpu as native
 from rollout_kernels.cpu import paged_attention
 
-ROOT = Path(__file__).parents[2]
 AVX512 = "avx512f" in native._cpu_features().split()
 
 # (requests, queries each, shared prefix, own keys each, q heads, kv heads, head dim, softcap)
@@ -54,12 +51,7 @@ COMPUTE = """
 
 
 def compute(path: Path, **env) -> list:
-    code = f"CASES = {CASES!r}\n" + textwrap.dedent(COMPUTE)
-    proc = subprocess.run([sys.executable, "-c", code, str(path)], cwd=ROOT,
-                          env=dict(os.environ, **env), capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(path)
+    return computed(f"CASES = {CASES!r}\n" + textwrap.dedent(COMPUTE), path, **env)
 
 
 def reference(q, k, v, indices, nq, hq, hkv, softcap, dtype):

@@ -7,20 +7,17 @@ odd number of panels, a last panel of fewer than 16 columns alone and inside a p
 strided rows and the in-place add of a LoRA expand into a column slice. RMSNorm (its vectorised
 sums held to 256-bit vectors: kernels/cpu/__init__.py X86_FLAGS) is the same on both too."""
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 from floors import assert_as_exact_as
+from native_builds import computed
 
 from rollout_kernels import cpu as native
 from rollout_kernels.cpu import linear as native_linear
 
-ROOT = Path(__file__).parents[2]
 AVX512 = "avx512f" in native._cpu_features().split()  # what -march=native builds for
 
 # (rows, outputs, inputs): outputs 16 (one panel), 24 (a pair, the second partial), 40 (a pair
@@ -53,12 +50,7 @@ COMPUTE = """
 
 
 def compute(path: Path, **env) -> list:
-    code = f"SHAPES = {SHAPES!r}\n" + textwrap.dedent(COMPUTE)
-    proc = subprocess.run([sys.executable, "-c", code, str(path)], cwd=ROOT,
-                          env=dict(os.environ, **env), capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(path)
+    return computed(f"SHAPES = {SHAPES!r}\n" + textwrap.dedent(COMPUTE), path, **env)
 
 
 @pytest.mark.skipif(not AVX512, reason="needs a CPU with AVX-512 to run both blockings")
