@@ -46,8 +46,10 @@ def report(result: dict) -> str:
         f"metrics: {result.get('metrics_path')}",
     ]
     if result.get("wandb_dir"):
-        lines.append(f"W&B (offline): {result['wandb_dir']}  (upload: wandb sync "
-                     f"{result['wandb_dir']}/offline-run-*)")
+        mode = result.get("wandb_mode")
+        lines.append(f"W&B ({mode}): {result['wandb_dir']}" + (
+            f"  (upload: wandb sync {result['wandb_dir']}/offline-run-*)" if mode == "offline"
+            else ""))
     lines.append("=" * 64)
     return "\n".join(lines)
 

@@ -85,10 +85,10 @@ class ColocatedRollout:
             return False
         # forced: every weight, a PEFT model's frozen base too (writes through `.data`)
         if self.gather is None:
-            self.engine.update_weights(self.model, full=force)
+            self.engine.update_weights(self.model, full=bool(force))
         else:
             with self.gather(self.model) as gathered:
-                self.engine.update_weights(gathered, full=force)
+                self.engine.update_weights(gathered, full=bool(force))
         # Read again: reading can itself bump counters (PEFT's merge/unmerge fallback for DoRA
         # writes the base weights in place), and that must not count as a change next time.
         self._synced_version = weights_version(self.model)

@@ -34,8 +34,10 @@ def grpo_args(cfg: RecipeConfig, accelerator):
     on_cpu = accelerator.device.type == "cpu"
     precision = accelerator.mixed_precision
     per_step = cfg.prompts_per_step * cfg.num_generations // cfg.minibatches
-    # RecipeConfig checked that a micro batch smaller than a minibatch divides it
-    micro = min(cfg.micro_batch_size or per_step, per_step)
+    # TRL's per-device batches split a minibatch evenly: the largest that divides it and
+    # holds at most micro_batch_size sequences
+    most = min(cfg.micro_batch_size or per_step, per_step)
+    micro = max(d for d in range(1, most + 1) if per_step % d == 0)
     accumulate = per_step // micro
     return GRPOConfig(
         output_dir=f"{cfg.output_dir}/trl", run_name=cfg.run_name, seed=cfg.seed,

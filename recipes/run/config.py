@@ -235,11 +235,6 @@ def _check_values(cfg: RecipeConfig) -> None:
     if cfg.trainer == "trl" and batch % cfg.minibatches:
         raise ValueError(f"minibatches: {cfg.minibatches} must divide prompts_per_step x "
                          f"num_generations = {batch} for the trl trainer")
-    if cfg.trainer == "trl" and cfg.micro_batch_size and \
-            cfg.micro_batch_size < batch // cfg.minibatches and \
-            (batch // cfg.minibatches) % cfg.micro_batch_size:
-        raise ValueError(f"micro_batch_size: {cfg.micro_batch_size} must divide a minibatch "
-                         f"({batch // cfg.minibatches} sequences) for the trl trainer")
     if cfg.trainer == "trl_async":
         # AsyncGRPOConfig has no KL term, one optimizer step per batch and a policy loaded from
         # a full checkpoint (a PEFT model saves its adapter alone): refused, not ignored.
@@ -249,7 +244,8 @@ def _check_values(cfg: RecipeConfig) -> None:
         if unmet:
             raise ValueError(f"trainer: trl_async (TRL's AsyncGRPOTrainer) trains without a KL "
                              f"term, one optimizer step per batch and no LoRA; got "
-                             f"{', '.join(unmet)} (--trainer trl or custom take them)")
+                             f"{', '.join(unmet)} (set --beta 0 --minibatches 1 --epochs 1 and "
+                             f"no lora, or use --trainer trl or custom)")
     for name in ("gamma", "lam"):
         if not 0 <= getattr(cfg, name) <= 1:
             raise ValueError(f"{name} must be in [0, 1], got {getattr(cfg, name)}")

@@ -71,6 +71,7 @@ def train(cfg: RecipeConfig) -> dict:
         _leave_process_group(accelerator)
     return {**result, "history": tracker.history, "summary": tracker.summary,
             "metrics_path": tracker.jsonl_path, "wandb_dir": tracker.wandb_dir,
+            "wandb_mode": tracker.wandb_mode,
             "output_dir": cfg.output_dir}
 
 

@@ -21,11 +21,12 @@ class Tracker:
         self.run = None
         self.jsonl_path = os.path.join(cfg.output_dir, "metrics.jsonl")
         self._jsonl = None
+        self.wandb_mode = cfg.wandb_mode or os.environ.get("WANDB_MODE", "offline")
         if not is_main:
             return
         os.makedirs(cfg.output_dir, exist_ok=True)
         self._jsonl = open(self.jsonl_path, "w")
-        mode = cfg.wandb_mode or os.environ.get("WANDB_MODE", "offline")
+        mode = self.wandb_mode
         if cfg.wandb and mode != "disabled":
             import wandb
 
@@ -62,7 +63,10 @@ class Tracker:
 
     @property
     def wandb_dir(self) -> str | None:
-        return os.path.join(self.cfg.output_dir, "wandb") if self.cfg.wandb else None
+        """Where the W&B run writes (None: no run)."""
+        if not self.cfg.wandb or self.wandb_mode == "disabled":
+            return None
+        return os.path.join(self.cfg.output_dir, "wandb")
 
 
 def _plain(v):

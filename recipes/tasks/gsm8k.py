@@ -19,8 +19,9 @@ from rollout.engine.chat import render_conversations
 from ..run.config import DATA_FILE_TYPES, RecipeConfig, is_data_file
 from .base import Task
 
-# Thousands separators allowed; a number may begin at its point (".5", "-.25").
-_NUMBER = re.compile(r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)")
+# Thousands separators allowed; a number may begin at its point (".5", "-.25"), not after
+# another point ("...10" is 10).
+_NUMBER = re.compile(r"-?(?:\d[\d,]*(?:\.\d+)?|(?<![\d.])\.\d+)")
 
 
 def _number(text: str, which: int) -> float | None:

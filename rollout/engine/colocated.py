@@ -5,6 +5,7 @@ colocation.py); these run it through the engine's guard, carry what is running a
 
 from __future__ import annotations
 
+from ..fields import as_bool
 from .score import check_probe, run_probe
 
 
@@ -68,9 +69,8 @@ class ColocationCalls:
         'exchanged_bytes', 'collectives', 'adapter_only'} (+ 'probe_logprobs', 'probe_gap')."""
         with self._entered("update_weights"):
             checked = check_probe(self, probe, probe_reference)
-            if not isinstance(full, bool):
-                raise ValueError(f"full must be a bool, got {type(full).__name__}")
-            result = self.colocation.update_weights(source, bucket_bytes, full)
+            result = self.colocation.update_weights(source, bucket_bytes,
+                                                    as_bool("full", full))
             stats = self._stats
             stats.weight_syncs += 1
             stats.adapter_syncs += result["adapter_only"]

@@ -182,12 +182,20 @@ class KVManager:
         self.journal.record(lambda: self.holds.pop(key))
 
     def unhold(self, key) -> bool:
-        node = self.holds.pop(key, None)
-        if node is None:
+        if key not in self.holds:
             return False
-        self.journal.record(lambda: self.holds.__setitem__(key, node))
+        order = list(self.holds) if self.journal.recording else None
+        node = self.holds.pop(key)
+        self.journal.record(lambda: self._rehold(order, key, node))
         self.unlock(node)
         return True
+
+    def _rehold(self, order: list, key, node) -> None:
+        """Undo of unhold: the hold back in its place (holds are dropped oldest first)."""
+        self.holds[key] = node
+        kept = [(k, self.holds[k]) for k in order]
+        self.holds.clear()
+        self.holds.update(kept)
 
     def _drop_oldest_hold(self) -> bool:
         if not self.holds:

@@ -121,15 +121,18 @@ class Speculator:
         self.skipped = len(decodes) > self.config.max_batch_size
         if not decodes or self.skipped:
             return 0
-        wanted = [(it, self._budget(it.seq)) for it in decodes if self._ready(it.seq)]
+        # what the scheduler left of the step's token budget: drafts beyond it are cut, and
+        # none is asked for longer than all of it (a draft model's forwards)
+        room = (self.max_batched_tokens - batch.num_tokens if self.max_batched_tokens
+                else math.inf)
+        wanted = [(it, min(self._budget(it.seq), room)) for it in decodes if self._ready(it.seq)]
         wanted = [(it, k) for it, k in wanted if k > 0]
+        if not wanted:
+            return 0
         proposals = self.drafter.propose_batch([(it.seq, k) for it, k in wanted], self.siblings)
         origins = self.drafter.last_sources or [self.config.method] * len(wanted)
         extended = 0
         bar = self._bar(len(decodes)) if self.config.adaptive else None
-        # what the scheduler left of the step's token budget: drafts beyond it are cut
-        room = (self.max_batched_tokens - batch.num_tokens if self.max_batched_tokens
-                else math.inf)
         with self.kv.journal.unit():
             for (it, _), (draft, probs), origin in zip(wanted, proposals, origins):
                 keep = len(draft)

@@ -147,3 +147,26 @@ def test_a_turn_not_admitted_keeps_the_hold_it_resumes(model):
         engine.step()
     assert engine.inspect().holds == ()  # released once the turn was admitted
     engine.check_invariants()
+
+
+def test_a_failed_admission_keeps_the_holds_in_their_order(model):
+    """Holds are dropped oldest first: an admission that could not make room (its releases
+    undone) leaves them in the order they were taken, so the oldest still goes first."""
+    engine = Engine(model, EngineConfig(kv_cache_tokens=96, max_model_len=64))
+    for name in "ABC":
+        engine.add_request([ord(name), 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=2,
+                                                                    ignore_eos=True),
+                           request_id=name, hold_kv=True)
+        while engine.has_unfinished:
+            engine.step()
+    engine.add_request(list(range(20, 60)), SamplingParams(temperature=0, max_tokens=20,
+                                                           ignore_eos=True), request_id="R")
+    engine.step()
+    held = [key[0] for key in engine.inspect().holds]
+    assert held == ["A", "B", "C"]
+    view = step_with(engine, list(range(60, 120)))  # 60 tokens: no room even without holds
+    assert [key[0] for key in view.holds] == held and view.waiting == 1
+    engine.abort("W")
+    view = step_with(engine, list(range(60, 98)))  # 38 tokens: some holds must go
+    left = [key[0] for key in view.holds]
+    assert view.waiting == 0 and len(left) < 3 and left == held[3 - len(left):]

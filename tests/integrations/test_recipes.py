@@ -293,8 +293,13 @@ def test_trl_micro_batches_accumulate_into_the_minibatch():
                                    micro_batch_size=64), cpu)  # more than a minibatch: whole
     assert (whole.per_device_train_batch_size, whole.gradient_accumulation_steps,
             whole.generation_batch_size) == (8, 1, 8)
-    with pytest.raises(ValueError, match="micro_batch_size"):
-        RecipeConfig(trainer="trl", prompts_per_step=4, num_generations=8, micro_batch_size=5)
+    # no divisor: the largest that divides the minibatch (96 -> 48 for 64; 20 -> 5 for 8, the
+    # values RecipeConfig fills in for the tiny and for a named model)
+    for per_step, micro, want in ((96, 64, 48), (20, 8, 5)):
+        args = grpo_args(RecipeConfig(trainer="trl", prompts_per_step=per_step // 4,
+                                      num_generations=4, micro_batch_size=micro), cpu)
+        assert (args.per_device_train_batch_size,
+                args.gradient_accumulation_steps) == (want, per_step // want)
 
 
 @pytest.mark.parametrize("key, value", [("beta", 0.1), ("minibatches", 2), ("epochs", 2),
@@ -352,6 +357,8 @@ def test_rewards():
     assert math_reward("The answer is 0.5", "#### .5") == 1.0
     assert math_reward("it fell by -.25", "#### -0.25") == 1.0
     assert math_reward("10-3 = 7", "#### 7") == 1.0 and math_reward("####\n42", "#### 42") == 1.0
+    assert math_reward("so the answer is...10", "#### 10") == 1.0  # not .10
+    assert math_reward("#### ...10", "#### 10") == 1.0
 
 
 @pytest.mark.parametrize("flag, env, want", [
@@ -368,8 +375,10 @@ def test_wandb_mode_flag_wins_over_the_environment(tmp_path, monkeypatch, flag, 
         monkeypatch.setenv("WANDB_MODE", env)
     modes = []
     monkeypatch.setattr(wandb, "init", lambda **kw: modes.append(kw["mode"]))
-    Tracker(RecipeConfig(output_dir=str(tmp_path), wandb_mode=flag), is_main=True).finish()
+    tracker = Tracker(RecipeConfig(output_dir=str(tmp_path), wandb_mode=flag), is_main=True)
+    tracker.finish()
     assert modes == ([want] if want else [])
+    assert (tracker.wandb_dir is None) == (want is None)  # what the reports name
 
 
 def test_data_seed_keeps_the_held_out_set_across_seeds():

@@ -4,6 +4,7 @@ modules_to_save, in-place writes to the base, set_adapter and disable_adapter, s
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from lora_models import adapter_bytes, lora_config, peft_model, randomise_b
@@ -197,6 +198,8 @@ def test_a_write_through_data_is_copied_by_a_full_sync():
     assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, GREEDY))
     with pytest.raises(ValueError, match="full"):
         engine.update_weights(model, full="yes")
+    assert engine.update_weights(model, full=np.True_)["bytes"] > adapter_bytes(model)
+    assert hook.sync_weights(force=1)
 
 
 def test_a_frozen_weight_swapped_onto_its_old_address_is_sent_again():
