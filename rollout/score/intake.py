@@ -26,6 +26,8 @@ def check_scores(sequences, temperature, top_logprobs, start, vocab_size: int,
     top = as_int("top_logprobs", top_logprobs, 0, MAX_TOP_LOGPROBS)
     if top > vocab_size:
         raise ValueError(f"top_logprobs must be at most the vocabulary ({vocab_size}), got {top}")
+    if getattr(start, "ndim", 0) == 1:  # a tensor or array of starts, as sequences may be
+        start = start.tolist()
     starts = start if isinstance(start, (list, tuple)) else [start] * len(ids)
     if len(starts) != len(ids):
         raise ValueError(f"start: {len(starts)} values for {len(ids)} sequences")

@@ -184,6 +184,20 @@ def test_bad_input_is_refused_and_the_engine_keeps_working(models, kwargs, match
     assert eng.score([[1, 2, 3]])[0].logprobs == engine(models[0]).score([[1, 2, 3]])[0].logprobs
 
 
+def test_start_as_a_tensor_or_an_array(models):
+    import numpy as np
+
+    eng = engine(models[0])
+    seqs = [[1, 2, 3, 4], [5, 6, 7]]
+    want = [(o.start, o.logprobs) for o in eng.score(seqs, start=[1, 2])]
+    for start in (torch.tensor([1, 2]), np.array([1, 2])):
+        assert [(o.start, o.logprobs) for o in eng.score(seqs, start=start)] == want
+    with pytest.raises(ValueError, match="start: 3 values for 2 sequences"):
+        eng.score(seqs, start=torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match=r"start\[0\] must be an int"):
+        eng.score(seqs, start=np.array([1.5, 2.0]))
+
+
 def test_scoring_draws_no_seed_and_leaves_the_cache_consistent(models):
     """A score call between two rollouts shifts no later seed; unseeded samples after it equal
     those of an engine that never scored."""
