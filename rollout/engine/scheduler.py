@@ -141,11 +141,9 @@ class Scheduler:
             # would only buy an immediate preemption (the match is locked first: what it
             # pins is not room).
             self.kv.lock(node)
-            kept = self.kv.journal.savepoint()
-            if seq.resume_key is not None:
-                self.kv.unhold(seq.resume_key)  # the lock just taken pins the held tokens
-            if not self.kv.make_room(n + decode_reserve):
-                self.kv.journal.rollback_to(kept)  # not admitted: its turn's hold stays
+            # the lock just taken pins the tokens the turn's own hold kept: it goes first
+            # (and stays if the turn is not admitted)
+            if not self.kv.make_room(n + decode_reserve, release=seq.resume_key):
                 self.kv.unlock(node)
                 break
             new = self.kv.alloc(n)

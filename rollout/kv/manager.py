@@ -127,11 +127,14 @@ class KVManager:
             self.pool.unfree(node.value)
         self.cache.unevict(evicted)
 
-    def make_room(self, n: int) -> bool:
-        """Release holds, oldest first, until `n` slots can be allocated; False if they
-        cannot even then, the holds then kept (inside a unit: releasing them would buy
-        nothing, and their K/V would lose its protection from eviction)."""
+    def make_room(self, n: int, release=None) -> bool:
+        """Release the hold `release` (a turn's own, pinned by the lock its admission took),
+        then holds oldest first, until `n` slots can be allocated; False if they cannot even
+        then, every hold then kept (inside a unit: releasing them would buy nothing, and
+        their K/V would lose its protection from eviction)."""
         point = self.journal.savepoint()
+        if release is not None:
+            self.unhold(release)
         while self.available < n and self._drop_oldest_hold():
             pass
         if self.available >= n:

@@ -170,3 +170,34 @@ def test_a_failed_admission_keeps_the_holds_in_their_order(model):
     view = step_with(engine, list(range(60, 98)))  # 38 tokens: some holds must go
     left = [key[0] for key in view.holds]
     assert view.waiting == 0 and len(left) < 3 and left == held[3 - len(left):]
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_a_failure_after_admission_dropped_holds_restores_them_in_order(model, error,
+                                                                        monkeypatch):
+    """The step's unit rolls back the holds an admission released (and the turn's own, which
+    it resumes): all of them back, in the order they were taken, and the step runs again."""
+    engine = held_turn_and_runner(model)
+    engine.add_request(list(range(1, 16)) + [70, 71], SamplingParams(temperature=0, max_tokens=2,
+                                                                     ignore_eos=True),
+                       request_id="turn2", resume=("ep", 0))
+    before = engine.inspect()
+    real = engine.kv.make_room
+
+    def failing(n, release=None):
+        made = real(n, release)  # the releases done, then the admission fails
+        assert made and engine.inspect().holds == ()
+        raise error("injected")
+
+    monkeypatch.setattr(engine.kv, "make_room", failing)
+    with pytest.raises(error):
+        engine.step()
+    monkeypatch.undo()
+    engine.check_invariants()
+    after = engine.inspect()
+    assert after.holds == before.holds and after.waiting == before.waiting
+    assert engine.stats.holds_dropped == 0
+    while engine.has_unfinished:
+        engine.step()
+    assert engine.inspect().holds == ()
+    engine.check_invariants()
