@@ -46,6 +46,9 @@ class DraftModelDrafter(Drafter):
         self.kv, self.runner, self.journal = self.stack.kv, self.stack.runner, target.kv.journal
         self.sampler = self.stack.sampler
         self.device, self.stream = device, stream
+        # A draft forward computes at most a step's token budget: a new shadow's catch-up (its
+        # prompt, less what the draft's tree holds) would otherwise be one unbounded prefill.
+        self.max_batched_tokens = config.max_num_batched_tokens
         # seq_id -> (target, shadow, the target's token list when the shadow was made)
         self.shadows: dict[int, tuple[Sequence, Sequence, list[int]]] = {}
 
@@ -151,24 +154,31 @@ class DraftModelDrafter(Drafter):
         """One draft forward: each shadow computes its uncomputed tokens and samples one. The
         slots are taken in one unit and committed in another, with the forward between them
         (see rollout/journal.py); a failure in between leaves them pending, for the engine to
-        discard."""
-        items, kept = [], []
+        discard. Within max_num_batched_tokens: a shadow whose catch-up does not fit computes
+        what is left of the budget, samples nothing and drafts no more this step (it goes on
+        from there at the next)."""
+        items, kept, room = [], [], self.max_batched_tokens
         with self.journal.unit():
             for target, shadow, k in active:
-                n = shadow.num_tokens - shadow.num_computed
-                slots = self.kv.alloc(n)
-                if slots is None:  # draft pool full: this sample goes without more drafts
+                n = min(shadow.num_tokens - shadow.num_computed, room)
+                slots = self.kv.alloc(n) if n else None
+                if slots is None:  # no budget or draft pool left: no more drafts for this one
                     continue
                 self.kv.place(shadow, shadow.num_computed, slots)
-                items.append(ScheduledSeq(shadow, shadow.num_computed, n, True, slots))
-                kept.append((target, shadow, k))
+                sample = n == shadow.num_tokens - shadow.num_computed
+                items.append(ScheduledSeq(shadow, shadow.num_computed, n, sample, slots))
+                room -= n
+                if sample:
+                    kept.append((target, shadow, k))
         if not items:
             return []
         logits, _ = self.runner.run(self.runner.prepare(Batch(items)))
         rows = SamplingBatch.for_sequences([(s, 0) for _, s, _ in kept], self.device)
-        tokens, q = self._sample(logits, rows)
+        tokens, q = self._sample(logits, rows) if kept else ([], [])
+        drawn = iter(zip(tokens.tolist() if kept else [], q))
         with self.journal.unit():
-            for it, (target, shadow, _), token, q_row in zip(items, kept, tokens.tolist(), q):
+            for it in items:
+                shadow = it.seq
                 self.kv.advance(shadow, it.num_new)
                 if it.start < shadow.num_prompt - 1:
                     # The prompt but its last token, for the siblings: what the shadow computed
@@ -177,8 +187,11 @@ class DraftModelDrafter(Drafter):
                     # in the engine's tree: it decodes, and drafts, from its first step) whose
                     # step then failed.
                     self.kv.cache_computed(shadow, shadow.num_prompt - 1)
+                if not it.sample:
+                    continue
+                token, q_row = next(drawn)
                 shadow.token_ids.append(token)
-                drafted, probs = results[target.seq_id]
+                drafted, probs = results[shadow.seq_id]
                 drafted.append(token)
                 probs.append(q_row)
             self.kv.settle()

@@ -52,17 +52,20 @@ def test_draft_model_greedy_equals_plain_greedy(target, k):
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_drafts_count_against_the_step_token_budget(target, method, monkeypatch):
     """max_num_batched_tokens is the tokens a step computes: the drafts' verify positions fit
-    in what the scheduled tokens leave of it (cut, or none), the outputs unchanged."""
+    in what the scheduled tokens leave of it (cut, or none), and a draft model's forwards,
+    its catch-up of a 40-token prompt included, in the budget too; the outputs unchanged."""
     params = SamplingParams(n=2, temperature=0, max_tokens=30)
     draft = tiny_model("qwen2", seed=3, num_hidden_layers=1) if method == "draft" else None
     spec = engine(target, SpeculativeConfig(method, num_speculative_tokens=6, draft_model=draft),
                   max_num_batched_tokens=11)
-    sizes = []
-    prepare = spec.runner.prepare
-    monkeypatch.setattr(spec.runner, "prepare", lambda batch: (sizes.append(batch.num_tokens),
-                                                              prepare(batch))[1])
+    runners = [spec.runner] + ([spec.speculator.drafter.runner] if draft else [])
+    sizes = [[] for _ in runners]
+    for runner, seen in zip(runners, sizes):
+        monkeypatch.setattr(runner, "prepare", lambda batch, prepare=runner.prepare, seen=seen:
+                            (seen.append(batch.num_tokens), prepare(batch))[1])
     assert samples(run_checked(spec, PROMPTS, params)) == baseline(target, params)
-    assert spec.stats.spec_proposed > 0 and max(sizes) == 11
+    assert spec.stats.spec_proposed > 0 and max(sizes[0]) == 11
+    assert all(max(seen) <= 11 for seen in sizes)
 
 
 def test_draft_identical_to_target_accepts_everything(target):
