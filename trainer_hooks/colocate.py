@@ -51,6 +51,9 @@ class ColocatedRollout:
         self.engine, self.model, self.sleep_level, self.gather = engine, model, sleep_level, gather
         self.carry = as_bool("carry", carry)
         self._synced_version: tuple[int, ...] | None = weights_version(model) if synced else None
+        # The engine's own version at that sync: a wrapper for another model sharing the
+        # engine, or a direct update_weights, moves it, and this model's weights are due again.
+        self._engine_version = engine.weights_version
         self.timings: dict[str, float] = {}
         self.synced = False  # whether the last entry copied weights in
         if optimizer is not None:
@@ -81,7 +84,8 @@ class ColocatedRollout:
     def sync_weights(self, force: bool = False) -> bool:
         """Copy the trainer's weights in if they changed (or the engine lost them)."""
         version = weights_version(self.model)
-        if not force and version == self._synced_version and not self.engine.needs_weights:
+        if (not force and version == self._synced_version and not self.engine.needs_weights
+                and self.engine.weights_version == self._engine_version):
             return False
         # forced: every weight, a PEFT model's frozen base too (writes through `.data`)
         if self.gather is None:
@@ -92,6 +96,7 @@ class ColocatedRollout:
         # Read again: reading can itself bump counters (PEFT's merge/unmerge fallback for DoRA
         # writes the base weights in place), and that must not count as a change next time.
         self._synced_version = weights_version(self.model)
+        self._engine_version = self.engine.weights_version
         return True
 
     def generate(self, prompts, params=None, **kwargs):

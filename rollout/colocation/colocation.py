@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 import torch
+from torch import nn
 
 from ..fields import as_int
 from ..journal import RollbackFailed
@@ -103,12 +104,14 @@ class Colocation:
             elif lost:  # deepening lost host copies: asleep at level 2 now
                 self.sleep_level = 2
             raise
+        # Asleep from here: handing the freed memory back may fail (a CUDA error an earlier
+        # kernel left surfaces at the synchronize), and wake_up must still know to wake.
+        self.sleep_level = level
+        self.weights_missing = self.weights_missing or level == 2
         if self.device.type == "cuda":
             release_cuda_cache(self.device)
         elif self.device.type == "cpu":
             host_heap.release_freed_blocks()
-        self.sleep_level = level
-        self.weights_missing = self.weights_missing or level == 2
 
     def wake_up(self) -> None:
         if not self.is_sleeping:
@@ -139,6 +142,7 @@ class Colocation:
             raise RollbackFailed("restoring the engine after a failed sleep/wake_up") from e
 
     def update_weights(self, source, bucket_bytes: int = 256 << 20, full: bool = False) -> dict:
+        bucket_bytes = as_int("bucket_bytes", bucket_bytes, 1)
         if self.is_sleeping:
             raise RuntimeError("update_weights: the engine is asleep: call wake_up() first")
         model = self.stack.model
@@ -158,11 +162,16 @@ class Colocation:
             named.close()
             raise ValueError("update_weights: source holds no weight of the model (an "
                              "exhausted iterator, or only names the model ties to others)")
-        if self.weights_missing:
+        whole = plan is None and isinstance(source, nn.Module)
+        if self.weights_missing or whole:
+            # A model is the trainer's whole policy: one that lacks weights the engine serves
+            # is another architecture (fewer layers, an untied head), not an update of some.
             missing = model.expected_weight_names() - written
             if missing:
-                raise ValueError(f"update_weights: after sleep(level=2) every weight is "
-                                 f"needed; {len(missing)} missing, e.g. {sorted(missing)[:3]}")
+                why = ("after sleep(level=2) every weight is needed" if self.weights_missing
+                       else "a model source must hold every weight the engine serves")
+                raise ValueError(f"update_weights: {why}; {len(missing)} missing, e.g. "
+                                 f"{sorted(missing)[:3]}")
         try:
             if self.lora is not None:  # can the adapter be attached? before anything changes
                 self.lora.check(plan, self.stack.backend)

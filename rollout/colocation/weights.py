@@ -56,14 +56,24 @@ def hf_name(name: str) -> str:
 
 
 def check_tied_embeddings(source, ties: bool) -> None:
-    """A PEFT model whose config ties its LM head to its embedding (`ties`: the engine's
-    model does) but whose `modules_to_save` names `lm_head` or `embed_tokens` cannot be
-    served: PEFT trains a copy of one, untying them, and the engine's head is its embedding.
-    ValueError, before anything is read. (Only there: a sharder may hold a tied pair as two
+    """A model source must tie its LM head to its embedding as the engine's model does
+    (`ties`): the engine serves its embedding as a tied head and would drop an untied one's
+    weight, and an untied engine gets no head from a tied model (which lists it once). A PEFT
+    model whose config ties them but whose `modules_to_save` names `lm_head` or `embed_tokens`
+    cannot be served either: PEFT trains a copy of one, untying them. ValueError, before
+    anything is read. (The config says, not the tensors: a sharder may hold a tied pair as two
     tensors of the same values.)"""
-    if not ties or not isinstance(source, nn.Module):
+    if not isinstance(source, nn.Module):
         return
     model = unwrap(source)
+    config = getattr(model.get_base_model() if is_peft(model) else model, "config", None)
+    source_ties = getattr(config, "tie_word_embeddings", None)
+    if isinstance(source_ties, bool) and source_ties != ties:
+        raise ValueError(f"model: its config has tie_word_embeddings={source_ties}, the "
+                         f"engine's model {ties}: it is not the architecture the engine "
+                         f"serves (build the engine from this model or its config)")
+    if not ties:
+        return
     try:
         heads = model.get_input_embeddings(), model.get_output_embeddings()
     except (AttributeError, NotImplementedError):

@@ -69,14 +69,20 @@ class ColocationCalls:
         'exchanged_bytes', 'collectives', 'adapter_only'} (+ 'probe_logprobs', 'probe_gap')."""
         with self._entered("update_weights"):
             checked = check_probe(self, probe, probe_reference)
-            result = self.colocation.update_weights(source, bucket_bytes,
-                                                    as_bool("full", full))
+            before = self.weights_version
+            try:
+                result = self.colocation.update_weights(source, bucket_bytes,
+                                                        as_bool("full", full))
+            finally:
+                # New weights are in even when what follows the copy failed (packing them):
+                # the update counts, and the staleness bound holds for it.
+                if self.weights_version != before:
+                    self._stats.weight_syncs += 1
+                    self.carry.enforce_staleness(self.weights_version, self.config.max_staleness,
+                                                 self.config.stale_groups)
             stats = self._stats
-            stats.weight_syncs += 1
             stats.adapter_syncs += result["adapter_only"]
             stats.weight_sync_bytes, stats.weight_sync_seconds = result["bytes"], result["seconds"]
-            self.carry.enforce_staleness(self.weights_version, self.config.max_staleness,
-                                         self.config.stale_groups)
             if checked is not None:
                 result.update(run_probe(self, *checked))
             return result

@@ -65,9 +65,13 @@ class DraftModelDrafter(Drafter):
         made again from its tokens)."""
         for seq_id, entry in list(self.shadows.items()):
             if entry[0].status is not SeqStatus.RUNNING or self._restarted(entry):
-                self.kv.release(entry[1])
-                del self.shadows[seq_id]
-                self.journal.record(lambda i=seq_id, e=entry: self.shadows.__setitem__(i, e))
+                self._forget(seq_id)
+
+    def _forget(self, seq_id: int) -> None:
+        entry = self.shadows[seq_id]
+        self.kv.release(entry[1])
+        del self.shadows[seq_id]
+        self.journal.record(lambda: self.shadows.__setitem__(seq_id, entry))
 
     def _shadow(self, target: Sequence) -> Sequence:
         entry = self.shadows.get(target.seq_id)
@@ -103,8 +107,11 @@ class DraftModelDrafter(Drafter):
     # --- colocation -------------------------------------------------------------------------
     def sleep(self) -> None:
         """Free the draft's KV pool; its weights go to host memory (the trainer never updates
-        them, so they are parked rather than dropped, whatever the engine's level)."""
-        self.shadows.clear()
+        them, so they are parked rather than dropped, whatever the engine's level). The
+        shadows let go of their K/V one by one first: a sleep failing before the pool is
+        dropped leaves the draft awake and its bookkeeping whole (they are made again)."""
+        for seq_id in list(self.shadows):
+            self._forget(seq_id)
         self.stack.sleep(1)
 
     def wake_up(self) -> None:

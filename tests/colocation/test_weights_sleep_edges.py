@@ -1,6 +1,9 @@
-"""Edges of weight sync and sleep: a failed update changes nothing, sleep(1) -> sleep(2) deepens
-without touching the device, rollout.generate takes a checkpoint path, and `.data` reassignment
-counts as a weight change, a second one landing on the first one's freed address too."""
+"""Edges of weight sync and sleep: a failed update changes nothing (a model of another
+architecture, junk bucket_bytes), sleep(1) -> sleep(2) deepens without touching the device, a
+sleep failing after the memory went leaves the engine asleep, rollout.generate takes a
+checkpoint path, `.data` reassignment counts as a weight change, a second one landing on the
+first one's freed address too, and ColocatedRollout syncs again after another wrote the
+engine."""
 
 import pytest
 import torch
@@ -8,6 +11,7 @@ from models import char_tokenizer, tiny_model
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 import rollout
+import rollout.colocation.colocation as colocation
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.api import engine_for
 from rollout.colocation.weights import weights_version
@@ -212,3 +216,73 @@ def test_generate_follows_two_swaps_onto_a_freed_address():
         pytest.skip("this allocator never handed the freed address out again")
     after = tokens(rollout.generate(model, PROMPTS, GREEDY, **CONFIG))
     assert after == fresh(model) != before
+
+
+# --- a model of another architecture, junk bucket_bytes: refused, nothing changed -------------
+@pytest.mark.parametrize("engine_model,source", [
+    (("qwen2", {}), ("qwen2", {"num_hidden_layers": 1})),               # fewer layers
+    (("qwen2", {}), ("qwen2", {"tie_word_embeddings": False})),         # untied head -> tied
+    (("llama", {}), ("llama", {"tie_word_embeddings": True})),          # tied head -> untied
+], ids=["fewer-layers", "untied-into-tied", "tied-into-untied"])
+def test_a_model_of_another_architecture_is_refused(engine_model, source):
+    """A trainer model that lacks weights the engine serves, or ties its head otherwise, is
+    refused whole (it had been copied in part and counted as an update)."""
+    model = tiny_model(engine_model[0], seed=0, **engine_model[1])
+    engine = Engine(model, EngineConfig(**CONFIG))
+    before = tokens(engine.generate(PROMPTS, GREEDY))
+    with pytest.raises(ValueError, match=r"(update_weights: a model source must hold every "
+                                         r"weight|model: its config has tie_word_embeddings)"):
+        engine.update_weights(tiny_model(source[0], seed=1, **source[1]))
+    assert (engine.weights_version, engine.needs_weights) == (0, False)
+    assert tokens(engine.generate(PROMPTS, GREEDY)) == before == fresh(model)
+
+
+def test_junk_bucket_bytes_is_refused_before_anything_changes():
+    """Where buckets are staged (the GPU path; its CPU seam here), junk bucket_bytes had
+    reached the staging after the running requests went (needs_weights, a RuntimeError)."""
+    model = tiny_model("qwen2", seed=0)
+    engine = Engine(model, EngineConfig(**CONFIG, extra={"separate_host_memory": True}))
+    for junk in ("x", None, [1], 0):
+        with pytest.raises(ValueError, match="^bucket_bytes"):
+            engine.update_weights(tiny_model("qwen2", seed=1), bucket_bytes=junk)
+    assert (engine.weights_version, engine.needs_weights) == (0, False)
+    assert tokens(engine.generate(PROMPTS, GREEDY)) == fresh(model)
+
+
+# --- a sleep failing after the memory went -----------------------------------------------------
+@pytest.mark.parametrize("kind", [RuntimeError, KeyboardInterrupt], ids=["error", "interrupt"])
+def test_a_sleep_failing_while_handing_memory_back_leaves_the_engine_asleep(kind, monkeypatch):
+    """Handing the freed memory back fails (on a GPU, an earlier kernel's error surfacing at
+    the synchronize): the pool and weights are gone, so the engine is asleep, and wakes."""
+    model = tiny_model("qwen2", seed=0)
+    engine = Engine(model, EngineConfig(**CONFIG))
+    engine.generate(PROMPTS, GREEDY)
+
+    def release():
+        raise kind("handing the memory back")
+
+    monkeypatch.setattr(colocation.host_heap, "release_freed_blocks", release)
+    with pytest.raises(kind):
+        engine.sleep(1)
+    monkeypatch.undo()
+    assert engine.is_sleeping and not engine.needs_weights
+    engine.wake_up()
+    engine.check_invariants()
+    assert tokens(engine.generate(PROMPTS, GREEDY)) == fresh(model)
+
+
+# --- ColocatedRollout after another wrote the engine -------------------------------------------
+def test_colocated_rollout_syncs_again_after_another_wrote_the_engine():
+    """Two wrappers share an engine (an evaluation model beside the policy), or the trainer
+    called update_weights itself: the policy's next block copies its weights back."""
+    policy, other = tiny_model("qwen2", seed=0), tiny_model("qwen2", seed=1)
+    engine = Engine(policy, EngineConfig(**CONFIG))
+    train, evaluate = ColocatedRollout(engine, policy), ColocatedRollout(engine, other, synced=False)
+    for write in (lambda: evaluate.__enter__().__exit__(None, None, None),
+                  lambda: (engine.wake_up(), engine.update_weights(other), engine.sleep(1))):
+        write()
+        with train as r:
+            assert r.synced
+            assert tokens(r.generate(PROMPTS, GREEDY)) == fresh(policy)
+        with train as r:
+            assert not r.synced

@@ -259,6 +259,54 @@ def test_staleness_counts_versions():
             assert set(s.weights_versions) == {2}
 
 
+@pytest.mark.parametrize("kind", [RuntimeError, KeyboardInterrupt], ids=["error", "interrupt"])
+def test_an_update_failing_after_its_copy_still_bounds_staleness(kind, monkeypatch):
+    """Packing the new weights (after the copy and the version's bump) fails, out of memory
+    say: the weights are in, so the update counts and max_staleness=0 restarts the carried
+    groups: none comes out with an older token."""
+    engine = make("plain", True, max_staleness=0)
+    engine.rollout(PROMPTS[:3], PARAMS[:3], groups=1)
+
+    def pack():
+        raise kind("packing the new weights")
+
+    monkeypatch.setattr(engine.stack.model, "pack_weights", pack)
+    with pytest.raises(kind):
+        engine.update_weights(other_weights())
+    monkeypatch.undo()
+    engine.check_invariants()
+    assert (engine.weights_version, engine.stats.weight_syncs) == (1, 1)
+    assert engine.stats.stale_restarts == 2
+    rest = by_prompt(engine.rollout())
+    assert len(rest) == 2 and all(set(s.weights_versions) == {1}
+                                  for samples in rest.values() for s in samples)
+
+
+@pytest.mark.parametrize("kind", [RuntimeError, KeyboardInterrupt], ids=["error", "interrupt"])
+def test_a_draft_sleep_failing_before_its_pool_goes_leaves_it_whole(kind, monkeypatch):
+    """The draft model's stack fails to sleep (its pool's release) with groups carried: the
+    engine stays awake, the draft's shadows and K/V agree, and the groups go on as the
+    uninterrupted run (its slots all accounted for at the end)."""
+    engine = make("draft", True)
+    engine.rollout(PROMPTS[:3], PARAMS[:3], groups=1)
+    drafter = engine.speculator.drafter
+    assert drafter.shadows
+
+    def release():
+        raise kind("the draft pool's release")
+
+    monkeypatch.setattr(drafter.stack.pool, "release", release)
+    with pytest.raises(kind):
+        engine.sleep(1)
+    monkeypatch.undo()
+    assert not engine.is_sleeping
+    engine.check_invariants()
+    rest = by_prompt(engine.rollout())
+    want = tokens(uninterrupted("draft", True))
+    assert len(rest) == 2 and tokens(rest) == {p: want[p] for p in rest}
+    engine.check_invariants()
+
+
 def test_over_sampling_returns_the_oldest_complete_groups_and_carries_the_rest():
     engine = make("plain", True)
     outs = engine.rollout(PROMPTS, PARAMS, groups=2)
