@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Iterator
 
 from ..colocation.colocation import Colocation
@@ -28,6 +29,7 @@ from ..lora.sync import LoraSync
 from ..models.base import ROUTED_EXPERTS
 from ..models.loader import build_model, eos_token_ids, load_into, resolve_model
 from ..parallel import shared_seed, tensor_parallel
+from ..parallel.agree import agree_min, check_same_config, check_same_requests
 from ..requests.intake import Prompt, check_request, check_requests, hold_key, prefix_ids
 from ..requests.outputs import RolloutOutput, build_output
 from ..requests.request import Request
@@ -70,6 +72,10 @@ class Engine(ColocationCalls):
                              f"{type(tokenizer).__name__}")
         hf_config, weights, device, dtype, tokenizer = resolve_model(model, config, tokenizer)
         self.hf_config, self.tokenizer, self.device = hf_config, tokenizer, device
+        agree = None
+        if self.tp.size > 1:  # before any rank builds (or refuses) anything the others do not
+            check_same_config(config, hf_config, self.tp, device)
+            agree = functools.partial(agree_min, tp=self.tp, device=device)
         self.model = build_model(hf_config, config.max_model_len, dtype, device, self.tp,
                                  source=model)
         # A PEFT LoRA model: its base unmerged, its adapter beside it (rollout/lora/).
@@ -78,7 +84,8 @@ class Engine(ColocationCalls):
         load_into(self.model, weights if adapter is None else adapter.tensors())
         self.vocab_size = hf_config.vocab_size
         self.journal = Journal()
-        self.stack = ModelStack(self.model, config, pool_slots(self.model, config, dtype, device),
+        self.stack = ModelStack(self.model, config,
+                                pool_slots(self.model, config, dtype, device, agree),
                                 device, self.journal)
         # On the projections as the stack's backend set them up (none: a plain or merged model).
         self.lora.attach(adapter, self.stack.backend)
@@ -318,6 +325,8 @@ class Engine(ColocationCalls):
         """(prompt, params) pairs queued as requests. Every one is checked before any takes an
         id or a seed: a failed call changes nothing, not even the seeds later calls draw."""
         checked = [self._check_request(p, sp) for p, sp in pairs]
+        if self.tp.size > 1:
+            check_same_requests(checked, self.tp, self.device)
         with self.journal.unit():
             requests = [self.requests.make(*c, None, self.eos_ids, from_rollout)
                         for c in checked]

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from ..fields import as_float
+from ..parallel.agree import check_same_requests
 from ..requests.intake import token_ids
 from ..requests.request import Request
 from ..sample.params import SamplingParams
@@ -24,6 +25,9 @@ def score(engine, sequences, temperature: float, top_logprobs: int, start, use_t
     ids, starts, temperature, top = check_scores(
         sequences, temperature, top_logprobs, start, engine.vocab_size,
         engine.config.max_model_len, engine.tokenizer)
+    if engine.tp.size > 1:  # once, whatever rounds follow (none for no sequence)
+        check_same_requests([(None, tokens, (temperature, top, first))
+                             for tokens, first in zip(ids, starts)], engine.tp, engine.device)
     plan = ScorePlan(ids, starts, top)
     errors: dict[int, str] = {}
     while not plan.finished:

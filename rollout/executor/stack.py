@@ -105,10 +105,12 @@ class ModelStack:
 
 
 
-def pool_slots(model, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> int:
-    """How many KV slots `model`'s pool gets under `config` (rollout/kv/pool.py size_pool)."""
+def pool_slots(model, config: EngineConfig, dtype: torch.dtype, device: torch.device,
+               agree=None) -> int:
+    """How many KV slots `model`'s pool gets under `config` (rollout/kv/pool.py size_pool;
+    `agree`: the ranks' settling on one size)."""
     layout = model.kv_layout
     per_token = kv_bytes_per_token(layout.num_layers, layout.kv_heads, layout.head_dim, dtype,
                                    model.slot_extras())
     return size_pool(config.kv_cache_tokens, config.kv_memory_fraction, config.max_model_len,
-                     config.max_num_seqs, per_token, device)
+                     config.max_num_seqs, per_token, device, agree)

@@ -14,6 +14,7 @@ speculation's rejected drafts).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 import os
 
 import torch
@@ -46,8 +47,11 @@ CPU_POOL_BYTES = 256 << 20
 
 
 def size_pool(kv_cache_tokens: int | None, memory_fraction: float, max_model_len: int,
-              max_num_seqs: int, bytes_per_token: int, device: torch.device) -> int:
-    """Number of slots; refuses (ValueError) when one max_model_len request cannot fit."""
+              max_num_seqs: int, bytes_per_token: int, device: torch.device,
+              agree: Callable[[int], int] | None = None) -> int:
+    """Number of slots; refuses (ValueError) when one max_model_len request cannot fit.
+    `agree`: the ranks of a tensor-parallel engine settle on one size (the smallest) before
+    that check, so they refuse together."""
     if kv_cache_tokens is None:
         budget = int(available_memory(device) * memory_fraction)
         # More than every sequence at full length could never be used.
@@ -57,6 +61,8 @@ def size_pool(kv_cache_tokens: int | None, memory_fraction: float, max_model_len
             # refused for the sake of build time.
             ceiling = max(CPU_POOL_BYTES // bytes_per_token, max_model_len)
             kv_cache_tokens = min(kv_cache_tokens, ceiling)
+    if agree is not None:
+        kv_cache_tokens = agree(kv_cache_tokens)
     if kv_cache_tokens < max_model_len:
         raise ValueError(
             f"kv_cache_tokens: the KV pool holds {kv_cache_tokens} tokens "

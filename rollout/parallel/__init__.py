@@ -1,6 +1,7 @@
 """Tensor parallelism over torch.distributed: the group (group.py), the collectives a sharded
 forward issues (collectives.py), which part of each checkpoint tensor a rank keeps (shard.py),
-and the group a model is being built for (building.py)."""
+the group a model is being built for (building.py), and what the ranks must agree on before
+they run together: config, pool size, each call's requests (agree.py)."""
 
 from .building import building_for, current
 from .collectives import all_reduce, check_same_batch, check_same_tokens, gather_vocab

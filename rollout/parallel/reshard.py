@@ -98,7 +98,12 @@ def _chunk(tensor, rank: int) -> tuple[int, int, int] | None:
 
 
 def _needs(tensor, cut: Cut) -> tuple[int, tuple[tuple[int, int], ...]]:
-    return (0, ((0, tensor.shape[0]),)) if cut is None else cut.intervals()
+    """(dim, ranges) of `tensor` a rank's part takes, the dim non-negative as _chunk's is (the
+    experts' cuts name theirs from the end: Slice(-2))."""
+    if cut is None:
+        return 0, ((0, tensor.shape[0]),)
+    dim, ranges = cut.intervals()
+    return dim % tensor.dim(), ranges
 
 
 def _pieces(tensor, need, holder: int, needer: int):

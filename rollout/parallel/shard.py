@@ -106,5 +106,6 @@ def split_vocab(vocab_size: int, tp: TensorParallel) -> tuple[int, int, int]:
     """(rows per rank, this rank's first row, how many of its rows are real): every rank holds
     the same number of rows so that the logits gather is one all_gather_into_tensor."""
     rows = -(-vocab_size // tp.size)
-    start = tp.rank * rows
+    # the last ranks of a small vocabulary may hold no real row (5 rows on 4 ranks: 2, 2, 1, 0)
+    start = min(tp.rank * rows, vocab_size)
     return rows, start, max(0, min(rows, vocab_size - start))

@@ -9,6 +9,7 @@ side in a world of 4; every rank returns the same outputs. The ranks check each 
 sampled alike (check_tensor_parallel)."""
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -53,6 +54,8 @@ def test_tensor_parallel_matches_one_rank(tp, reference, tmp_path):
         assert got == ranks[0], f"rank {r} returned other outputs than rank 0"
     got = ranks[0]
     assert got["mismatch/refused"] and got["mismatch/after"]  # on every rank (equal above)
+    assert got["mismatch/call_refused"] == {"none": True, "seed": True, "score": True}
+    assert got["mismatch/config_refused"] and got["mismatch/pool"] == 256
     assert got["preempt/count"] and got["update/same_addresses"]
     assert got["park/kept"] and reference["park/kept"]
     assert got["update/copied_only_parts"] and reference["update/copied_only_parts"]
@@ -74,7 +77,7 @@ def test_tensor_parallel_matches_one_rank(tp, reference, tmp_path):
         cost = got[f"update/dtensor{dim}/cost"]
         assert cost["collectives"] == 2
         assert 0 < cost["exchanged_bytes"] < model_bytes * (tp - 1) / tp, cost
-    for name in ("phi3", "qwen2_bias"):
+    for name in ("phi3", "qwen2_bias", "qwen3_moe"):
         assert_close(got[f"update/dtensor/{name}"], reference[f"{name}/greedy"],
                      f"tp={tp} update/dtensor/{name}")
     if tp >= 4:  # engines of 2 ranks: ranks 0-1 serve PROMPTS[0::2], ranks 2-3 PROMPTS[1::2]
@@ -91,6 +94,10 @@ def test_head_and_vocab_splits():
     assert [split_heads(8, 2, TensorParallel(4, r)).kv_start for r in range(4)] == [0, 0, 1, 1]
     assert split_heads(8, 1, four).kv_heads == 1
     assert split_vocab(130, four) == (33, 99, 31)
+    # A vocabulary too small for the ranks: the last holds padding rows only (it had begun
+    # past the vocabulary, and its load raised on that rank alone).
+    assert [split_vocab(5, TensorParallel(4, r)) for r in range(4)] == [
+        (2, 0, 2), (2, 2, 2), (2, 4, 1), (2, 5, 0)]
     assert split_heads(8, 2, SINGLE).q_heads == 8
     with pytest.raises(ValueError, match="tensor_parallel_size=4 must divide num_attention"):
         split_heads(6, 2, four)
@@ -170,24 +177,28 @@ def test_reshard_pieces_assemble_every_rank_part(placement, mesh_size):
     from rollout.parallel import Concat, Slice
     from rollout.parallel.reshard import _chunk, _needs, _pieces, _region
 
-    full = torch.arange(10 * 7, dtype=torch.float32).view(10, 7)
-    fake = SimpleNamespace(shape=full.shape, dim=full.dim, placements=[placement],
-                           device_mesh=SimpleNamespace(size=lambda: mesh_size))
-
-    def shard(holder):
+    def shard(full, fake, holder):
         chunk = _chunk(fake, holder)
         return full if chunk is None else full.narrow(chunk[0], chunk[1], chunk[2] - chunk[1])
 
-    cuts = [None, Slice(0, 3, 5, 10), Slice(1, 2, 4, 7),
-            Concat((Slice(0, 1, 2, 4), Slice(0, 0, 3, 6)))]
-    for cut in cuts:
-        want = full if cut is None else cut.take(full)
-        for needer in range(mesh_size):
-            part = torch.full_like(want, float("nan"))
-            for holder in range(mesh_size):
-                pieces = _pieces(fake, _needs(fake, cut), holder, needer)
-                if isinstance(placement, Replicate) and holder != needer:
-                    assert not pieces
-                for src, dst in pieces:
-                    _region(part, dst).copy_(_region(shard(holder), src))
-            assert torch.equal(part, want), (cut, needer)
+    # A matrix, and stacked experts [E, rows, cols], whose cuts name their dims from the end
+    # as the MoE layer's do (Shard(1) then lies along a cut of dim -2).
+    cases = [((10, 7), [None, Slice(0, 3, 5, 10), Slice(1, 2, 4, 7),
+                        Concat((Slice(0, 1, 2, 4), Slice(0, 0, 3, 6)))]),
+             ((3, 10, 7), [Slice(-2, 3, 5, 10), Slice(-1, 2, 4, 7),
+                           Concat((Slice(-2, 1, 2, 4), Slice(-2, 0, 3, 6)), dim=-2)])]
+    for shape, cuts in cases:
+        full = torch.arange(math.prod(shape), dtype=torch.float32).view(shape)
+        fake = SimpleNamespace(shape=full.shape, dim=full.dim, placements=[placement],
+                               device_mesh=SimpleNamespace(size=lambda: mesh_size))
+        for cut in cuts:
+            want = full if cut is None else cut.take(full)
+            for needer in range(mesh_size):
+                part = torch.full_like(want, float("nan"))
+                for holder in range(mesh_size):
+                    pieces = _pieces(fake, _needs(fake, cut), holder, needer)
+                    if isinstance(placement, Replicate) and holder != needer:
+                        assert not pieces
+                    for src, dst in pieces:
+                        _region(part, dst).copy_(_region(shard(full, fake, holder), src))
+                assert torch.equal(part, want), (shape, cut, needer)

@@ -4,6 +4,7 @@ scenario's (token ids, logprobs) per sample."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import torch
@@ -85,7 +86,8 @@ def run_all(tp: int) -> dict:
 def mismatched_requests(cfg: dict) -> dict:
     """Ranks of one engine handed different requests (rank r a prompt of 5 + 2r tokens): the
     step refuses on every rank before any forward mixes them, and once the caller aborts them
-    the engine serves the same requests again as before."""
+    the engine serves the same requests again as before; calls and engines that differ across
+    ranks (below)."""
     engine = Engine(MODELS["llama_mqa"](0), EngineConfig(**cfg))
     before = _samples(engine.generate(PROMPTS, GREEDY))
     rank = torch.distributed.get_rank()
@@ -99,8 +101,33 @@ def mismatched_requests(cfg: dict) -> dict:
     engine.check_invariants()
     # Tokens: the prompts' K/V now come from the prefix cache, whose logits may differ from a
     # fresh prefill's in the last bits.
+    # A call whose prompts or params differ across ranks (a rank handed no prompt at all had
+    # returned at once while the others waited for it at their first step; a seed per rank
+    # sampled differently without a word): refused on every rank before anything is queued.
+    calls = {"none": lambda: engine.generate(PROMPTS[:rank], GREEDY),
+             "seed": lambda: engine.generate(PROMPTS[:1], dataclasses.replace(SEEDED, seed=rank)),
+             "score": lambda: engine.score(SCORED[rank:])}
+    call_refused = {}
+    for name, call in calls.items():
+        try:
+            call()
+            call_refused[name] = False
+        except RuntimeError as e:
+            call_refused[name] = "queued different requests" in str(e)
+    engine.check_invariants()
     after = engine.generate(PROMPTS, GREEDY)
+    # Engines built otherwise on each rank: a config field refused on every rank, naming it;
+    # a pool each rank's memory would size differently takes the smallest on every one.
+    try:
+        Engine(MODELS["llama_mqa"](0), EngineConfig(**dict(cfg, seed=rank)))
+        config_refused = False
+    except ValueError as e:
+        config_refused = str(e).startswith("seed: the ranks of a tensor-parallel engine")
+    pool = Engine(MODELS["llama_mqa"](0),
+                  EngineConfig(**dict(cfg, kv_cache_tokens=256 + 64 * rank))).pool.num_slots
     return {"mismatch/refused": refused,
+            "mismatch/call_refused": call_refused,
+            "mismatch/config_refused": config_refused, "mismatch/pool": pool,
             "mismatch/after": [[s.token_ids for s in o.samples] for o in after]
             == [[tokens for tokens, _ in o] for o in before]}
 
@@ -236,15 +263,16 @@ def dtensor_update(cfg: dict) -> dict:
     column-parallel rows come from column shards, row-parallel columns from row shards), each
     rank receiving only the ranges its part needs. Greedy outputs, to equal "update/awake" (the
     same weights, full), and what each update exchanged. Then Phi-3's fused QKV and gate-up
-    (each rank's part made of ranges in several shards) and Qwen2's vocabulary of 130 (uneven
-    shards, padded rows), built from other weights, to equal their "<name>/greedy"."""
+    (each rank's part made of ranges in several shards), Qwen2's vocabulary of 130 (uneven
+    shards, padded rows) and Qwen3-MoE's stacked experts sharded along their cut's rows (which
+    the layer names from the end), built from other weights, to equal their "<name>/greedy"."""
     engine = Engine(MODELS["llama_mqa"](0), EngineConfig(**cfg))
     out = {}
     for dim in (0, 1):
         cost = engine.update_weights(world_sharded(MODELS["llama_mqa"](1), dim))
         out[f"update/dtensor{dim}"] = _samples(engine.generate(PROMPTS, GREEDY))
         out[f"update/dtensor{dim}/cost"] = {k: cost[k] for k in ("collectives", "exchanged_bytes")}
-    for name, dim in (("phi3", 0), ("qwen2_bias", 1)):
+    for name, dim in (("phi3", 0), ("qwen2_bias", 1), ("qwen3_moe", 1)):
         engine = Engine(MODELS[name](1), EngineConfig(**cfg))
         engine.update_weights(world_sharded(MODELS[name](0), dim))
         out[f"update/dtensor/{name}"] = _samples(engine.generate(PROMPTS, GREEDY))
