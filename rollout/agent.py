@@ -266,8 +266,11 @@ class _Runner:
         if observation is None:
             return []
         if isinstance(observation, dict):
+            # Whichever end id the turn stopped on (the engine stops on each: an instruct
+            # model's end-of-turn may not be the tokenizer's eos_token), it is in the episode.
+            ended = last_token is not None and last_token in self.engine.eos_ids
             return message_tokens(tok, observation,
-                                  after_eos=last_token == getattr(tok, "eos_token_id", None))
+                                  ended_with=token_text(tok, last_token) if ended else None)
         if isinstance(observation, str):
             if tok is None:
                 raise ValueError("a text observation needs the engine's tokenizer")
@@ -311,10 +314,18 @@ def _env_call(method, *args):
     return asyncio.run(result) if inspect.iscoroutine(result) else result
 
 
-def message_tokens(tokenizer, message: dict, after_eos: bool) -> list[int]:
+def token_text(tokenizer, token: int) -> str:
+    """A token as its text, a special token's included (`<|eot_id|>`)."""
+    if hasattr(tokenizer, "convert_ids_to_tokens"):
+        return tokenizer.convert_ids_to_tokens(token)
+    return tokenizer.decode([token])
+
+
+def message_tokens(tokenizer, message: dict, ended_with: str | None) -> list[int]:
     """The tokens a chat template puts after an assistant turn for `message` (a tool or user
-    message), generation prompt included; `after_eos`: the model's turn ended with the EOS
-    token, which the template renders as the end of the assistant turn. Refused when the
+    message), generation prompt included; `ended_with`: the text of the end token the model's
+    turn ended with (None: it ended otherwise), which the template renders as the end of the
+    assistant turn, so it is not put there twice. Refused when the
     template is not prefix-preserving (rendering one more message changes what came before),
     since the episode's tokens could then not be what a trainer's template would give."""
     if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
@@ -327,7 +338,6 @@ def message_tokens(tokenizer, message: dict, after_eos: bool) -> list[int]:
         raise ValueError("the chat template is not prefix-preserving: appending a message "
                          "changes the rendering of the turns before it")
     tail = full[full.index(_MARK) + len(_MARK):]
-    eos = getattr(tokenizer, "eos_token", None)
-    if after_eos and eos and tail.startswith(eos):
-        tail = tail[len(eos):]
+    if ended_with and tail.startswith(ended_with):
+        tail = tail[len(ended_with):]
     return list(tokenizer.encode(tail, add_special_tokens=False))

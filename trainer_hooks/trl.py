@@ -45,14 +45,17 @@ FSDP-sharded models are not supported yet (their parameters would need full_tens
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import trl.trainer.grpo_trainer as _grpo_module
 from torch import nn
-from trl import GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer
 
 from rollout import EngineConfig
+from rollout.colocation.weights import is_peft
 
-from .trl_rollout import EngineGeneration, EngineRollout, build_engine, make_rollout_func
+from .trl_rollout import (EngineGeneration, EngineRollout, build_engine, check_generation_args,
+                          make_rollout_func)
 from .trl_support import on_support_logps
 
 __all__ = ["EngineGeneration", "RolloutGRPOTrainer", "make_rollout_func"]
@@ -102,9 +105,23 @@ class RolloutGRPOTrainer(GRPOTrainer):
         `importance_ratio`: "untruncated", "full_policy" or "on_support"
         (trl_rollout.EngineRollout; "on_support": the policy's logprobs renormalised on each
         token's sampled support, trl_support.py; single turns only)."""
+        if engine_config is not None and not isinstance(engine_config, EngineConfig):
+            raise ValueError(f"engine_config must be an EngineConfig or None, got "
+                             f"{type(engine_config).__name__}")
         if ref_model is not None and isinstance(model, str):
             raise ValueError("ref_model: pass the policy as a module too (TRL loads the "
                              "reference of a model given by name from that name)")
+        if ref_model is not None:
+            # TRL builds no reference at beta 0 (its default), and with PEFT takes the policy
+            # with its adapter disabled: the given one would be dropped without a word.
+            given = inspect.signature(GRPOTrainer.__init__).bind_partial(
+                self, model, reward_funcs, args, *positional, **kwargs).arguments
+            if given.get("peft_config") is not None or is_peft(model):
+                raise ValueError("ref_model: with PEFT, TRL's reference is the policy with its "
+                                 "adapter disabled; drop ref_model")
+            if (args.beta if args is not None else GRPOConfig().beta) == 0:
+                raise ValueError("ref_model: TRL uses no reference at beta=0 (its default); "
+                                 "set beta > 0 for a KL term, or drop ref_model")
         if kwargs.get("rollout_func") is not None:
             raise ValueError("rollout_func: RolloutGRPOTrainer provides its own")
         if args is not None and args.use_vllm:
@@ -112,6 +129,8 @@ class RolloutGRPOTrainer(GRPOTrainer):
         if args is not None and args.use_transformers_continuous_batching:
             raise ValueError("use_transformers_continuous_batching: the rollout engine generates; "
                              "set it to False")
+        if args is not None:
+            check_generation_args(args)
         self.rollout = EngineRollout(lambda t: build_engine(t, engine_config), sleep_level,
                                      seed=None if args is None else args.seed,
                                      importance_ratio=importance_ratio)
@@ -129,6 +148,11 @@ class RolloutGRPOTrainer(GRPOTrainer):
             raise ValueError("tools / environment_factory: need tensor_parallel_size 1 (the "
                              "ranks of one engine must run the same turns, and each rank's "
                              "tool loop ends on its own)")
+        if (self.vllm_importance_sampling_correction and self.loss_type == "vespo"
+                and self.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")):
+            # TRL checks this in __init__, where use_vllm was still False.
+            raise ValueError("vllm_importance_sampling_mode: loss_type='vespo' needs "
+                             "'token_truncate' or 'token_mask'")
         # Built now, after every refusal (an engine would hold its memory), so a bad
         # EngineConfig fails here, not mid-training, and, for a tensor-parallel engine, at the
         # same point on every rank; asleep until used.
@@ -136,11 +160,6 @@ class RolloutGRPOTrainer(GRPOTrainer):
         self.engine.sleep(sleep_level)
         self.use_vllm, self.vllm_mode = True, "colocate"
         self.vllm_generation, self._last_loaded_step = EngineGeneration(self, self.rollout), -1
-        if (self.vllm_importance_sampling_correction and self.loss_type == "vespo"
-                and self.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")):
-            # TRL checks this in __init__, where use_vllm was still False.
-            raise ValueError("vllm_importance_sampling_mode: loss_type='vespo' needs "
-                             "'token_truncate' or 'token_mask'")
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask,
                                            logits_to_keep, batch_size=None,

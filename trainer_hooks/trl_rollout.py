@@ -297,9 +297,13 @@ def tokenize_prompts(prompts: list, trainer: GRPOTrainer) -> list[list[int]]:
     return [list(ids) for ids in prompt_ids]
 
 
-def sampling_params(trainer: GRPOTrainer, engine: Engine) -> SamplingParams:
-    """GRPOConfig's generation settings as engine SamplingParams (n is set per prompt group)."""
-    args = trainer.args
+def check_generation_args(args) -> None:
+    """GRPOConfig's generation settings the engine cannot honour: ValueError naming the field
+    (RolloutGRPOTrainer asks before it builds the engine; a plain GRPOTrainer's rollout_func at
+    its first rollout)."""
+    if not args.temperature > 0:
+        raise ValueError(f"temperature: TRL divides the policy's logits by it, so it must be "
+                         f"> 0 (the engine would sample greedily), got {args.temperature}")
     if getattr(args, "repetition_penalty", 1.0) != 1.0:
         raise ValueError(f"repetition_penalty: the engine has none; got {args.repetition_penalty}, "
                          f"set it to 1.0")
@@ -308,6 +312,12 @@ def sampling_params(trainer: GRPOTrainer, engine: Engine) -> SamplingParams:
                          f"{sorted(args.generation_kwargs)}")
     if getattr(args, "vllm_structured_outputs_regex", None):
         raise ValueError("vllm_structured_outputs_regex: the engine has no structured outputs")
+
+
+def sampling_params(trainer: GRPOTrainer, engine: Engine) -> SamplingParams:
+    """GRPOConfig's generation settings as engine SamplingParams (n is set per prompt group)."""
+    args = trainer.args
+    check_generation_args(args)
     max_tokens = args.max_completion_length or engine.config.max_model_len
     return SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k or 0,

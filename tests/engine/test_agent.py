@@ -340,13 +340,53 @@ TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
 def test_chat_message_observation_is_the_templates_delta():
     tok = char_tokenizer("abcdefghijklmnopqrstuvwxyz0123456789 +=.,\n<>/")
     tok.chat_template = TEMPLATE
-    delta = message_tokens(tok, {"role": "tool", "content": "42"}, after_eos=True)
+    delta = message_tokens(tok, {"role": "tool", "content": "42"}, ended_with="<eos>")
     assert tok.decode(delta) == "\n<tool>42\n<assistant>"
-    delta = message_tokens(tok, {"role": "tool", "content": "42"}, after_eos=False)
+    delta = message_tokens(tok, {"role": "tool", "content": "42"}, ended_with=None)
     assert tok.decode(delta) == "<eos>\n<tool>42\n<assistant>"
     tok.chat_template = "{% for m in messages[-1:] %}{{ m['content'] }}{% endfor %}"
     with pytest.raises(ValueError, match="prefix-preserving"):
-        message_tokens(tok, {"role": "tool", "content": "42"}, after_eos=True)
+        message_tokens(tok, {"role": "tool", "content": "42"}, ended_with="<eos>")
+
+
+def test_a_turn_ended_by_an_end_of_turn_id_is_not_ended_twice():
+    """The model ends its turn with an end-of-turn token that is one of its generation
+    config's end ids but not the tokenizer's eos_token (Gemma's <end_of_turn>, Llama-3's
+    <|eot_id|>): the episode's tokens are still the chat template's rendering of the
+    conversation (the template's end-of-turn had been added after the model's own)."""
+    tok = char_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<u>", "<a>", "<eot>"]})
+    tok.chat_template = ("{% for m in messages %}{% if m.role == 'user' %}<u>{% else %}<a>"
+                         "{% endif %}{{ m.content }}<eot>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<a>{% endif %}")
+    eot = tok.convert_tokens_to_ids("<eot>")
+    model = tiny_model("llama", vocab_size=len(tok))
+    model.generation_config.eos_token_id = [tok.eos_token_id, eot]
+    with torch.no_grad():  # every greedy token is <eot> (each turn empty): the last hidden
+        d = model.config.hidden_size - 1  # unit carries the embedding's 30 to the head
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[d] = 0
+            layer.mlp.down_proj.weight[d] = 0
+        model.model.embed_tokens.weight[:, d] = 30.0
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[d] = 1.0
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[eot, d] = 10.0
+    eng = Engine(model, EngineConfig(kv_cache_tokens=512, max_model_len=64), tokenizer=tok)
+
+    class User:
+        def step(self, turn_ids, text):
+            return Step(observation={"role": "user", "content": "hi"})
+
+    conv = [{"role": "user", "content": "ab"}]
+    ep = run_episodes(eng, [conv], User, SamplingParams(temperature=0, max_tokens=4),
+                      max_turns=2)[0][0]
+    assert ep.token_ids[0] == eot  # the rig held
+    want = tok.apply_chat_template(conv + [{"role": "assistant", "content": ""},
+                                           {"role": "user", "content": "hi"},
+                                           {"role": "assistant", "content": ""}],
+                                   tokenize=False)
+    assert tok.decode(ep.prompt_ids + ep.token_ids) + "\n" == want
 
 
 def test_run_episodes_needs_an_idle_engine():

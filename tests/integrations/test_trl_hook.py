@@ -17,6 +17,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from rollout import Engine, EngineConfig
 from trainer_hooks.trl import RolloutGRPOTrainer, make_rollout_func
+from trainer_hooks.trl_rollout import EngineRollout
 
 ENGINE = EngineConfig(kv_cache_tokens=512, max_model_len=64, max_num_seqs=16)
 PROMPTS = ["abc", "hello", "1+1=", "xyz"]
@@ -231,11 +232,31 @@ def test_unsupported_settings_are_refused(tmp_path):
         RolloutGRPOTrainer(model, reward_funcs=Recorder(), args=grpo_args(tmp_path, use_vllm=True),
                            train_dataset=data, processing_class=tok, engine_config=ENGINE)
     trainer = RolloutGRPOTrainer(model, reward_funcs=Recorder(), train_dataset=data,
-                                 args=grpo_args(tmp_path, repetition_penalty=1.2),
-                                 processing_class=tok, engine_config=ENGINE)
+                                 args=grpo_args(tmp_path), processing_class=tok,
+                                 engine_config=ENGINE)
+    trainer.args.repetition_penalty = 1.2  # set after construction: refused at the rollout
     with pytest.raises(ValueError, match="repetition_penalty"):
         trainer.rollout_func(PROMPTS, trainer)
     assert trainer.engine.is_sleeping
+    # Refused before an engine is built (it would hold its memory): an engine_config of
+    # another type (a dict had failed inside dataclasses.replace), temperature 0 (TRL divides
+    # its logits by it: a ZeroDivisionError after a whole rollout), vespo's sampling mode,
+    # the generation settings the engine lacks.
+    built = []
+    refusals = [({"engine_config": {"max_model_len": 64}}, "^engine_config must be"),
+                ({"args": grpo_args(tmp_path, repetition_penalty=1.2)}, "^repetition_penalty"),
+                ({"args": grpo_args(tmp_path, temperature=0.0)}, "^temperature: TRL divides"),
+                ({"args": grpo_args(tmp_path, loss_type="vespo",
+                                    vllm_importance_sampling_mode="sequence_mask")},
+                 "^vllm_importance_sampling_mode")]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(EngineRollout, "setup", lambda *a, **k: built.append(1))
+        for kwargs, refusal in refusals:
+            given = {"args": grpo_args(tmp_path), "engine_config": ENGINE, **kwargs}
+            with pytest.raises(ValueError, match=refusal):
+                RolloutGRPOTrainer(model, reward_funcs=Recorder(), train_dataset=data,
+                                   processing_class=tok, **given)
+    assert not built
 
 
 def _free_port() -> int:
@@ -330,6 +351,16 @@ def test_ref_model_is_used_as_the_kl_reference(tmp_path):
         RolloutGRPOTrainer("some/model", reward_funcs=Recorder(), train_dataset=data,
                            args=grpo_args(tmp_path, beta=0.1), processing_class=tok,
                            engine_config=ENGINE, ref_model=ref)
+    # Where TRL takes no reference of its own making (beta 0, or PEFT: the policy with its
+    # adapter off), the given one would be dropped without a word.
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], lora_dropout=0.0)
+    for args, extra in ((grpo_args(tmp_path, beta=0.0), {}),
+                        (grpo_args(tmp_path, beta=0.1), {"peft_config": lora})):
+        with pytest.raises(ValueError, match="^ref_model: (TRL uses no|with PEFT)"):
+            RolloutGRPOTrainer(tiny_model("llama", vocab_size=len(tok)), reward_funcs=Recorder(),
+                               train_dataset=data, args=args, processing_class=tok,
+                               engine_config=ENGINE, ref_model=ref, **extra)
 
 
 @pytest.mark.parametrize("importance_ratio", ["untruncated", "full_policy", "on_support"])
