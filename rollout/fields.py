@@ -16,7 +16,7 @@ INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
 def as_int(name: str, value, low: int | None = None, high: int | None = None) -> int:
     """`value` as a plain int in [low, high]: any integer type is accepted (numpy's, 0-d arrays
     and tensors), bool and float are not."""
-    value = _item(value)
+    value = scalar(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name} must be an int, got {show(value)}")
     value = int(value)
@@ -27,7 +27,7 @@ def as_int(name: str, value, low: int | None = None, high: int | None = None) ->
 
 def as_float(name: str, value) -> float:
     """`value` as a finite plain float: ints, floats, numpy scalars and 0-d arrays/tensors."""
-    value = _item(value)
+    value = scalar(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be a real number, got {show(value)}")
     try:
@@ -40,7 +40,7 @@ def as_float(name: str, value) -> float:
 
 
 def as_bool(name: str, value) -> bool:
-    value = _item(value)
+    value = scalar(value)
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {show(value)}")
     return value
@@ -60,7 +60,7 @@ def show(value) -> str:
     return reprlib.repr(value)
 
 
-def _item(value):
+def scalar(value):
     """numpy scalars and 0-d arrays/tensors as the Python scalar they hold. Anything with more
     dimensions is left for the caller to refuse (operator.index would take a 1-element tensor)."""
     if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import numbers
+import struct
 from dataclasses import dataclass, field
 
-from ..fields import INT32_MAX, INT32_MIN, SEED_LIMIT, as_bool, as_float, as_int, show
+from ..fields import (INT32_MAX, INT32_MIN, SEED_LIMIT, as_bool, as_float, as_int, scalar,
+                      show)
 
 # Smallest temperature above 0 (greedy): the sampler divides float32 logits by it, and a much
 # tinier one overflows them to inf (1e-38 does), which would read as a broken model.
@@ -67,20 +69,24 @@ class SamplingParams:
         self.top_p = as_float("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if _float32(self.top_p) == 1:  # the sampler's value: it cuts nothing (the token reads
+            self.top_p = 1.0           # as drawn from the whole vocabulary)
         self.min_p = as_float("min_p", self.min_p)
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
             self.seed = as_int("seed", self.seed, 0, SEED_LIMIT - 1)
         self.ignore_eos = as_bool("ignore_eos", self.ignore_eos)
-        if not isinstance(self.logprobs, bool) and isinstance(self.logprobs, numbers.Integral):
-            k = as_int("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
+        # (0-d arrays and tensors as the scalars they hold, like every numeric field)
+        self.top_logprobs = as_int("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
+        logprobs = scalar(self.logprobs)
+        if not isinstance(logprobs, bool) and isinstance(logprobs, numbers.Integral):
+            k = as_int("logprobs", logprobs, 0, MAX_TOP_LOGPROBS)
             if self.top_logprobs not in (0, k):
                 raise ValueError(f"logprobs={k} asks for {k} alternatives but top_logprobs="
                                  f"{show(self.top_logprobs)}: give one of them")
-            self.logprobs, self.top_logprobs = True, k
-        self.logprobs = as_bool("logprobs", self.logprobs)
-        self.top_logprobs = as_int("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
+            logprobs, self.top_logprobs = True, k
+        self.logprobs = as_bool("logprobs", logprobs)
         self.logprobs = self.logprobs or self.top_logprobs > 0
         self.return_support = as_bool("return_support", self.return_support)
         self.return_routed_experts = as_bool("return_routed_experts",
@@ -91,12 +97,21 @@ class SamplingParams:
         return self.temperature == 0
 
     def check_vocab(self, vocab_size: int) -> None:
+        """The checks that need the vocabulary (on the engine's own copy, at intake); a top_k
+        that keeps every token is off, so the token reads as drawn from the whole vocabulary
+        (its sampling logprob its logprob, its support 'all')."""
+        if self.top_k >= vocab_size:
+            self.top_k = 0
         if self.top_logprobs > vocab_size:
             raise ValueError(f"top_logprobs must be at most the vocabulary ({vocab_size}), "
                              f"got {self.top_logprobs}")
         for t in self.stop_token_ids:
             if t >= vocab_size:
                 raise ValueError(f"stop_token_ids: {t} is outside the vocabulary [0, {vocab_size})")
+
+
+def _float32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def _as_list(name: str, value) -> list:

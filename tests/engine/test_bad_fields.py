@@ -57,6 +57,15 @@ def test_bad_sampling_param_names_the_field(field, value):
         SamplingParams(**{field: value})
 
 
+@pytest.mark.parametrize("value", [3.0, True, torch.tensor([3, 3]), np.array([1, 2]), "3", -1],
+                         ids=show)
+def test_bad_top_logprobs_beside_logprobs_k_names_it(value):
+    """Checked before it is compared with k (a tensor had raised torch's RuntimeError, 3.0
+    had been taken for 3)."""
+    with pytest.raises(ValueError, match=r"^top_logprobs\b"):
+        SamplingParams(logprobs=3, top_logprobs=value)
+
+
 @pytest.mark.parametrize("field, value, limit", [
     ("top_k", INT32_MAX + 1, "2**31 - 1"), ("top_k", INT32_MIN - 1, "-2**31"),
     ("max_tokens", INT32_MAX + 1, "2**31 - 1"), ("n", MAX_N + 1, "2**16"),
@@ -76,6 +85,9 @@ def test_numpy_and_0d_tensor_params_become_plain_python_values():
     assert (params.n, params.top_k, params.max_tokens, params.stop_token_ids) == (2, 3, 4, [1, 2])
     assert (params.temperature, params.top_p, params.min_p) == (0.5, 0.5, 0.0)
     assert params.logprobs is True and params.ignore_eos is False
+    for k in (np.int64(3), np.array(3), torch.tensor(3)):  # logprobs=k as every int field
+        assert (SamplingParams(logprobs=k).logprobs, SamplingParams(logprobs=k).top_logprobs) \
+            == (True, 3)
     for value in [params.n, params.top_k, params.max_tokens, *params.stop_token_ids, params.seed]:
         assert type(value) is int
     for value in [params.temperature, params.top_p, params.min_p]:

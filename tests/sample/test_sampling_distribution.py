@@ -227,10 +227,17 @@ def test_the_engine_returns_both_and_they_agree_with_the_trainers_renormalisatio
     full, cut = (engine.generate(prompts, SamplingParams(
         n=3, temperature=0.9, top_p=p, max_tokens=10, logprobs=True, seed=4,
         return_support=True)) for p in (1.0, 0.8))
-    for out in full:
-        for s in out.samples:
-            assert s.sampling_logprobs == s.logprobs
-            assert all(s.support.is_full(j) for j in range(len(s.token_ids)))
+    # Filters set that keep every token are no truncation either: top_k at or above the
+    # vocabulary (128), a top_p that is 1 in the sampler's float32 (each had given a
+    # renormalised logprob an ulp off and the whole vocabulary as an explicit support).
+    kept_all = [engine.generate(prompts, SamplingParams(
+        n=3, temperature=0.9, max_tokens=10, logprobs=True, seed=4, return_support=True, **kw))
+        for kw in ({"top_k": 128}, {"top_k": 1000}, {"top_p": 1 - 1e-9})]
+    for outs in (full, *kept_all):
+        for out in outs:
+            for s in out.samples:
+                assert s.sampling_logprobs == s.logprobs
+                assert all(s.support.is_full(j) for j in range(len(s.token_ids)))
     gaps, worst_truncated = [], 0.0
     for prompt, out in zip(prompts, cut):
         for s in out.samples:
