@@ -29,6 +29,8 @@ import asyncio
 import dataclasses
 import inspect
 import random
+import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -43,6 +45,9 @@ from .sample.params import SamplingParams
 
 # Marks the assistant's content when a chat template renders an observation (message_tokens).
 _MARK = "\x00rollout-assistant\x00"
+# Seconds the end of a run waits for cancelled coroutines to unwind (a coroutine that catches
+# its cancellation and goes on is left to the loop's daemon thread).
+CLOSE_WAIT = 5.0
 
 
 @dataclass
@@ -81,13 +86,16 @@ class Episode:
 def run_episodes(engine: Engine, prompts, env_factory: Callable[[], object],
                  params: SamplingParams | None = None, max_turns: int = 8,
                  max_episode_tokens: int | None = None, use_tqdm: bool = False,
-                 env_workers: int = 8) -> list[list[Episode]]:
+                 env_workers: int = 8, env_timeout: float | None = None
+                 ) -> list[list[Episode]]:
     """`params.n` episodes per prompt (prompt i, sample j: `episodes[i][j]`). `max_turns`:
     model turns per episode; `max_episode_tokens`: model + env tokens after the prompt (the
     episode ends with "length"; capped by the engine's max_model_len); `params.max_tokens`
     bounds each model turn. `prompts`: strings (encoded with the engine's tokenizer), token-id
     lists or 1-D tensors, or chat conversations (lists of {"role", "content"} messages,
-    rendered by the tokenizer's chat template with the generation prompt, as Engine.chat)."""
+    rendered by the tokenizer's chat template with the generation prompt, as Engine.chat).
+    `env_timeout`: seconds an environment's reset or step may take; one that takes longer
+    ends its episode ("abort", its KV released) and, if it is a coroutine, is cancelled."""
     if params is not None and not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams or None, got {type(params).__name__}")
     if not callable(env_factory):
@@ -99,6 +107,11 @@ def run_episodes(engine: Engine, prompts, env_factory: Callable[[], object],
     env_workers = as_int("env_workers", env_workers, low=1)
     if max_episode_tokens is not None:
         max_episode_tokens = as_int("max_episode_tokens", max_episode_tokens, low=1)
+    if env_timeout is not None:
+        env_timeout = as_float("env_timeout", env_timeout)
+        if env_timeout <= 0:
+            raise ValueError(f"env_timeout must be > 0 seconds or None, got {env_timeout}")
+        env_timeout = min(env_timeout, threading.TIMEOUT_MAX)  # what waits can take
     if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
         raise ValueError("prompts must be a list of strings or of token-id lists")
     if is_conversations(prompts):
@@ -106,7 +119,8 @@ def run_episodes(engine: Engine, prompts, env_factory: Callable[[], object],
     if engine.has_unfinished:
         raise ValueError("engine: run_episodes steps the engine itself and needs it idle; "
                          f"{len(engine.running_requests)} requests are running")
-    runner = _Runner(engine, env_factory, params, max_turns, max_episode_tokens, env_workers)
+    runner = _Runner(engine, env_factory, params, max_turns, max_episode_tokens, env_workers,
+                     env_timeout)
     return runner.run(list(prompts), use_tqdm)
 
 
@@ -122,9 +136,12 @@ class _Live:
 
 class _Runner:
     def __init__(self, engine: Engine, env_factory, params: SamplingParams, max_turns: int,
-                 max_episode_tokens: int | None, env_workers: int) -> None:
+                 max_episode_tokens: int | None, env_workers: int,
+                 env_timeout: float | None) -> None:
         self.engine, self.env_factory, self.params = engine, env_factory, params
         self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
+        self.env_timeout = env_timeout
+        self.deadlines: dict[Future, float] = {}  # steps under way -> when they time out
         # An episode's tokens end where a sequence's do; each later turn's prompt leaves the
         # model a token (_env_turn ends the episode when an observation would not).
         self.limit = engine.config.max_model_len
@@ -133,6 +150,7 @@ class _Runner:
         self.turn_params = dataclasses.replace(params, n=1, logprobs=True)
         self.requests: dict[str, list[_Live | None]] = {}  # request id -> its episodes
         self.waiting: dict[Future, _Live] = {}  # environment steps under way
+        self.abandoned = False  # a synchronous call timed out and still runs
 
     def run(self, prompts: list, use_tqdm: bool) -> list[list[Episode]]:
         engine = self.engine
@@ -141,6 +159,7 @@ class _Runner:
         result: list[list[Episode]] = []
         bar = self.bar = progress(len(prompts) * self.params.n, use_tqdm, unit="episode")
         self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="rollout-env")
+        self.loop = _EnvLoop()
         failed = True
         try:
             for i, ids in enumerate(checked):
@@ -160,8 +179,10 @@ class _Runner:
             raise
         finally:
             bar.close()
-            # A failed run does not wait for its environments' steps still under way.
-            self.pool.shutdown(wait=not failed, cancel_futures=True)
+            # A failed run does not wait for its environments' steps still under way, nor a
+            # run for the synchronous steps it gave up on (their threads finish on their own).
+            self.loop.close()
+            self.pool.shutdown(wait=not failed and not self.abandoned, cancel_futures=True)
         return result
 
     def _start(self, episode: Episode, index: tuple[int, int]) -> _Live:
@@ -169,12 +190,29 @@ class _Runner:
         try:
             live.env = self.env_factory()
             reset = getattr(live.env, "reset", None)
-            if reset is not None:  # on the pool, as steps are: an async reset then gets an
-                # event loop of its own even when the caller runs one (a notebook)
-                self.pool.submit(_env_call, reset, list(episode.prompt_ids)).result()
+            if reset is not None:
+                future = self._call(reset, list(episode.prompt_ids))
+                try:
+                    future.result(timeout=self.env_timeout)
+                except TimeoutError:
+                    self._give_up(future)
+                    raise TimeoutError(f"took over env_timeout={self.env_timeout:g} s") from None
         except Exception as e:
             self._end(live, "abort", f"environment reset: {type(e).__name__}: {e}")
         return live
+
+    def _call(self, method, *args) -> Future:
+        """An environment method's call under way: a coroutine function's on the run's event
+        loop, anything else on the pool (a coroutine it returns then goes to the loop too)."""
+        if inspect.iscoroutinefunction(method):
+            return self.loop.submit(method(*args))
+        return self.pool.submit(self.loop.call, method, *args)
+
+    def _give_up(self, future: Future) -> None:
+        """A call that outlived env_timeout: a coroutine is cancelled; a thread cannot be, and
+        finishes on its own (the run then does not wait for it at the end)."""
+        if not future.cancel():
+            self.abandoned = True
 
     def _submit(self, prompt_ids: list[int], params: SamplingParams,
                 lives: list[_Live | None], resume) -> None:
@@ -199,9 +237,19 @@ class _Runner:
                 # their holds.
                 del self.requests[out.request_id]
         elif self.waiting:
-            wait(list(self.waiting), return_when=FIRST_COMPLETED)
-        for future in [f for f in self.waiting if f.done()]:
-            self._env_turn(self.waiting.pop(future), future)
+            timeout = None if not self.deadlines else \
+                max(0.0, min(self.deadlines.values()) - time.monotonic())
+            wait(list(self.waiting), timeout, return_when=FIRST_COMPLETED)
+        now = time.monotonic()
+        for future in [f for f in self.waiting if f.done() or self.deadlines.get(f, now) < now]:
+            self.deadlines.pop(future, None)
+            live = self.waiting.pop(future)
+            if future.done():
+                self._env_turn(live, future)
+            else:
+                self._give_up(future)
+                self._end(live, "abort", f"environment step: took over "
+                                         f"env_timeout={self.env_timeout:g} s")
 
     def _model_turn(self, live: _Live, request_id: str, sample: Sample, error: str | None):
         ep = live.episode
@@ -213,8 +261,10 @@ class _Runner:
         ep.sampling_logprobs += sample.sampling_logprobs
         if sample.finish_reason == "abort":
             return self._end(live, "abort", error or "aborted by the engine")
-        future = self.pool.submit(_env_step, live.env, list(sample.token_ids), sample.text)
+        future = self._call(live.env.step, list(sample.token_ids), sample.text)
         self.waiting[future] = live
+        if self.env_timeout is not None:
+            self.deadlines[future] = time.monotonic() + self.env_timeout
 
     def _env_turn(self, live: _Live, future: Future) -> None:
         ep = live.episode
@@ -304,14 +354,43 @@ class _Runner:
                     self.engine.release_hold((request_id, j))
 
 
-def _env_step(env, turn_ids: list[int], text: str | None):
-    return _env_call(env.step, turn_ids, text)
+class _EnvLoop:
+    """One event loop, on a thread of its own, for a run's async environments: an environment's
+    reset and every step run on it, so what reset makes that is bound to a loop (a client
+    session, a lock, a subprocess) works in the steps (asyncio.run per call had given each a
+    loop of its own), the steps of all episodes interleave on it, and one that outlives
+    env_timeout is cancelled. Independent of any loop the caller runs (a notebook's)."""
 
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="rollout-env-loop",
+                                       daemon=True)
+        self.thread.start()
 
-def _env_call(method, *args):
-    """An environment method's result, awaited for an async environment."""
-    result = method(*args)
-    return asyncio.run(result) if inspect.iscoroutine(result) else result
+    def submit(self, coroutine) -> Future:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+    def call(self, method, *args):
+        """A method's result, from a pool thread: a coroutine it returns awaited on the loop."""
+        result = method(*args)
+        return self.submit(result).result() if inspect.iscoroutine(result) else result
+
+    def close(self) -> None:
+        """Cancel what still runs (a failed run's steps), then stop and close the loop."""
+        async def cancel_rest():
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in rest:
+                task.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
+
+        try:
+            self.submit(cancel_rest()).result(timeout=CLOSE_WAIT)
+        except TimeoutError:  # a coroutine that will not stop: its daemon thread keeps it
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=CLOSE_WAIT)
+        if not self.thread.is_alive():
+            self.loop.close()
 
 
 def token_text(tokenizer, token: int) -> str:

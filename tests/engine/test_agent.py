@@ -310,6 +310,86 @@ def test_async_environment():
     assert summary(a) == summary(b)
 
 
+def test_an_async_environment_keeps_one_event_loop():
+    """What an async environment makes in reset (a client session, a lock: bound to the loop
+    they were made on) serves its steps: they run on the same loop (each call had had a loop
+    of its own, and such an environment failed at its first step)."""
+    class Bound(Echo):
+        async def reset(self, prompt_ids):
+            self.lock = asyncio.Lock()
+            self.loop = asyncio.get_running_loop()
+
+        async def step(self, turn_ids, text):
+            async with self.lock:  # raises on another loop
+                assert asyncio.get_running_loop() is self.loop
+                return Echo.step(self, turn_ids, text)
+
+    episodes = run_episodes(engine(), PROMPTS, Bound, PARAMS, max_turns=5)
+    assert all(ep.finish_reason == "done" for row in episodes for ep in row), \
+        [ep.error for row in episodes for ep in row]
+
+
+@pytest.mark.parametrize("where", ["reset", "step"])
+def test_an_async_call_past_env_timeout_is_cancelled_and_ends_its_episode(where):
+    """One environment never answers (a hung tool call): with env_timeout its episode ends
+    as "abort" saying so, its coroutine cancelled and its KV released; the others finish."""
+    cancelled = []
+
+    class Hangs(Echo):
+        instances = []
+
+        def __init__(self):
+            super().__init__()
+            Hangs.instances.append(self)
+
+        async def hang(self):
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                cancelled.append(self)
+                raise
+
+        async def reset(self, prompt_ids):
+            if where == "reset" and self is Hangs.instances[0]:
+                await self.hang()
+
+        async def step(self, turn_ids, text):
+            if where == "step" and self is Hangs.instances[0] and self.seen:
+                await self.hang()
+            return Echo.step(self, turn_ids, text)
+
+    eng = engine()
+    episodes = run_episodes(eng, PROMPTS, Hangs, PARAMS, env_timeout=0.5)
+    first, *rest = [ep for row in episodes for ep in row]
+    assert first.finish_reason == "abort" and f"environment {where}" in first.error
+    assert "env_timeout=0.5 s" in first.error
+    assert all(ep.finish_reason == "done" for ep in rest)
+    assert cancelled == Hangs.instances[:1]
+    assert_no_kv_held(eng)
+
+
+def test_a_thread_past_env_timeout_is_left_to_finish_on_its_own():
+    """A synchronous step cannot be cancelled: its episode ends at env_timeout and the run
+    returns without waiting for the thread."""
+    release, finished = threading.Event(), []
+
+    class Blocks(Echo):
+        def step(self, turn_ids, text):
+            if not self.seen and self.prompt_ids == TOK.encode(PROMPTS[0]):
+                release.wait(60)
+                finished.append(self)
+            return super().step(turn_ids, text)
+
+    eng = engine()
+    episodes = run_episodes(eng, PROMPTS[:1], Blocks, PARAMS, env_timeout=0.5)
+    assert [ep.finish_reason for ep in episodes[0]] == ["abort"] * 3
+    assert not finished  # returned while the steps still ran
+    release.set()
+    assert_no_kv_held(eng)
+    with pytest.raises(ValueError, match="^env_timeout must be > 0"):
+        run_episodes(eng, PROMPTS[:1], Echo, PARAMS, env_timeout=0)
+
+
 def test_budgets():
     never = functools.partial(Echo, 100)
     turns = run_episodes(engine(), PROMPTS, never, PARAMS, max_turns=2)

@@ -76,6 +76,7 @@ CALLS = {
                                                     max_episode_tokens=v),
     "use_tqdm   ": lambda e, v: run_episodes(e, ["ab"], Done, GREEDY, use_tqdm=v),
     "env_workers": lambda e, v: run_episodes(e, ["ab"], Done, GREEDY, env_workers=v),
+    "env_timeout": lambda e, v: run_episodes(e, ["ab"], Done, GREEDY, env_timeout=v),
     # trainer_hooks: what they are built with
     "engine": lambda e, v: ColocatedRollout(v, e.model_for_test),
     "model": lambda e, v: ColocatedRollout(e, v),
