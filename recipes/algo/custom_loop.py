@@ -189,7 +189,8 @@ class CustomTrainer:
                                      seed=self.episode_seeds.getrandbits(63))
         return run_episodes(self.engine, prompt_ids, self.task.environment, params,
                             max_turns=self.cfg.max_turns,
-                            max_episode_tokens=self.cfg.max_episode_tokens)
+                            max_episode_tokens=self.cfg.max_episode_tokens,
+                            env_timeout=self.cfg.env_timeout)
 
     def _episode_batch(self, episodes, answers) -> tuple[RolloutBatch, dict]:
         """Each episode scored by the task's reward on its text after the prompt; the batch's

@@ -111,6 +111,7 @@ class RecipeConfig:
     tools: bool = True  # roll out episodes with the task's environment; false: single-turn
     max_turns: int = 4  # model turns per episode
     max_episode_tokens: int | None = None  # model + env tokens after the prompt; None: model len
+    env_timeout: float | None = None  # seconds an environment step may take; None: no limit
     # (`max_new_tokens` bounds each model turn)
 
     # --- supervised warm start (so rewards are not all zero on a fresh model) ------------------
@@ -260,6 +261,8 @@ def _check_values(cfg: RecipeConfig) -> None:
     for name in ("max_episode_tokens", "warmstart_examples"):
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1 or null, got {getattr(cfg, name)}")
+    if cfg.env_timeout is not None and not cfg.env_timeout > 0:
+        raise ValueError(f"env_timeout must be > 0 seconds or null, got {cfg.env_timeout}")
     if cfg.trainer == "trl_async" and (_has_environment(cfg) or cfg.algo != "grpo"
                                        or cfg.tensor_parallel_size > 1):
         raise ValueError("trainer: trl_async (TRL's AsyncGRPOTrainer) runs grpo on single turns "

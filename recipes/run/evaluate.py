@@ -76,7 +76,7 @@ def _greedy_episodes(rollout, task, tokenizer, cfg, prompts, max_turns: int,
                             stop=list(task.stop or []))
     return run_episodes(rollout.engine, task.encode(tokenizer, prompts), task.environment,
                         params, max_turns=max_turns, max_episode_tokens=cfg.max_episode_tokens,
-                        use_tqdm=progress)
+                        env_timeout=cfg.env_timeout, use_tqdm=progress)
 
 
 def _env_tokens_read(episode) -> int:

@@ -167,6 +167,8 @@ def test_warmstart_demonstration_masks():
 @pytest.mark.parametrize("key, value, match", [
     ("max_turns", 0, "max_turns"),
     ("max_episode_tokens", 0, "max_episode_tokens"),
+    ("env_timeout", 0, "env_timeout"),
+    ("env_timeout", "soon", "env_timeout"),
     ("warmstart_examples", 0, "warmstart_examples"),
     ("tools", "yes", "tools"),
     ("max_turns", 2.5, "max_turns"),
