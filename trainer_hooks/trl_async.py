@@ -25,7 +25,6 @@ tool loop), `repetition_penalty`, a PEFT model's adapter-only sync (its merged w
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import queue
@@ -61,9 +60,10 @@ class EngineRolloutWorker:
         self.model_version = 0
         # The trainer's model version of each engine weights version (set at each sync).
         self._versions = {engine.weights_version: 0}
-        # Dataset rows in flight, by prompt ids (oldest first): a group comes back steps later.
-        self._rows: dict[tuple[int, ...], collections.deque] = collections.defaultdict(
-            collections.deque)
+        # Dataset rows in flight, by the request id of their group (which comes back steps
+        # later, and not in the order asked: rows with the same prompt may differ otherwise).
+        self._rows: dict[str, dict] = {}
+        self._request_ids = (f"trl-async-{i}" for i in itertools.count())
         self._group_ids = itertools.count()
         self._run = threading.Event()  # set: the thread may call the engine
         self._idle = threading.Event()  # set: the thread is outside every engine call
@@ -96,6 +96,7 @@ class EngineRolloutWorker:
                               RuntimeWarning, stacklevel=2)
                 self._thread.join()
         self.engine.abort_all()  # the thread has ended: the engine is this caller's
+        self._rows.clear()  # their groups are gone
 
     def update_model_version(self, model_version: int) -> None:
         self.model_version = model_version
@@ -137,12 +138,14 @@ class EngineRolloutWorker:
                     if not self._run.is_set():  # a pause came in between
                         continue
                     new = self.groups_in_flight - len(self.engine.carried)
-                    prompts = []
+                    prompts, ids = [], []
                     for _ in range(max(new, 0)):
                         row = self.dataset[next(rows)]
                         prompts.append(self._prompt_ids(row))
-                        self._rows[tuple(prompts[-1])].append(row)
-                    outs = self.engine.rollout(prompts, self.params, groups=1)
+                        ids.append(next(self._request_ids))
+                        self._rows[ids[-1]] = row
+                    outs = self.engine.rollout(prompts, self.params, groups=1,
+                                               request_ids=ids)
                 finally:
                     self._idle.set()
                 for out in outs:
@@ -157,7 +160,7 @@ class EngineRolloutWorker:
         return render_conversations(self.tokenizer, [prompt], self.chat_template_kwargs)[0][1]
 
     def _push(self, out) -> None:
-        row = self._rows[tuple(out.prompt_token_ids)].popleft()
+        row = self._rows.pop(out.request_id)
         if out.error is not None:  # aborted (non-finite logits): no completions to train on
             return
         conversational = not isinstance(row["prompt"], str)

@@ -150,10 +150,7 @@ class Engine(ColocationCalls):
         with self._entered("add_request"):
             text, ids, params = self._check_request(prompt, params)
             if request_id is not None:
-                request_id = str(request_id)
-                if request_id in self.requests:
-                    raise ValueError(f"request_id: {request_id!r} is already running (or "
-                                     f"finished and not yet returned by step())")
+                request_id = self._check_new_id("request_id", request_id)
             if not isinstance(hold_kv, bool):
                 raise ValueError(f"hold_kv must be True or False, got {hold_kv!r}")
             resume = None if resume is None else hold_key(resume)
@@ -167,6 +164,13 @@ class Engine(ColocationCalls):
                 # queues nothing, rather than after the request is queued.
                 self._guard.deliver_held()
             return request.request_id
+
+    def _check_new_id(self, name: str, request_id) -> str:
+        request_id = str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"{name}: {request_id!r} is already running (or finished and not "
+                             f"yet returned)")
+        return request_id
 
     def _check_request(self, prompt: Prompt, params: SamplingParams | None):
         self.colocation.check_ready()
@@ -297,21 +301,24 @@ class Engine(ColocationCalls):
             return [self._output(ready.pop(r.request_id)) for r in requests]
 
     def rollout(self, prompts=(), params: SamplingParams | list[SamplingParams] | None = None,
-                groups: int | None = None, abort_rest: bool = False, use_tqdm: bool = False
-                ) -> list[RolloutOutput]:
+                groups: int | None = None, abort_rest: bool = False, use_tqdm: bool = False,
+                request_ids=None) -> list[RolloutOutput]:
         """Partial rollouts (rollout/engine/carry.py): queue `prompts` (params as in generate)
         behind the groups carried from earlier calls, and return as soon as `groups` of them
         are complete: that many outputs, carried groups first, oldest first. The others stay
         in the engine (`carried`), across sleep and update_weights, and a later call returns
         them; `abort_rest=True` aborts them instead (over-sample and abort). `groups=None`:
-        every group, carried and new. An interrupted call keeps its groups carried."""
+        every group, carried and new. An interrupted call keeps its groups carried.
+        `request_ids`: one per prompt, the ids their outputs will carry (default: drawn), so
+        a caller can pair an output that comes back calls later with what it asked for."""
         with self._entered("rollout"):
             self.colocation.check_ready()
             pairs = check_requests(prompts, params)
             groups = self.carry.groups_wanted(groups, len(pairs))
             abort_rest = as_bool("abort_rest", abort_rest)
             use_tqdm = as_bool("use_tqdm", use_tqdm)
-            self._queue(pairs, from_rollout=True)
+            ids = self._check_new_ids(request_ids, len(pairs))
+            self._queue(pairs, from_rollout=True, request_ids=ids)
             self._step_until(self.carry.num_complete, groups, use_tqdm, "group")
             handed = self.carry.complete()[:groups]
             outs = [self._output(r) for r in handed]
@@ -321,15 +328,29 @@ class Engine(ColocationCalls):
                 self._guard.deliver_held()
             return outs
 
-    def _queue(self, pairs, from_rollout: bool = False) -> list[Request]:
+    def _check_new_ids(self, request_ids, n: int) -> list[str | None]:
+        if request_ids is None:
+            return [None] * n
+        if isinstance(request_ids, (str, bytes)) or not isinstance(request_ids, (list, tuple)):
+            raise ValueError(f"request_ids must be a list of ids, one per prompt, got "
+                             f"{type(request_ids).__name__}")
+        if len(request_ids) != n:
+            raise ValueError(f"request_ids: {len(request_ids)} ids for {n} prompts")
+        ids = [self._check_new_id("request_ids", r) for r in request_ids]
+        if len(set(ids)) != n:
+            raise ValueError("request_ids: an id is given twice")
+        return ids
+
+    def _queue(self, pairs, from_rollout: bool = False,
+               request_ids: list[str | None] | None = None) -> list[Request]:
         """(prompt, params) pairs queued as requests. Every one is checked before any takes an
         id or a seed: a failed call changes nothing, not even the seeds later calls draw."""
         checked = [self._check_request(p, sp) for p, sp in pairs]
         if self.tp.size > 1:
             check_same_requests(checked, self.tp, self.device)
         with self.journal.unit():
-            requests = [self.requests.make(*c, None, self.eos_ids, from_rollout)
-                        for c in checked]
+            requests = [self.requests.make(*c, rid, self.eos_ids, from_rollout)
+                        for c, rid in zip(checked, request_ids or [None] * len(checked))]
             for r in requests:
                 self._enqueue(r)
         return requests

@@ -350,6 +350,27 @@ def test_a_carried_group_can_be_aborted_running_or_complete():
     engine.check_invariants()
 
 
+def test_groups_carry_the_ids_they_were_asked_with():
+    """rollout(request_ids=): each group's output comes back under its own id, calls later
+    (a caller pairs it with what it asked for); ids in use, repeated or miscounted are
+    refused before anything is queued."""
+    engine = make("plain", True)
+    first = engine.rollout(PROMPTS[:3], PARAMS[:3], groups=1, request_ids=["a", "b", "c"])
+    assert [o.request_id for o in first] == ["a"] and engine.carried == ["b", "c"]
+    for ids, refusal in ((["b", "x"], "request_ids: 'b' is already running"),
+                         (["x", "x"], "request_ids: an id is given twice"),
+                         (["x"], "request_ids: 1 ids for 2 prompts"),
+                         ("xy", "request_ids must be a list")):
+        with pytest.raises(ValueError, match=refusal):
+            engine.rollout(PROMPTS[3:], PARAMS[3:], groups=0, request_ids=ids)
+    assert engine.carried == ["b", "c"]
+    rest = engine.rollout(PROMPTS[3:], PARAMS[3:], request_ids=["d", "e"])
+    assert sorted(o.request_id for o in rest) == ["b", "c", "d", "e"]
+    by_id = {o.request_id: TOK.decode(o.prompt_token_ids) for o in first + rest}
+    assert by_id == dict(zip("abcde", PROMPTS))
+    engine.check_invariants()
+
+
 def test_generate_beside_carried_groups_keeps_both_contracts():
     engine = make("plain", True)
     engine.rollout(PROMPTS[:3], PARAMS[:3], groups=1)

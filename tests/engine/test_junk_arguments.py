@@ -54,6 +54,7 @@ CALLS = {
     "groups": lambda e, v: e.rollout([[1, 2]], GREEDY, groups=v),
     "abort_rest": lambda e, v: e.rollout([[1, 2]], GREEDY, groups=1, abort_rest=v),
     "use_tqdm ": lambda e, v: e.rollout([[1, 2]], GREEDY, use_tqdm=v),
+    "request_ids": lambda e, v: e.rollout([[1, 2]], GREEDY, request_ids=v),
     "conversations": lambda e, v: e.chat(v, GREEDY),
     "chat_template_kwargs": lambda e, v: e.chat([{"role": "user", "content": "a"}], GREEDY,
                                                 chat_template_kwargs=v),

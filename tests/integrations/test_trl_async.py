@@ -220,9 +220,37 @@ def test_a_group_the_engine_aborted_is_not_pushed(checkpoint):
                                  params=SamplingParams(max_tokens=6))
     row = {"prompt": PROMPTS[0]}
     ids = worker._prompt_ids(row)
-    worker._rows[tuple(ids)].append(row)
+    worker._rows["0"] = row
     aborted = [Sample(index=i, token_ids=[], logprobs=[], finish_reason="abort", text="")
                for i in range(2)]
     worker._push(RolloutOutput("0", ids, aborted, error="logits: the model produced "
                                "non-finite values (nan/inf) for sample 0 at position 3"))
-    assert worker.rollout_buffer.empty() and not worker._rows[tuple(ids)]
+    assert worker.rollout_buffer.empty() and not worker._rows
+
+
+def test_a_group_is_scored_with_its_own_row(checkpoint, monkeypatch):
+    """Two rows with one prompt and other answers, their groups completing in the other
+    order (as carried groups do): each is scored with its own row's columns (they had been
+    paired by prompt, first in first out, so the answers were swapped)."""
+    path, tok = checkpoint
+    engine = Engine(path, EngineConfig(kv_cache_tokens=1024, max_model_len=64), tokenizer=tok)
+
+    def answer_reward(prompts, completions, completion_ids, answer, **kwargs):
+        return [float(a) for a in answer]
+
+    data = Dataset.from_dict({"prompt": ["abc", "abc"], "answer": [1, 2]})
+    worker = EngineRolloutWorker(engine, data, [answer_reward], tok, num_generations=2,
+                                 params=SamplingParams(max_tokens=4), groups_in_flight=2)
+    rollout = engine.rollout
+    asked = []
+
+    def last_first(prompts, params, groups, **kw):  # every group, the last asked first
+        asked.append(prompts)
+        return list(reversed(rollout(prompts, params, groups=None, **kw)))
+
+    monkeypatch.setattr(engine, "rollout", last_first)
+    worker.start()
+    rewards = [worker.rollout_buffer.get(timeout=60).metrics["reward"] for _ in range(4)]
+    worker.stop()
+    assert len(asked[0]) == 2 and rewards == [2.0, 2.0, 1.0, 1.0]
+    assert not worker._rows  # stop() forgets the rows of the groups it aborted
