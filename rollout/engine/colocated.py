@@ -5,7 +5,11 @@ colocation.py); these run it through the engine's guard, carry what is running a
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 from ..fields import as_bool
+from ..parallel.agree import every_rank_ok
 from .score import check_probe, run_probe
 
 
@@ -44,14 +48,16 @@ class ColocationCalls:
         running are carried: they keep their tokens and are re-prefilled after wake-up
         (rollout/engine/carry.py). A sleep that fails leaves the engine awake (`needs_weights`
         says if weights were lost)."""
-        with self._entered("sleep"):
+        with self._entered("sleep"), self._on_every_rank("sleep", self.colocation.wake_up):
             self.colocation.sleep(level)
 
     def wake_up(self) -> None:
         """Allocate the KV pool and bring the weights back. A wake-up that fails (e.g. out
         of memory) leaves the engine asleep."""
         with self._entered("wake_up"):
-            self.colocation.wake_up()
+            level = self.colocation.sleep_level
+            with self._on_every_rank("wake_up", lambda: self.colocation.sleep(level)):
+                self.colocation.wake_up()
 
     def update_weights(self, source, bucket_bytes: int = 256 << 20, probe=None,
                        probe_reference=None, full: bool = False) -> dict:
@@ -71,8 +77,10 @@ class ColocationCalls:
             checked = check_probe(self, probe, probe_reference)
             before = self.weights_version
             try:
-                result = self.colocation.update_weights(source, bucket_bytes,
-                                                        as_bool("full", full))
+                with self._on_every_rank("update_weights", self._lose_weights,
+                                         failed=self._lose_weights):
+                    result = self.colocation.update_weights(source, bucket_bytes,
+                                                            as_bool("full", full))
             finally:
                 # New weights are in even when what follows the copy failed (packing them):
                 # the update counts, and the staleness bound holds for it.
@@ -86,6 +94,32 @@ class ColocationCalls:
             if checked is not None:
                 result.update(run_probe(self, *checked))
             return result
+
+    def _lose_weights(self) -> None:
+        self.colocation.weights_missing = True
+
+    @contextlib.contextmanager
+    def _on_every_rank(self, call: str, undo: Callable[[], None],
+                       failed: Callable[[], None] | None = None) -> Iterator[None]:
+        """Under tensor parallelism a sleep, wake-up or update that fails on one rank (out of
+        memory, say) fails on every rank, each left as the failed one is (awake, asleep,
+        needing weights): one all-reduce at the end, after which a rank whose own call went
+        through `undo`es it and raises too. Ranks left apart would wait on each other at
+        their next collective. `failed`: what a failing rank adds to its own failure."""
+        if self.tp.size == 1:
+            yield
+            return
+        try:
+            yield
+        except BaseException:
+            if failed is not None:
+                failed()
+            every_rank_ok(False, self.tp, self.device)
+            raise
+        if not every_rank_ok(True, self.tp, self.device):
+            undo()
+            raise RuntimeError(f"{call}: it failed on another rank of this tensor-parallel "
+                               f"engine, so this rank undid it too (that rank raised why)")
 
     def memory_held(self) -> int:
         """Bytes of tensors the engine holds on its device (weights and their packed copies,

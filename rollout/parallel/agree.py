@@ -2,7 +2,8 @@
 collective each, so that a difference is an error on every rank at once rather than a rank
 waiting forever in a collective the others never issue, or ranks sampling different tokens
 without a word (the last token of a sample feeds no forward, so no per-step check sees it):
-the config they were built with, the KV pool's size, and the requests of each call."""
+the config they were built with, the KV pool's size, the requests of each call, and whether a
+sleep, wake-up or update went through on all of them."""
 
 from __future__ import annotations
 
@@ -64,3 +65,10 @@ def check_same_requests(checked, tp: TensorParallel, device: torch.device) -> No
     check_same(rows, tp, device, f"ranks of one engine queued different requests in this call "
                                  f"({len(rows)} here; each rank must pass the same prompts and "
                                  f"params)")
+
+
+def every_rank_ok(ok: bool, tp: TensorParallel, device: torch.device) -> bool:
+    """Whether the call each rank just made succeeded on every rank (one all-reduce)."""
+    t = torch.tensor([int(ok)], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp.group)
+    return bool(t.item())

@@ -50,12 +50,19 @@ def test_tensor_parallel_matches_one_rank(tp, reference, tmp_path):
     assert run.returncode == 0, run.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(tp)]
     dp = [r.pop("dp/greedy", None) for r in ranks]
+    one_rank = [{k: r.pop(k) for k in list(r) if k.startswith("one_rank/")} for r in ranks]
     for r, got in enumerate(ranks[1:], 1):
         assert got == ranks[0], f"rank {r} returned other outputs than rank 0"
     got = ranks[0]
     assert got["mismatch/refused"] and got["mismatch/after"]  # on every rank (equal above)
     assert got["mismatch/call_refused"] == {"none": True, "seed": True, "score": True}
     assert got["mismatch/config_refused"] and got["mismatch/pool"] == 256
+    # Failed on the last rank alone: every rank raised (the others saying so) and was left
+    # as that rank was (awake, asleep, needing weights), then went on as before.
+    for r, failed in enumerate(one_rank):
+        who = "last" if r == tp - 1 else "other rank"
+        assert failed == {"one_rank/sleep": [who, False], "one_rank/wake_up": [who, True],
+                          "one_rank/update": [who, True], "one_rank/after": True}, r
     assert got["preempt/count"] and got["update/same_addresses"]
     assert got["park/kept"] and reference["park/kept"]
     assert got["update/copied_only_parts"] and reference["update/copied_only_parts"]

@@ -27,6 +27,8 @@ def _rank(rank: int, tp: int, port: int, out_dir: str) -> None:
         dict(tp_scenarios.CONFIG, tensor_parallel_size=tp)))
     results.update(tp_scenarios.mismatched_requests(
         dict(tp_scenarios.CONFIG, tensor_parallel_size=tp, check_tensor_parallel=False)))
+    results.update(tp_scenarios.failed_on_one_rank(
+        dict(tp_scenarios.CONFIG, tensor_parallel_size=tp)))
     if tp >= 4:
         results["dp/greedy"] = tp_scenarios.data_parallel(tp_scenarios.CONFIG, 2)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

@@ -132,6 +132,48 @@ def mismatched_requests(cfg: dict) -> dict:
             == [[tokens for tokens, _ in o] for o in before]}
 
 
+def failed_on_one_rank(cfg: dict) -> dict:
+    """A sleep, wake-up and update that fail on the last rank only (out of memory, say): they
+    fail on every rank, each left as the failed one is (awake, asleep, needing weights), and
+    the engine then goes on as before on every rank."""
+    engine = Engine(MODELS["llama_mqa"](0), EngineConfig(**cfg))
+    before = _samples(engine.generate(PROMPTS, GREEDY))
+    last = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+    stack = engine.stack
+    out = {}
+
+    def fail_once(obj, name, error):
+        real = getattr(obj, name)
+
+        def failing(*args, **kwargs):
+            setattr(obj, name, real)
+            raise error
+        if last:
+            setattr(obj, name, failing)
+
+    def attempt(call) -> str:
+        try:
+            call()
+            return "ok"
+        except RuntimeError as e:
+            return "other rank" if "failed on another rank" in str(e) else "this rank"
+
+    fail_once(stack.pool, "release", RuntimeError("pool release"))
+    out["sleep"] = (attempt(lambda: engine.sleep(1)), engine.is_sleeping)
+    engine.sleep(1)
+    fail_once(stack.pool, "allocate", RuntimeError("out of memory"))
+    out["wake_up"] = (attempt(engine.wake_up), engine.is_sleeping)
+    engine.wake_up()
+    fail_once(stack.model, "load_weights", RuntimeError("copy"))
+    out["update"] = (attempt(lambda: engine.update_weights(MODELS["llama_mqa"](0))),
+                     engine.needs_weights)
+    engine.update_weights(MODELS["llama_mqa"](0))
+    engine.check_invariants()
+    out["after"] = _samples(engine.generate(PROMPTS, GREEDY)) == before
+    return {f"one_rank/{k}": ["last" if last and v[0] == "this rank" else v[0], v[1]]
+            if isinstance(v, tuple) else v for k, v in out.items()}
+
+
 def _preemption(cfg: dict) -> dict:
     rng = random.Random(0)
     prompts = [[rng.randrange(128) for _ in range(rng.randrange(5, 20))] for _ in range(6)]
