@@ -77,8 +77,8 @@ class ColocationCalls:
             checked = check_probe(self, probe, probe_reference)
             before = self.weights_version
             try:
-                with self._on_every_rank("update_weights", self._lose_weights,
-                                         failed=self._lose_weights):
+                with self._on_every_rank("update_weights", lambda: self._lose_weights(before),
+                                         failed=lambda: self._lose_weights(before)):
                     result = self.colocation.update_weights(source, bucket_bytes,
                                                             as_bool("full", full))
             finally:
@@ -95,8 +95,11 @@ class ColocationCalls:
                 result.update(run_probe(self, *checked))
             return result
 
-    def _lose_weights(self) -> None:
+    def _lose_weights(self, version: int) -> None:
+        """An update that failed on some rank: every rank needs a complete one, and counts
+        none (all at `version`: the outputs' weights_version stays alike across ranks)."""
         self.colocation.weights_missing = True
+        self.colocation.weights_version = version
 
     @contextlib.contextmanager
     def _on_every_rank(self, call: str, undo: Callable[[], None],
