@@ -30,10 +30,11 @@ class StopChecker:
                 limit = i + 1
                 break
         if params.stop:
-            # A stop string can fire before that token, or at it instead of "length".
+            # A stop string can fire before that token, or at it: instead of "length", or
+            # beside a stop id whose text completes it (stop=["\n"], stop_token_ids=[its id]),
+            # which then cuts the text too.
             ids = _Joined(seq.token_ids, list(tokens))
-            last = first + (limit - 1 if reason == "stop" else limit)
-            hit = self._stop_string(ids, start, first, last, seq.params.stop)
+            hit = self._stop_string(ids, start, first, first + limit, seq.params.stop)
             if hit:
                 return hit[0] - first, "stop", hit[1]
         return limit, reason, None

@@ -307,6 +307,23 @@ def test_a_draft_sleep_failing_before_its_pool_goes_leaves_it_whole(kind, monkey
     engine.check_invariants()
 
 
+def test_an_output_carries_the_version_it_completed_under():
+    """A group complete but not handed out, and a streaming request finished inside a
+    generate(), both before an update: each output's weights_version is its newest token's
+    (the engine's version when it completed), not the version when it is handed out."""
+    engine = make("plain", True)
+    short = [PARAMS[0]] * 2  # 3 tokens: both complete in the first call
+    rid = engine.add_request(PROMPTS[4], PARAMS[0])
+    engine.rollout(PROMPTS[:2], short, groups=1)
+    engine.generate([PROMPTS[3]], PARAMS[3])  # 21 tokens: the others complete meanwhile
+    assert len(engine.carried) == 1 and not engine.requests.running
+    engine.update_weights(target())
+    outs = [*engine.rollout(), *engine.step()]
+    assert {o.request_id for o in outs} >= {rid} and len(outs) == 2
+    for o in outs:
+        assert o.weights_version == 0 == max(v for s in o.samples for v in s.weights_versions)
+
+
 def test_over_sampling_returns_the_oldest_complete_groups_and_carries_the_rest():
     engine = make("plain", True)
     outs = engine.rollout(PROMPTS, PARAMS, groups=2)

@@ -67,6 +67,23 @@ def test_stop_strings_and_text():
     assert tok.decode(cut.token_ids).endswith(stop) or stop in tok.decode(cut.token_ids)
 
 
+def test_a_stop_string_completed_by_a_stop_id_is_cut_too():
+    """stop=["\\n"] with stop_token_ids=[the newline's id] (a common pairing): the stop id's
+    own text completes the stop string, which is cut from the text as when it is given alone
+    (it had been left in: strings were searched only before a stop id)."""
+    tok = char_tokenizer()
+    model = tiny_model("qwen2", vocab_size=len(tok))
+    engine = Engine(model, EngineConfig(kv_cache_tokens=1024, max_model_len=128), tokenizer=tok)
+    free = greedy_run(engine, "ab 1+2=", max_tokens=40, ignore_eos=True)
+    c = next(ch for ch in free.text[3:] if ch.strip())  # a visible character it reaches
+    alone = greedy_run(engine, "ab 1+2=", max_tokens=40, ignore_eos=True, stop=[c])
+    both = greedy_run(engine, "ab 1+2=", max_tokens=40, ignore_eos=True, stop=[c],
+                      stop_token_ids=[tok.convert_tokens_to_ids(c)])
+    assert (both.token_ids, both.text, both.finish_reason) == \
+        (alone.token_ids, alone.text, "stop")
+    assert c not in both.text
+
+
 def test_stop_strings_match_the_visible_text_special_tokens_skipped():
     tok = char_tokenizer()
     model = tiny_model("llama", vocab_size=len(tok))

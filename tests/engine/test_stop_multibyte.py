@@ -224,10 +224,11 @@ def test_check_several_tokens_at_once(tok):
     assert checker.check(seq, tokens) == (len(fire), "stop", 3)
     assert state(seq) == before
     assert checker.check(seq, fire[:-1]) == (len(fire) - 1, None, None)
-    # Precedence at one token: stop ids, then stop strings, then max_tokens.
+    # At one token: a stop id and a stop string it completes both stop there, the string's
+    # text cut; either before max_tokens.
     limited = make_seq([1, 2], head, ["天地🙂"], max_tokens=len(head) + len(fire),
                        stop_ids={fire[-1]})
-    assert checker.check(limited, tokens) == (len(fire), "stop", None)
+    assert checker.check(limited, tokens) == (len(fire), "stop", 3)
     limited = make_seq([1, 2], head, ["天地🙂"], max_tokens=len(head) + len(fire))
     assert checker.check(limited, tokens) == (len(fire), "stop", 3)
     limited.params.max_tokens -= 1
