@@ -32,11 +32,12 @@ def render_conversations(tokenizer, conversations, chat_template_kwargs: dict | 
     message dicts) counts as a list of one."""
     if tokenizer is None:
         raise ValueError("conversations: chat needs a tokenizer; pass tokenizer= to the Engine")
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("conversations: the tokenizer has no chat template; set "
-                         "tokenizer.chat_template or pass prompts to generate()")
-    conversations = _as_conversations(conversations)
     kwargs = {"add_generation_prompt": True, **_check_kwargs(chat_template_kwargs)}
+    if getattr(tokenizer, "chat_template", None) is None and kwargs.get("chat_template") is None:
+        raise ValueError("conversations: the tokenizer has no chat template; set "
+                         "tokenizer.chat_template, pass chat_template_kwargs={'chat_template': "
+                         "...} or pass prompts to generate()")
+    conversations = _as_conversations(conversations)
     rendered = []
     for i, conversation in enumerate(conversations):
         try:

@@ -117,7 +117,9 @@ def _float32(x: float) -> float:
 def _as_list(name: str, value) -> list:
     if value is None:
         return []
-    if getattr(value, "ndim", None) == 0:  # iterating a 0-d array or tensor raises TypeError
+    # A 0-d array or tensor cannot be iterated; bytes would be read as their byte values
+    # (b"1" as id 49) and a dict as its keys.
+    if getattr(value, "ndim", None) == 0 or isinstance(value, (bytes, bytearray, dict)):
         raise ValueError(f"{name} must be a list, got {show(value)}")
     try:
         return list(value)

@@ -45,8 +45,9 @@ BAD_PARAMS = [
                            torch.tensor(True), np.float64("nan")]),
     *cases("top_p", [*NOT_A_NUMBER, None, HUGE, math.nan, math.inf, -0.1]),
     *cases("min_p", [*NOT_A_NUMBER, None, HUGE, math.nan, -math.inf, 1.5]),
-    *cases("stop_token_ids", [[2**31], [HUGE], [1.5], ["1"], [None], [[1]], torch.tensor(3)]),
-    *cases("stop", [[5], [None], ["a", ""]]),
+    *cases("stop_token_ids", [[2**31], [HUGE], [1.5], ["1"], [None], [[1]], torch.tensor(3),
+                              b"1", {1: 2}]),
+    *cases("stop", [[5], [None], ["a", ""], {"a": 1}, b"a"]),
     *cases("ignore_eos", [None, 0, "no", [True]]), *cases("logprobs", [None, 1.0, [True]]),
 ]
 

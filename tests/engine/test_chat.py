@@ -152,5 +152,10 @@ def test_chat_needs_a_tokenizer_with_a_chat_template(model):
         Engine(model, EngineConfig(**CONFIG)).chat(CHATS, GREEDY)
     plain = chat_tokenizer()
     plain.chat_template = None
+    engine = Engine(model, EngineConfig(**CONFIG), tokenizer=plain)
     with pytest.raises(ValueError, match="conversations: the tokenizer has no chat template"):
-        Engine(model, EngineConfig(**CONFIG), tokenizer=plain).chat(CHATS, GREEDY)
+        engine.chat(CHATS, GREEDY)
+    # A template given as transformers takes it, in chat_template_kwargs (it had been refused).
+    given = engine.chat(CHATS, GREEDY, chat_template_kwargs={"chat_template": TEMPLATE})
+    assert [o.prompt_token_ids for o in given] == [reference_ids(chat_tokenizer(), c)
+                                                    for c in CHATS]
