@@ -88,6 +88,17 @@ LOCK = ".build.lock"
 PARTIAL = ".partial"  # suffix of a library being built
 
 
+def require(ok: bool, what: str) -> None:
+    """A kernel's precondition, checked in Python: handed another dtype or shape, the C code
+    would read and write past its buffers (a corrupted heap, not an error). ValueError."""
+    if not ok:
+        raise ValueError(what)
+
+
+def fp32_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
 def as_rows(x: torch.Tensor) -> torch.Tensor:
     """x [..., dim] as [rows, dim] with unit stride within a row, what the kernels take (a row
     pointer and a row stride): a view where one exists, else a contiguous copy."""

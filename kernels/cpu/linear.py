@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from . import as_rows, has, library
+from . import as_rows, fp32_cpu, has, library, require
 from .ops import operator, returns_nothing
 
 # Beyond this many rows (a long prefill chunk) each panel would be read against too many rows:
@@ -46,11 +46,19 @@ def panels_numel(shape) -> int:
     return -(-n // PANEL) * PANEL * k
 
 
+def _check_packed(name: str, x: torch.Tensor, packed: torch.Tensor, n: int) -> None:
+    """x of the packed weight's in-features (its panels hold n rows of k each)."""
+    require(fp32_cpu(x, packed) and packed.numel() == panels_numel((n, x.shape[-1])),
+            f"{name}: x {x.dtype} {tuple(x.shape)} must be fp32 on the CPU with the in-features "
+            f"of the packed [{n}, k] weight ({packed.numel()} packed values)")
+
+
 @operator("linear(Tensor x, Tensor packed, int n) -> Tensor",
           lambda x, packed, n: x.new_empty(*x.shape[:-1], n))
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     """x [..., k] (fp32, CPU) times the packed [n, k] weight's transpose: [..., n], new."""
     k = x.shape[-1]
+    _check_packed("linear", x, packed, n)
     rows = as_rows(x)
     y = torch.empty(rows.shape[0], n, dtype=torch.float32)
     if rows.shape[0]:
@@ -69,6 +77,7 @@ def linear_add(x: torch.Tensor, packed: torch.Tensor, y: torch.Tensor, alpha: fl
     if y.stride(1) != 1 or rows.shape[0] != m or y.dtype != torch.float32:
         raise ValueError(f"linear_add: y {tuple(y.shape)} strides {y.stride()} {y.dtype} does "
                          f"not fit x {tuple(rows.shape)}")
+    _check_packed("linear_add", x, packed, n)
     if m:
         library().linear_add_f32(rows.data_ptr(), rows.stride(0), m, rows.shape[1],
                                  packed.data_ptr(), n, y.data_ptr(), y.stride(0), alpha,

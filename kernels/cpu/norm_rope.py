@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from . import as_rows, has, library
+from . import as_rows, fp32_cpu, has, library, require
 from .ops import operator, returns_nothing
 
 
@@ -19,6 +19,7 @@ def supported(device: torch.device, dtype: torch.dtype) -> bool:
           lambda x, weight, eps: x.new_empty(x.shape))
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x * rsqrt(mean(x^2, -1) + eps) * weight, a new tensor of x's shape."""
+    _check_norm("rms_norm", x, x, weight)
     rows = as_rows(x)
     out = torch.empty(x.shape, dtype=x.dtype)
     library().rms_norm_f32(rows.data_ptr(), rows.stride(0), weight.contiguous().data_ptr(),
@@ -31,7 +32,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, rms_norm(x + delta)) in one pass, both new tensors of x's shape."""
-    assert delta.shape == x.shape, (delta.shape, x.shape)
+    _check_norm("add_rms_norm", x, delta, weight)
     rows, deltas = as_rows(x), as_rows(delta)
     total, out = torch.empty(x.shape, dtype=x.dtype), torch.empty(x.shape, dtype=x.dtype)
     library().add_rms_norm_f32(rows.data_ptr(), rows.stride(0), deltas.data_ptr(),
@@ -41,13 +42,26 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     return total, out
 
 
+def _check_norm(name: str, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> None:
+    require(fp32_cpu(x, delta, weight) and delta.shape == x.shape
+            and weight.shape == x.shape[-1:],
+            f"{name}: x {x.dtype} {tuple(x.shape)}, delta {delta.dtype} {tuple(delta.shape)} "
+            f"and weight {weight.dtype} {tuple(weight.shape)} must be fp32 on the CPU, the "
+            f"weight of x's last dimension")
+
+
 @operator("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()", returns_nothing)
 def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate q [T, Hq, D] and k [T, Hk, D] (heads contiguous, any token stride) in place by
-    cos/sin [T, 1, rot] (contiguous)."""
-    for x in (q, k):
-        assert x.stride(2) == 1 and x.stride(1) == x.shape[2]
-    assert cos.is_contiguous() and sin.is_contiguous()
+    cos/sin [T, 1, rot] (contiguous, rot <= D)."""
+    t, _, d = q.shape
+    require(fp32_cpu(q, k, cos, sin) and k.shape[::2] == (t, d)
+            and all(x.stride(2) == 1 and x.stride(1) == d for x in (q, k))
+            and cos.shape == sin.shape and cos.shape[:2] == (t, 1) and cos.shape[2] <= d
+            and cos.is_contiguous() and sin.is_contiguous(),
+            f"rotary_: q {q.dtype} {tuple(q.shape)}, k {k.dtype} {tuple(k.shape)} (heads "
+            f"contiguous) and cos/sin {cos.dtype} {tuple(cos.shape)} [T, 1, <= D] (contiguous) "
+            f"must be fp32 on the CPU")
     library().rotary_f32(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0),
                          k.shape[1], q.shape[2], cos.data_ptr(), sin.data_ptr(), q.shape[0],
                          cos.shape[-1], torch.get_num_threads())

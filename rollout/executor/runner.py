@@ -82,15 +82,19 @@ class ModelRunner:
         if inputs.graphed:
             logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
-            ctx = ForwardContext(inputs.positions, inputs.meta, self.attention)
-            hidden = self.model(inputs.input_ids, ctx)
-            if inputs.logits_index.numel():
-                logits = self.model.compute_logits(hidden[inputs.logits_index])
-            else:  # only scored rows (a tensor-parallel head cannot gather none)
-                logits = torch.empty(0, self.model.vocab_size, device=hidden.device)
-            if inputs.score is not None:
-                scored = score_rows(self.model.compute_logits, hidden, inputs.score,
-                                    self.model.vocab_size)
+            # In the engine's dtype whatever autocast the caller left on (a trainer's
+            # mixed-precision step): it would change the logprobs, and hand the fp32 kernels
+            # tensors of another dtype.
+            with torch.autocast(self.device.type, enabled=False):
+                ctx = ForwardContext(inputs.positions, inputs.meta, self.attention)
+                hidden = self.model(inputs.input_ids, ctx)
+                if inputs.logits_index.numel():
+                    logits = self.model.compute_logits(hidden[inputs.logits_index])
+                else:  # only scored rows (a tensor-parallel head cannot gather none)
+                    logits = torch.empty(0, self.model.vocab_size, device=hidden.device)
+                if inputs.score is not None:
+                    scored = score_rows(self.model.compute_logits, hidden, inputs.score,
+                                        self.model.vocab_size)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.forward_seconds += time.perf_counter() - t0

@@ -182,3 +182,61 @@ def test_compile_traces_the_kernels_in_one_graph():
     assert [c for c in calls if c.startswith("rollout.")] == [
         "rollout.add_rms_norm.default", "rollout.linear.default", "rollout.silu_mul.default",
         "rollout.linear.default"]
+
+
+def _refusals():
+    """Each wrapper handed what its C code would read or write past (another dtype, a weight
+    of other in-features, mismatched heads): (call, the start of its ValueError)."""
+    bf16 = torch.randn(8, 64).bfloat16()
+    x, w = torch.randn(8, 64), torch.ones(64)
+    q, k = torch.randn(5, 4, 64), torch.randn(5, 2, 32)
+    cos = sin = torch.randn(5, 1, 64)
+    packed = (linear.pack_panels(torch.randn(48, 64))
+              if linear.supported(torch.device("cpu"), torch.float32) else None)
+    rows = paged_attention.NativeRows.of([0, 1], [0, 3], [3, 1], [0, 5], [5, 7],
+                                         torch.tensor([0, 1, 2, 12, 13, 3, 4, 5, 6, 7, 8, 14]))
+    pool = torch.randn(16, 2, 4)  # a head size of 4 against q's 8
+    calls = [(lambda: norm_rope.rms_norm(bf16, w, 1e-6), "rms_norm"),
+             (lambda: norm_rope.rms_norm(x, torch.ones(32), 1e-6), "rms_norm"),
+             (lambda: norm_rope.add_rms_norm(x, bf16.float()[:4], w, 1e-6), "add_rms_norm"),
+             (lambda: norm_rope.rotary_(q.bfloat16(), k.bfloat16(), cos, sin), "rotary_"),
+             (lambda: norm_rope.rotary_(q, k, cos, sin), "rotary_"),
+             (lambda: silu_mul.silu_mul(bf16, bf16), "silu_mul"),
+             (lambda: paged_attention.paged_attention(
+                 torch.randn(4, 4, 8), pool, pool, torch.empty(4, 4, 8), rows, 0.35, None, None),
+              "paged_attention")]
+    if packed is not None:
+        calls += [(lambda: linear.linear(torch.randn(3, 96), packed, 48), "linear"),
+                  (lambda: linear.linear(bf16, packed, 48), "linear")]
+    if gumbel.supported(torch.device("cpu"), torch.float32):
+        calls += [(lambda: gumbel.gumbel_argmax(x.double(), torch.zeros(8, dtype=torch.int32)),
+                   "gumbel_argmax"),
+                  (lambda: gumbel.gumbel_argmax(x, torch.zeros(8, dtype=torch.int64)),
+                   "gumbel_argmax")]
+    return calls
+
+
+def test_the_wrappers_refuse_what_the_c_would_overrun():
+    """(A bf16 q/k reached rms_norm_f32 under a trainer's autocast: a corrupted heap.)"""
+    for call, name in _refusals():
+        with pytest.raises(ValueError, match=f"^{name}: "):
+            call()
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_the_engine_runs_in_its_dtype_under_a_callers_autocast(pack):
+    """A trainer may leave torch.autocast on around generate: the engine's forward runs in its
+    own dtype regardless, the same tokens and logprobs bit for bit (with the projections in
+    F.linear, bf16 activations had reached the fp32 norm kernel)."""
+    model = tiny_model("qwen3")
+
+    def run():  # a fresh engine each: a prefix-cache hit would round otherwise
+        engine = Engine(model, EngineConfig(kv_cache_tokens=512, max_model_len=64,
+                                            pack_cpu_weights=pack))
+        return engine.generate([[1, 2, 3, 4, 5, 6, 7]] * 2,
+                               SamplingParams(temperature=0, max_tokens=12, logprobs=True))
+    plain = run()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = run()
+    assert [(s.token_ids, s.logprobs) for o in mixed for s in o.samples] == \
+        [(s.token_ids, s.logprobs) for o in plain for s in o.samples]

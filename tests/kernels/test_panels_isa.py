@@ -43,7 +43,8 @@ COMPUTE = """
     norms = []
     for rows, dim in [(3, 64), (7, 576), (5, 1001)]:  # 1001: a tail past every lane count
         g = torch.Generator().manual_seed(rows * dim)
-        x, d, w = (torch.randn(rows, dim, generator=g) * 3 for _ in range(3))
+        x, d = (torch.randn(rows, dim, generator=g) * 3 for _ in range(2))
+        w = torch.randn(dim, generator=g) * 3
         norms.append((norm_rope.rms_norm(x, w, 1e-6), *norm_rope.add_rms_norm(x, d, w, 1e-5)))
     torch.save((out, norms), sys.argv[1])
 """

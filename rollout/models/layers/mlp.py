@@ -36,7 +36,9 @@ class GatedMLP(Dispatched, nn.Module):
 
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.forward_split(x)
-        return self.down_proj(silu_mul.silu_mul(gate, up))
+        # (activations off fp32, under a trainer's autocast: torch's, as RMSNorm.forward_cpu)
+        h = silu_mul.silu_mul(gate, up) if gate.dtype == torch.float32 else self.act(gate) * up
+        return self.down_proj(h)
 
     def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.forward_split(x)

@@ -43,13 +43,17 @@ class RMSNorm(Dispatched, nn.Module):
         a decode step's few rows is not). No delta: (x, the norm of x)."""
         if delta is None:
             return x, self(x)
-        if self.implementation == "cpu" and delta.dtype == x.dtype:
+        if self.implementation == "cpu" and delta.dtype == x.dtype == torch.float32:
             return norm_rope.add_rms_norm(x, delta, self._scale(), self.eps)
         x = x + delta
         return x, self(x)
 
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
-        """Sums the squares in another order than torch: a float32 rounding apart."""
+        """Sums the squares in another order than torch: a float32 rounding apart. Activations
+        that are not fp32 (F.linear under a trainer's bf16 autocast, with pack_cpu_weights
+        off) take the torch path."""
+        if x.dtype != torch.float32:
+            return self.forward_torch(x)
         return norm_rope.rms_norm(x, self._scale(), self.eps)
 
     def forward_triton(self, x: torch.Tensor) -> torch.Tensor:
