@@ -301,7 +301,8 @@ int64_t plan_chunks(const int32_t *q_len, const int32_t *kv_start, const int32_t
  * ~2 ms of a batch-128 step on one thread. `invariant` (EngineConfig.batch_invariant): each
  * row's result is the same whatever chunk it is attended in (see attend_chunk). Returns -1, or
  * the first token whose slot is past the pool's num_slots (then nothing is written or
- * computed). */
+ * computed), or -2 when a thread's workspace could not be allocated (the K/V stored, that
+ * thread's rows not attended). */
 int64_t paged_attention_f32(const float *q, int64_t q_stride, float *k_pool, float *v_pool,
                          float *out, const int32_t *q_start, const int32_t *q_len,
                          const int32_t *kv_start, const int32_t *kv_len,
@@ -322,11 +323,16 @@ int64_t paged_attention_f32(const float *q, int64_t q_stride, float *k_pool, flo
             rows += q_len[req] * hq;
         max_rows = rows > max_rows ? rows : max_rows;
     }
+    int out_of_memory = 0;
 #pragma omp parallel num_threads(num_threads)
     {
         /* Per thread: scaled queries and accumulators, a block of scores, and each row's max,
          * sum and rescale factor. */
         float *work = malloc(sizeof(float) * (max_rows * (2 * d + BLOCK + 3) + d * BLOCK));
+        if (!work) {
+#pragma omp atomic write
+            out_of_memory = 1;
+        }
         const int64_t kv_row = hkv * d;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < num_new; t++) {
@@ -336,6 +342,7 @@ int64_t paged_attention_f32(const float *q, int64_t q_stride, float *k_pool, flo
         }  /* the loop's barrier: every new key is in the pool before anyone reads it */
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < num_chunks; c++) {
+            if (!work) continue;  /* the caller raises MemoryError */
 #define CHUNK(D) attend_chunk(q, q_stride, scale, softcap, k_pool, v_pool, out, rq,         \
                               chunk_first[c], chunk_count[c], chunk_prefix[c], hq, hkv, D, \
                               window, work, max_rows, invariant)
@@ -348,5 +355,5 @@ int64_t paged_attention_f32(const float *q, int64_t q_stride, float *k_pool, flo
         }
         free(work);
     }
-    return -1;
+    return out_of_memory ? -2 : -1;
 }

@@ -132,6 +132,8 @@ def attend(q, k_pool, v_pool, out, q_start, q_len, kv_start, kv_len, kv_indices,
                     k_pool.shape[1], d, scale, window, softcap, k_new.data_ptr(),
                     k_new.stride(0), v_new.data_ptr(), v_new.stride(0), slots.data_ptr(),
                     slots.numel(), k_pool.shape[0], int(invariant), torch.get_num_threads())
+    if bad == -2:  # (the new K/V are in the pool; some rows' output is not written)
+        raise MemoryError("paged_attention: a thread could not allocate its workspace")
     if bad >= 0:
         raise IndexError(f"store: slot {int(slots[bad])} of token {bad} is past the pool's "
                          f"{k_pool.shape[0]} slots")
