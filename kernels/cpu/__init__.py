@@ -88,14 +88,10 @@ LOCK = ".build.lock"
 PARTIAL = ".partial"  # suffix of a library being built
 
 
-def require(ok: bool, what: str) -> None:
-    """A kernel's precondition, checked in Python: handed another dtype or shape, the C code
-    would read and write past its buffers (a corrupted heap, not an error). ValueError."""
-    if not ok:
-        raise ValueError(what)
-
-
 def fp32_cpu(*tensors: torch.Tensor) -> bool:
+    """What the kernels' wrappers check before a call (with the shapes they need): handed
+    another dtype or shape, the C code would read and write past its buffers (a corrupted heap,
+    not an error), so each raises ValueError naming itself instead."""
     return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
 
 

@@ -17,7 +17,7 @@ from functools import cache
 
 import torch
 
-from . import fp32_cpu, has, library, require
+from . import fp32_cpu, has, library
 from .ops import operator
 
 # What torch passes to vmsLn (aten/src/ATen/cpu/vml.h): VML_HA | VML_FTZDAZ_OFF |
@@ -35,11 +35,11 @@ def gumbel_argmax(candidates: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """argmax(candidates + the counter noise of each row's key) per row, int64 [B]:
     `candidates` [B, V] fp32 with unit stride along V, `keys` int32 [B] (rollout.sample.noise
     row_keys of the row's seed, position and stream)."""
-    require(candidates.dim() == 2 and candidates.stride(-1) == 1 and fp32_cpu(candidates)
-            and keys.dtype == torch.int32 and keys.numel() == candidates.shape[0],
-            f"gumbel_argmax: candidates {candidates.dtype} {tuple(candidates.shape)} must be "
-            f"fp32 [B, V] on the CPU (unit stride along V), keys {keys.dtype} "
-            f"{tuple(keys.shape)} int32 [B]")
+    if not (candidates.dim() == 2 and candidates.stride(-1) == 1 and fp32_cpu(candidates)
+            and keys.dtype == torch.int32 and keys.numel() == candidates.shape[0]):
+        raise ValueError(f"gumbel_argmax: candidates {candidates.dtype} "
+                         f"{tuple(candidates.shape)} must be fp32 [B, V] on the CPU (unit "
+                         f"stride along V), keys {keys.dtype} {tuple(keys.shape)} int32 [B]")
     rows, vocab = candidates.shape
     keys = keys.contiguous()
     tokens = torch.empty(rows, dtype=torch.long)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from . import as_rows, fp32_cpu, has, library, require
+from . import as_rows, fp32_cpu, has, library
 from .ops import operator, returns_nothing
 
 # Beyond this many rows (a long prefill chunk) each panel would be read against too many rows:
@@ -48,9 +48,10 @@ def panels_numel(shape) -> int:
 
 def _check_packed(name: str, x: torch.Tensor, packed: torch.Tensor, n: int) -> None:
     """x of the packed weight's in-features (its panels hold n rows of k each)."""
-    require(fp32_cpu(x, packed) and packed.numel() == panels_numel((n, x.shape[-1])),
-            f"{name}: x {x.dtype} {tuple(x.shape)} must be fp32 on the CPU with the in-features "
-            f"of the packed [{n}, k] weight ({packed.numel()} packed values)")
+    if not (fp32_cpu(x, packed) and packed.numel() == panels_numel((n, x.shape[-1]))):
+        raise ValueError(f"{name}: x {x.dtype} {tuple(x.shape)} must be fp32 on the CPU with "
+                         f"the in-features of the packed [{n}, k] weight ({packed.numel()} "
+                         f"packed values)")
 
 
 @operator("linear(Tensor x, Tensor packed, int n) -> Tensor",

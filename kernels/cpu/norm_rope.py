@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from . import as_rows, fp32_cpu, has, library, require
+from . import as_rows, fp32_cpu, has, library
 from .ops import operator, returns_nothing
 
 
@@ -43,11 +43,11 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
 
 
 def _check_norm(name: str, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> None:
-    require(fp32_cpu(x, delta, weight) and delta.shape == x.shape
-            and weight.shape == x.shape[-1:],
-            f"{name}: x {x.dtype} {tuple(x.shape)}, delta {delta.dtype} {tuple(delta.shape)} "
-            f"and weight {weight.dtype} {tuple(weight.shape)} must be fp32 on the CPU, the "
-            f"weight of x's last dimension")
+    if not (fp32_cpu(x, delta, weight) and delta.shape == x.shape
+            and weight.shape == x.shape[-1:]):
+        raise ValueError(f"{name}: x {x.dtype} {tuple(x.shape)}, delta {delta.dtype} "
+                         f"{tuple(delta.shape)} and weight {weight.dtype} {tuple(weight.shape)} "
+                         f"must be fp32 on the CPU, the weight of x's last dimension")
 
 
 @operator("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()", returns_nothing)
@@ -55,13 +55,13 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     """Rotate q [T, Hq, D] and k [T, Hk, D] (heads contiguous, any token stride) in place by
     cos/sin [T, 1, rot] (contiguous, rot <= D)."""
     t, _, d = q.shape
-    require(fp32_cpu(q, k, cos, sin) and k.shape[::2] == (t, d)
+    if not (fp32_cpu(q, k, cos, sin) and k.shape[::2] == (t, d)
             and all(x.stride(2) == 1 and x.stride(1) == d for x in (q, k))
             and cos.shape == sin.shape and cos.shape[:2] == (t, 1) and cos.shape[2] <= d
-            and cos.is_contiguous() and sin.is_contiguous(),
-            f"rotary_: q {q.dtype} {tuple(q.shape)}, k {k.dtype} {tuple(k.shape)} (heads "
-            f"contiguous) and cos/sin {cos.dtype} {tuple(cos.shape)} [T, 1, <= D] (contiguous) "
-            f"must be fp32 on the CPU")
+            and cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError(f"rotary_: q {q.dtype} {tuple(q.shape)}, k {k.dtype} "
+                         f"{tuple(k.shape)} (heads contiguous) and cos/sin {cos.dtype} "
+                         f"{tuple(cos.shape)} [T, 1, <= D] (contiguous) must be fp32 on the CPU")
     library().rotary_f32(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0),
                          k.shape[1], q.shape[2], cos.data_ptr(), sin.data_ptr(), q.shape[0],
                          cos.shape[-1], torch.get_num_threads())

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import fp32_cpu, has, library, missing_reason, require
+from . import fp32_cpu, has, library, missing_reason
 from .ops import operator, returns_nothing
 
 # A chunk's rows of one KV head (queries x its query heads) share each key block in L1: its
@@ -91,22 +91,24 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     hq, d = q.shape[1:]
     hkv = k_pool.shape[1]
     q = _heads_contiguous(q)
-    require(out.is_contiguous() and k_pool.is_contiguous() and v_pool.is_contiguous()
+    if not (out.is_contiguous() and k_pool.is_contiguous() and v_pool.is_contiguous()
             and fp32_cpu(q, k_pool, v_pool, out) and out.shape == q.shape
-            and k_pool.shape == v_pool.shape and k_pool.shape[2] == d and hq % hkv == 0,
-            f"paged_attention: q {q.dtype} {tuple(q.shape)}, out {tuple(out.shape)} and the "
-            f"pools {k_pool.dtype} {tuple(k_pool.shape)} / {v_pool.dtype} "
-            f"{tuple(v_pool.shape)} must be fp32 on the CPU (contiguous), of one head size, "
-            f"the query heads a multiple of the KV heads")
+            and k_pool.shape == v_pool.shape and k_pool.shape[2] == d and hq % hkv == 0):
+        raise ValueError(f"paged_attention: q {q.dtype} {tuple(q.shape)}, out "
+                         f"{tuple(out.shape)} and the pools {k_pool.dtype} {tuple(k_pool.shape)}"
+                         f" / {v_pool.dtype} {tuple(v_pool.shape)} must be fp32 on the CPU "
+                         f"(contiguous), of one head size, the query heads a multiple of the "
+                         f"KV heads")
     if store is None:
         k_new = v_new = slots = torch.empty(0)
     else:
         k_new, v_new = (_heads_contiguous(x) for x in store[:2])
         slots = store[2].contiguous()
-        require(k_new.shape == v_new.shape == (slots.numel(), hkv, d)
-                and slots.dtype == torch.int64 and fp32_cpu(k_new, v_new),
-                f"paged_attention: store's k/v {k_new.dtype} {tuple(k_new.shape)} must be "
-                f"fp32 [slots, {hkv}, {d}], slots int64")
+        if not (k_new.shape == v_new.shape == (slots.numel(), hkv, d)
+                and slots.dtype == torch.int64 and fp32_cpu(k_new, v_new)):
+            raise ValueError(f"paged_attention: store's k/v {k_new.dtype} "
+                             f"{tuple(k_new.shape)} must be fp32 [slots, {hkv}, {d}], slots "
+                             f"int64")
     chunks = rows.chunks(hq // hkv, torch.get_num_threads())
     attend(q, k_pool, v_pool, out, rows.q_start, rows.q_len, rows.kv_start, rows.kv_len,
            rows.kv_indices, chunks.first, chunks.count, chunks.prefix, scale, window or 0,
