@@ -135,8 +135,14 @@ class StepRunner:
                 self.scheduler.finish(seq, "abort", failure.keep_kv)
 
     def _retire(self, finished: list[Sequence], failed: dict[str, Failure]) -> None:
-        """Requests whose last sample finished this step wait in `requests.ready`."""
+        """Requests whose last sample finished this step wait in `requests.ready`, with the
+        weights version they completed under (their output's, however late it is handed
+        out)."""
         for request_id in dict.fromkeys([*(s.group for s in finished), *failed]):
             request = self.requests.running[request_id]
             if request.done:
                 self.requests.end(request, finished=True)
+                before = request.completed_version
+                request.completed_version = self.committer.weights_version()
+                self.journal.record(lambda r=request, v=before: setattr(r, "completed_version",
+                                                                         v))

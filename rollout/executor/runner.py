@@ -79,13 +79,13 @@ class ModelRunner:
         host) when the step has some."""
         t0 = time.perf_counter()
         scored = None
-        if inputs.graphed:
-            logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
-        else:
-            # In the engine's dtype whatever autocast the caller left on (a trainer's
-            # mixed-precision step): it would change the logprobs, and hand the fp32 kernels
-            # tensors of another dtype.
-            with torch.autocast(self.device.type, enabled=False):
+        # In the engine's dtype whatever autocast the caller left on (a trainer's mixed-
+        # precision step): it would change the logprobs, hand the fp32 kernels tensors of
+        # another dtype, and be captured into a CUDA graph at its first replay.
+        with torch.autocast(self.device.type, enabled=False):
+            if inputs.graphed:
+                logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+            else:
                 ctx = ForwardContext(inputs.positions, inputs.meta, self.attention)
                 hidden = self.model(inputs.input_ids, ctx)
                 if inputs.logits_index.numel():

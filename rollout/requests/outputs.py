@@ -59,9 +59,8 @@ class RolloutOutput:
 def build_output(group, decode, vocab_size: int, weights_version: int = 0) -> RolloutOutput:
     """The output of a finished `requests.request.Request`. `decode(seq)` gives a sample's text
     (None without a tokenizer); a tokenizer that fails here costs the text, not the tokens.
-    Its weights version is its newest token's (the version it completed under, however many
-    updates came before it is handed out); `weights_version`, the engine's now, only for a
-    request with no token."""
+    Its weights version is the one it completed under (however many updates came before it
+    is handed out); `weights_version`, the engine's now, for one that never completed."""
     samples, error = [], group.error
     for seq in group.seqs:
         try:
@@ -77,10 +76,9 @@ def build_output(group, decode, vocab_size: int, weights_version: int = 0) -> Ro
             support=Support(list(seq.support), vocab_size) if group.params.return_support
             else None, weights_versions=seq.token_versions(),
             top_logprobs=_tops(seq) if group.params.top_logprobs else None))
-    newest = max((s.weights_versions[-1] for s in samples if s.weights_versions),
-                 default=weights_version)
+    completed = group.completed_version
     return RolloutOutput(group.request_id, group.prompt_ids, samples, group.prompt, error,
-                         newest)
+                         weights_version if completed is None else completed)
 
 
 def _tops(seq) -> TopLogprobs:

@@ -20,6 +20,8 @@ class Request:
     error: str | None = None  # why the request was aborted by the engine
     # Engine.rollout's: its output goes to a rollout() call (carried until then), not step()
     from_rollout: bool = False
+    # Engine.weights_version when its last sample finished (None until then)
+    completed_version: int | None = None
 
     @property
     def done(self) -> bool:

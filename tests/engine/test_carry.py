@@ -324,6 +324,24 @@ def test_an_output_carries_the_version_it_completed_under():
         assert o.weights_version == 0 == max(v for s in o.samples for v in s.weights_versions)
 
 
+def test_a_group_with_no_token_carries_the_version_it_ended_under():
+    """Groups the engine aborted at their first step (non-finite logits) have no token to
+    date them: a carried one still reports the version it ended under after an update."""
+    good = tiny_model("llama", seed=7, vocab_size=len(TOK))  # (an untied head)
+    broken = tiny_model("llama", seed=7, vocab_size=len(TOK))
+    with torch.no_grad():
+        broken.lm_head.weight.fill_(3e38)  # finite weights, infinite logits
+    engine = make("plain", True, good)
+    engine.update_weights(broken)
+    # (two short prompts: both admitted, and aborted, in the first step)
+    first = engine.rollout([PROMPTS[0], PROMPTS[3]], [PARAMS[0], PARAMS[3]], groups=1)
+    assert first[0].error is not None and len(engine.carried) == 1
+    engine.update_weights(good)
+    (later,) = engine.rollout()
+    assert later.error is not None and not any(s.token_ids for s in later.samples)
+    assert (first[0].weights_version, later.weights_version) == (1, 1)
+
+
 def test_over_sampling_returns_the_oldest_complete_groups_and_carries_the_rest():
     engine = make("plain", True)
     outs = engine.rollout(PROMPTS, PARAMS, groups=2)

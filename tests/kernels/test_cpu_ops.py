@@ -240,3 +240,40 @@ def test_the_engine_runs_in_its_dtype_under_a_callers_autocast(pack):
         mixed = run()
     assert [(s.token_ids, s.logprobs) for o in mixed for s in o.samples] == \
         [(s.token_ids, s.logprobs) for o in plain for s in o.samples]
+
+
+def test_a_graphed_step_runs_outside_a_callers_autocast_too(monkeypatch):
+    """CUDA graphs are captured at their first replay: under a caller's autocast they would
+    be captured (and replayed ever after) in its dtype. Stand-ins for the graphs and the model
+    (graphs need a GPU) record what each branch of the runner runs under."""
+    import types
+
+    from rollout.executor import runner
+
+    seen = {}
+
+    class Graphs:
+        def run(self, *args):
+            seen["graphed"] = torch.is_autocast_enabled("cpu")
+            return torch.zeros(1, 4)
+
+    class Model:
+        vocab_size = 4
+
+        def __call__(self, ids, ctx):
+            seen["eager"] = torch.is_autocast_enabled("cpu")
+            return torch.zeros(1, 8)
+
+        def compute_logits(self, hidden):
+            return torch.zeros(1, 4)
+
+    run = runner.ModelRunner.__new__(runner.ModelRunner)
+    run.graphs, run.model, run.device, run.attention = Graphs(), Model(), torch.device("cpu"), None
+    run.forward_seconds = 0.0
+    monkeypatch.setattr(runner, "ForwardContext", lambda *args: None)
+    ids = torch.zeros(1, dtype=torch.long)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for graphed in (False, True):
+            run.run(types.SimpleNamespace(graphed=graphed, input_ids=ids, positions=ids,
+                                          meta=None, logits_index=ids, score=None))
+    assert seen == {"eager": False, "graphed": False}
