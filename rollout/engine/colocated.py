@@ -9,7 +9,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 from ..fields import as_bool
-from ..parallel.agree import every_rank_ok
+from ..parallel.agree import agree_max
 from .score import check_probe, run_probe
 
 
@@ -48,16 +48,14 @@ class ColocationCalls:
         running are carried: they keep their tokens and are re-prefilled after wake-up
         (rollout/engine/carry.py). A sleep that fails leaves the engine awake (`needs_weights`
         says if weights were lost)."""
-        with self._entered("sleep"), self._on_every_rank("sleep", self.colocation.wake_up):
+        with self._entered("sleep"), self._on_every_rank("sleep"):
             self.colocation.sleep(level)
 
     def wake_up(self) -> None:
         """Allocate the KV pool and bring the weights back. A wake-up that fails (e.g. out
         of memory) leaves the engine asleep."""
-        with self._entered("wake_up"):
-            level = self.colocation.sleep_level
-            with self._on_every_rank("wake_up", lambda: self.colocation.sleep(level)):
-                self.colocation.wake_up()
+        with self._entered("wake_up"), self._on_every_rank("wake_up"):
+            self.colocation.wake_up()
 
     def update_weights(self, source, bucket_bytes: int = 256 << 20, probe=None,
                        probe_reference=None, full: bool = False) -> dict:
@@ -77,8 +75,7 @@ class ColocationCalls:
             checked = check_probe(self, probe, probe_reference)
             before = self.weights_version
             try:
-                with self._on_every_rank("update_weights", lambda: self._lose_weights(before),
-                                         failed=lambda: self._lose_weights(before)):
+                with self._on_every_rank("update_weights", lambda: self._lose_weights(before)):
                     result = self.colocation.update_weights(source, bucket_bytes,
                                                             as_bool("full", full))
             finally:
@@ -102,27 +99,39 @@ class ColocationCalls:
         self.colocation.weights_version = version
 
     @contextlib.contextmanager
-    def _on_every_rank(self, call: str, undo: Callable[[], None],
-                       failed: Callable[[], None] | None = None) -> Iterator[None]:
+    def _on_every_rank(self, call: str,
+                       on_failure: Callable[[], None] | None = None) -> Iterator[None]:
         """Under tensor parallelism a sleep, wake-up or update that fails on one rank (out of
-        memory, say) fails on every rank, each left as the failed one is (awake, asleep,
-        needing weights): one all-reduce at the end, after which a rank whose own call went
-        through `undo`es it and raises too. Ranks left apart would wait on each other at
-        their next collective. `failed`: what a failing rank adds to its own failure."""
+        memory, say) fails on every rank, and every rank ends in one state: asleep at the
+        deepest level any rank is at, needing weights if any rank lost them (one all-reduce
+        at the end; ranks left apart would wait on each other at their next collective).
+        `on_failure`: what every rank does then besides (an update counts on none)."""
         if self.tp.size == 1:
             yield
             return
         try:
             yield
         except BaseException:
-            if failed is not None:
-                failed()
-            every_rank_ok(False, self.tp, self.device)
+            self._settle_ranks(call, True, on_failure)
             raise
-        if not every_rank_ok(True, self.tp, self.device):
-            undo()
+        self._settle_ranks(call, False, on_failure)
+
+    def _settle_ranks(self, call: str, failed: bool, on_failure) -> None:
+        colocation = self.colocation
+        any_failed, level, missing = agree_max(
+            [int(failed), colocation.sleep_level, int(colocation.weights_missing)],
+            self.tp, self.device)
+        if not any_failed:
+            return
+        if on_failure is not None:
+            on_failure()
+        if level > colocation.sleep_level:
+            colocation.sleep(level)
+        colocation.weights_missing = colocation.weights_missing or bool(missing)
+        if not failed:
             raise RuntimeError(f"{call}: it failed on another rank of this tensor-parallel "
-                               f"engine, so this rank undid it too (that rank raised why)")
+                               f"engine, so this rank is left as that one is (that rank "
+                               f"raised why)")
 
     def memory_held(self) -> int:
         """Bytes of tensors the engine holds on its device (weights and their packed copies,

@@ -288,8 +288,11 @@ class Engine(ColocationCalls):
         aborted (non-finite logits) comes back with finish_reason "abort" and `error`.
         Streaming requests that finish meanwhile are kept for the next step() to return."""
         with self._entered("generate"):
-            use_tqdm = as_bool("use_tqdm", use_tqdm)
-            requests = self._queue(check_requests(prompts, params))
+            def check():
+                tqdm = as_bool("use_tqdm", use_tqdm)  # (per rank: a progress bar on one)
+                return self._check_all(check_requests(prompts, params)), [], tqdm
+            checked, use_tqdm = self._checked_alike(check)
+            requests = self._queue(checked)
             ready = self.requests.ready
             try:
                 self._step_until(lambda: sum(r.request_id in ready for r in requests),
@@ -312,13 +315,16 @@ class Engine(ColocationCalls):
         `request_ids`: one per prompt, the ids their outputs will carry (default: drawn), so
         a caller can pair an output that comes back calls later with what it asked for."""
         with self._entered("rollout"):
-            self.colocation.check_ready()
-            pairs = check_requests(prompts, params)
-            groups = self.carry.groups_wanted(groups, len(pairs))
-            abort_rest = as_bool("abort_rest", abort_rest)
-            use_tqdm = as_bool("use_tqdm", use_tqdm)
-            ids = self._check_new_ids(request_ids, len(pairs))
-            self._queue(pairs, from_rollout=True, request_ids=ids)
+            def check():
+                self.colocation.check_ready()
+                pairs = check_requests(prompts, params)
+                wanted = self.carry.groups_wanted(groups, len(pairs))
+                rest = as_bool("abort_rest", abort_rest)
+                tqdm = as_bool("use_tqdm", use_tqdm)
+                ids = self._check_new_ids(request_ids, len(pairs))
+                return self._check_all(pairs), [wanted, rest], (wanted, rest, tqdm, ids)
+            checked, (groups, abort_rest, use_tqdm, ids) = self._checked_alike(check)
+            self._queue(checked, from_rollout=True, request_ids=ids)
             self._step_until(self.carry.num_complete, groups, use_tqdm, "group")
             handed = self.carry.complete()[:groups]
             outs = [self._output(r) for r in handed]
@@ -341,13 +347,32 @@ class Engine(ColocationCalls):
             raise ValueError("request_ids: an id is given twice")
         return ids
 
-    def _queue(self, pairs, from_rollout: bool = False,
+    def _check_all(self, pairs) -> list:
+        """(prompt, params) pairs checked, every one before any takes an id or a seed: a
+        failed call changes nothing, not even the seeds later calls draw."""
+        return [self._check_request(p, sp) for p, sp in pairs]
+
+    def _checked_alike(self, check):
+        """`check()`: a call's argument checks, giving (the checked requests, the ints its other
+        arguments come to, what the call goes on with); the last is returned with the first.
+        On an engine of several ranks every rank must get the same requests and ints (one
+        all-reduce): a rank whose checks raised makes the others raise RuntimeError, then
+        raises its own error, so none goes on to wait for it at its first step."""
+        if self.tp.size == 1:
+            checked, _, rest = check()
+            return checked, rest
+        try:
+            checked, ints, rest = check()
+        except BaseException:
+            with contextlib.suppress(RuntimeError):  # (the others failing alike pass)
+                check_same_requests(None, self.tp, self.device)
+            raise
+        check_same_requests(checked, self.tp, self.device, ints)
+        return checked, rest
+
+    def _queue(self, checked: list, from_rollout: bool = False,
                request_ids: list[str | None] | None = None) -> list[Request]:
-        """(prompt, params) pairs queued as requests. Every one is checked before any takes an
-        id or a seed: a failed call changes nothing, not even the seeds later calls draw."""
-        checked = [self._check_request(p, sp) for p, sp in pairs]
-        if self.tp.size > 1:
-            check_same_requests(checked, self.tp, self.device)
+        """Checked requests (_check_all) queued."""
         with self.journal.unit():
             requests = [self.requests.make(*c, rid, self.eos_ids, from_rollout)
                         for c, rid in zip(checked, request_ids or [None] * len(checked))]

@@ -11,7 +11,6 @@ import numpy as np
 import torch
 
 from ..fields import as_float
-from ..parallel.agree import check_same_requests
 from ..requests.intake import token_ids
 from ..requests.request import Request
 from ..sample.params import SamplingParams
@@ -22,12 +21,12 @@ from ..score.state import ScoreOutput, ScoreState, TopLogprobs
 
 def score(engine, sequences, temperature: float, top_logprobs: int, start, use_tqdm: bool
           ) -> list[ScoreOutput]:
-    ids, starts, temperature, top = check_scores(
-        sequences, temperature, top_logprobs, start, engine.vocab_size,
-        engine.config.max_model_len, engine.tokenizer)
-    if engine.tp.size > 1:  # once, whatever rounds follow (none for no sequence)
-        check_same_requests([(None, tokens, (temperature, top, first))
-                             for tokens, first in zip(ids, starts)], engine.tp, engine.device)
+    def check():  # once, whatever rounds follow (none for no sequence)
+        checked = check_scores(sequences, temperature, top_logprobs, start, engine.vocab_size,
+                               engine.config.max_model_len, engine.tokenizer)
+        ids, starts, temp, top = checked
+        return [(None, t, (temp, top, first)) for t, first in zip(ids, starts)], [], checked
+    _, (ids, starts, temperature, top) = engine._checked_alike(check)
     plan = ScorePlan(ids, starts, top)
     errors: dict[int, str] = {}
     while not plan.finished:

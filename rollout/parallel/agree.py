@@ -56,19 +56,23 @@ def agree_min(value: int, tp: TensorParallel, device: torch.device) -> int:
     return int(t.item())
 
 
-def check_same_requests(checked, tp: TensorParallel, device: torch.device) -> None:
-    """Every rank queues the same requests in this call (their tokens and sampling params),
-    or RuntimeError on every rank: a rank handed none would otherwise return at once and the
-    others wait for it at their first step, and a different seed or temperature samples
-    differently with the same batch."""
-    rows = [[*ids, _digest(params)] for _, ids, params in checked]
+def check_same_requests(checked, tp: TensorParallel, device: torch.device,
+                        ints: list[int] = ()) -> None:
+    """Every rank queues the same requests in this call (their tokens and sampling params, and
+    `ints`: what the call's other arguments come to), or RuntimeError on every rank: a rank
+    handed none would otherwise return at once and the others wait for it at their first
+    step, and a different seed or temperature samples differently with the same batch.
+    `checked` None: this rank's arguments were refused (a row no call gives)."""
+    rows = [[-1]] if checked is None else \
+        [*([*ids, _digest(params)] for _, ids, params in checked), [*ints]]
+    here = "refused here" if checked is None else f"{len(checked)} here"
     check_same(rows, tp, device, f"ranks of one engine queued different requests in this call "
-                                 f"({len(rows)} here; each rank must pass the same prompts and "
-                                 f"params)")
+                                 f"({here}; each rank must pass the same prompts and params)")
 
 
-def every_rank_ok(ok: bool, tp: TensorParallel, device: torch.device) -> bool:
-    """Whether the call each rank just made succeeded on every rank (one all-reduce)."""
-    t = torch.tensor([int(ok)], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp.group)
-    return bool(t.item())
+def agree_max(values: list[int], tp: TensorParallel, device: torch.device) -> list[int]:
+    """Each value's largest over the ranks (one all-reduce): after a sleep, wake-up or update,
+    whether it failed anywhere, the deepest sleep level and whether any rank lost weights."""
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=tp.group)
+    return t.tolist()

@@ -55,14 +55,17 @@ def test_tensor_parallel_matches_one_rank(tp, reference, tmp_path):
         assert got == ranks[0], f"rank {r} returned other outputs than rank 0"
     got = ranks[0]
     assert got["mismatch/refused"] and got["mismatch/after"]  # on every rank (equal above)
-    assert got["mismatch/call_refused"] == {"none": True, "seed": True, "score": True}
+    assert got["mismatch/call_refused"] == {"none": True, "seed": True, "score": True,
+                                            "rollout": True}
     assert got["mismatch/config_refused"] and got["mismatch/pool"] == 256
-    # Failed on the last rank alone: every rank raised (the others saying so) and was left
-    # as that rank was (awake, asleep, needing weights), then went on as before.
+    # Failed on the last rank alone: every rank raised (the others saying so) and all ended
+    # in one state (asleep at the deepest level, needing weights if any lost them; an update
+    # counted on none), then went on as before.
     for r, failed in enumerate(one_rank):
         who = "last" if r == tp - 1 else "other rank"
-        assert failed == {"one_rank/sleep": [who, False], "one_rank/wake_up": [who, True],
-                          "one_rank/update": [who, True], "one_rank/after": True}, r
+        assert failed == {"one_rank/sleep": [who, "1/False"], "one_rank/sleep2": [who, "2/True"],
+                          "one_rank/wake_up": [who, "1/False"], "one_rank/update": [who, "0/True"],
+                          "one_rank/version": 1, "one_rank/after": True}, (r, failed)
     assert got["preempt/count"] and got["update/same_addresses"]
     assert got["park/kept"] and reference["park/kept"]
     assert got["update/copied_only_parts"] and reference["update/copied_only_parts"]

@@ -104,9 +104,11 @@ def mismatched_requests(cfg: dict) -> dict:
     # A call whose prompts or params differ across ranks (a rank handed no prompt at all had
     # returned at once while the others waited for it at their first step; a seed per rank
     # sampled differently without a word): refused on every rank before anything is queued.
+    # (rank 0's rollout asks for a group of none: its own ValueError, the others told)
     calls = {"none": lambda: engine.generate(PROMPTS[:rank], GREEDY),
              "seed": lambda: engine.generate(PROMPTS[:1], dataclasses.replace(SEEDED, seed=rank)),
-             "score": lambda: engine.score(SCORED[rank:])}
+             "score": lambda: engine.score(SCORED[rank:]),
+             "rollout": lambda: engine.rollout(PROMPTS[:rank], GREEDY, groups=1)}
     call_refused = {}
     for name, call in calls.items():
         try:
@@ -114,6 +116,8 @@ def mismatched_requests(cfg: dict) -> dict:
             call_refused[name] = False
         except RuntimeError as e:
             call_refused[name] = "queued different requests" in str(e)
+        except ValueError as e:
+            call_refused[name] = rank == 0 and str(e).startswith("groups:")
     engine.check_invariants()
     after = engine.generate(PROMPTS, GREEDY)
     # Engines built otherwise on each rank: a config field refused on every rank, naming it;
@@ -134,8 +138,10 @@ def mismatched_requests(cfg: dict) -> dict:
 
 def failed_on_one_rank(cfg: dict) -> dict:
     """A sleep, wake-up and update that fail on the last rank only (out of memory, say): they
-    fail on every rank, each left as the failed one is (awake, asleep, needing weights), and
-    the engine then goes on as before on every rank."""
+    fail on every rank, and every rank ends in one state (the deepest sleep any rank is in,
+    needing weights if any lost them); the engine then goes on as before on every rank. Per
+    case: (who raised: "last" on the last rank, "other rank" on the others; "sleep level /
+    needs weights" after it)."""
     engine = Engine(MODELS["llama_mqa"](0), EngineConfig(**cfg))
     before = _samples(engine.generate(PROMPTS, GREEDY))
     last = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
@@ -151,27 +157,34 @@ def failed_on_one_rank(cfg: dict) -> dict:
         if last:
             setattr(obj, name, failing)
 
-    def attempt(call) -> str:
+    def attempt(case: str, call) -> None:
         try:
             call()
-            return "ok"
+            who = "ok"
         except RuntimeError as e:
-            return "other rank" if "failed on another rank" in str(e) else "this rank"
+            who = "other rank" if "failed on another rank" in str(e) else "last"
+        out[f"one_rank/{case}"] = [who, f"{engine.sleep_level}/{engine.needs_weights}"]
 
+    # the last rank's sleep fails before it sleeps: awake there, asleep elsewhere -> asleep
     fail_once(stack.pool, "release", RuntimeError("pool release"))
-    out["sleep"] = (attempt(lambda: engine.sleep(1)), engine.is_sleeping)
+    attempt("sleep", lambda: engine.sleep(1))
+    engine.wake_up()
+    # ... and at level 2: the others dropped their weights -> asleep at 2, needing weights
+    fail_once(stack.pool, "release", RuntimeError("pool release"))
+    attempt("sleep2", lambda: engine.sleep(2))
+    engine.wake_up()
+    engine.update_weights(MODELS["llama_mqa"](0))
     engine.sleep(1)
     fail_once(stack.pool, "allocate", RuntimeError("out of memory"))
-    out["wake_up"] = (attempt(engine.wake_up), engine.is_sleeping)
+    attempt("wake_up", engine.wake_up)
     engine.wake_up()
     fail_once(stack.model, "load_weights", RuntimeError("copy"))
-    out["update"] = (attempt(lambda: engine.update_weights(MODELS["llama_mqa"](0))),
-                     engine.needs_weights and engine.weights_version == 0)
+    attempt("update", lambda: engine.update_weights(MODELS["llama_mqa"](0)))
+    out["one_rank/version"] = engine.weights_version
     engine.update_weights(MODELS["llama_mqa"](0))
     engine.check_invariants()
-    out["after"] = _samples(engine.generate(PROMPTS, GREEDY)) == before
-    return {f"one_rank/{k}": ["last" if last and v[0] == "this rank" else v[0], v[1]]
-            if isinstance(v, tuple) else v for k, v in out.items()}
+    out["one_rank/after"] = _samples(engine.generate(PROMPTS, GREEDY)) == before
+    return out
 
 
 def _preemption(cfg: dict) -> dict:
