@@ -25,19 +25,18 @@ The environment protocol: `env_factory()` gives one environment per episode, wit
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import inspect
 import random
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
 from .engine.chat import is_conversations, render_conversations
 from .engine.engine import Engine
 from .engine.progress import progress
+from .env_calls import EnvCalls
 from .fields import as_bool, as_float, as_int
 from .requests.intake import check_request
 from .requests.outputs import Sample
@@ -45,9 +44,6 @@ from .sample.params import SamplingParams
 
 # Marks the assistant's content when a chat template renders an observation (message_tokens).
 _MARK = "\x00rollout-assistant\x00"
-# Seconds the end of a run waits for cancelled coroutines to unwind (a coroutine that catches
-# its cancellation and goes on is left to the loop's daemon thread).
-CLOSE_WAIT = 5.0
 
 
 @dataclass
@@ -131,6 +127,7 @@ class _Live:
     episode: Episode
     env: object
     index: tuple[int, int]  # (prompt, sample)
+    slot: int = 0  # which of the run's event loops its coroutines run on (env_calls.py)
     hold: tuple[str, int] | None = None  # the engine's hold on its KV
 
 
@@ -158,8 +155,7 @@ class _Runner:
                                  engine.tokenizer)[1] for p in prompts]  # every prompt first
         result: list[list[Episode]] = []
         bar = self.bar = progress(len(prompts) * self.params.n, use_tqdm, unit="episode")
-        self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="rollout-env")
-        self.loop = _EnvLoop()
+        self.envs = EnvCalls(self.workers)
         failed = True
         try:
             for i, ids in enumerate(checked):
@@ -181,17 +177,16 @@ class _Runner:
             bar.close()
             # A failed run does not wait for its environments' steps still under way, nor a
             # run for the synchronous steps it gave up on (their threads finish on their own).
-            self.loop.close()
-            self.pool.shutdown(wait=not failed and not self.abandoned, cancel_futures=True)
+            self.envs.close(wait=not failed and not self.abandoned)
         return result
 
     def _start(self, episode: Episode, index: tuple[int, int]) -> _Live:
-        live = _Live(episode, None, index)
+        live = _Live(episode, None, index, slot=index[0] * self.params.n + index[1])
         try:
             live.env = self.env_factory()
             reset = getattr(live.env, "reset", None)
             if reset is not None:
-                future = self._call(reset, list(episode.prompt_ids))
+                future = self.envs.call(live.slot, reset, list(episode.prompt_ids))
                 try:
                     future.result(timeout=self.env_timeout)
                 except TimeoutError:
@@ -200,13 +195,6 @@ class _Runner:
         except Exception as e:
             self._end(live, "abort", f"environment reset: {type(e).__name__}: {e}")
         return live
-
-    def _call(self, method, *args) -> Future:
-        """An environment method's call under way: a coroutine function's on the run's event
-        loop, anything else on the pool (a coroutine it returns then goes to the loop too)."""
-        if inspect.iscoroutinefunction(method):
-            return self.loop.submit(method(*args))
-        return self.pool.submit(self.loop.call, method, *args)
 
     def _give_up(self, future: Future) -> None:
         """A call that outlived env_timeout: a coroutine is cancelled; a thread cannot be, and
@@ -261,7 +249,7 @@ class _Runner:
         ep.sampling_logprobs += sample.sampling_logprobs
         if sample.finish_reason == "abort":
             return self._end(live, "abort", error or "aborted by the engine")
-        future = self._call(live.env.step, list(sample.token_ids), sample.text)
+        future = self.envs.call(live.slot, live.env.step, list(sample.token_ids), sample.text)
         self.waiting[future] = live
         if self.env_timeout is not None:
             self.deadlines[future] = time.monotonic() + self.env_timeout
@@ -352,45 +340,6 @@ class _Runner:
             except ValueError:  # stepped out with the failing step's outputs: its samples
                 for j in range(len(lives)):  # hold KV
                     self.engine.release_hold((request_id, j))
-
-
-class _EnvLoop:
-    """One event loop, on a thread of its own, for a run's async environments: an environment's
-    reset and every step run on it, so what reset makes that is bound to a loop (a client
-    session, a lock, a subprocess) works in the steps (asyncio.run per call had given each a
-    loop of its own), the steps of all episodes interleave on it, and one that outlives
-    env_timeout is cancelled. Independent of any loop the caller runs (a notebook's)."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="rollout-env-loop",
-                                       daemon=True)
-        self.thread.start()
-
-    def submit(self, coroutine) -> Future:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
-
-    def call(self, method, *args):
-        """A method's result, from a pool thread: a coroutine it returns awaited on the loop."""
-        result = method(*args)
-        return self.submit(result).result() if inspect.iscoroutine(result) else result
-
-    def close(self) -> None:
-        """Cancel what still runs (a failed run's steps), then stop and close the loop."""
-        async def cancel_rest():
-            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in rest:
-                task.cancel()
-            await asyncio.gather(*rest, return_exceptions=True)
-
-        try:
-            self.submit(cancel_rest()).result(timeout=CLOSE_WAIT)
-        except TimeoutError:  # a coroutine that will not stop: its daemon thread keeps it
-            pass
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=CLOSE_WAIT)
-        if not self.thread.is_alive():
-            self.loop.close()
 
 
 def token_text(tokenizer, token: int) -> str:

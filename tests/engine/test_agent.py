@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import random
 import threading
 import time
@@ -388,6 +389,65 @@ def test_a_thread_past_env_timeout_is_left_to_finish_on_its_own():
     assert_no_kv_held(eng)
     with pytest.raises(ValueError, match="^env_timeout must be > 0"):
         run_episodes(eng, PROMPTS[:1], Echo, PARAMS, env_timeout=0)
+
+
+def test_an_async_environment_that_blocks_stalls_only_its_own_loop():
+    """An async step that blocks its loop (a synchronous client inside async code) until
+    every other episode is done: that happens only if the others run on loops of their own
+    (env_workers of them; all had shared one loop)."""
+    others_done = threading.Event()
+    finished = []
+
+    class Blocking(Echo):
+        instances = []
+
+        def __init__(self):
+            super().__init__()
+            Blocking.instances.append(self)
+
+        async def step(self, turn_ids, text):
+            if self is Blocking.instances[0] and not self.seen:
+                assert others_done.wait(timeout=60), "the others waited for the blocked loop"
+            step = Echo.step(self, turn_ids, text)
+            if step.done and self is not Blocking.instances[0]:
+                finished.append(self)
+                if len(finished) == len(Blocking.instances) - 1:
+                    others_done.set()
+            return step
+
+    episodes = run_episodes(engine(), PROMPTS, Blocking, PARAMS, max_turns=5, env_workers=9)
+    assert all(ep.finish_reason == "done" for row in episodes for ep in row)
+
+
+def test_a_hung_synchronous_step_keeps_no_process_alive():
+    """A synchronous step that never returns, given up on at env_timeout: the process still
+    ends (the pool's threads are daemons; an executor's are joined at exit)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import threading
+        from models import char_tokenizer, tiny_model
+        from rollout import Engine, EngineConfig, SamplingParams
+        from rollout.agent import Step, run_episodes
+
+        class Hangs:
+            def step(self, turn_ids, text):
+                threading.Event().wait()  # forever
+                return Step(done=True)
+
+        tok = char_tokenizer()
+        engine = Engine(tiny_model("llama", vocab_size=len(tok)),
+                        EngineConfig(kv_cache_tokens=512, max_model_len=64), tokenizer=tok)
+        (ep,) = run_episodes(engine, ["ab"], Hangs, SamplingParams(max_tokens=4, seed=0),
+                             env_timeout=0.2)[0]
+        print(ep.finish_reason)
+    """)
+    support = os.path.join(os.path.dirname(os.path.dirname(__file__)), "support")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONPATH=support))
+    assert done.returncode == 0 and done.stdout.strip() == "abort", done.stderr[-2000:]
 
 
 def test_budgets():

@@ -1,0 +1,130 @@
+"""Where a multi-turn run's environment calls run (rollout/agent.py): synchronous methods on a
+pool of daemon threads, coroutines on event loops of their own.
+
+- A synchronous call takes a free pool thread. The threads are daemons: a call that never
+  returns (a hung tool, given up on at env_timeout) keeps neither the run nor the process from
+  ending, as a ThreadPoolExecutor's would (the interpreter joins those at exit).
+- An environment's coroutines all run on one loop, always the same (its reset and every step):
+  what reset makes that is bound to a loop (a client session, a lock, a subprocess) works in
+  the steps. There are as many loops as pool threads, each on a thread of its own, the
+  environments spread over them: an async step that blocks (a synchronous client inside
+  async code) stalls the environments that share its loop, not all of them. A coroutine that
+  outlives env_timeout is cancelled. The loops are the run's own, whatever loop the caller
+  runs (a notebook's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import queue
+import threading
+from concurrent.futures import Future
+
+# Seconds the end of a run waits for cancelled coroutines to unwind (a coroutine that catches
+# its cancellation and goes on is left to its loop's daemon thread).
+CLOSE_WAIT = 5.0
+
+
+class EnvCalls:
+    def __init__(self, workers: int) -> None:
+        self.pool = _DaemonPool(workers)
+        self.loops: list[_Loop | None] = [None] * workers
+
+    def call(self, slot: int, method, *args) -> Future:
+        """`method(*args)` under way for the environment of `slot` (any int: its loop is slot
+        modulo the loops)."""
+        loop = self._loop(slot)
+        if inspect.iscoroutinefunction(method):
+            return loop.submit(method(*args))
+        return self.pool.submit(loop.call, method, *args)
+
+    def _loop(self, slot: int) -> _Loop:
+        i = slot % len(self.loops)
+        if self.loops[i] is None:  # (made on the run's thread only: no race)
+            self.loops[i] = _Loop(i)
+        return self.loops[i]
+
+    def close(self, wait: bool) -> None:
+        """Cancel the coroutines still running (a failed run's), then, with `wait`, let the
+        synchronous calls under way finish; queued ones are cancelled."""
+        for loop in self.loops:
+            if loop is not None:
+                loop.close()
+        self.pool.shutdown(wait)
+
+
+class _DaemonPool:
+    """A fixed pool of daemon threads taking calls from a queue (concurrent.futures' executor
+    without its join at interpreter exit)."""
+
+    def __init__(self, workers: int) -> None:
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.threads = [threading.Thread(target=self._work, name=f"rollout-env-{i}",
+                                         daemon=True) for i in range(workers)]
+        for thread in self.threads:
+            thread.start()
+
+    def submit(self, fn, *args) -> Future:
+        future: Future = Future()
+        self.queue.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while (item := self.queue.get()) is not None:
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # the caller reads it from the future
+                future.set_exception(e)
+
+    def shutdown(self, wait: bool) -> None:
+        while True:  # what has not started is cancelled
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
+        for _ in self.threads:
+            self.queue.put(None)
+        if wait:
+            for thread in self.threads:
+                thread.join()
+
+
+class _Loop:
+    """An event loop on a daemon thread of its own."""
+
+    def __init__(self, index: int) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever,
+                                       name=f"rollout-env-loop-{index}", daemon=True)
+        self.thread.start()
+
+    def submit(self, coroutine) -> Future:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+    def call(self, method, *args):
+        """A method's result, on a pool thread: a coroutine it returns awaited on the loop."""
+        result = method(*args)
+        return self.submit(result).result() if inspect.iscoroutine(result) else result
+
+    def close(self) -> None:
+        """Cancel what still runs, then stop and close the loop."""
+        async def cancel_rest():
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in rest:
+                task.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
+
+        try:
+            self.submit(cancel_rest()).result(timeout=CLOSE_WAIT)
+        except TimeoutError:  # a coroutine that will not stop: its daemon thread keeps it
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=CLOSE_WAIT)
+        if not self.thread.is_alive():
+            self.loop.close()
