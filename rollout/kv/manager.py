@@ -117,13 +117,17 @@ class KVManager:
         self.journal.record(lambda: self.pool.unfree(slots))
 
     def _evict(self, n: int) -> None:
-        evicted = self.cache.evict(n)
+        # The undo is recorded before the first free, and undoes only the frees made: a
+        # failure half way (a device error in a free's copy) must not leave detached nodes
+        # whose slots nobody frees.
+        evicted, freed = self.cache.evict(n), []
+        self.journal.record(lambda: self._unevict(evicted, freed))
         for node in evicted:
             self.pool.free(node.value)
-        self.journal.record(lambda: self._unevict(evicted))
+            freed.append(node)
 
-    def _unevict(self, evicted) -> None:
-        for node in reversed(evicted):
+    def _unevict(self, evicted, freed) -> None:
+        for node in reversed(freed):
             self.pool.unfree(node.value)
         self.cache.unevict(evicted)
 

@@ -761,6 +761,33 @@ def test_undone_eviction_restores_prefixes_with_the_same_slots():
 
 @pytest.mark.parametrize("fault", [InjectedFault("x"), KeyboardInterrupt()],
                          ids=["error", "keyboard_interrupt"])
+def test_an_eviction_failing_half_way_is_undone_too(fault, monkeypatch):
+    """A free failing between two evicted nodes (a device error in its copy): the unit's undo
+    puts every evicted prefix back, on its slots (the detached nodes had been lost, their
+    slots leaked for the engine's life)."""
+    w = World(True, num_slots=24)
+    for tokens in ([0, 1, 2, 3, 0, 1], [0, 1, 3, 3, 2], [2, 2, 1]):
+        w.release(prefill(w, tokens), keep_kv=True, requeue=False)
+    cached = tree_map(w.cache)
+    snapshot = w.canonical()
+    free, calls = w.kv.pool.free, []
+
+    def failing_free(slots):
+        calls.append(slots)
+        if len(calls) == 2:
+            raise fault
+        free(slots)
+
+    monkeypatch.setattr(w.kv.pool, "free", failing_free)
+    assert not w.in_a_unit(lambda: w.alloc(w.kv.num_slots), "end", fault)
+    monkeypatch.undo()
+    assert len(calls) == 2
+    assert tree_map(w.cache) == cached
+    assert w.canonical() == snapshot
+
+
+@pytest.mark.parametrize("fault", [InjectedFault("x"), KeyboardInterrupt()],
+                         ids=["error", "keyboard_interrupt"])
 def test_undone_insert_after_a_split_of_the_inserted_edge_removes_both_halves(fault):
     """cache_computed inserts an edge; a match on a partial prefix inside the same unit splits
     it; undoing the unit removes both halves (and the unlocked [0, 1] stays)."""
