@@ -7,7 +7,6 @@ a refused request draws nothing, so it shifts no later request's seed. Every cha
 
 from __future__ import annotations
 
-import itertools
 import random
 from collections.abc import Callable
 
@@ -25,8 +24,7 @@ class RequestTable:
         # Finished requests whose outputs are not handed out yet: generate() takes its own,
         # step() the rest (streaming requests that finished while generate() stepped).
         self.ready: dict[str, Request] = {}
-        self._seq_ids = itertools.count()
-        self._request_ids = itertools.count()
+        self._next_seq = self._next_request = 0
         self._seed_rng = random.Random(seed)
         # Told the sequences of every request that leaves the running set (the speculator's
         # per-sample state goes with them).
@@ -39,7 +37,12 @@ class RequestTable:
              request_id: str | None, eos_ids: frozenset[int],
              from_rollout: bool = False) -> Request:
         """Draws the request's id (unless given) and seed: only for a checked request.
-        `from_rollout`: Engine.rollout's (its output waits for a rollout() call)."""
+        `from_rollout`: Engine.rollout's (its output waits for a rollout() call). The draws
+        are journaled: a unit that fails after them (an interrupt held while tokenizing,
+        delivered before the request is queued) leaves the next request the ids and seed a
+        fresh engine would give it."""
+        drawn = (self._next_seq, self._next_request, self._seed_rng.getstate())
+        self.journal.record(lambda: self._undraw(drawn))
         if request_id is None:
             request_id = self._new_request_id()
         # Greedy requests take no seed, so adding an evaluation does not shift later rollouts.
@@ -49,15 +52,21 @@ class RequestTable:
             base = self._seed_rng.getrandbits(63)
         stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else eos_ids)
-        seqs = [Sequence(seq_id=next(self._seq_ids), group=request_id, sample_index=j,
+        first, self._next_seq = self._next_seq, self._next_seq + params.n
+        seqs = [Sequence(seq_id=first + j, group=request_id, sample_index=j,
                          prompt_ids=ids, params=params, seed=sample_seed(base, j),
                          stop_ids=stop_ids) for j in range(params.n)]
         return Request(request_id, text, ids, params, seqs, from_rollout=from_rollout)
 
+    def _undraw(self, drawn) -> None:
+        self._next_seq, self._next_request, state = drawn
+        self._seed_rng.setstate(state)
+
     def _new_request_id(self) -> str:
         # A counter of its own, skipping the ids in use: callers may name requests "3" too.
         while True:
-            request_id = str(next(self._request_ids))
+            request_id = str(self._next_request)
+            self._next_request += 1
             if request_id not in self:
                 return request_id
 

@@ -509,12 +509,19 @@ def test_add_request_interrupted_queues_nothing():
     """A Ctrl-C while add_request tokenizes its prompt: the call raises and queues nothing.
     On 91177df the held interrupt was delivered after the request was queued: it ran with
     an id the caller never got."""
-    engine = make("plain", True)
+    engine = make("plain", True, seed=0)
     with default_sigint(), patched(TOK, "encode", interrupting_once):
         with pytest.raises(KeyboardInterrupt):
             engine.add_request(PROMPTS[0], PARAMS[0])
     assert engine.running_requests == [] and not engine.has_unfinished
     assert_clean(engine)
+    # Nor did it draw: an unseeded request then takes the id and seed it takes on a fresh
+    # engine (the id and the seed had moved on).
+    unseeded = SamplingParams(temperature=1.0, max_tokens=8)
+    (mine,), (fresh,) = (e.generate(PROMPTS[1:2], unseeded)
+                         for e in (engine, make("plain", True, seed=0)))
+    assert (mine.request_id, mine.samples[0].token_ids) == \
+        (fresh.request_id, fresh.samples[0].token_ids)
     assert_exact(engine, "plain", True)
 
 
