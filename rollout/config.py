@@ -29,8 +29,9 @@ class EngineConfig:
     max_model_len: int = 4096
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    # "lpm" admits the longest cached prefix first; above `lpm_max_waiting` waiting requests the
-    # sort costs more than it saves and admission falls back to fcfs.
+    # "lpm" admits the longest cached prefix first (the oldest waiting request goes first once
+    # passed over 16 times: scheduler.py LPM_PATIENCE); above `lpm_max_waiting` waiting
+    # requests the sort costs more than it saves and admission falls back to fcfs.
     schedule_policy: str = "lpm"
     lpm_max_waiting: int = 128
     enable_prefix_caching: bool = True

@@ -29,6 +29,11 @@ from ..kv.radix_cache import common_prefix_len
 from ..requests.batch import Batch, ScheduledSeq
 from ..requests.sequence import SeqStatus, Sequence
 
+# lpm admits the longest cached prefix first: a waiting sequence that shares none would wait as
+# long as sequences that do keep coming. Passed over by this many admissions, the head of
+# the queue (the oldest waiting) goes first.
+LPM_PATIENCE = 16
+
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVManager) -> None:
@@ -36,6 +41,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # (the head of the waiting queue's seq_id, how many admissions passed it over)
+        self._passed: tuple[int, int] = (-1, 0)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -116,8 +123,23 @@ class Scheduler:
         waiting = list(self.waiting)
         if (self.config.schedule_policy == "lpm" and self.kv.shares_prefixes
                 and len(waiting) <= self.config.lpm_max_waiting):
+            head = waiting[0]
             waiting.sort(key=lambda s: -self.kv.prefix_len(s.reusable_tokens()))
+            if self._passed == (head.seq_id, LPM_PATIENCE):  # it waited long enough
+                waiting.remove(head)
+                waiting.insert(0, head)
         return waiting
+
+    def _count_passed(self, admitted: set[int]) -> None:
+        """The head of the waiting queue passed over by this admission (others admitted, not
+        it): one more time (up to LPM_PATIENCE). Journaled."""
+        head = self.waiting[0] if self.waiting else None
+        if head is None or head.seq_id in admitted or not admitted:
+            return
+        seq_id, times = self._passed
+        passed = (head.seq_id, min(times + 1, LPM_PATIENCE) if seq_id == head.seq_id else 1)
+        before, self._passed = self._passed, passed
+        self.journal.record(lambda: setattr(self, "_passed", before))
 
     def _admit(self, budget: int, items: list[ScheduledSeq]) -> int:
         admitted: set[int] = set()
@@ -155,6 +177,7 @@ class Scheduler:
             decode_reserve += 1
             if seq.num_computed < seq.num_prompt - 1:
                 in_flight.setdefault(seq.group, seq)
+        self._count_passed(admitted)
         if admitted:
             before = self.waiting
             self.waiting = deque(s for s in before if s.seq_id not in admitted)

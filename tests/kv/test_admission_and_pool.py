@@ -66,6 +66,25 @@ def test_lpm_without_prefix_caching_is_fcfs():
     assert order == ["cold", "warm"] and hits == 0
 
 
+def test_lpm_admits_a_cold_request_after_bounded_passing():
+    """Cache-hitting requests keep arriving behind a cold one: lpm puts each before it, but
+    once passed over by LPM_PATIENCE admissions it goes first (it had waited for ever)."""
+    from rollout.engine.scheduler import LPM_PATIENCE
+
+    engine = Engine(tiny_model("llama"), EngineConfig(kv_cache_tokens=256, max_model_len=64,
+                                                      max_num_seqs=1))
+    engine.generate([CACHED], PARAMS)
+    engine.add_request(COLD, PARAMS, request_id="cold")
+    done, k = [], 0
+    while "cold" not in done and len(done) < 4 * LPM_PATIENCE:
+        while engine.inspect().waiting < 3:  # warm ones always waiting beside it
+            k += 1
+            engine.add_request(CACHED + [40 + k % 50], PARAMS, request_id=f"warm{k}")
+        done += [o.request_id for o in engine.step()]
+    assert done.index("cold") == LPM_PATIENCE
+    engine.check_invariants()
+
+
 def test_a_full_batch_orders_no_queue(monkeypatch):
     """With max_num_seqs running nobody can be admitted: the steps in between order no queue
     (each lpm sort walks the radix tree once per waiting sequence) and admission resumes as a
