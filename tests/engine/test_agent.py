@@ -273,9 +273,9 @@ def test_a_prompt_of_max_model_len_minus_one_gets_its_one_token():
     assert_no_kv_held(eng)
 
 
-def test_a_slow_environment_does_not_stall_the_others():
-    """One environment blocks until every other episode has finished: that happens only if
-    the batch goes on without it."""
+def slow_first(coroutine: bool):
+    """An environment class whose first instance blocks its first step (a thread, or in an
+    async step its event loop) until every other episode has finished."""
     others_done = threading.Event()
     finished = []
 
@@ -286,17 +286,28 @@ def test_a_slow_environment_does_not_stall_the_others():
             super().__init__()
             Slow.instances.append(self)
 
-        def step(self, turn_ids, text):
+        def sync_step(self, turn_ids, text):
             if self is Slow.instances[0] and not self.seen:
                 assert others_done.wait(timeout=60), "the batch waited for the slow env"
-            step = super().step(turn_ids, text)
+            step = Echo.step(self, turn_ids, text)
             if step.done and self is not Slow.instances[0]:
                 finished.append(self)
                 if len(finished) == len(Slow.instances) - 1:
                     others_done.set()
             return step
 
-    episodes = run_episodes(engine(), PROMPTS, Slow, PARAMS, max_turns=5)
+        async def async_step(self, turn_ids, text):
+            return self.sync_step(turn_ids, text)
+
+        step = async_step if coroutine else sync_step
+
+    return Slow
+
+
+def test_a_slow_environment_does_not_stall_the_others():
+    """One environment blocks until every other episode has finished: that happens only if
+    the batch goes on without it."""
+    episodes = run_episodes(engine(), PROMPTS, slow_first(False), PARAMS, max_turns=5)
     assert all(ep.finish_reason == "done" for row in episodes for ep in row)
 
 
@@ -395,27 +406,8 @@ def test_an_async_environment_that_blocks_stalls_only_its_own_loop():
     """An async step that blocks its loop (a synchronous client inside async code) until
     every other episode is done: that happens only if the others run on loops of their own
     (env_workers of them; all had shared one loop)."""
-    others_done = threading.Event()
-    finished = []
-
-    class Blocking(Echo):
-        instances = []
-
-        def __init__(self):
-            super().__init__()
-            Blocking.instances.append(self)
-
-        async def step(self, turn_ids, text):
-            if self is Blocking.instances[0] and not self.seen:
-                assert others_done.wait(timeout=60), "the others waited for the blocked loop"
-            step = Echo.step(self, turn_ids, text)
-            if step.done and self is not Blocking.instances[0]:
-                finished.append(self)
-                if len(finished) == len(Blocking.instances) - 1:
-                    others_done.set()
-            return step
-
-    episodes = run_episodes(engine(), PROMPTS, Blocking, PARAMS, max_turns=5, env_workers=9)
+    episodes = run_episodes(engine(), PROMPTS, slow_first(True), PARAMS, max_turns=5,
+                            env_workers=9)
     assert all(ep.finish_reason == "done" for row in episodes for ep in row)
 
 
