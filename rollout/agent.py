@@ -42,6 +42,8 @@ from .requests.intake import check_request
 from .requests.outputs import Sample
 from .sample.params import SamplingParams
 
+# Threads (and event loops) a run may take for its environments' calls.
+MAX_ENV_WORKERS = 1024
 # Marks the assistant's content when a chat template renders an observation (message_tokens).
 _MARK = "\x00rollout-assistant\x00"
 
@@ -100,7 +102,7 @@ def run_episodes(engine: Engine, prompts, env_factory: Callable[[], object],
     params = SamplingParams() if params is None else dataclasses.replace(params)
     use_tqdm = as_bool("use_tqdm", use_tqdm)
     max_turns = as_int("max_turns", max_turns, low=1)
-    env_workers = as_int("env_workers", env_workers, low=1)
+    env_workers = as_int("env_workers", env_workers, 1, MAX_ENV_WORKERS)
     if max_episode_tokens is not None:
         max_episode_tokens = as_int("max_episode_tokens", max_episode_tokens, low=1)
     if env_timeout is not None:

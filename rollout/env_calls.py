@@ -55,30 +55,38 @@ class EnvCalls:
 
 
 class _DaemonPool:
-    """A fixed pool of daemon threads taking calls from a queue (concurrent.futures' executor
-    without its join at interpreter exit)."""
+    """Up to `workers` daemon threads taking calls from a queue (concurrent.futures' executor
+    without its join at interpreter exit), each started when a call finds none idle."""
 
     def __init__(self, workers: int) -> None:
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.threads = [threading.Thread(target=self._work, name=f"rollout-env-{i}",
-                                         daemon=True) for i in range(workers)]
-        for thread in self.threads:
-            thread.start()
+        self.workers, self.threads = workers, []
+        self.idle = 0  # threads done with their last call, not yet handed another
+        self.lock = threading.Lock()
 
     def submit(self, fn, *args) -> Future:
         future: Future = Future()
         self.queue.put((future, fn, args))
+        with self.lock:  # an idle thread takes it, else a new one while there is room
+            if self.idle:
+                self.idle -= 1
+            elif len(self.threads) < self.workers:
+                thread = threading.Thread(target=self._work, daemon=True,
+                                          name=f"rollout-env-{len(self.threads)}")
+                self.threads.append(thread)
+                thread.start()
         return future
 
     def _work(self) -> None:
         while (item := self.queue.get()) is not None:
             future, fn, args = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as e:  # the caller reads it from the future
-                future.set_exception(e)
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # the caller reads it from the future
+                    future.set_exception(e)
+            with self.lock:
+                self.idle += 1
 
     def shutdown(self, wait: bool) -> None:
         while True:  # what has not started is cancelled

@@ -400,6 +400,10 @@ def test_a_thread_past_env_timeout_is_left_to_finish_on_its_own():
     assert_no_kv_held(eng)
     with pytest.raises(ValueError, match="^env_timeout must be > 0"):
         run_episodes(eng, PROMPTS[:1], Echo, PARAMS, env_timeout=0)
+    # (threads are started as calls need them, up to a bound: 2**70 had been a list of that
+    # many threads, out of memory)
+    with pytest.raises(ValueError, match=r"^env_workers must be in \[1, 1024\]"):
+        run_episodes(eng, PROMPTS[:1], Echo, PARAMS, env_workers=2**70)
 
 
 def test_an_async_environment_that_blocks_stalls_only_its_own_loop():
