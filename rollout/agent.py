@@ -129,7 +129,6 @@ class _Live:
     episode: Episode
     env: object
     index: tuple[int, int]  # (prompt, sample)
-    slot: int = 0  # which of the run's event loops its coroutines run on (env_calls.py)
     hold: tuple[str, int] | None = None  # the engine's hold on its KV
 
 
@@ -183,12 +182,12 @@ class _Runner:
         return result
 
     def _start(self, episode: Episode, index: tuple[int, int]) -> _Live:
-        live = _Live(episode, None, index, slot=index[0] * self.params.n + index[1])
+        live = _Live(episode, None, index)
         try:
             live.env = self.env_factory()
             reset = getattr(live.env, "reset", None)
             if reset is not None:
-                future = self.envs.call(live.slot, reset, list(episode.prompt_ids))
+                future = self.envs.call(self._slot(live), reset, list(episode.prompt_ids))
                 try:
                     future.result(timeout=self.env_timeout)
                 except TimeoutError:
@@ -197,6 +196,10 @@ class _Runner:
         except Exception as e:
             self._end(live, "abort", f"environment reset: {type(e).__name__}: {e}")
         return live
+
+    def _slot(self, live: _Live) -> int:
+        """The episode's number: which of the run's event loops its coroutines run on."""
+        return live.index[0] * self.params.n + live.index[1]
 
     def _give_up(self, future: Future) -> None:
         """A call that outlived env_timeout: a coroutine is cancelled; a thread cannot be, and
@@ -251,7 +254,8 @@ class _Runner:
         ep.sampling_logprobs += sample.sampling_logprobs
         if sample.finish_reason == "abort":
             return self._end(live, "abort", error or "aborted by the engine")
-        future = self.envs.call(live.slot, live.env.step, list(sample.token_ids), sample.text)
+        future = self.envs.call(self._slot(live), live.env.step, list(sample.token_ids),
+                                sample.text)
         self.waiting[future] = live
         if self.env_timeout is not None:
             self.deadlines[future] = time.monotonic() + self.env_timeout

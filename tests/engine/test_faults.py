@@ -134,6 +134,10 @@ STEP_POINTS = {
     "commit": (lambda e: (e.committer, "commit"), SPECS, True),
     "finish": (lambda e: (e.scheduler, "finish"), SPECS, False),
     "settle": (lambda e: (e.kv, "settle"), SPECS, True),
+    # a finished request retired (with the version it completed under), lpm's count of how
+    # often the head of the queue was passed over
+    "retire": (lambda e: (e.requests, "end"), ("plain",), True),
+    "passed_over": (lambda e: (e.scheduler, "_count_passed"), ("plain",), True),
 }
 STEP_CASES = [
     pytest.param(point, spec, after, id=f"{point}-{spec}-{'after' if after else 'before'}")
