@@ -67,14 +67,19 @@ class KVManager:
 
     # --- slots ------------------------------------------------------------------------------
     def alloc(self, n: int) -> torch.Tensor | None:
-        """n slots for new positions, evicting least recently used cached prefixes if short;
-        None when even that leaves too few. Pending until the step settles."""
+        """n slots for new positions, evicting least recently used cached prefixes if short
+        (and releasing holds, oldest first, if still short); None when even that leaves too
+        few, and then, inside a unit, nothing was evicted or released: the caller preempts a
+        sequence and asks again, and the holds that its freed slots make unnecessary stay.
+        Pending until the step settles."""
+        point = self.journal.savepoint()
         short = n - self.pool.num_free
         if short > 0:
             self._evict(short)
         while n > self.pool.num_free and self._drop_oldest_hold():
             self._evict(n - self.pool.num_free)
         if n > self.pool.num_free:
+            self.journal.rollback_to(point)
             return None
         slots = self.pool.alloc(n)
         self.journal.record(lambda: self.pool.free(slots))

@@ -141,8 +141,10 @@ class KVPool:
     def alloc(self, n: int) -> torch.Tensor:
         if n > self._num_free:
             raise RuntimeError(f"KV pool: asked for {n} slots, {self._num_free} free")
+        # Copied before the count drops: a copy failing (out of memory) takes nothing.
+        slots = self._free[self._num_free - n:self._num_free].clone()
         self._num_free -= n
-        return self._free[self._num_free:self._num_free + n].clone()
+        return slots
 
     def free(self, slots: torch.Tensor) -> None:
         n = slots.numel()

@@ -256,3 +256,20 @@ def test_moe_slot_costs_its_kv_and_its_routed_experts(monkeypatch):
     assert engine.memory_held() == model_bytes() + engine.inspect().kv_bytes + free_stack + table
     engine.sleep(level=1)  # the pool goes with its extras; on the CPU the weights stay
     assert engine.inspect().kv_bytes == 0 and engine.memory_held() == model_bytes()
+
+
+def test_a_pool_alloc_whose_copy_fails_takes_no_slot(monkeypatch):
+    """The slots are copied off the free stack before its count drops: a copy that fails
+    (out of memory) had left n slots counted as taken that nobody holds, leaked for good."""
+    pool = kv_pool.KVPool(num_layers=1, num_slots=8, kv_heads=1, head_dim=1,
+                          dtype=torch.float32, device=torch.device("cpu"))
+
+    def failing_clone(self, *args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(torch.Tensor, "clone", failing_clone)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        pool.alloc(3)
+    monkeypatch.undo()
+    assert pool.num_free == 8
+    assert sorted(pool.alloc(8).tolist()) == list(range(8))

@@ -332,9 +332,14 @@ class World:
         back = set(now) | set(got)
         assert len(back) == len(now) + len(got), "allocated slots are still free"
         assert self.ref.free <= back, "free slots vanished"
+        untouched = back == self.ref.free
         self._take_evicted(back, short)
         if slots is None:
-            assert n > available and not self.unlocked(), "alloc failed with room to evict"
+            assert n > available, "alloc failed with room to evict"
+            # Inside a unit a failed alloc takes nothing back (the caller preempts and asks
+            # again); outside one its evictions stand.
+            assert untouched if self.in_unit else not self.unlocked(), \
+                "a failed alloc left the wrong evictions"
         else:
             assert len(got) == n and n <= available
             self.ref.pending.append(got)
@@ -884,3 +889,23 @@ def test_rollback_restores_a_reused_row(enabled, case):
             assert w.grow(a, 2)  # places over positions 1..2
 
     assert not w.in_a_unit(body, "end")
+
+
+def test_a_failed_alloc_inside_a_unit_keeps_its_holds_and_cached_prefixes():
+    """An alloc that cannot succeed even with every hold released and every cached prefix
+    evicted changes nothing inside a unit (the scheduler then preempts and asks again): the
+    holds had been dropped for nothing, and a turn's kept K/V lost. The next alloc that
+    the released slots suffice for does drop the hold."""
+    w = World(True, num_slots=16)
+    w.release(prefill(w, [0, 1, 2, 3, 0]), keep_kv=True, requeue=False)  # 5 cached
+    running = prefill(w, [3, 3, 3, 3, 3, 3, 3, 3, 2])  # 9 slots in use: 2 free
+    _, node = w.kv.match([0, 1, 2, 3, 0])
+    w.kv.hold("turn", node)
+    assert (w.pool.num_free, w.cache.evictable_size) == (2, 0)
+    with w.journal.unit():
+        assert w.kv.alloc(8) is None  # 2 free + 5 held: 7
+        assert "turn" in w.kv.holds and w.kv.holds_dropped == 0
+        assert (w.pool.num_free, w.cache.total_size, w.cache.evictable_size) == (2, 5, 0)
+        slots = w.kv.alloc(7)
+    assert slots is not None and slots.numel() == 7 and not w.kv.holds
+    assert w.kv.holds_dropped == 1 and running.num_computed == 9
