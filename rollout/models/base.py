@@ -6,7 +6,8 @@ Hugging Face `config.model_type`(s) it serves. It provides:
 
 - `__init__(config, max_model_len)`: its modules, built from the HF config with shared layers
   (layers/), parameters named as the checkpoint names them (fused ones excepted, see WEIGHTS);
-  it sets `kv_layout`.
+  it sets `kv_layout` (its windows by `window_rule`: which layers the reference slides
+  `sliding_window` over).
 - `forward(input_ids [T], ctx) -> hidden [T, H]` over the step's flat token axis. `ctx`
   (rollout/executor/context.py) carries the positions, the attention call
   (`ctx.attend(q, k, v, layer, scale, softcap)`, which also stores the new K/V) and the
@@ -106,16 +107,21 @@ class KVLayout:
         return values.pop()
 
 
-def sliding_windows(config, max_model_len: int) -> list[int | None]:
-    """Each layer's window as the reference applies it. `layer_types` (Gemma 2/3; Qwen2/3 with
-    use_sliding_window) names the sliding layers; without it `sliding_window` applies to every
-    layer (Mistral, Phi-3). A window of at least max_model_len positions cuts nothing: None."""
+# Which layers a family's reference slides `config.sliding_window` over (CausalLM.WINDOWED):
+# the layers `layer_types` marks (Gemma 2/3, Qwen2/3), every layer whatever `layer_types` says
+# (Mistral, Mixtral, Phi-3, Qwen3-MoE), or none (Llama keeps the attribute and ignores it).
+WINDOW_BY_LAYER_TYPE, WINDOW_EVERY_LAYER, WINDOW_NONE = "layer_types", "every_layer", "none"
+
+
+def sliding_windows(config, max_model_len: int, rule: str) -> list[int | None]:
+    """Each layer's window as the reference applies it under `rule` (above). A window of at
+    least max_model_len positions cuts nothing: None."""
     window = getattr(config, "sliding_window", None)
-    if window is None or window >= max_model_len:
+    if window is None or window >= max_model_len or rule == WINDOW_NONE:
         return [None] * config.num_hidden_layers
-    types = getattr(config, "layer_types", None)
-    if types is None:
+    if rule == WINDOW_EVERY_LAYER:
         return [window] * config.num_hidden_layers
+    types = getattr(config, "layer_types", None) or [None] * config.num_hidden_layers
     return [window if t == "sliding_attention" else None for t in types]
 
 
@@ -212,6 +218,9 @@ class WeightTable:
 # --- the contract ---------------------------------------------------------------------------
 class CausalLM(nn.Module):
     WEIGHTS: ClassVar[WeightTable] = WeightTable()
+    # Whether the reference's default RoPE reads `partial_rotary_factor` (Phi-3's does; the
+    # other families' rotate the whole head whatever the config holds).
+    PARTIAL_ROTARY: ClassVar[bool] = False
     kv_layout: KVLayout
 
     def __init__(self, config) -> None:
@@ -230,6 +239,11 @@ class CausalLM(nn.Module):
     def head(self):
         """The projection compute_logits multiplies by (a layers.VocabParallelEmbedding: the LM
         head, or the embedding it is tied to)."""
+        raise NotImplementedError
+
+    @classmethod
+    def window_rule(cls, config) -> str:
+        """Which layers `config.sliding_window` applies to in the reference: WINDOW_*."""
         raise NotImplementedError
 
     def slot_extras(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

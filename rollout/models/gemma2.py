@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import SPLIT_GATE_UP, SPLIT_QKV, CausalLM, WeightTable, register, sliding_windows
+from .base import (SPLIT_GATE_UP, SPLIT_QKV, WINDOW_BY_LAYER_TYPE, CausalLM, WeightTable,
+                   register, sliding_windows)
 from .layers import (
     Attention,
     AttentionOptions,
@@ -49,6 +50,10 @@ class Gemma2ForCausalLM(CausalLM):
                                 scale=config.query_pre_attn_scalar ** -0.5,
                                 softcap=config.attn_logit_softcapping)
 
+    @classmethod
+    def window_rule(cls, config) -> str:
+        return WINDOW_BY_LAYER_TYPE
+
     def layer_ropes(self, config, head_dim: int, max_model_len: int) -> list[RotaryEmbedding]:
         """The rotary table of each layer: one for all of them."""
         self.rope = RotaryEmbedding(config, head_dim, max_model_len)
@@ -64,7 +69,8 @@ class Gemma2ForCausalLM(CausalLM):
         self.lm_head = lm_head(config)
         head_dim = self.model.layers[0].self_attn.head_dim
         self._ropes = self.layer_ropes(config, head_dim, max_model_len)  # a list: not registered
-        self.kv_layout = self.model.kv_layout(sliding_windows(config, max_model_len))
+        self.kv_layout = self.model.kv_layout(
+            sliding_windows(config, max_model_len, self.window_rule(config)))
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
 
     @property

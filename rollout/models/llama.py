@@ -2,7 +2,8 @@
 base that Qwen2, Qwen3 and Phi-3 change a few options of.
 
 Mistral's sliding window (all layers) and Qwen's per-layer windows come from the config
-through `sliding_windows`; the attention backends apply them.
+through `sliding_windows` and each family's `window_rule` (Llama's reference ignores the
+attribute); the attention backends apply them.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import SPLIT_GATE_UP, SPLIT_QKV, CausalLM, WeightTable, register, sliding_windows
+from .base import (SPLIT_GATE_UP, SPLIT_QKV, WINDOW_EVERY_LAYER, WINDOW_NONE, CausalLM,
+                   WeightTable, register, sliding_windows)
 from .layers import (
     Attention,
     AttentionOptions,
@@ -58,6 +60,13 @@ class LlamaForCausalLM(CausalLM):
     def mlp_bias(cls, config) -> bool:
         return bool(getattr(config, "mlp_bias", False))
 
+    @classmethod
+    def window_rule(cls, config) -> str:
+        # This class serves Llama, which never windows, and the families whose references
+        # window every layer: Mistral and those built on this class (Mixtral, Phi-3,
+        # Qwen3-MoE); Qwen2/3 override it.
+        return WINDOW_NONE if config.model_type == "llama" else WINDOW_EVERY_LAYER
+
     def mlp(self, config, layer: int) -> nn.Module:
         """Layer `layer`'s MLP: the gated MLP; the MoE families (moe.py) put a sparse block on
         the layers they say."""
@@ -71,8 +80,10 @@ class LlamaForCausalLM(CausalLM):
                              lambda i: DecoderLayer(config, i, options, self.mlp(config, i)))
         self.lm_head = lm_head(config)
         head_dim = self.model.layers[0].self_attn.head_dim
-        self.rope = RotaryEmbedding(config, head_dim, max_model_len)
-        self.kv_layout = self.model.kv_layout(sliding_windows(config, max_model_len))
+        self.rope = RotaryEmbedding(config, head_dim, max_model_len,
+                                    partial_rotary=self.PARTIAL_ROTARY)
+        self.kv_layout = self.model.kv_layout(
+            sliding_windows(config, max_model_len, self.window_rule(config)))
 
     @property
     def head(self) -> VocabParallelEmbedding:

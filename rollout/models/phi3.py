@@ -13,6 +13,7 @@ from .llama import LlamaForCausalLM
 @register("phi3")
 class Phi3ForCausalLM(LlamaForCausalLM):
     WEIGHTS = WeightTable()  # no split projections to fuse: every name maps to itself
+    PARTIAL_ROTARY = True
 
     @classmethod
     def attention_options(cls, config) -> AttentionOptions:

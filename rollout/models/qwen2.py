@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import register
+from .base import WINDOW_BY_LAYER_TYPE, register
 from .layers import AttentionOptions
 from .llama import LlamaForCausalLM
 
@@ -16,3 +16,7 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     @classmethod
     def mlp_bias(cls, config) -> bool:
         return False
+
+    @classmethod
+    def window_rule(cls, config) -> str:
+        return WINDOW_BY_LAYER_TYPE  # use_sliding_window and max_window_layers set layer_types

@@ -48,6 +48,34 @@ def test_a_window_shorter_than_the_prompt_matches_transformers(family, no_window
     assert diff > 1e-2
 
 
+# Which layers each reference slides its `sliding_window` over: the attribute alone decides
+# nothing (transformers' Llama keeps it and never windows; Mistral, Mixtral, Phi-3 and
+# Qwen3-MoE window every layer whatever `layer_types` says; Qwen2/3 and Gemma follow
+# `layer_types`).
+@pytest.mark.parametrize("family,overrides,windows", [
+    ("llama", {}, (None, None)),
+    ("mistral", {"layer_types": ["sliding_attention", "full_attention"]}, (8, 8)),
+    ("mixtral", {}, (8, 8)),
+    ("phi3", {}, (8, 8)),
+    ("qwen3_moe", {"use_sliding_window": True}, (8, 8)),
+    ("qwen3", {"use_sliding_window": True, "max_window_layers": 1}, (None, 8)),
+])
+def test_each_family_windows_the_layers_its_reference_windows(family, overrides, windows):
+    model = tiny_model(family, num_hidden_layers=2, sliding_window=8, **overrides)
+    engine, _ = generate(model)
+    assert engine.model.kv_layout.windows == windows
+
+
+@pytest.mark.parametrize("family,rotated", [("llama", 16), ("qwen2", 16), ("phi3", 8)])
+def test_partial_rotary_factor_is_honoured_where_the_reference_honours_it(family, rotated):
+    """transformers' default RoPE reads `partial_rotary_factor` in Phi-3 only: the other
+    families rotate the whole head whatever the config holds (a Llama or Qwen2 served with
+    half its dimensions rotated had logprob gaps of 6 nats)."""
+    model = tiny_model(family, head_dim=16, partial_rotary_factor=0.5)
+    engine, _ = generate(model)
+    assert engine.model.rope.rotary_dim == rotated
+
+
 def test_qwen2_sliding_layers_from_max_window_layers():
     """Qwen2 with use_sliding_window: layers from max_window_layers on slide, the others not."""
     model = tiny_model("qwen2", num_hidden_layers=3, use_sliding_window=True, sliding_window=6,

@@ -11,7 +11,7 @@ max_model_len:
   max_model_len <= that length the table holds the short factors, otherwise the long ones, so it
   matches the reference for every sequence on the same side of the boundary as max_model_len.
 Partial rotary (`partial_rotary_factor` < 1, e.g. Phi-4-mini) rotates the first dimensions of
-each head only. Models with RoPE parameters per layer type (Gemma 3: local and global bases)
+each head only, in the families whose reference reads it (Phi-3; the others ignore it). Models with RoPE parameters per layer type (Gemma 3: local and global bases)
 build one table per type (`layer_type`).
 """
 
@@ -36,14 +36,15 @@ def rope_parameters(config, layer_type: str | None = None) -> dict:
     return params
 
 
-def _inv_freq(config, head_dim: int, max_model_len: int,
-              layer_type: str | None) -> tuple[torch.Tensor, float]:
+def _inv_freq(config, head_dim: int, max_model_len: int, layer_type: str | None,
+              partial_rotary: bool) -> tuple[torch.Tensor, float]:
     params = rope_parameters(config, layer_type)
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        factor = params.get("partial_rotary_factor",
-                            getattr(config, "partial_rotary_factor", None) or 1.0)
+        factor = (params.get("partial_rotary_factor",
+                             getattr(config, "partial_rotary_factor", None) or 1.0)
+                  if partial_rotary else 1.0)
         dim = int(head_dim * factor)
         # On the CPU explicitly: built under the engine's device context, it would otherwise
         # stay on the GPU through sleep.
@@ -61,9 +62,12 @@ class RotaryEmbedding(Dispatched, nn.Module):
     implementations = {"torch": always, "cpu": norm_rope.supported}  # the C gives torch's bits
 
     def __init__(self, config, head_dim: int, max_model_len: int,
-                 layer_type: str | None = None) -> None:
+                 layer_type: str | None = None, partial_rotary: bool = False) -> None:
+        """partial_rotary: the family's reference honours `partial_rotary_factor` with the
+        default RoPE (CausalLM.PARTIAL_ROTARY)."""
         super().__init__()
-        self.inv_freq, self.scaling = _inv_freq(config, head_dim, max_model_len, layer_type)
+        self.inv_freq, self.scaling = _inv_freq(config, head_dim, max_model_len, layer_type,
+                                                partial_rotary)
         self.layer_type = layer_type
         self.length_dependent = (rope_parameters(config, layer_type).get("rope_type")
                                  in _LENGTH_DEPENDENT)
