@@ -243,7 +243,7 @@ class CustomTrainer:
         token_rewards[torch.arange(batch.size), last] = batch.rewards
         out: dict[str, float] = {}
         if self.cfg.beta > 0:  # per-token KL penalty folded into the reward, as in RLHF PPO
-            kl = (batch.old_logprobs - self._reference_logprobs(batch)) * batch.mask
+            kl = (batch.kl_logprobs - self._reference_logprobs(batch)) * batch.mask
             token_rewards = token_rewards - self.cfg.beta * kl
             out["kl"] = (kl.sum() / batch.mask.sum()).item()
         # Episodes: GAE over model tokens, the environment's skipped (not time steps).
@@ -277,7 +277,9 @@ class CustomTrainer:
         self._first_minibatch = True
         for _ in range(self.cfg.epochs):
             order = torch.randperm(batch.size, generator=self.generator).to(self.acc.device)
-            for mini in order.chunk(self.cfg.minibatches):
+            # tensor_split: exactly `minibatches` parts (chunk gives fewer when they do not
+            # divide the batch: 6 in 4 -> 3); the config keeps each non-empty.
+            for mini in order.tensor_split(self.cfg.minibatches):
                 num_tokens = batch.mask[mini].sum()
                 micro = mini.split(self.cfg.micro_batch_size)
                 minibatch_loss = 0.0

@@ -7,8 +7,10 @@ sampling (DAPO): a group whose rewards are all equal gives GRPO no signal; it is
 prompts are drawn, up to `dynamic_sampling_draws` calls a step (the last call's groups are kept
 whatever their rewards, so a step always trains).
 
-The answer of a carried group is looked up by its prompt ids: the group may come back steps after
-its prompt was drawn.
+A group is scored against the answer of the row it was drawn for, paired by its request id
+(Engine.rollout's request_ids): a carried group comes back steps later, not in the order asked,
+and two rows may share a prompt and differ in their answers. generate() returns its groups in
+order, so they pair by position.
 
 Trained on, such a batch takes the decoupled objective (losses.py): `decouple` makes the
 trainer's logprobs at the start of the step the proximal policy, keeping the engine's as the
@@ -30,7 +32,9 @@ class GroupDrawer:
     def __init__(self, cfg, rollout, task, tokenizer, sampler, params) -> None:
         self.cfg, self.rollout, self.engine = cfg, rollout, rollout.engine
         self.task, self.tokenizer, self.sampler, self.params = task, tokenizer, sampler, params
-        self.answers: dict[tuple[int, ...], object] = {}
+        # The answers of the groups in flight, by request id; each leaves when scored.
+        self.answers: dict[str, object] = {}
+        self._requests = 0  # ids drawn: the same on every rank of an engine, as they must be
         # Over the run so far: a step may generate nothing (its groups completed while carried)
         # or much (it finishes carried groups of later steps), so the ratio is a running one.
         self.generated = self.trained = 0
@@ -48,13 +52,17 @@ class GroupDrawer:
             calls += 1
             short = wanted - len(kept)
             new = max(short, in_flight - len(engine.carried)) if cfg.partial_rollouts else short
-            prompts = self._prompts(new)
+            rows = self.task.train[self.sampler.next(new)]
+            prompts, answers = self.task.encode(self.tokenizer, rows["prompt"]), rows["answer"]
             if cfg.partial_rollouts:
-                outs = self.rollout.rollout(prompts, self.params, groups=short)
+                ids = [f"group-{self._requests + i}" for i in range(len(prompts))]
+                self._requests += len(ids)
+                self.answers.update(zip(ids, answers))
+                outs = self.rollout.rollout(prompts, self.params, groups=short, request_ids=ids)
+                answers = [self.answers.pop(out.request_id) for out in outs]
             else:
                 outs = self.rollout.generate(prompts, self.params)
-            for out in outs:
-                answer = self.answers[tuple(out.prompt_token_ids)]
+            for out, answer in zip(outs, answers):
                 rewards = [self.task.reward(s.text or "", answer) for s in out.samples]
                 if cfg.dynamic_sampling and calls < draws and len(set(rewards)) == 1:
                     dropped += 1
@@ -66,13 +74,6 @@ class GroupDrawer:
         self.trained += sum(len(s.token_ids) for out in outs for s in out.samples)
         return outs, [r for _, rewards in kept for r in rewards], self._metrics(
             outs, engine.stats.stale_restarts - restarts, dropped, calls)
-
-    def _prompts(self, count: int) -> list[list[int]]:
-        rows = self.task.train[self.sampler.next(count)]
-        prompts = self.task.encode(self.tokenizer, rows["prompt"])
-        for ids, answer in zip(prompts, rows["answer"]):
-            self.answers[tuple(ids)] = answer
-        return prompts
 
     def _metrics(self, outs, restarts: int, dropped: int, calls: int) -> dict:
         version = self.engine.weights_version
@@ -102,9 +103,11 @@ class GroupDrawer:
 def decouple(batch: RolloutBatch, proximal: torch.Tensor) -> None:
     """The engine's logprobs (from whichever weights sampled each token) become the behaviour
     policy; `proximal`, the trainer's logprobs before this step's first optimizer step, the
-    policy the ratio is clipped against."""
+    policy the ratio is clipped against. `proximal` is on the reference's support (the
+    trainer's own forward), so it is the KL's policy side too."""
     batch.behaviour_logprobs = batch.old_logprobs
     batch.old_logprobs = proximal * batch.mask
+    batch.untruncated_logprobs = None
 
 
 def behaviour_weight_stats(rows: dict, cap: float) -> tuple:

@@ -32,7 +32,7 @@ def async_args(cfg: RecipeConfig, accelerator):
         top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p or None,
         learning_rate=cfg.learning_rate, lr_scheduler_type="constant",
         weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, epsilon=cfg.clip_eps,
-        max_staleness=1 if cfg.max_staleness is None else cfg.max_staleness,
+        max_staleness=cfg.max_staleness,  # an int: RecipeConfig refuses null for trl_async
         logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=not cfg.progress)
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from rollout import Engine, EngineConfig
+from rollout import Engine
 
 from .config import RecipeConfig
-from .options import lora_config, speculative_config
+from .options import engine_config, lora_config
 from .smollm2 import resolve
 from .tiny import char_tokenizer, tiny_llama
 
@@ -57,19 +57,3 @@ def build_engine(cfg: RecipeConfig, model, tokenizer, engine_index: int = 0) -> 
     """The engine copies the weights it starts from; ColocatedRollout keeps them in sync. With
     tensor_parallel_size > 1 a collective: every rank builds its engine at the same point."""
     return Engine(model, engine_config(cfg, engine_index), tokenizer=tokenizer)
-
-
-def engine_config(cfg: RecipeConfig, engine_index: int = 0) -> EngineConfig:
-    # Seeded per engine: unseeded requests draw their seeds from it, so engines sample
-    # differently while the ranks of one draw alike, as they must.
-    return EngineConfig(kv_cache_tokens=cfg.kv_cache_tokens,
-                        kv_memory_fraction=cfg.kv_memory_fraction,
-                        max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-                        dtype=cfg.dtype, enable_prefix_caching=cfg.prefix_caching,
-                        cuda_graphs=cfg.cuda_graphs,
-                        speculative=speculative_config(cfg),
-                        tensor_parallel_size=cfg.tensor_parallel_size,
-                        max_staleness=cfg.max_staleness if cfg.partial_rollouts else None,
-                        carried_kv=cfg.carried_kv if cfg.partial_rollouts else "recompute",
-                        lora=cfg.lora_mode,
-                        seed=cfg.seed + 1009 * engine_index)

@@ -8,6 +8,7 @@ launch script should cost seconds, not a model load.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import os
 import types
@@ -19,7 +20,8 @@ import torch
 from rollout.config import CARRIED_KV, LORA_MODES
 
 from . import smollm2
-from .options import lora_config, speculative_config
+from .options import engine_config, lora_config, speculative_config
+from .tiny import tiny_llama
 
 TRAINERS = ("custom", "trl", "trl_async")
 ALGOS = ("grpo", "ppo")
@@ -72,9 +74,9 @@ class RecipeConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     epochs: int = 1  # optimisation passes over each rollout batch
-    minibatches: int = 1  # optimizer steps per pass
+    minibatches: int = 1  # optimizer steps per pass (the batch split in as many parts)
     micro_batch_size: int | None = None  # sequences per forward/backward (grad accumulation)
-    clip_eps: float = 0.2
+    clip_eps: float = 0.2  # the ratio's clip range [1 - clip_eps, 1 + clip_eps]: at most 1
     beta: float = 0.0  # KL to a frozen reference (GRPO loss term, PPO reward penalty)
     gamma: float = 1.0  # PPO: discount
     lam: float = 0.95  # PPO: GAE lambda
@@ -91,9 +93,10 @@ class RecipeConfig:
     # --- partial rollouts (custom trainer, single-turn: docs/partial-rollouts.md) ------------
     # Each step trains on the first prompts_per_step groups to complete; over_sample x that
     # many are in flight, the others carried into the next step under the new weights, at most
-    # max_staleness versions old (older ones restart from their prompts; null: any age). The
-    # loss is then decoupled: clipped against the policy at the start of the step, each token
-    # weighted by that policy over the one that sampled it, capped at behaviour_weight_cap.
+    # max_staleness versions old (older ones restart from their prompts; null: any age, not
+    # for trl_async, whose bound is TRL's int). The loss is then decoupled: clipped against the
+    # policy at the start of the step, each token weighted by that policy over the one that
+    # sampled it, capped at behaviour_weight_cap.
     partial_rollouts: bool = False
     over_sample: float = 1.0
     max_staleness: int | None = 1
@@ -186,8 +189,10 @@ _POSITIVE = ("steps", "prompts_per_step", "num_generations", "max_new_tokens", "
              "minibatches", "micro_batch_size", "warmstart_batch_size", "max_model_len",
              "max_num_seqs", "train_size", "max_turns", "tensor_parallel_size",
              "dynamic_sampling_draws")
-_NON_NEGATIVE = ("eval_size", "eval_every", "warmstart_steps", "beta", "weight_decay",
-                 "max_grad_norm", "seed")
+_NON_NEGATIVE = ("eval_size", "eval_every", "warmstart_steps", "max_grad_norm", "seed")
+# Weights in the loss and the update: an infinite one makes the first loss or step NaN (inf x 0).
+# (max_grad_norm may be inf: a clip that never binds.)
+_NON_NEGATIVE_FINITE = ("beta", "weight_decay", "vf_coef")
 
 
 def _check_values(cfg: RecipeConfig) -> None:
@@ -203,6 +208,9 @@ def _check_values(cfg: RecipeConfig) -> None:
     for name in _NON_NEGATIVE:
         if not getattr(cfg, name) >= 0:  # `not >=`: NaN fails too
             raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)}")
+    for name in _NON_NEGATIVE_FINITE:
+        if not 0 <= getattr(cfg, name) < math.inf:
+            raise ValueError(f"{name} must be >= 0 and finite, got {getattr(cfg, name)}")
     if not cfg.seed < 2**32:  # accelerate's set_seed seeds numpy, which takes 32 bits
         raise ValueError(f"seed must be < 2**32, got {cfg.seed}")
     if cfg.data_seed is not None and not 0 <= cfg.data_seed < 2**32:
@@ -218,17 +226,18 @@ def _check_values(cfg: RecipeConfig) -> None:
                              f"got {value!r}")
     if not 0 < cfg.kv_memory_fraction <= 1:
         raise ValueError(f"kv_memory_fraction must be in (0, 1], got {cfg.kv_memory_fraction}")
-    for name in ("learning_rate", "warmstart_lr", "temperature", "clip_eps", "value_clip"):
+    for name in ("learning_rate", "warmstart_lr", "temperature", "value_clip"):
         if not 0 < getattr(cfg, name) < math.inf:
             raise ValueError(f"{name} must be > 0 and finite, got {getattr(cfg, name)}")
+    if not 0 < cfg.clip_eps <= 1:  # above 1 the ratio's lower clip bound 1 - clip_eps is < 0
+        raise ValueError(f"clip_eps must be in (0, 1] (the ratio is clipped to [1 - clip_eps, "
+                         f"1 + clip_eps]), got {cfg.clip_eps}")
     if not 0 < cfg.top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {cfg.top_p}")
     if not 0 <= cfg.min_p <= 1:
         raise ValueError(f"min_p must be in [0, 1], got {cfg.min_p}")
     if cfg.top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0: off), got {cfg.top_k}")
-    if not 0 <= cfg.vf_coef < math.inf:
-        raise ValueError(f"vf_coef must be >= 0 and finite, got {cfg.vf_coef}")
     batch = cfg.prompts_per_step * cfg.num_generations
     if cfg.minibatches > batch:
         raise ValueError(f"minibatches must be <= prompts_per_step x num_generations = {batch} "
@@ -236,6 +245,11 @@ def _check_values(cfg: RecipeConfig) -> None:
     if cfg.trainer == "trl" and batch % cfg.minibatches:
         raise ValueError(f"minibatches: {cfg.minibatches} must divide prompts_per_step x "
                          f"num_generations = {batch} for the trl trainer")
+    if cfg.trainer == "trl_async" and cfg.max_staleness is None:
+        # AsyncGRPOTrainer takes an int bound: it drops samples past it and sizes the work it
+        # keeps in flight by it. "Any age" has no such int; some bound would be a silent change.
+        raise ValueError("max_staleness: trainer trl_async (TRL's AsyncGRPOTrainer) needs a "
+                         "bound, an int >= 0 (TRL's default is 4), got null (any age)")
     if cfg.trainer == "trl_async":
         # AsyncGRPOConfig has no KL term, one optimizer step per batch and a policy loaded from
         # a full checkpoint (a PEFT model saves its adapter alone): refused, not ignored.
@@ -303,15 +317,13 @@ def _check_values(cfg: RecipeConfig) -> None:
         speculative_config(cfg)  # raises ValueError naming the bad speculative.* key
     if cfg.lora is not None:
         lora_config(cfg)  # likewise for lora.*
-    unknown = set(cfg.tiny_model) - set(_TINY_KEYS)
-    if unknown:
-        raise ValueError(f"tiny_model: unknown key(s) {sorted(unknown)}; known: {_TINY_KEYS}")
-    for key, value in cfg.tiny_model.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"tiny_model.{key} must be an int >= 1, got {value!r}")
+    _check_tiny_model(cfg.tiny_model)
     if cfg.max_new_tokens >= cfg.max_model_len:
         raise ValueError(f"max_new_tokens must be < max_model_len ({cfg.max_model_len}): a "
                          f"prompt and its completion share it, got {cfg.max_new_tokens}")
+    # What the engine refuses together (carried_kv park without prefix_caching, max_num_seqs x
+    # max_model_len past int32), refused now rather than by build_engine after the model loads.
+    engine_config(cfg)
     if cfg.model == smollm2.NAME and smollm2.missing():  # the packaged real model
         raise ValueError(f"model: {smollm2.missing()}")
     if cfg.model not in (None, smollm2.NAME) and not _looks_like_hub_id(cfg.model) and \
@@ -322,6 +334,27 @@ def _check_values(cfg: RecipeConfig) -> None:
     if "{" not in cfg.prompt_template or "}" not in cfg.prompt_template:
         raise ValueError(f"prompt_template must name a dataset field in braces, e.g. "
                          f"'{{question}}', got {cfg.prompt_template!r}")
+
+
+def _check_tiny_model(sizes: dict) -> None:
+    unknown = set(sizes) - set(_TINY_KEYS)
+    if unknown:
+        raise ValueError(f"tiny_model: unknown key(s) {sorted(unknown)}; known: {_TINY_KEYS}")
+    for key, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"tiny_model.{key} must be an int >= 1, got {value!r}")
+    # Sizes transformers refuses together, in the first forward or when it builds the model;
+    # with the built-in ones for the keys left out.
+    sizes = {**_TINY_DEFAULTS, **sizes}
+    heads, kv_heads = sizes["num_attention_heads"], sizes["num_key_value_heads"]
+    if heads % kv_heads:  # grouped-query attention: each K/V head serves as many query heads
+        raise ValueError(f"tiny_model.num_key_value_heads must divide num_attention_heads "
+                         f"({heads}), got {kv_heads}")
+    if sizes["hidden_size"] % (2 * heads):  # an even head dimension: RoPE rotates pairs
+        raise ValueError(f"tiny_model.hidden_size must be a multiple of 2 x num_attention_heads "
+                         f"= {2 * heads} (each head's dimension, hidden_size / "
+                         f"num_attention_heads, even for the rotary embedding), "
+                         f"got {sizes['hidden_size']}")
 
 
 def _has_environment(cfg: RecipeConfig) -> bool:
@@ -339,6 +372,10 @@ def check_world(cfg: RecipeConfig, processes: int) -> None:
 
 _TINY_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "intermediate_size", "max_position_embeddings")
+# The sizes of the built-in model that a `tiny_model` dict leaves out: tiny_llama's defaults.
+_TINY_DEFAULTS = {name: parameter.default
+                  for name, parameter in inspect.signature(tiny_llama).parameters.items()
+                  if name in _TINY_KEYS}
 
 
 DATA_FILE_TYPES = {"json": "json", "jsonl": "json", "csv": "csv", "parquet": "parquet"}

@@ -4,11 +4,14 @@ hand computation, runs that carry groups across steps, dynamic sampling, and its
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 from test_recipes import TINY, write_config
 
+from rollout import RolloutOutput
+from rollout.requests.outputs import Sample
 from rollout_recipes.algo.losses import behaviour_weights, grpo_loss
 from rollout_recipes.grpo import main
 from rollout_recipes.run.build import engine_config
@@ -109,6 +112,74 @@ def test_dynamic_sampling_trains_on_groups_with_signal(tmp_path, monkeypatch):
     for row in out["history"]:
         assert row["dynamic/dropped_groups"] >= 1
         assert row["reward/groups_with_signal"] == 1.0
+
+
+class FakeRollout:
+    """Engine.rollout / generate on one prompt text for every row, every sample answering "1":
+    a group's reward tells which row's answer it was scored against. rollout() hands out the
+    groups newest first and carries the oldest (not the order asked); `asked` records which
+    dataset row each request id was asked for (the i-th id of a call is the i-th row drawn)."""
+
+    def __init__(self, rows_drawn) -> None:
+        self.rows_drawn = rows_drawn  # the sampler's row indices, in the order drawn
+        self.asked: dict[str, int] = {}
+        self.engine = SimpleNamespace(stats=SimpleNamespace(
+            generated_tokens=0, stale_restarts=0, stale_kv_kept=0, parked_tokens=0),
+            carried=[], weights_version=1)
+
+    def _output(self, request_id, prompt):
+        return RolloutOutput(request_id, prompt, [
+            Sample(j, [5], [-0.1], "stop", text="1", weights_versions=[1]) for j in range(2)])
+
+    def generate(self, prompts, params):
+        return [self._output(f"drawn-{len(self.asked) + i}", p) for i, p in enumerate(prompts)]
+
+    def rollout(self, prompts, params, groups, request_ids):
+        for rid, prompt in zip(request_ids, prompts):
+            self.asked[rid] = self.rows_drawn.pop(0)
+            self.engine.carried.append((rid, prompt))
+        handed = self.engine.carried[-groups:][::-1]
+        del self.engine.carried[-groups:]
+        return [self._output(rid, prompt) for rid, prompt in handed]
+
+
+@pytest.mark.parametrize("partial", [True, False])
+def test_groups_are_scored_against_their_own_rows_answer(partial):
+    """Rows with one prompt and different answers ("1", "2", alternately): each group is scored
+    against the answer of the row it was asked for (its request id with partial rollouts, its
+    position with generate), however the groups come back; the drawer keeps the answers of
+    the groups still carried only."""
+    from datasets import Dataset
+
+    from rollout_recipes.algo.partial import GroupDrawer
+    from rollout_recipes.run.tiny import char_tokenizer
+    from rollout_recipes.tasks.addition import exact_reward
+    from rollout_recipes.tasks.base import Task
+
+    answers = ["1", "2"] * 8
+    task = Task(Dataset.from_dict({"prompt": ["?"] * 16, "answer": answers}), None, exact_reward)
+    drawn = iter(range(16))
+    rows_drawn: list[int] = []
+
+    class Sampler:
+        def next(self, count):
+            rows = [next(drawn) for _ in range(count)]
+            rows_drawn.extend(rows)
+            return rows
+
+    fake = FakeRollout(rows_drawn)
+    cfg = SimpleNamespace(prompts_per_step=2, partial_rollouts=partial, over_sample=2.0,
+                          dynamic_sampling=not partial, dynamic_sampling_draws=1)
+    drawer = GroupDrawer(cfg, fake, task, char_tokenizer("0123456789?"), Sampler(), None)
+    for _ in range(3):
+        first = len(fake.asked) if partial else len(rows_drawn)
+        outs, rewards, _ = drawer.draw()
+        # position i of a generate() call answers the i-th row drawn for it
+        rows = ([fake.asked[out.request_id] for out in outs] if partial
+                else rows_drawn[first:first + len(outs)])
+        want = [exact_reward("1", answers[row]) for row in rows for _ in range(2)]
+        assert rewards == want and len(set(want)) == 2
+        assert len(drawer.answers) == len(fake.engine.carried)
 
 
 @pytest.mark.parametrize("key, value, match", [

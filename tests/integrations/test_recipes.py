@@ -2,6 +2,7 @@
 2-process launch, config validation, and (slow) the demo's learning claim."""
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -138,6 +139,32 @@ def test_truncated_sampling_on_the_samplers_support_keeps_the_ratio_at_one(tmp_p
     assert full["loss/ratio"] < 0.99 and full["loss/ratio_outside"] > 0.01
 
 
+@pytest.mark.parametrize("mode", ["on_support", "full_policy"])
+def test_ppo_kl_penalty_is_zero_while_the_policy_is_the_reference(tmp_path, mode):
+    """top_p = 0.5: at the first step the policy is the frozen reference, so the KL penalty
+    PPO folds into the rewards is 0 up to the engine-trainer rounding, on either importance
+    ratio. Its policy side must be on the reference's support: full_policy's behaviour
+    logprobs are the truncated distribution's, log(1 / kept mass) above the untruncated
+    policy's (0.63 nats a token here)."""
+    out = main(["--config", write_config(tmp_path, eval_size=0, warmstart_steps=0), "--algo",
+                "ppo", "--beta", "0.1", "--top_p", "0.5", "--importance_ratio", mode,
+                "--steps", "1"])
+    (row,) = out["history"]
+    # the mean of fp32 engine - fp32 trainer-forward logprobs: worst seen 2.1e-8 (AMD EPYC
+    # Zen 3, AVX2), against 0.63 with the truncated logprobs
+    assert row["kl"] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_minibatches_give_as_many_optimizer_steps_as_asked(tmp_path):
+    """6 samples in 4 minibatches (sizes 2, 2, 1, 1), 2 epochs: 8 optimizer steps a rollout
+    (torch.chunk would cut 6 into 3 chunks of 2)."""
+    out = main(["--config", write_config(tmp_path, eval_size=0), "--prompts_per_step", "3",
+                "--num_generations", "2", "--minibatches", "4", "--epochs", "2",
+                "--steps", "1"])
+    (row,) = out["history"]
+    assert row["engine/optimizer_steps"] == 2 * 4
+
+
 def test_trl_truncated_sampling_on_the_samplers_support(tmp_path):
     """The same through TRL (--trainer trl, RolloutGRPOTrainer): the recipe's top_p reaches
     the engine, and TRL's importance ratio is 1 on the support, pi / mu below 1 without."""
@@ -272,6 +299,25 @@ def test_missing_dataset_file(tmp_path):
     ("tiny_model", {"hidden_size": 0}, "tiny_model.hidden_size"),
     ("max_new_tokens", 64, "max_new_tokens"), ("minibatches", 1000, "minibatches"),
     ("data_seed", -1, "data_seed"), ("data_seed", 2**32, "data_seed"),
+    # An infinite KL weight or weight decay makes the first loss NaN; a clip_eps above 1 a
+    # negative lower clip bound on the ratio.
+    ("beta", math.inf, "beta must be >= 0 and finite"),
+    ("weight_decay", math.inf, "weight_decay must be >= 0 and finite"),
+    ("clip_eps", 1.5, r"clip_eps must be in \(0, 1\]"),
+    # Sizes each >= 1 that transformers refuses together (in the first forward, or at build)
+    ("tiny_model", {"num_key_value_heads": 3}, "tiny_model.num_key_value_heads must divide"),
+    ("tiny_model", {"num_attention_heads": 2, "num_key_value_heads": 4},
+     "tiny_model.num_key_value_heads must divide"),
+    # merged with the built-in sizes: 4 heads of 128 unless given
+    ("tiny_model", {"num_attention_heads": 3}, "tiny_model.num_key_value_heads must divide"),
+    ("tiny_model", {"hidden_size": 30}, r"tiny_model.hidden_size must be a multiple of 2 x"),
+    ("tiny_model", {"hidden_size": 36}, r"tiny_model.hidden_size must be a multiple of 2 x"),
+    ("lora", {"r": 4, "lora_alpha": math.inf}, "lora.lora_alpha must be a number > 0 and "
+                                               "finite"),
+    ("lora", {"lora_alpha": True}, "lora.lora_alpha"),
+    ("lora", {"lora_dropout": True}, "lora.lora_dropout"),
+    ("lora", {"target_modules": 5}, "lora.target_modules"),
+    ("lora", {"target_modules": ["q_proj", 5]}, "lora.target_modules"),
 ])
 def test_bad_values_name_their_key(key, value, match):
     with pytest.raises(ValueError, match=match):
@@ -307,6 +353,32 @@ def test_trl_micro_batches_accumulate_into_the_minibatch():
 def test_trl_async_refuses_what_it_would_ignore(key, value):
     with pytest.raises(ValueError, match=f"trl_async.*{key}"):
         RecipeConfig(trainer="trl_async", **{key: value})
+
+
+def test_trl_async_refuses_an_unbounded_max_staleness():
+    """TRL's AsyncGRPOTrainer takes an int bound (it sizes its in-flight work by it): null
+    ("any age") is refused rather than turned into some bound."""
+    with pytest.raises(ValueError, match="max_staleness.*trl_async"):
+        RecipeConfig(trainer="trl_async", max_staleness=None)
+    assert RecipeConfig(max_staleness=None).max_staleness is None  # custom: any age
+
+
+def test_finite_limits_leave_max_grad_norm_unbounded():
+    assert RecipeConfig(max_grad_norm=math.inf).max_grad_norm == math.inf  # clip never binds
+    assert RecipeConfig(clip_eps=1.0).clip_eps == 1.0  # lower clip bound 0
+
+
+@pytest.mark.parametrize("overrides, keys", [
+    (dict(partial_rollouts=True, carried_kv="park", prefix_caching=False),
+     ("carried_kv", "prefix_caching")),
+    (dict(max_num_seqs=10**8), ("max_model_len", "max_num_seqs")),
+])
+def test_engine_combinations_are_checked_before_any_model_is_built(overrides, keys):
+    """Combinations the EngineConfig refuses, refused by RecipeConfig (not by build_engine,
+    after the model is loaded), naming the recipe's keys (prefix_caching, not the engine's
+    enable_prefix_caching)."""
+    with pytest.raises(ValueError, match=f"^{', '.join(keys)}: "):
+        RecipeConfig(**overrides)
 
 
 def test_trl_async_samples_with_the_recipes_filters():
