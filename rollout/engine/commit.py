@@ -49,11 +49,12 @@ class Committer:
         self.score_tokens_computed = 0  # positions of scored sequences run (Engine.score)
 
     def commit(self, batch: Batch, emitted: list[Emitted], scored: list[ScoreRows | None]
-               ) -> tuple[list[Sequence], dict[str, Failure]]:
+               ) -> tuple[list[Sequence], dict[str, Failure], list[int]]:
         """Advance every scheduled sequence by what it kept (one token, or accepted drafts plus
         one when verifying; a scored sequence its rows). Returns the sequences that finished,
-        and the requests that failed (their sequences are left as they were; the caller
-        aborts them)."""
+        the requests that failed (their sequences are left as they were; the caller aborts
+        them), and how many of its emitted tokens each sampled item kept (fewer past a stop
+        or the length, none when its request failed: what speculation's stats count)."""
         verdicts, failed = self._verdicts(batch, emitted, scored)
         version = self.weights_version()
         finished, prompt_tokens, score_tokens = [], 0, 0
@@ -71,7 +72,9 @@ class Committer:
                 finished.append(it.seq)
         self.journal.add(self, "prompt_tokens_computed", prompt_tokens)
         self.journal.add(self, "score_tokens_computed", score_tokens)
-        return finished, failed
+        kept = [0 if it.seq.group in failed else len(verdict.emitted.tokens)
+                for it, verdict in zip(batch.items, verdicts) if it.sample]
+        return finished, failed, kept
 
     def _verdicts(self, batch: Batch, emitted: list[Emitted], scored: list[ScoreRows | None]):
         sampled = iter(emitted)

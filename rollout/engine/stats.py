@@ -57,12 +57,14 @@ class EngineStats:
     prepare_seconds: float = 0.0  # the step's flat metadata
     sample_seconds: float = 0.0  # sampling or verification, tokens back to the host
     commit_seconds: float = 0.0  # appending tokens, stop checks, retiring, caching
-    spec_proposed: int = 0  # draft tokens proposed
-    spec_accepted: int = 0  # draft tokens accepted
+    spec_proposed: int = 0  # draft tokens proposed (and verified)
+    # Draft tokens accepted and kept: those a stop or the length cut off are not the sample's.
+    spec_accepted: int = 0
     spec_verifications: int = 0  # sample-steps that verified drafts
-    spec_emitted: int = 0  # tokens those verifications emitted (accepted + 1 each)
+    # Tokens those verifications gave the samples (accepted + 1 each, less any cut off).
+    spec_emitted: int = 0
     # Per draft source ("ngram", "draft"; method "suffix": "self", "siblings", "history"):
-    # [draft tokens proposed, accepted].
+    # [draft tokens proposed, accepted and kept].
     spec_sources: dict = field(default_factory=dict)
     # Decode steps that drafted, and those that did not for a batch above max_batch_size.
     spec_steps: int = 0
@@ -94,13 +96,14 @@ class EngineStats:
     def tokens_per_second(self) -> float:
         return self.generated_tokens / self.step_seconds if self.step_seconds else 0.0
 
-    def record_verdicts(self, verdicts, sources) -> None:
-        for v, source in zip(verdicts, sources):
+    def record_verified(self, verified) -> None:
+        """A step's verifications, as committed (Speculator.after_commit)."""
+        for v in verified:
             self.spec_proposed += v.proposed
             self.spec_accepted += v.accepted
             self.spec_verifications += 1
-            self.spec_emitted += len(v.tokens)
-            counts = self.spec_sources.setdefault(source, [0, 0])
+            self.spec_emitted += v.emitted
+            counts = self.spec_sources.setdefault(v.source, [0, 0])
             counts[0] += v.proposed
             counts[1] += v.accepted
 

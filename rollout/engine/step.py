@@ -73,10 +73,10 @@ class StepRunner:
                     check_same_tokens([e.tokens for e in emitted], self.tp, self.device)
             marks.append(time.perf_counter())
             with self.journal.unit():
-                finished, failed = self.committer.commit(
+                finished, failed, kept = self.committer.commit(
                     batch, emitted, by_item(scored, inputs.score, len(batch.items)))
                 if speculating:
-                    self.speculator.after_commit(batch, emitted)
+                    verified = self.speculator.after_commit(batch, emitted, kept)
                 for request_id, failure in failed.items():
                     self._fail(request_id, failure)
                 self._retire(finished, failed)
@@ -89,10 +89,7 @@ class StepRunner:
             self.stats.spec_skipped_steps += self.speculator.skipped
         if speculating:
             self.stats.spec_steps += 1
-            drafted = [(v, it) for v, it in zip(emitted, items) if it.draft]
-            self.stats.record_verdicts([v for v, _ in drafted],
-                                       [self.speculator.sources.get(it.seq.seq_id)
-                                        for _, it in drafted])
+            self.stats.record_verified(verified)
         self.stats.record_step(batch, sum(len(e.tokens) for e in emitted), tuple(marks))
         if self.speculator is not None and self.tp is None:
             # Forward and sampling: what a verified position adds to, against the positions

@@ -10,6 +10,11 @@ from ..fields import as_bool, as_choice, as_float, as_int
 METHODS = ("ngram", "draft", "suffix")
 ACCEPTANCE = ("coupled", "rejection")
 MAX_SPECULATIVE_TOKENS = 16
+# The longest history match: a lookup extends its match a token at a time (one comparison over
+# its candidates, ~2.5 us), so a match of n tokens costs ~2.5 us x n per sample per step, ~2.6 ms
+# at this bound (spec/history.py matches, measured on a 2-core Intel Xeon): beyond it the host
+# time of each step's lookups would outgrow what their drafts save.
+MAX_HISTORY_MATCH = 1024
 
 
 @dataclass
@@ -23,18 +28,27 @@ class SpeculativeConfig:
     # is compute-bound and drafting stops paying, so it is skipped for that step.
     max_batch_size: int = 32
     # "coupled": speculation never changes an output; "rejection": textbook min(1, p/q)
-    # acceptance for draft models (see spec/verify.py).
+    # acceptance for draft models, whose outputs then depend on the drafts (n-gram and suffix
+    # drafts are verified coupled under either: see spec/verify.py).
     acceptance: str = "coupled"
     # "suffix" (spec/suffix.py, spec/history.py): the finished samples of earlier calls, kept
     # in host memory up to this many tokens (oldest evicted first), matched on suffixes of up
     # to history_max_match tokens (ngram_min at least); a drafted token must continue at least
     # history_min_share of the matched positions.
     # Per sample, draft only as far as its running acceptance makes pay against the machine's
-    # measured step cost at this batch size (Speculator._paying, spec/cost.py).
+    # measured step cost at this batch size (Speculator._paying, spec/cost.py; the batch's
+    # share of max_batch_size where the drafts shape the outputs).
     adaptive: bool = False
     history_tokens: int = 1 << 20
     history_max_match: int = 32
     history_min_share: float = 0.3
+
+    @property
+    def drafts_shape_outputs(self) -> bool:
+        """Whether the emitted tokens depend on the drafts: a draft model's (stochastic)
+        proposals under "rejection" (spec/verify.py verifies every other proposal coupled).
+        Then nothing that decides the drafts may follow the clock (Speculator._bar)."""
+        return self.acceptance == "rejection" and self.method == "draft"
 
     def __post_init__(self) -> None:
         self.method = as_choice("speculative.method", self.method, METHODS)
@@ -51,7 +65,8 @@ class SpeculativeConfig:
         self.adaptive = as_bool("speculative.adaptive", self.adaptive)
         self.history_tokens = as_int("speculative.history_tokens", self.history_tokens, 1)
         self.history_max_match = as_int("speculative.history_max_match",
-                                        self.history_max_match, self.ngram_min)
+                                        self.history_max_match, self.ngram_min,
+                                        MAX_HISTORY_MATCH)
         self.history_min_share = as_float("speculative.history_min_share",
                                           self.history_min_share)
         if not 0 < self.history_min_share <= 1:

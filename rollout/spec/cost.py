@@ -8,11 +8,13 @@ nearly nothing per position at rollout batch sizes: one rule drafts little on th
 long on the second, where a rule of batch size alone cannot know which machine it runs on.
 
 Under tensor parallelism nothing is observed (each rank's clock would give it its own line,
-and the ranks must draft alike): the engine keeps the batch-share bar there.
+and the ranks must draft alike): the engine keeps the batch-share bar there, and wherever the
+drafts shape the outputs (a draft model's under "rejection" acceptance: Speculator._bar), which
+must not follow the clock.
 
-A measurement, not engine state: it changes which drafts are proposed, never an output under
-"coupled" acceptance, and a step that fails is not observed (the engine observes only completed
-steps), so nothing here is journaled."""
+A measurement, not engine state: it changes which drafts are proposed, never an output, and a
+step that fails is not observed (the engine observes only completed steps), so nothing here is
+journaled."""
 
 from __future__ import annotations
 

@@ -39,6 +39,9 @@ GAP = -1  # before every entry: no token id
 # Evicted places are dropped once they outnumber the held ones by this many: compaction copies
 # everything held, so it waits until there is enough to drop.
 COMPACT_SLACK = 1024
+# Places for entries in a new buffer, past its leading gaps: it grows (doubling) as entries
+# come, so an empty history holds about nothing whatever its budget.
+START_ROOM = 1024
 
 
 class DraftHistory:
@@ -56,7 +59,7 @@ class DraftHistory:
         self.evicted = 0  # entries evicted under the budget
         self._ids = itertools.count()
         # The first max_match places are gaps: looking back from any position stays inside.
-        self._flat = np.full(4 * max_match + 1024, GAP, dtype=np.int32)
+        self._flat = np.full(max_match + START_ROOM, GAP, dtype=np.int32)
         self._used = max_match
 
     def add(self, prompt: list[int], completion: list[int]) -> int | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from ..ops.op import Op, always, on_cuda
 from ..requests.batch import Batch, ScheduledSeq
@@ -27,6 +28,17 @@ RATE_ENGINE, RATE_SAMPLE = 0.05, 0.3
 
 # The acceptance scan along each request's drafts (verify.py).
 ACCEPT = Op("accept_drafts", torch=(accept_drafts_ref, always), triton=(_accept_triton, on_cuda))
+
+
+@dataclass(frozen=True, slots=True)
+class Verified:
+    """What one sample's verification gave it, as committed: a stop or the length may cut its
+    verdict, and drafts accepted past the cut were never the sample's."""
+
+    source: str  # where the draft came from (Speculator.sources)
+    proposed: int  # draft tokens verified
+    accepted: int  # of them, accepted and kept
+    emitted: int  # tokens kept: those, and the correction or bonus token unless cut off
 
 
 def make_speculator(config: SpeculativeConfig | None, stack, engine_config, tokenizer,
@@ -89,8 +101,10 @@ class Speculator:
     def _bar(self, decodes: int) -> float:
         """The chance a draft token must have of being kept to pay at `decodes` decoding
         samples (_paying): from the measured step cost, else the batch's share of
-        max_batch_size."""
-        bar = self.cost.bar(decodes)
+        max_batch_size: before the cost is known, and always where the drafts shape the
+        outputs (SpeculativeConfig.drafts_shape_outputs), which must not follow the machine's
+        clock (its load)."""
+        bar = None if self.config.drafts_shape_outputs else self.cost.bar(decodes)
         return decodes / self.config.max_batch_size if bar is None else bar
 
     def _paying(self, seq: Sequence, source: str, bar: float) -> int:
@@ -164,24 +178,29 @@ class Speculator:
         state[1] -= 1
         return False
 
-    def after_commit(self, batch: Batch, verdicts) -> None:
-        """Update the back-off (`verdicts`: one per sampled item), and let the drafter drop
-        K/V of rejected proposals."""
+    def after_commit(self, batch: Batch, verdicts, kept: list[int]) -> list[Verified]:
+        """Learn the acceptance and update the back-off from what each verification committed
+        (`verdicts`: one per sampled item, `kept`: how many of its tokens the commit kept),
+        and let the drafter drop K/V of rejected proposals. Returns the verifications, for the
+        stats."""
         sampled = [it for it in batch.items if it.sample]
-        verified = []
-        for it, verdict in zip(sampled, verdicts):
+        verified, seqs = [], []
+        for it, verdict, got in zip(sampled, verdicts, kept):
             if not it.draft:
                 continue
-            verified.append(it.seq)
-            self._learn(it.seq.seq_id, self.sources[it.seq.seq_id],
-                        verdict.accepted / len(it.draft))
+            seqs.append(it.seq)
+            done = Verified(self.sources[it.seq.seq_id], len(it.draft),
+                            min(verdict.accepted, got), got)
+            verified.append(done)
+            self._learn(it.seq.seq_id, done.source, done.accepted / done.proposed)
             state = self._misses.setdefault(it.seq.seq_id, [0, 0])
-            if verdict.accepted:
+            if done.accepted:
                 state[0] = 0
             else:
                 state[0] += 1
                 state[1] = min(2 ** state[0], 32)
-        self.drafter.rollback(verified)
+        self.drafter.rollback(seqs)
+        return verified
 
     def _learn(self, seq_id: int, source: str, share: float) -> None:
         """One verification's share of accepted draft tokens into the running rates

@@ -8,8 +8,8 @@ length follows how much earlier samples agreed.
 Finished samples enter the history after the journal unit that finished them has committed
 (`remember` journals the pending entry; the next step's proposal flushes it, in a unit of its
 own), so a failed step leaves the history as it was, and a failed flush too (without the
-samples it was adding). Verification makes any draft safe: coupled acceptance never changes an
-output, rejection keeps the target's distribution (verify.py).
+samples it was adding). Verification makes any draft safe: these deterministic proposals are
+verified coupled under either acceptance, so they never change an output (verify.py).
 """
 
 from __future__ import annotations

@@ -10,10 +10,12 @@ Two acceptance rules, both leaving the output distributed exactly as plain sampl
   and, on rejection, emits a draw from p restricted to tokens != d, i.e. max(0, p - q)
   renormalised: the standard rule, realised through the shared noise. A draft model sampling
   with the same noise agrees with the target whenever their noisy argmaxes coincide.
-- "rejection": the textbook rule for stochastic drafts: accept d with probability
-  min(1, p(d)/q(d)) using an independent coin, on rejection sample max(0, p - q) renormalised.
-  Its acceptance is optimal for a given q; outputs then depend on the drafts (still exact in
-  distribution, reproducible for a fixed configuration).
+- "rejection": the textbook rule for stochastic drafts (a draft model's): accept d with
+  probability min(1, p(d)/q(d)) using an independent coin, on rejection sample max(0, p - q)
+  renormalised. Its acceptance is optimal for a given q; outputs then depend on the drafts
+  (still exact in distribution), and the drafts on scheduling (docs/speculation.md). For a
+  deterministic proposal that rule is the one above, so its rows are verified coupled: the
+  same acceptance, and outputs that never depend on the drafts.
 
 p and q are the filtered (top-k/p/min-p) distributions. Coins and resampling noise come from
 the counter-based streams keyed by (sample seed, position). Everything per row is computed here
@@ -22,8 +24,6 @@ the Triton kernel of kernels/triton/spec_accept.py or its torch reference.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -35,13 +35,10 @@ from .accept import accept_drafts_ref
 RULES = ("coupled", "rejection")
 
 
-@dataclass
 class Verdict(Emitted):
     """Emitted: the accepted drafts, then the correction or bonus token, with the target's
     logprobs, sampling logprobs and supports at each (the truncated distributions the
-    acceptance ran on)."""
-
-    proposed: int = 0
+    acceptance ran on). What the sample keeps of it is the commit's (Speculator.after_commit)."""
 
     @property
     def accepted(self) -> int:
@@ -50,16 +47,11 @@ class Verdict(Emitted):
 
 def draft_distributions(drafts: list[list[int]], draft_probs: list[torch.Tensor | None],
                         vocab: int, device) -> torch.Tensor:
-    """q [R, V] per verify row (zeros on each request's last row, which has no draft)."""
-    q_rows = []
-    for draft, probs in zip(drafts, draft_probs):
-        if probs is None:  # deterministic proposal: q is one-hot at the draft token
-            q = torch.zeros(len(draft) + 1, vocab, device=device)
-            q[torch.arange(len(draft)), torch.tensor(draft, dtype=torch.long)] = 1.0
-        else:
-            q = torch.cat([probs.to(device), torch.zeros(1, vocab, device=device)])
-        q_rows.append(q)
-    return torch.cat(q_rows)
+    """q [R, V] per verify row (zeros on each request's last row, which has no draft, and on
+    the rows of a deterministic proposal, which are verified coupled)."""
+    return torch.cat([torch.zeros(len(draft) + 1, vocab, device=device) if probs is None
+                      else torch.cat([probs.to(device), torch.zeros(1, vocab, device=device)])
+                      for draft, probs in zip(drafts, draft_probs)])
 
 
 def verify(logits: torch.Tensor, batch: SamplingBatch, drafts: list[list[int]],
@@ -77,7 +69,15 @@ def verify(logits: torch.Tensor, batch: SamplingBatch, drafts: list[list[int]],
     row_indptr = torch.tensor([0] + [len(draft) + 1 for draft in drafts]).cumsum(0)
     rows = dict(row_indptr=row_indptr.to(device, torch.int32), target=target, draft=d,
                 greedy=batch.temperature == 0)
-    if rule == "rejection" and not batch.all_greedy:
+    if rule == "rejection" and not batch.all_greedy and any(q is not None for q in draft_probs):
+        # The scan's `greedy` rows take the coupled rule; so do those of a deterministic
+        # proposal (n-gram, history: q one-hot), for which min(1, p/q) with resampling from
+        # max(0, p - q) is what coupling realises (accept with p(d), else a draw from p without
+        # d). Through the target's own noise their outputs never depend on the drafts, which
+        # depend on scheduling (siblings' progress, the step's budget, pool room, the history).
+        one_hot = [probs is None for draft, probs in zip(drafts, draft_probs)
+                   for _ in range(len(draft) + 1)]
+        rows["greedy"] = rows["greedy"] | torch.tensor(one_hot, device=device)
         q = draft_distributions(drafts, draft_probs, vocab, device)
         safe_d = d.clamp(min=0)[:, None]
         p = candidates.softmax(dim=-1)
@@ -93,7 +93,7 @@ def verify(logits: torch.Tensor, batch: SamplingBatch, drafts: list[list[int]],
         tokens = [*draft[:a], last]
         picked_rows += range(start, start + a + 1)
         picked_tokens += tokens
-        verdicts.append(Verdict(tokens, [], [], [], proposed=len(draft)))
+        verdicts.append(Verdict(tokens, [], [], []))
     lps = logp[torch.tensor(picked_rows), torch.tensor(picked_tokens)].tolist()
     sampling, supports = sampled_at(candidates, picked_rows, picked_tokens, lps, batch.greedy,
                                     batch.truncated,

@@ -40,9 +40,10 @@ def test_sleep_wake_cycles_do_not_grow_host_memory(spec):
     in_use = []
     after_commit = speculator.after_commit
 
-    def watched(batch, verdicts):
-        after_commit(batch, verdicts)
+    def watched(*args):
+        verified = after_commit(*args)
         in_use.append(len(speculator.backoff_sequences))
+        return verified
 
     speculator.after_commit = watched
     params = SamplingParams(n=1, temperature=1.0, seed=1, max_tokens=3, stop=["q."])

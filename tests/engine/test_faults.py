@@ -132,6 +132,9 @@ STEP_POINTS = {
     "tokenizer": (lambda e: (e.tokenizer, "decode"), SPECS, True),
     "radix_insert": (lambda e: (e.cache, "insert"), SPECS, True),
     "commit": (lambda e: (e.committer, "commit"), SPECS, True),
+    # what the verifications committed, learnt (the running acceptance, the back-off) and
+    # handed to the stats
+    "spec_commit": (lambda e: (e.speculator, "after_commit"), ("ngram", "draft"), True),
     "finish": (lambda e: (e.scheduler, "finish"), SPECS, False),
     "settle": (lambda e: (e.kv, "settle"), SPECS, True),
     # a finished request retired (with the version it completed under), lpm's count of how

@@ -11,6 +11,7 @@ from scipy.stats import chisquare
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.sample.sampler import SamplingBatch
 from rollout.spec import SpeculativeConfig
+from rollout.spec.speculator import RATE_ENGINE
 from rollout.spec.verify import verify
 
 # Repetitive prompts give the n-gram drafter something to find.
@@ -97,6 +98,25 @@ def test_rejection_rule_is_reproducible(target):
     assert a == b
 
 
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_rejection_of_deterministic_drafts_changes_no_output(target, method):
+    """n-gram and history proposals are deterministic (q one-hot), for which the textbook
+    min(1, p/q) rule is coupled acceptance's: under "rejection" they are verified with the
+    target's own noise, so the samples are speculation off's whatever the drafts, which
+    depend on scheduling: on a second call (the prefix cache, the history) and beside an
+    unrelated request (siblings' progress, the step's token budget) they once differed."""
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=40, seed=2, ignore_eos=True)
+    want = baseline(target, params, max_num_batched_tokens=32)
+    spec = engine(target, SpeculativeConfig(method, num_speculative_tokens=5,
+                                            acceptance="rejection"), max_num_batched_tokens=32)
+    for _ in range(2):
+        assert samples(run_checked(spec, PROMPTS, params)) == want
+    other = SamplingParams(temperature=0, max_tokens=30)
+    mixed = run_checked(spec, PROMPTS + [list(range(40, 120))], [params] * len(PROMPTS) + [other])
+    assert samples(mixed[:len(PROMPTS)]) == want
+    assert spec.stats.spec_accepted > 0
+
+
 def test_preemption_while_speculating(target):
     params = SamplingParams(n=2, temperature=0.8, max_tokens=40, seed=9)
     spec = engine(target, SpeculativeConfig("ngram", num_speculative_tokens=4),
@@ -113,6 +133,59 @@ def test_stop_inside_accepted_drafts(target):
     params = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop])
     spec = engine(target, SpeculativeConfig("ngram", num_speculative_tokens=5))
     assert samples(run_checked(spec, PROMPTS, params)) == baseline(target, params)
+
+
+def test_stats_count_what_the_samples_kept(target):
+    """A stop inside accepted drafts: the verifier accepted the drafts past it, the sample never
+    got them. spec_accepted, spec_emitted, spec_sources and the running acceptance that
+    adaptive drafting uses (Speculator.rates) count what each verification committed: as
+    counted naively from the tokens each drafting sample gained in its step (they once counted
+    the drafts past the stop)."""
+    prompt = PROMPTS[0]
+    spec = engine(target, SpeculativeConfig("suffix", num_speculative_tokens=5))
+    first = spec.generate([prompt], SamplingParams(temperature=0, max_tokens=30,
+                                                   ignore_eos=True))[0].samples[0].token_ids
+    stop = next(t for i, t in enumerate(first) if i >= 3 and t not in first[:i])
+    spec.generate([[9]], SamplingParams(max_tokens=1))  # the first answer into the history
+    drafted = []  # (sequence, its draft, its tokens before the step, the draft's source)
+    propose = spec.speculator.propose
+
+    def watched(batch):
+        extended = propose(batch)
+        drafted.extend((it.seq, list(it.draft), len(it.seq.token_ids),
+                        spec.speculator.sources[it.seq.seq_id]) for it in batch.items if it.draft)
+        return extended
+    spec.speculator.propose = watched
+    st = spec.stats
+    before = (st.spec_proposed, st.spec_accepted, st.spec_emitted, st.spec_verifications)
+    sources = {name: list(counts) for name, counts in st.spec_sources.items()}
+    rates = dict(spec.speculator.rates)
+    proposed = accepted = emitted = verifications = 0
+    cut_in_drafts = False
+    spec.add_request(prompt, SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop]))
+    spec.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=30))
+    while spec.has_unfinished:
+        spec.step()
+        spec.check_invariants()
+        for seq, draft, start, source in drafted:
+            got = seq.token_ids[start:]
+            kept = next((i for i, (a, b) in enumerate(zip(got, draft)) if a != b),
+                        min(len(got), len(draft)))
+            cut_in_drafts |= got[-1] == stop and got == draft[:len(got)]
+            proposed, accepted, emitted = (proposed + len(draft), accepted + kept,
+                                           emitted + len(got))
+            verifications += 1
+            counts = sources.setdefault(source, [0, 0])
+            counts[0], counts[1] = counts[0] + len(draft), counts[1] + kept
+            rate = rates.get(source, 0.5)
+            rates[source] = rate + RATE_ENGINE * (kept / len(draft) - rate)
+        drafted.clear()
+    assert cut_in_drafts and verifications > 1
+    assert (st.spec_proposed - before[0], st.spec_accepted - before[1],
+            st.spec_emitted - before[2], st.spec_verifications - before[3]) == \
+        (proposed, accepted, emitted, verifications)
+    assert st.spec_sources == sources
+    assert spec.speculator.rates == pytest.approx(rates)
 
 
 def test_turns_off_for_large_batches(target):

@@ -100,3 +100,31 @@ def test_draft_lengths_follow_the_machine():
     assert per_verification["proportional"] < 2.5
     assert flat.stats.spec_position_seconds == 0.0
     assert proportional.stats.spec_position_seconds == pytest.approx(0.001)
+
+
+def test_drafts_that_shape_outputs_do_not_follow_the_clock():
+    """Rejection acceptance of a draft model's proposals: the emitted tokens depend on the
+    drafts, so adaptive drafting must not weigh them against the measured step cost (the
+    machine, its load). It weighs them against the batch's share of max_batch_size, as when no
+    cost is known yet: the same proposals and samples on a CPU-like and a GPU-like machine
+    (they once differed) as with no step ever measured."""
+    model, draft = tiny_model("qwen2"), tiny_model("qwen2", seed=3, num_hidden_layers=1)
+    prompts = [[5, 6, 7, 8] * 6, [9, 10, 11] * 8, [1, 2, 3]]
+    params = SamplingParams(n=3, max_tokens=40, temperature=1.0, seed=4, ignore_eos=True)
+
+    def run(cost):
+        engine = Engine(model, EngineConfig(kv_cache_tokens=4096, max_model_len=160,
+                                            speculative=SpeculativeConfig(
+                                                "draft", num_speculative_tokens=6, adaptive=True,
+                                                draft_model=draft, acceptance="rejection")))
+        if cost is None:
+            engine.speculator.observe_step = lambda positions, seconds: None
+        else:
+            pin_step_cost(engine, *cost)
+        got = [[s.token_ids for s in o.samples] for o in engine.generate(prompts, params)]
+        return got, engine.stats.spec_proposed
+
+    unmeasured = run(None)
+    assert run((0.0, 0.001)) == unmeasured  # steps cost in proportion to their positions
+    assert run((0.007, 0.0)) == unmeasured  # steps cost alike whatever their size
+    assert unmeasured[1] > 0

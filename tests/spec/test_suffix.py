@@ -15,6 +15,7 @@ from models import tiny_model
 from scipy.stats import chisquare
 
 from rollout import Engine, EngineConfig, SamplingParams, SpeculativeConfig
+from rollout.spec.config import MAX_HISTORY_MATCH
 from rollout.spec.history import MAX_CANDIDATES, DraftHistory
 
 MIN, MAX = 2, 5
@@ -244,6 +245,28 @@ def test_bad_history_settings_are_refused():
         SpeculativeConfig("suffix", history_tokens=0)
     with pytest.raises(ValueError, match="history_max_match must be"):
         SpeculativeConfig("suffix", ngram_min=3, ngram_max=4, history_max_match=2)
+
+
+def test_history_max_match_is_bounded_and_reserves_nothing_up_front():
+    """A lookup extends its match a token at a time, so history_max_match is bounded: past
+    MAX_HISTORY_MATCH it is refused naming the field and the limit (2**40 once failed with a
+    MemoryError, 16 TiB of buffer allocated up front). At the limit an empty history holds
+    little more than its leading gaps, and a match of the full length is found."""
+    for bad in (MAX_HISTORY_MATCH + 1, 10**7, 2**40):
+        with pytest.raises(ValueError, match=rf"speculative.history_max_match must be in "
+                                             rf"\[1, {MAX_HISTORY_MATCH}\]"):
+            SpeculativeConfig("suffix", history_max_match=bad)
+    config = SpeculativeConfig("suffix", history_max_match=MAX_HISTORY_MATCH)
+    history = DraftHistory(config.history_tokens, config.ngram_min, config.history_max_match)
+    assert history._flat.nbytes <= 4 * 2 * MAX_HISTORY_MATCH  # (10**7 took 153 MiB)
+    rng = np.random.default_rng(0)
+    prompt, completion = [1, 2, 3], rng.integers(0, 50, 3 * MAX_HISTORY_MATCH).tolist()
+    history.add(prompt, completion)
+    history.check()
+    context = prompt + completion[:2 * MAX_HISTORY_MATCH]
+    length, positions = history.matches(context, prompt)
+    assert length == MAX_HISTORY_MATCH and len(positions) == 1
+    assert history.continuation(positions, 4, 1.0) == completion[2 * MAX_HISTORY_MATCH:][:4]
 
 
 def test_carried_groups_keep_drafting_from_history_across_an_update(target):
