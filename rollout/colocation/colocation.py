@@ -162,11 +162,12 @@ class Colocation:
             named.close()
             raise ValueError("update_weights: source holds no weight of the model (an "
                              "exhausted iterator, or only names the model ties to others)")
-        whole = plan is None and isinstance(source, nn.Module)
-        if self.weights_missing or whole:
+        if self.weights_missing or isinstance(source, nn.Module):
             # A model is the trainer's whole policy: one that lacks weights the engine serves
             # is another architecture (fewer layers, an untied head), not an update of some.
-            missing = model.expected_weight_names() - written
+            # Served unmerged, its whole base counts, not the part this sync sends.
+            held = written if plan is None else model.check_weights(plan.base_shapes)
+            missing = model.expected_weight_names() - held
             if missing:
                 why = ("after sleep(level=2) every weight is needed" if self.weights_missing
                        else "a model source must hold every weight the engine serves")

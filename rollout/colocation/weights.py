@@ -1,14 +1,17 @@
 """Where update_weights gets its tensors: a trainer's model (wrapped or not) or named tensors.
 
-Names come out in Hugging Face form (`model.layers.0.self_attn.q_proj.weight`): wrapper
-prefixes (DDP's `module.`, torch.compile's `_orig_mod.`, PEFT's `base_model.model.` and
-`.base_layer.`) are stripped, and PEFT LoRA adapters are folded into the base weights. Plain
-LoRA is added out of place (base + delta, one layer at a time), so the trainer's frozen base
-weights are never written: an in-place merge + unmerge is not exact in floating point and would
-drift them a little on every sync. Other adapter kinds (DoRA, LoRA bias) fall back to PEFT's
-merge_adapter / unmerge_adapter for the duration of the read. What is read follows PEFT's
-current selection: the active adapter(s), none inside `disable_adapter()`, and of a
-`modules_to_save` wrapper the copy its forward uses.
+Names come out in Hugging Face form (`model.layers.0.self_attn.q_proj.weight`): wrappers
+(DDP, torch.compile, PEFT's PeftModel and its tuner model) are peeled, prefixes (`module.`,
+`_orig_mod.`, `base_model.model.`, `.base_layer.`) stripped, and PEFT LoRA adapters are folded
+into the base weights. Adapters are found layer by layer, wherever they were put: by
+get_peft_model, or by peft.inject_adapter_in_model into a plain transformers model. Plain LoRA
+(on linears and embeddings) is added out of place (base + delta, one layer at a time), so the
+trainer's frozen base weights are never written: an in-place merge + unmerge is not exact in
+floating point and would drift them a little on every sync. Other adapter kinds (DoRA, LoRA
+bias) fall back to PEFT's per-layer merge / unmerge for the duration of the read. What is read
+follows PEFT's current selection: the active adapter(s), none inside `disable_adapter()`, and
+of a `modules_to_save` wrapper the copy its forward uses. Other PEFT adapters (IA3, LoHa,
+trainable_token_indices, ...) are refused by name (check_adapter_kinds), never dropped.
 
 Every tensor is checked from its metadata before any is read or copied (`check_tensor`), so a
 bad source raises ValueError and leaves the engine's weights as they were.
@@ -19,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
+import sys
 import weakref
 from collections.abc import Generator, Iterable, Iterator
 
@@ -33,11 +37,29 @@ _SAVED_COPY = re.compile(r"\.(original_module|modules_to_save\.[^.]+)\.")
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """Peel DDP/DeepSpeed/compile wrappers (what accelerate's unwrap_model does for these)."""
-    while any(isinstance(getattr(model, a, None), nn.Module) for a in _WRAPPER_ATTRS):
-        model = next(getattr(model, a) for a in _WRAPPER_ATTRS
-                     if isinstance(getattr(model, a, None), nn.Module))
-    return model
+    """Peel DDP/DeepSpeed/compile wrappers (what accelerate's unwrap_model does for these) and
+    PEFT's: a PeftModel and its tuner model (LoraModel, `peft_model.base_model`) hold the
+    transformers model, whose layers carry the adapters (found per layer, as for
+    peft.inject_adapter_in_model). A PeftModel of prompt learning (no tuner) is left as it
+    is: its names are not the model's, so reading it is a ValueError, not its base served."""
+    while True:
+        inner = next((getattr(model, a) for a in _WRAPPER_ATTRS
+                      if isinstance(getattr(model, a, None), nn.Module)), None)
+        if inner is None:
+            inner = _peft_inner(model)
+        if inner is None:
+            return model
+        model = inner
+
+
+def _peft_inner(wrapper: nn.Module) -> nn.Module | None:
+    peft = sys.modules.get("peft")  # a PEFT wrapper exists only where peft was imported
+    if peft is None:
+        return None
+    tuner = peft.tuners.tuners_utils.BaseTuner
+    if isinstance(wrapper, peft.PeftModel) and isinstance(wrapper.base_model, tuner):
+        return wrapper.base_model
+    return wrapper.model if isinstance(wrapper, tuner) else None
 
 
 @functools.lru_cache(maxsize=65536)  # names recur at every sync; a pure function of them
@@ -58,25 +80,23 @@ def hf_name(name: str) -> str:
 def check_tied_embeddings(source, ties: bool) -> None:
     """A model source must tie its LM head to its embedding as the engine's model does
     (`ties`): the engine serves its embedding as a tied head and would drop an untied one's
-    weight, and an untied engine gets no head from a tied model (which lists it once). A PEFT
-    model whose config ties them but whose `modules_to_save` names `lm_head` or `embed_tokens`
-    cannot be served either: PEFT trains a copy of one, untying them. ValueError, before
-    anything is read. (The config says, not the tensors: a sharder may hold a tied pair as two
-    tensors of the same values.)"""
+    weight, and an untied engine gets no head from a tied model. A PEFT model whose config ties
+    them but adapts one alone cannot be served either: `modules_to_save` of `lm_head` or
+    `embed_tokens` trains a copy of one, and LoRA on one adds its delta to that one only while
+    the other multiplies by the plain tied weight. ValueError, before anything is read. (The
+    config says, not the tensors: a sharder may hold a tied pair as two tensors of the same
+    values.)"""
     if not isinstance(source, nn.Module):
         return
     model = unwrap(source)
-    config = getattr(model.get_base_model() if is_peft(model) else model, "config", None)
+    config = getattr(model, "config", None)
     source_ties = getattr(config, "tie_word_embeddings", None)
     if isinstance(source_ties, bool) and source_ties != ties:
         raise ValueError(f"model: its config has tie_word_embeddings={source_ties}, the "
                          f"engine's model {ties}: it is not the architecture the engine "
                          f"serves (build the engine from this model or its config)")
-    if not ties:
-        return
-    try:
-        heads = model.get_input_embeddings(), model.get_output_embeddings()
-    except (AttributeError, NotImplementedError):
+    heads = _heads(model)
+    if not ties or heads is None:
         return
     weights = [getattr(h, "weight", None) for h in heads]
     if (any(is_modules_to_save(h) for h in heads) and all(w is not None for w in weights)
@@ -86,6 +106,29 @@ def check_tied_embeddings(source, ties: bool) -> None:
                          "modules_to_save of lm_head or embed_tokens trains a copy of one); "
                          "the engine would serve the embedding as the head. Untie them in the "
                          "config the engine is built from, or adapt neither")
+    # (an adapter merged into the tied weight changes both, as in PEFT's forward: served)
+    adapted = [h for h in heads if is_lora_layer(h) and unmerged_adapters(h)]
+    if adapted:
+        which = " and ".join(type(h.get_base_layer()).__name__ for h in adapted)
+        raise ValueError(f"model: its config ties the LM head to the input embedding "
+                         f"(tie_word_embeddings), but LoRA adapts its {which} (PEFT adds the "
+                         f"delta to that one alone; the other multiplies by the plain tied "
+                         f"weight); the engine would serve the embedding as the head. Untie "
+                         f"them in the config the engine is built from, or adapt neither")
+
+
+def _heads(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """(input embedding, LM head) of a causal LM (PEFT's wrappers of them, if adapted)."""
+    try:
+        return model.get_input_embeddings(), model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+
+
+def _tied_weight(model: nn.Module) -> nn.Parameter | None:
+    """The tensor an LM head tied to the input embedding shares with it; None if untied."""
+    weights = [getattr(h, "weight", None) for h in _heads(model) or (None, None)]
+    return weights[0] if weights[0] is not None and weights[0] is weights[1] else None
 
 
 def is_peft(model: nn.Module) -> bool:
@@ -96,6 +139,26 @@ def is_lora_layer(module: nn.Module) -> bool:
     return hasattr(module, "lora_A") and hasattr(module, "get_delta_weight")
 
 
+def is_tuner_layer(module: nn.Module) -> bool:
+    """A PEFT adapter layer (LoRA and other tuners, modules_to_save and trainable-token
+    wrappers): told apart by a class attribute, which looking up on the class skips
+    nn.Module.__getattr__ (a missing attribute costs that on every module)."""
+    return hasattr(type(module), "adapter_layer_names")
+
+
+def check_adapter_kinds(model: nn.Module) -> None:
+    """ValueError naming the first PEFT adapter layer that is served in no lora mode: only LoRA
+    layers (folded in, or served unmerged) and modules_to_save copies are; anything else
+    (trainable_token_indices' TrainableTokensWrapper, IA3, LoHa, ...) would otherwise be
+    dropped or named as an unknown weight."""
+    for name, module in model.named_modules():
+        if is_tuner_layer(module) and not (is_lora_layer(module) or is_modules_to_save(module)):
+            kind = f"{type(module).__module__}.{type(module).__qualname__}"  # ia3's Linear
+            raise ValueError(f"{hf_name(name)}: a {kind} adapter is served in no lora mode: "
+                             f"the engine serves PEFT's LoRA adapters and modules_to_save "
+                             f"copies only")
+
+
 def is_modules_to_save(module: nn.Module) -> bool:
     """A PEFT `modules_to_save` wrapper."""
     return (isinstance(getattr(module, "modules_to_save", None), nn.ModuleDict)
@@ -103,56 +166,82 @@ def is_modules_to_save(module: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def merged_adapters(model: nn.Module):
-    """LoRA deltas folded into the base weights while the weights are read."""
-    if not is_peft(model):
-        yield
-        return
-    model.merge_adapter()
+def merged_adapters(layers: list[nn.Module]):
+    """PEFT's merge of each LoRA layer's adapters in use into its base weight (what its
+    merge_adapter does, layer by layer) while the weights are read; the layers merged so far
+    unmerged on the way out, also when a merge fails."""
+    merged = []
     try:
+        for layer in layers:
+            adapters = unmerged_adapters(layer)  # what its forward adds (none: disabled)
+            if adapters:
+                layer.merge(adapter_names=adapters)
+                merged.append(layer)
         yield
     finally:
-        model.unmerge_adapter()
+        for layer in merged:
+            layer.unmerge()
 
 
-def lora_layers(model: nn.Module) -> dict[str, nn.Module] | None:
-    """Base-weight parameter name -> its LoRA layer, for adding deltas out of place; None when
-    some active adapter is not a plain `weight + delta` (a variant such as DoRA, a bias, LoRA
-    on a parameter)."""
-    layers = {}
-    for name, module in model.named_modules():
-        if not is_lora_layer(module):
-            continue
-        if hasattr(module, "parameter_name"):
-            # LoRA on a parameter (PEFT's ParamWrapper: MoE experts' stacked 3-D weights): its
-            # delta has the parameter's layout, not a linear's; PEFT's own merge folds it in.
-            return None
-        for a in unmerged_adapters(module):
-            if a in getattr(module, "lora_variant", {}) or getattr(module, "lora_bias", {}).get(a):
-                return None
-        layers[f"{name}.base_layer.weight"] = module
-    return layers
+def lora_layers(model: nn.Module) -> tuple[dict[str, nn.Module], list[nn.Module] | None]:
+    """(base-weight parameter name -> its LoRA layer, for adding deltas out of place; None),
+    or ({}, every LoRA layer) where some adapter in use is not a plain `weight + delta` (a
+    variant such as DoRA, a bias, LoRA on a parameter) and PEFT's merge folds them in place.
+    ValueError for adapters served in no mode, and for an in-place merge into a weight that
+    several adapted layers share (PEFT's layer_replication: each layer's delta would land in
+    every one)."""
+    check_adapter_kinds(model)
+    named = [(name, m) for name, m in model.named_modules() if is_lora_layer(m)]
+    # LoRA on a parameter (PEFT's ParamWrapper: MoE experts' stacked 3-D weights): its delta
+    # has the parameter's layout, not a linear's; PEFT's own merge folds it in.
+    if not any(hasattr(m, "parameter_name") or any(
+            a in getattr(m, "lora_variant", {}) or getattr(m, "lora_bias", {}).get(a)
+            for a in unmerged_adapters(m)) for _, m in named):
+        return {f"{name}.base_layer.weight": m for name, m in named}, None
+    adapted: dict[int, str] = {}
+    for name, m in named:
+        weight = m.get_param() if hasattr(m, "parameter_name") else m.get_base_layer().weight
+        other = adapted.setdefault(id(weight), name)
+        if other != name:
+            raise ValueError(f"{hf_name(name)}: its base weight is {hf_name(other)}'s too "
+                             f"(PEFT's layer_replication), and its adapter is merged in place "
+                             f"(a LoRA variant, a bias or LoRA on a parameter): each layer's "
+                             f"delta would land in both; use plain LoRA")
+    return {}, [m for _, m in named]
+
+
+def active_adapters(module: nn.Module) -> list[str]:
+    """The adapters a PEFT layer's forward uses: the active ones this layer holds, in any of
+    its kinds (lora_A on a linear, lora_embedding_A on an embedding, ...); none inside
+    `disable_adapter()`."""
+    if module.disable_adapters:
+        return []
+    return [a for a in module.active_adapters
+            if any(a in getattr(module, kind) for kind in module.adapter_layer_names)]
 
 
 def unmerged_adapters(module: nn.Module) -> list[str]:
-    if getattr(module, "disable_adapters", False):
-        return []
-    merged = set(getattr(module, "merged_adapters", []))  # already inside the base weight
-    return [a for a in module.active_adapters if a in module.lora_A and a not in merged]
+    merged = set(module.merged_adapters)  # already inside the base weight
+    return [a for a in active_adapters(module) if a not in merged]
 
 
 def model_tensors(model: nn.Module, gather: bool = True
                   ) -> Generator[tuple[str, torch.Tensor], None, None]:
     """HF-named parameters of a (possibly wrapped, possibly PEFT) causal LM, adapters merged
-    (`gather`: see _read).
+    (`gather`: see _read). Its adapters are checked now (lora_layers' ValueError), before a
+    tensor is read.
 
     Consume it to the end or close() it: it may hold PEFT's merge open while it yields."""
     model = unwrap(model)
-    layers = lora_layers(model) if is_peft(model) else {}
-    merge = merged_adapters(model) if layers is None else contextlib.nullcontext()
-    with merge:
+    layers, in_place = lora_layers(model)
+    return _model_tensors(model, layers, in_place, gather)
+
+
+def _model_tensors(model: nn.Module, layers: dict[str, nn.Module],
+                   in_place: list[nn.Module] | None, gather: bool):
+    with contextlib.nullcontext() if in_place is None else merged_adapters(in_place):
         for name, param in weight_params(model):
-            yield hf_name(name), _read(param, layers.get(name) if layers else None, gather)
+            yield hf_name(name), _read(param, layers.get(name), gather)
 
 
 @torch.no_grad()  # per tensor: a no_grad held across the yields would disable grad in the caller
@@ -174,14 +263,22 @@ def _read(tensor: torch.Tensor, lora: nn.Module | None = None,
 
 def weight_params(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     """The parameters that carry the model's weights: not LoRA adapters (folded in), and of
-    each `modules_to_save` wrapper only the copy its forward uses now."""
+    each `modules_to_save` wrapper only the copy its forward uses now. A tensor shared under
+    several names is listed under each (PEFT's layer_replication shares a base weight between
+    layers that each add their own delta), but for an LM head tied to the embedding: listed
+    once, under the embedding's name, as a checkpoint holds it."""
     unused = tuple(f"{name}.{copy}." for name, module in model.named_modules()
                    if is_modules_to_save(module) for copy in unused_copies(module))
     # a tuner layer's own bookkeeping parameters (AdaLoRA's ranknum) are no weights either
     unused += tuple(f"{name}.{other}." for name, module in model.named_modules()
-                    if hasattr(type(module), "adapter_layer_names")
+                    if is_tuner_layer(module)
                     for other in getattr(module, "other_param_names", ()))
-    for name, param in model.named_parameters():
+    tied, listed = _tied_weight(model), False
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if param is tied:
+            if listed:
+                continue
+            listed = True
         if "lora_" not in name and not name.startswith(unused):
             yield name, param
 
@@ -241,10 +338,10 @@ def named_shapes_and_tensors(source, gather: bool = True
     as they are with `gather` False)."""
     if isinstance(source, nn.Module):
         model = unwrap(source)
+        tensors = model_tensors(model, gather)  # its adapters checked first
         for name, param in _read_params(model):
             check_tensor(hf_name(name), param)
-        return ([(hf_name(n), p.shape) for n, p in weight_params(model)],
-                model_tensors(source, gather))
+        return [(hf_name(n), p.shape) for n, p in weight_params(model)], tensors
     named = _pairs(source)
     for name, tensor in named:
         check_tensor(name, tensor)
@@ -349,8 +446,9 @@ def weights_version(model: nn.Module) -> tuple:
     those call `engine.update_weights(model, full=True)` (or
     `ColocatedRollout.sync_weights(force=True)`): `full` also copies a PEFT model's frozen base,
     which a sync otherwise skips while its counters stand still.
-    PEFT's `set_adapter` and `disable_adapter()` change which weights a read folds in without
-    touching a parameter: each adapter layer's selection is part of the version too.
+    PEFT's `set_adapter`, `disable_adapter()` and a LoRA layer's scaling (`set_scale`,
+    `scale_layer`, `rescale_adapter_scale`) change what a read folds in without touching a
+    parameter: each adapter layer's selection and scales are part of the version too.
     Inference tensors (made under torch.inference_mode) keep no counter; their addresses
     and the optimizer steps still count.
     """
@@ -363,9 +461,10 @@ def weights_version(model: nn.Module) -> tuple:
 
 def _adapter_selection(model: nn.Module) -> tuple:
     """Per PEFT adapter layer (LoRA and other tuners, modules_to_save wrappers): its active
-    adapters, whether adapters are disabled, and which are merged into the base weight (flags
-    only, no weights read). Such layers are told apart by a class attribute: looking it up on
-    the class skips nn.Module.__getattr__, which a missing attribute costs on every module."""
+    adapters, whether adapters are disabled, which are merged into the base weight, and a LoRA
+    layer's scale per adapter (plain values, no weights read; `scaling` read from the
+    instance's dict, as a missing one would cost nn.Module.__getattr__)."""
     return tuple((tuple(m.active_adapters), m.disable_adapters,
-                  tuple(getattr(m, "merged_adapters", ())))
-                 for m in model.modules() if hasattr(type(m), "adapter_layer_names"))
+                  tuple(getattr(m, "merged_adapters", ())),
+                  tuple(vars(m).get("scaling", {}).items()))
+                 for m in model.modules() if is_tuner_layer(m))

@@ -23,13 +23,16 @@ import torch
 from torch import nn
 
 from ..colocation.weights import (
+    active_adapters,
+    check_adapter_kinds,
     check_tensor,
     hf_name,
     is_lora_layer,
     is_modules_to_save,
-    is_peft,
+    is_tuner_layer,
     unused_copies,
     unwrap,
+    weight_params,
 )
 
 
@@ -70,37 +73,37 @@ def expert_b(b: torch.Tensor, experts: int) -> torch.Tensor:
 
 
 def is_peft_lora(model) -> bool:
-    return isinstance(model, nn.Module) and is_peft(unwrap(model))
+    """A model holding PEFT LoRA layers: from get_peft_model, its tuner model
+    (`peft_model.base_model`), or peft.inject_adapter_in_model."""
+    return isinstance(model, nn.Module) and any(
+        is_tuner_layer(m) and is_lora_layer(m) for m in unwrap(model).modules())
 
 
 def read_source(model: nn.Module) -> tuple[list[SourceLora], list[tuple[str, nn.Parameter]]]:
-    """One walk of the model: the active adapter's layers (none inside `disable_adapter()`),
-    each checked from its metadata (check_tensor) and for its shapes, Unsupported for what
-    cannot be served; and (HF name, parameter) of the base weights: every weight but the
-    adapters, unmerged, and of a `modules_to_save` wrapper the copy in use."""
+    """The active adapter's layers (none inside `disable_adapter()`), each checked from its
+    metadata (check_tensor) and for its shapes, Unsupported for what cannot be served
+    unmerged (ValueError for what is served in no mode: check_adapter_kinds);
+    and (HF name, parameter) of the base weights: every weight but the adapters, unmerged, and
+    of a `modules_to_save` wrapper the copy in use (weight_params: replicated layers' shared
+    base weights under each layer's name)."""
     model = unwrap(model)
-    layers, base, active, seen = [], [], set(), set()
+    check_adapter_kinds(model)
+    layers, active = [], set()
     unused: tuple[str, ...] = ()  # modules_to_save copies the forward skips, as "name."
     for name, module in model.named_modules():
         if unused and f"{name}.".startswith(unused):
             continue
         if is_modules_to_save(module):
             unused += tuple(f"{name}.{c}." for c in unused_copies(module))
-        elif hasattr(type(module), "adapter_layer_names"):
+        elif is_tuner_layer(module):
             here = _active_here(name, module)
             active.update(here)
             if here:
                 layers.append(_layer(name, module, here))
-        for local, param in module._parameters.items():
-            if param is None or id(param) in seen or local.startswith("lora_") \
-                    or ".lora_" in f".{name}":
-                continue
-            seen.add(id(param))  # tied weights once, under their first name
-            base.append((hf_name(f"{name}.{local}" if name else local), param))
     if len(active) > 1:
         raise Unsupported(f"{len(active)} adapters are active at once ({sorted(active)}); one "
                           f"is served unmerged")
-    return layers, base
+    return layers, [(hf_name(name), param) for name, param in weight_params(model)]
 
 
 def _active_here(name: str, module: nn.Module) -> list[str]:
@@ -114,10 +117,7 @@ def _active_here(name: str, module: nn.Module) -> list[str]:
     if getattr(module, "merged_adapters", None):
         raise Unsupported(f"{name}: adapter {module.merged_adapters} is merged into the base "
                           f"weight (merge_adapter)")
-    if module.disable_adapters:
-        return []
-    return [a for a in module.active_adapters
-            if any(a in getattr(module, kind) for kind in module.adapter_layer_names)]
+    return active_adapters(module)
 
 
 def _layer(path: str, module: nn.Module, adapters: list[str]) -> SourceLora:

@@ -47,6 +47,10 @@ class SyncPlan:
     def shapes(self) -> list[tuple[str, torch.Size]]:
         return [(name, p.shape) for name, p in self.send]
 
+    @property
+    def base_shapes(self) -> list[tuple[str, torch.Size]]:
+        return [(name, p.shape) for name, p in self.base]
+
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         # Detached only: a DTensor stays one, re-sharded to this rank's part by update_weights.
         return ((name, p.detach()) for name, p in self.send)

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..colocation.weights import check_tied_embeddings, is_peft, model_tensors, unwrap
+from ..colocation.weights import check_tied_embeddings, model_tensors, unwrap
 from ..config import EngineConfig, as_dtype
 from ..parallel import SINGLE, TensorParallel, building_for
 from . import model_class
@@ -87,7 +87,7 @@ def resolve_model(model, config: EngineConfig, tokenizer, name: str = "model"):
         raise ValueError(f"{name} must be a transformers PreTrainedModel (possibly DDP/PEFT "
                          f"wrapped) or a local path, got {type(model).__name__}")
     device = _check_device(config.device or param.device)
-    hf_config = inner.get_base_model().config if is_peft(inner) else inner.config
+    hf_config = inner.config  # unwrap peels PEFT too
     check_tied_embeddings(model, bool(getattr(hf_config, "tie_word_embeddings", False)))
     return (hf_config, model_tensors(model), device, _model_dtype(config.dtype or param.dtype),
             tokenizer)

@@ -5,8 +5,9 @@ the next sync copies the base again and gives exactly what a fresh engine gives.
 
 import pytest
 import torch
-from lora_models import lora_config, randomise_b
+from lora_models import lora_config, peft_model, randomise_b
 from models import tiny_model
+from reference import PROMPTS, assert_matches_reference
 
 import rollout.colocation.checksum as checksum
 import rollout.lora.layout as layout
@@ -150,3 +151,22 @@ def test_batched_verification_names_the_bad_copy_and_clears_large_values():
         case([1.0, float("nan")])
     with pytest.raises(checksum.CopyMismatch, match="outside the copied blocks"):
         case([1.0, 2.0], garbage=True)
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_a_failed_in_place_merge_unmerges_the_layers_it_merged(error, monkeypatch):
+    """DoRA is merged in place, layer by layer, while the weights are read: a fault at the second
+    layer's merge leaves no layer merged (the first unmerged again), the engine needing
+    weights, and the next sync serving PEFT's adapter."""
+    model = peft_model("qwen2", use_dora=True)
+    engine = Engine(model, EngineConfig(**CONFIG))
+    assert engine.lora_status.startswith("merged")
+    linear = peft.tuners.lora.layer.Linear
+    monkeypatch.setattr(linear, "merge", fail_at(2, error)(linear.merge))
+    with pytest.raises(RuntimeError if error is RuntimeError else KeyboardInterrupt):
+        engine.update_weights(model)
+    monkeypatch.undo()
+    assert engine.needs_weights
+    assert not any(m.merged for m in model.modules() if isinstance(m, linear))
+    engine.update_weights(model)
+    assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, GREEDY))

@@ -40,6 +40,22 @@ def merged_in_place():
     return model
 
 
+def randomise_embedding_lora(model, seed: int = 2) -> None:
+    """PEFT starts an embedding's A at zero (randomise_b leaves lora_embedding_*): both random,
+    so the embedding's delta counts in what is compared."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_embedding_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+
+
+def embedding_lora():
+    model = peft_model("llama", target_modules=["embed_tokens", "q_proj"])
+    randomise_embedding_lora(model)
+    return model
+
+
 CASES = {
     "dora": (lambda: peft_model("qwen2", use_dora=True), "LoRA variant"),
     # Qwen2's q/k/v have biases (PEFT merges a LoRA bias into the base's)
@@ -49,8 +65,7 @@ CASES = {
     "merge_adapter": (merged_in_place, "merged into the base weight"),
     "lm_head": (lambda: peft_model("llama", target_modules=["q_proj", "lm_head"]),
                 "lm_head: the engine holds it as a VocabParallelEmbedding"),
-    "embedding": (lambda: peft_model("llama", target_modules=["embed_tokens", "q_proj"]),
-                  "LoRA on a Embedding"),
+    "embedding": (embedding_lora, "LoRA on a Embedding"),
     # A 2-D targeted parameter the engine holds outside a projection: the MoE router.
     "router": (lambda: peft_model("qwen3_moe", target_modules=["q_proj"],
                                   target_parameters=["mlp.gate.weight"]),
@@ -174,22 +189,49 @@ def test_lora_mode_is_checked():
         EngineConfig(lora="fused")
 
 
-@pytest.mark.parametrize("saved", [["lm_head"], ["embed_tokens"]])
-def test_an_untied_copy_of_a_tied_head_is_refused(saved):
-    """PEFT's modules_to_save of a tied model's head or embedding trains a copy of one: the
-    engine's tied model would serve the embedding as the head. Refused at build and at a sync,
-    the engine serving on."""
-    model = peft_model("qwen2", modules_to_save=saved)
+TIED_ALONE = {"saved-head": dict(modules_to_save=["lm_head"]),
+              "saved-embedding": dict(modules_to_save=["embed_tokens"]),
+              "lora-embedding": dict(target_modules=["q_proj", "embed_tokens"]),
+              "lora-head": dict(target_modules=["q_proj", "lm_head"])}
+
+
+@pytest.mark.parametrize("mode", ["auto", "unmerged", "merged"])
+@pytest.mark.parametrize("adapt", TIED_ALONE)
+def test_a_tied_head_adapted_alone_is_refused(adapt, mode):
+    """PEFT's modules_to_save of a tied model's head or embedding trains a copy of one, and its
+    LoRA on one adds a delta to that one only (the other multiplies by the plain tied weight):
+    the engine's tied model would serve the embedding as the head. Refused at build and at a
+    sync in every mode, the engine serving on; with the adapter disabled it is served."""
+    model = peft_model("qwen2", **TIED_ALONE[adapt])
+    randomise_embedding_lora(model)
     assert model.config.tie_word_embeddings
     with pytest.raises(ValueError, match="tie_word_embeddings"):
-        Engine(model, EngineConfig(**CONFIG))
-    engine = Engine(peft_model("qwen2"), EngineConfig(**CONFIG))
-    before = engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4))
+        Engine(model, EngineConfig(lora=mode, **CONFIG))
+    engine = Engine(peft_model("qwen2"), EngineConfig(lora=mode, **CONFIG))
+    before = outputs(engine)
     with pytest.raises(ValueError, match="tie_word_embeddings"):
         engine.update_weights(model)
-    assert not engine.needs_weights
-    after = engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4))
-    assert after[0].samples[0].token_ids == before[0].samples[0].token_ids
+    assert not engine.needs_weights and outputs(engine) == before
+    if adapt.startswith("lora"):
+        with model.disable_adapter():
+            engine.update_weights(model)
+            assert_matches_reference(model, PROMPT, engine.generate(PROMPT, GREEDY))
+
+
+@pytest.mark.parametrize("mode", ["auto", "unmerged", "merged"])
+def test_trainable_tokens_are_refused_in_every_mode(mode):
+    """PEFT's trainable_token_indices (a TrainableTokensWrapper on the embedding) is served in
+    no mode: refused by name, at build and at a sync, the engine serving on."""
+    model = peft_model("llama", target_modules=["q_proj"], trainable_token_indices=[1, 2, 3])
+    why = r"model\.embed_tokens: a peft\.\S+\.TrainableTokensWrapper adapter .* in no lora mode"
+    with pytest.raises(ValueError, match=why):
+        Engine(model, EngineConfig(lora=mode, **CONFIG))
+    engine = Engine(peft_model("llama", target_modules=["q_proj"]),
+                    EngineConfig(lora=mode, **CONFIG))
+    before = outputs(engine)
+    with pytest.raises(ValueError, match=why):
+        engine.update_weights(model)
+    assert not engine.needs_weights and outputs(engine) == before
 
 
 def test_adalora_is_merged_not_crashed():
@@ -211,3 +253,18 @@ def test_adalora_is_merged_not_crashed():
     assert engine.lora_status.startswith("merged")
     greedy = SamplingParams(temperature=0, max_tokens=8, logprobs=True)
     assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, greedy))
+
+
+@pytest.mark.parametrize("mode", ["auto", "merged"])
+def test_an_in_place_merge_into_replicated_layers_is_refused(mode):
+    """PEFT's layer_replication shares a base weight between layers, each with its adapter:
+    DoRA (merged in place, layer by layer) would put every layer's delta into the one tensor.
+    Refused by name before anything changes (PEFT's merge_adapter refuses it too)."""
+    model = peft.get_peft_model(tiny_model("llama"), lora_config(
+        "llama", use_dora=True, layer_replication=[[0, 2], [1, 2]]))
+    randomise_b(model, seed=1)
+    engine = Engine(tiny_model("llama", num_hidden_layers=3), EngineConfig(lora=mode, **CONFIG))
+    want = outputs(engine)
+    with pytest.raises(ValueError, match=r"model\.layers\.2\..*layer_replication"):
+        engine.update_weights(model.eval())
+    assert not engine.needs_weights and outputs(engine) == want

@@ -257,3 +257,79 @@ def test_syncs_under_inference_mode_keep_the_adapter_plain():
         with mode():
             assert engine.update_weights(model)["adapter_only"]
         assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, GREEDY))
+
+
+@pytest.mark.parametrize("mode", ["auto", "merged"])
+def test_a_peft_model_lacking_a_served_weight_is_refused(mode):
+    """A model source is the whole policy, served unmerged too: a 2-layer PEFT model synced into
+    a 3-layer engine is refused before anything changes (its frozen base is checked whole, even
+    where an adapter-only sync would send none of it), the engine serving on."""
+    # No prefix cache: a cached prompt's logprobs differ by an ulp from a computed one's.
+    engine = Engine(tiny_model("llama", num_hidden_layers=3, seed=7),
+                    EngineConfig(lora=mode, **CONFIG | dict(enable_prefix_caching=False)))
+    want = outputs(engine)
+    with pytest.raises(ValueError, match="must hold every weight the engine serves"):
+        engine.update_weights(peft_model("llama"))
+    assert not engine.needs_weights and engine.lora_status is None
+    assert outputs(engine) == want
+
+
+@pytest.mark.parametrize("mode", ["auto", "merged"])
+def test_replicated_layers_are_served_each_with_its_adapter(mode):
+    """PEFT's layer_replication: layers share their base weights (one tensor under several
+    names), each with its own adapter; every layer's base is listed and gets its own delta."""
+    model = peft.get_peft_model(tiny_model("llama"),
+                                lora_config("llama", layer_replication=[[0, 2], [1, 2]]))
+    randomise_b(model, seed=2)
+    model.eval()
+    engine = Engine(tiny_model("llama", num_hidden_layers=3, seed=7),
+                    EngineConfig(lora=mode, **CONFIG))
+    assert not engine.update_weights(model)["adapter_only"]
+    assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, GREEDY))
+    built = Engine(model, EngineConfig(lora=mode, **CONFIG))
+    assert_matches_reference(model, PROMPTS, built.generate(PROMPTS, GREEDY))
+    if mode == "auto":
+        assert engine.lora_status == "unmerged" and engine.update_weights(model)["adapter_only"]
+
+
+def injected_lora():
+    """LoRA layers put into a transformers model without PEFT's PeftModel around it."""
+    model = peft.inject_adapter_in_model(lora_config("llama"), tiny_model("llama"))
+    randomise_b(model, seed=1)
+    return model.eval()
+
+
+@pytest.mark.parametrize("mode", ["auto", "unmerged", "merged"])
+@pytest.mark.parametrize("wrapper", ["injected", "tuner"])
+def test_lora_outside_a_peft_model_is_served(wrapper, mode):
+    """peft.inject_adapter_in_model, and a PeftModel's tuner (`peft_model.base_model`): the
+    adapter is found layer by layer, served as from the PeftModel."""
+    model = injected_lora() if wrapper == "injected" else peft_model("llama").base_model
+    engine = Engine(model, EngineConfig(lora=mode, **CONFIG))
+    assert engine.lora_status == (None if mode == "merged" else "unmerged")
+    assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, GREEDY))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
+    train_step(model, opt, 0)
+    assert engine.update_weights(model)["adapter_only"] == (mode != "merged")
+    assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, GREEDY))
+
+
+@pytest.mark.parametrize("mode", ["auto", "merged"])
+def test_colocated_rollout_syncs_after_the_adapter_scale_changes(mode):
+    """PEFT changes an adapter's scaling without touching a parameter (set_scale, scale_layer,
+    rescale_adapter_scale): the next block sees it and syncs."""
+    from trainer_hooks import ColocatedRollout
+
+    model = peft_model("llama")
+    engine = Engine(model, EngineConfig(lora=mode, **CONFIG))
+    hook = ColocatedRollout(engine, model)
+    with hook:
+        assert not hook.synced
+    for module in model.modules():
+        if hasattr(module, "set_scale") and "default" in module.scaling:
+            module.set_scale("default", 0.25)
+    with hook:
+        assert hook.synced
+        assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, GREEDY))
+    with hook:
+        assert not hook.synced
