@@ -324,6 +324,10 @@ class Engine(ColocationCalls):
                 ids = self._check_new_ids(request_ids, len(pairs))
                 return self._check_all(pairs), [wanted, rest], (wanted, rest, tqdm, ids)
             checked, (groups, abort_rest, use_tqdm, ids) = self._checked_alike(check)
+            # Enforced at each update, and again here: an update whose restarts failed (rolled
+            # back) still counted, and its stale groups must not be stepped or handed out.
+            self.carry.enforce_staleness(self.weights_version, self.config.max_staleness,
+                                         self.config.stale_groups)
             self._queue(checked, from_rollout=True, request_ids=ids)
             self._step_until(self.carry.num_complete, groups, use_tqdm, "group")
             handed = self.carry.complete()[:groups]
@@ -342,8 +346,10 @@ class Engine(ColocationCalls):
                              f"{type(request_ids).__name__}")
         if len(request_ids) != n:
             raise ValueError(f"request_ids: {len(request_ids)} ids for {n} prompts")
-        ids = [self._check_new_id("request_ids", r) for r in request_ids]
-        if len(set(ids)) != n:
+        # None: drawn, as when request_ids is None (it had become the id "None")
+        ids = [None if r is None else self._check_new_id("request_ids", r) for r in request_ids]
+        given = [r for r in ids if r is not None]
+        if len(set(given)) != len(given):
             raise ValueError("request_ids: an id is given twice")
         return ids
 

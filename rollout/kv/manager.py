@@ -153,10 +153,14 @@ class KVManager:
 
     def clear_cache(self) -> None:
         """Release every hold and evict every unlocked cached prefix (its K/V came from
-        weights that changed)."""
-        for key in list(self.holds):
-            self.unhold(key)
-        self._evict(self.cache.total_size)
+        weights that changed). All or nothing, inside a unit of its own where the caller has
+        none (a weight update's, after its copies): an eviction detaches its nodes before it
+        frees their slots, and a free failing half way outside a unit had lost the rest of
+        them for the engine's life."""
+        with self.journal.unit():
+            for key in list(self.holds):
+                self.unhold(key)
+            self._evict(self.cache.total_size)
 
     def settle(self) -> None:
         """The step's pending slots are accounted for: advanced into sequences or freed."""

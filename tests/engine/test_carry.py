@@ -399,10 +399,12 @@ def test_groups_carry_the_ids_they_were_asked_with():
         with pytest.raises(ValueError, match=refusal):
             engine.rollout(PROMPTS[3:], PARAMS[3:], groups=0, request_ids=ids)
     assert engine.carried == ["b", "c"]
-    rest = engine.rollout(PROMPTS[3:], PARAMS[3:], request_ids=["d", "e"])
-    assert sorted(o.request_id for o in rest) == ["b", "c", "d", "e"]
+    # None: an id drawn for that prompt, as with request_ids=None (it had been the id "None")
+    rest = engine.rollout(PROMPTS[3:], PARAMS[3:], request_ids=["d", None])
+    drawn = {o.request_id for o in rest} - set("bcd")
+    assert len(rest) == 4 and len(drawn) == 1 and drawn != {"None"}
     by_id = {o.request_id: TOK.decode(o.prompt_token_ids) for o in first + rest}
-    assert by_id == dict(zip("abcde", PROMPTS))
+    assert by_id == dict(zip(["a", "b", "c", "d", *drawn], PROMPTS))
     engine.check_invariants()
 
 
@@ -489,8 +491,13 @@ def test_fault_at_a_carry_point_leaves_the_engine_exact(point, kind, monkeypatch
     assert not engine.is_sleeping
     rest = by_prompt(engine.rollout())
     want = tokens(uninterrupted("plain", True))
-    if point == "restart":  # the update went in: restarted groups are the same weights' draws
-        assert engine.stats.stale_restarts == 0
+    if point == "restart":
+        # The update went in, its restarts did not: the next rollout restarts the groups it
+        # left stale (their tokens were handed out older than max_staleness=0 allowed), and
+        # the restarted groups are the same weights' draws.
+        assert engine.stats.stale_restarts > 0
+        assert {v for samples in rest.values() for s in samples for v in s.weights_versions} == \
+            {engine.weights_version}
     assert tokens(rest) == {p: want[p] for p in rest}
     engine.check_invariants()
 

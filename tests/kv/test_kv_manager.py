@@ -793,6 +793,37 @@ def test_an_eviction_failing_half_way_is_undone_too(fault, monkeypatch):
 
 @pytest.mark.parametrize("fault", [InjectedFault("x"), KeyboardInterrupt()],
                          ids=["error", "keyboard_interrupt"])
+def test_clear_cache_failing_half_way_outside_a_unit_loses_no_slot(fault, monkeypatch):
+    """A weight update clears the cache after its copies, outside any unit: a free failing
+    between two evicted nodes had left the rest detached, in neither the tree nor the free
+    stack. clear_cache is a unit of its own: the tree and free stack come back whole, and a
+    clear_cache that then succeeds frees every slot."""
+    w = World(True, num_slots=24)
+    for tokens in ([0, 1, 2, 3, 0, 1], [0, 1, 3, 3, 2], [2, 2, 1]):
+        w.release(prefill(w, tokens), keep_kv=True, requeue=False)
+    cached = tree_map(w.cache)
+    snapshot = w.canonical()
+    free, calls = w.kv.pool.free, []
+
+    def failing_free(slots):
+        calls.append(slots)
+        if len(calls) == 2:
+            raise fault
+        free(slots)
+
+    monkeypatch.setattr(w.kv.pool, "free", failing_free)
+    with pytest.raises(type(fault)):
+        w.kv.clear_cache()
+    monkeypatch.undo()
+    assert len(calls) == 2 and not w.journal.recording
+    assert tree_map(w.cache) == cached
+    assert w.canonical() == snapshot
+    w.kv.clear_cache()
+    assert w.kv.pool.num_free == 24 and not list(w.cache.nodes())
+
+
+@pytest.mark.parametrize("fault", [InjectedFault("x"), KeyboardInterrupt()],
+                         ids=["error", "keyboard_interrupt"])
 def test_undone_insert_after_a_split_of_the_inserted_edge_removes_both_halves(fault):
     """cache_computed inserts an edge; a match on a partial prefix inside the same unit splits
     it; undoing the unit removes both halves (and the unlocked [0, 1] stays)."""
