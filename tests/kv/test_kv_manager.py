@@ -764,17 +764,11 @@ def test_undone_eviction_restores_prefixes_with_the_same_slots():
     assert w.stats["evictions_undone"] == 12
 
 
-@pytest.mark.parametrize("fault", [InjectedFault("x"), KeyboardInterrupt()],
-                         ids=["error", "keyboard_interrupt"])
-def test_an_eviction_failing_half_way_is_undone_too(fault, monkeypatch):
-    """A free failing between two evicted nodes (a device error in its copy): the unit's undo
-    puts every evicted prefix back, on its slots (the detached nodes had been lost, their
-    slots leaked for the engine's life)."""
-    w = World(True, num_slots=24)
+def failing_second_free(w: World, fault: BaseException, monkeypatch) -> list:
+    """Three cached prefixes, and the pool's 2nd free from now on raising `fault` (a device
+    error in its copy); returns the frees' slots so far."""
     for tokens in ([0, 1, 2, 3, 0, 1], [0, 1, 3, 3, 2], [2, 2, 1]):
         w.release(prefill(w, tokens), keep_kv=True, requeue=False)
-    cached = tree_map(w.cache)
-    snapshot = w.canonical()
     free, calls = w.kv.pool.free, []
 
     def failing_free(slots):
@@ -784,42 +778,33 @@ def test_an_eviction_failing_half_way_is_undone_too(fault, monkeypatch):
         free(slots)
 
     monkeypatch.setattr(w.kv.pool, "free", failing_free)
-    assert not w.in_a_unit(lambda: w.alloc(w.kv.num_slots), "end", fault)
-    monkeypatch.undo()
-    assert len(calls) == 2
-    assert tree_map(w.cache) == cached
-    assert w.canonical() == snapshot
+    return calls
 
 
 @pytest.mark.parametrize("fault", [InjectedFault("x"), KeyboardInterrupt()],
                          ids=["error", "keyboard_interrupt"])
-def test_clear_cache_failing_half_way_outside_a_unit_loses_no_slot(fault, monkeypatch):
-    """A weight update clears the cache after its copies, outside any unit: a free failing
-    between two evicted nodes had left the rest detached, in neither the tree nor the free
-    stack. clear_cache is a unit of its own: the tree and free stack come back whole, and a
-    clear_cache that then succeeds frees every slot."""
+@pytest.mark.parametrize("evict", ["alloc_in_a_unit", "clear_cache_alone"])
+def test_an_eviction_failing_half_way_is_undone_too(evict, fault, monkeypatch):
+    """A free failing between two evicted nodes: the unit's undo puts every evicted prefix
+    back, on its slots (the detached nodes had been lost, their slots leaked for the engine's
+    life). clear_cache, which a weight update calls after its copies outside any unit, is a
+    unit of its own; once it succeeds every slot is free."""
     w = World(True, num_slots=24)
-    for tokens in ([0, 1, 2, 3, 0, 1], [0, 1, 3, 3, 2], [2, 2, 1]):
-        w.release(prefill(w, tokens), keep_kv=True, requeue=False)
+    calls = failing_second_free(w, fault, monkeypatch)
     cached = tree_map(w.cache)
     snapshot = w.canonical()
-    free, calls = w.kv.pool.free, []
-
-    def failing_free(slots):
-        calls.append(slots)
-        if len(calls) == 2:
-            raise fault
-        free(slots)
-
-    monkeypatch.setattr(w.kv.pool, "free", failing_free)
-    with pytest.raises(type(fault)):
-        w.kv.clear_cache()
+    if evict == "alloc_in_a_unit":
+        assert not w.in_a_unit(lambda: w.alloc(w.kv.num_slots), "end", fault)
+    else:
+        with pytest.raises(type(fault)):
+            w.kv.clear_cache()
     monkeypatch.undo()
     assert len(calls) == 2 and not w.journal.recording
     assert tree_map(w.cache) == cached
     assert w.canonical() == snapshot
-    w.kv.clear_cache()
-    assert w.kv.pool.num_free == 24 and not list(w.cache.nodes())
+    if evict == "clear_cache_alone":
+        w.kv.clear_cache()
+        assert w.kv.pool.num_free == 24 and not list(w.cache.nodes())
 
 
 @pytest.mark.parametrize("fault", [InjectedFault("x"), KeyboardInterrupt()],
