@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import weakref
 
+from torch import nn
+
 from .colocation.weights import weights_version
 from .config import EngineConfig
 from .engine.chat import is_conversations
@@ -52,6 +54,10 @@ def engine_for(model, tokenizer=None, **config) -> Engine:
     cfg = EngineConfig(**config)
     if isinstance(model, (str, os.PathLike)):
         return _checkpoint_engine(os.path.realpath(model), cfg, tokenizer)
+    if not isinstance(model, nn.Module):
+        # None, a number, a dict: Engine's own check refuses it with its ValueError naming
+        # `model`, which the weak-key lookup below would pre-empt with a TypeError.
+        return Engine(model, cfg, tokenizer=tokenizer)
     entry = _ENGINES.get(model)
     if entry is None or not _reusable(entry[0], cfg, tokenizer):
         entry = [Engine(model, cfg, tokenizer=tokenizer), weights_version(model)]

@@ -17,6 +17,11 @@ LORA_MODES = ("auto", "unmerged", "merged")  # how a PEFT LoRA model is served (
 # What the Triton kernels run and are tested in: their tile sizes and dot precision assume 2- or
 # 4-byte floats (kernels/triton/paged_attention.py), so float64 is not among them.
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# The keys `extra` takes, each a bool. Testing options (README), not a free-form bag: a key
+# nothing reads (a typo) is refused rather than ignored. separate_host_memory: a CPU engine
+# parks and syncs its weights as a GPU's (rollout/colocation/parking.py).
+SEPARATE_HOST_MEMORY = "separate_host_memory"
+EXTRA_KEYS = (SEPARATE_HOST_MEMORY,)
 
 
 @dataclass
@@ -90,7 +95,7 @@ class EngineConfig:
     # sleeps, in the prefix cache across an update, where it goes on from the old weights'
     # K/V that no fresh request shares (docs/partial-rollouts.md). "park" needs prefix caching.
     carried_kv: str = "recompute"
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # testing options: EXTRA_KEYS
     attention_backend: str | None = None  # the former name of `backend`, still accepted
 
     def __post_init__(self) -> None:
@@ -150,11 +155,24 @@ class EngineConfig:
             raise ValueError("carried_kv='park' needs enable_prefix_caching=True: parked K/V "
                              "goes back through the prefix cache")
         self.lora = as_choice("lora", self.lora, LORA_MODES)
+        self.extra = check_extra(self.extra)
         if self.speculative is not None:
             from .spec.config import SpeculativeConfig
 
             if not isinstance(self.speculative, SpeculativeConfig):
                 raise ValueError("speculative must be a rollout.spec.SpeculativeConfig or None")
+
+
+def check_extra(extra) -> dict:
+    """A copy of `extra` (so later edits of the caller's dict don't reach the engine), every
+    key known and its value a bool."""
+    if not isinstance(extra, dict):
+        raise ValueError(f"extra must be a dict of testing options (keys {EXTRA_KEYS}), got "
+                         f"{show(extra)}")
+    for key in extra:
+        if not isinstance(key, str) or key not in EXTRA_KEYS:
+            raise ValueError(f"extra: unknown key {show(key)}; the known keys are {EXTRA_KEYS}")
+    return {key: as_bool(f"extra[{key!r}]", value) for key, value in extra.items()}
 
 
 def as_dtype(value, name: str = "dtype") -> torch.dtype:

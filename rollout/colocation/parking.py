@@ -19,16 +19,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..fields import as_bool
+from ..config import SEPARATE_HOST_MEMORY
 from .device_memory import host_copy, tensor_bytes
-
-SEPARATE_HOST_MEMORY = "separate_host_memory"  # the EngineConfig.extra key (see above)
 
 
 def separate_host_memory(extra: dict, device: torch.device) -> bool:
-    """Whether the device's memory is not the host's: on a GPU, or on CPU when `extra` asks."""
-    asked = as_bool(f"extra[{SEPARATE_HOST_MEMORY!r}]", extra.get(SEPARATE_HOST_MEMORY, False))
-    return device.type != "cpu" or asked
+    """Whether the device's memory is not the host's: on a GPU, or on CPU when `extra` asks
+    (EngineConfig checked it is a bool)."""
+    return device.type != "cpu" or extra.get(SEPARATE_HOST_MEMORY, False)
 
 
 class WeightParking:

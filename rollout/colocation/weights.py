@@ -313,14 +313,19 @@ def check_tensor(name: str, tensor) -> None:
     lossy cast, from metadata alone: nothing is read, merged or gathered. Any floating dtype
     is taken and cast to the engine's (float64 -> fp32 rounds no more than fp32 -> bf16 does);
     integer, bool and complex ones are refused (a cast would truncate, or drop the imaginary
-    part). A DTensor is judged the same way, by its dtype and its local shard's device; its
-    shape (checked by the model's check_weights) is the global one."""
+    part), and so are sparse (or other non-strided) layouts, whose copy into the dense weights
+    fails only once the tensors before them are written. A DTensor is judged the same way, by
+    its dtype, layout and its local shard's device; its shape (checked by the model's
+    check_weights) is the global one."""
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"weight {name!r}: expected a torch.Tensor, got "
                          f"{type(tensor).__name__}")
     if tensor.is_meta:
         raise ValueError(f"weight {name!r}: a meta tensor (a shape without data); load or "
                          f"materialise the weights first")
+    if tensor.layout != torch.strided:
+        raise ValueError(f"weight {name!r}: layout {tensor.layout} is not dense (torch.strided);"
+                         f" weights must be dense tensors (.to_dense() first)")
     if not tensor.is_floating_point():
         raise ValueError(f"weight {name!r}: dtype {tensor.dtype} is not floating point; "
                          f"weights must be a floating dtype (cast to the engine's)")

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from ..fields import show
+
 
 def is_conversations(prompts) -> bool:
     """Whether generate()'s `prompts` are chat conversations rather than strings or token ids:
@@ -72,14 +74,25 @@ def _as_conversations(conversations) -> list[Sequence[Mapping]]:
     return list(conversations)
 
 
+# What the engine passes itself: the conversation (apply_chat_template's `conversation`, the
+# template's `messages`) and tokenize=False. Given again they had failed inside the template,
+# reported as the conversation's fault.
+ENGINE_KWARGS = ("conversation", "messages", "tokenize")
+
+
 def _check_kwargs(kwargs) -> dict:
     if kwargs is None:
         return {}
     if not isinstance(kwargs, Mapping):
         raise ValueError(f"chat_template_kwargs must be a dict or None, "
                          f"got {type(kwargs).__name__}")
-    if "tokenize" in kwargs:
-        raise ValueError("chat_template_kwargs: 'tokenize' is the engine's to set")
+    for key in kwargs:
+        if not isinstance(key, str):  # keyword arguments, then the template's variables
+            raise ValueError(f"chat_template_kwargs: keys must be str (the template's variable "
+                             f"names), got {show(key)}")
+        if key in ENGINE_KWARGS:
+            raise ValueError(f"chat_template_kwargs: {key!r} is the engine's to set (it passes "
+                             f"{', '.join(ENGINE_KWARGS)} itself)")
     return dict(kwargs)
 
 

@@ -18,6 +18,7 @@ pages; dropping the tensor unmaps it.
 from __future__ import annotations
 
 import ctypes
+import errno
 import math
 import mmap
 
@@ -40,7 +41,16 @@ def empty_zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     if device.type != "cpu" or nbytes < HUGE_PAGE or not can_advise():
         return torch.zeros(shape, dtype=dtype, device=device)
     # One huge page more than asked, never touched, so the tensor can start on a boundary.
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=PRIVATE_ANONYMOUS)
+    try:
+        mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=PRIVATE_ANONYMOUS)
+    except OSError as e:
+        # A backstop to size_pool's check against available memory (memory taken between
+        # that check and this build, a rebuild at wake_up): the field to lower, not a bare
+        # OSError.
+        if e.errno != errno.ENOMEM:
+            raise
+        raise ValueError(f"kv_cache_tokens: the KV pool's {nbytes / 2**20:.1f} MiB could not "
+                         f"be mapped ({e}); lower kv_cache_tokens") from e
     view = ctypes.c_char.from_buffer(mapping)
     offset = -ctypes.addressof(view) % HUGE_PAGE
     del view  # the export would otherwise pin the mapping open

@@ -35,6 +35,21 @@ def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: tor
 def available_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
+    return host_available_memory()
+
+
+def host_available_memory() -> int:
+    """What the host can give without swapping: Linux's MemAvailable (free pages and the page
+    cache it can drop), else the free pages alone. Free pages alone understate it by far on a
+    host that has read files (4.4 GiB of 16 GiB measured): an explicit pool would be refused
+    that fits."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
@@ -49,10 +64,18 @@ CPU_POOL_BYTES = 256 << 20
 def size_pool(kv_cache_tokens: int | None, memory_fraction: float, max_model_len: int,
               max_num_seqs: int, bytes_per_token: int, device: torch.device,
               agree: Callable[[int], int] | None = None) -> int:
-    """Number of slots; refuses (ValueError) when one max_model_len request cannot fit.
-    `agree`: the ranks of a tensor-parallel engine settle on one size (the smallest) before
-    that check, so they refuse together."""
-    if kv_cache_tokens is None:
+    """Number of slots; refuses (ValueError) when one max_model_len request cannot fit, or an
+    explicit `kv_cache_tokens` does not fit in the device's available memory. `agree`: the
+    ranks of a tensor-parallel engine settle on one size (the smallest) before those checks,
+    so they refuse together."""
+    asked = kv_cache_tokens
+    if kv_cache_tokens is not None:
+        # What the memory holds, offered to `agree` in place of the asked size: a rank short
+        # of memory makes every rank refuse below (a CPU pool too big for the host had been a
+        # bare OSError from mmap; a GPU's, an out-of-memory error).
+        available = available_memory(device)
+        kv_cache_tokens = min(kv_cache_tokens, available // bytes_per_token)
+    else:
         budget = int(available_memory(device) * memory_fraction)
         # More than every sequence at full length could never be used.
         kv_cache_tokens = min(budget // bytes_per_token, max_num_seqs * max_model_len)
@@ -63,6 +86,16 @@ def size_pool(kv_cache_tokens: int | None, memory_fraction: float, max_model_len
             kv_cache_tokens = min(kv_cache_tokens, ceiling)
     if agree is not None:
         kv_cache_tokens = agree(kv_cache_tokens)
+    if asked is not None and kv_cache_tokens < asked:
+        # Under tensor parallelism the shortfall may be another rank's: its room is what came
+        # back from `agree`.
+        room, where = ((available, str(device)) if agree is None else
+                       (kv_cache_tokens * bytes_per_token, f"a rank's {device}"))
+        raise ValueError(
+            f"kv_cache_tokens={asked} needs {asked * bytes_per_token} bytes "
+            f"({asked * bytes_per_token / 2**20:.1f} MiB) of KV pool, but {where} has {room} "
+            f"bytes ({room / 2**20:.1f} MiB) available (room for {kv_cache_tokens} tokens); "
+            f"lower kv_cache_tokens, or leave it None to size the pool from free memory")
     if kv_cache_tokens < max_model_len:
         raise ValueError(
             f"kv_cache_tokens: the KV pool holds {kv_cache_tokens} tokens "

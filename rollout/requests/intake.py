@@ -62,40 +62,43 @@ def check_request(prompt: Prompt, params: SamplingParams | None, vocab_size: int
 
 def prompt_ids(prompt: Prompt, vocab_size: int, max_model_len: int, tokenizer
                ) -> tuple[str | None, list[int]]:
-    text, ids = token_ids("prompt", prompt, vocab_size, tokenizer)
-    limit = max_model_len - 1
-    if len(ids) > limit:
-        raise ValueError(f"prompt: {len(ids)} tokens, but max_model_len={max_model_len} "
-                         f"allows at most {limit} so that one token can be generated")
-    return text, ids
+    return token_ids("prompt", prompt, vocab_size, tokenizer, max_model_len - 1,
+                     f"max_model_len - 1 = {max_model_len - 1} (room for one generated token)")
 
 
 def prefix_ids(name: str, value: Prompt, vocab_size: int, tokenizer) -> list[int]:
     """token_ids' ids, where empty is an empty prefix."""
-    if isinstance(value, (torch.Tensor, np.ndarray)):
-        value = value.tolist()
-    if isinstance(value, (str, list, tuple)) and not value:
-        return []
-    return token_ids(name, value, vocab_size, tokenizer)[1]
+    if isinstance(value, str) and not value:
+        return []  # no tokens asked about (encoding it could give a BOS)
+    return token_ids(name, value, vocab_size, tokenizer, empty_ok=True)[1]
 
 
-def token_ids(name: str, value: Prompt, vocab_size: int, tokenizer
-              ) -> tuple[str | None, list[int]]:
-    """A string (tokenized) or a list of token ids (a tensor too) as (text, ids), refused when
-    empty or when an id is not an int of the vocabulary; `name` is the field in the message."""
+def token_ids(name: str, value: Prompt, vocab_size: int, tokenizer, max_len: int | None = None,
+              limit: str = "", empty_ok: bool = False) -> tuple[str | None, list[int]]:
+    """A string (tokenized) or a list of token ids (a 1-D tensor or array too) as (text, ids),
+    refused when empty (unless `empty_ok`), longer than `max_len` (`limit` says which limit
+    that is) or when an id is not an int of the vocabulary; `name` is the field in the
+    message. The length is checked before any id is converted: a prompt of millions of tokens
+    is refused at once, not after a Python int and a check of each."""
     text = None
     if isinstance(value, str):
         if tokenizer is None:
             raise ValueError(f"{name}: a string needs a tokenizer; pass tokenizer= to Engine "
                              f"or give token ids")
         text, value = value, tokenizer.encode(value)
-    if isinstance(value, (torch.Tensor, np.ndarray)):
-        value = value.tolist()
-    if not isinstance(value, (list, tuple)):
+    if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim != 1:
+        raise ValueError(f"{name} must be 1-D token ids, got shape {tuple(value.shape)}")
+    if not isinstance(value, (list, tuple, torch.Tensor, np.ndarray)):
         raise ValueError(f"{name} must be a string or a list of token ids, "
                          f"got {type(value).__name__}")
-    if not value:
+    if len(value) == 0:
+        if empty_ok:
+            return text, []
         raise ValueError(f"{name}: empty; it needs at least 1 token")
+    if max_len is not None and len(value) > max_len:
+        raise ValueError(f"{name}: {len(value)} tokens, more than {limit}")
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        value = value.tolist()
     ids = [as_int(f"{name}: token id", t) for t in value]
     for t in ids:
         if not 0 <= t < vocab_size:

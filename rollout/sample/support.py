@@ -15,10 +15,11 @@ support is stored as "all" (`Support` gives `arange(vocab)` for it when asked).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
+from ..fields import as_float
 from .log_softmax import row_logsumexp
 
 
@@ -115,22 +116,81 @@ def logprobs_on_support(logits: torch.Tensor, support: Support | Sequence[torch.
     """The trainer's side: `logits` [T, V] of the generated positions (from its own forward,
     with autograd) renormalised over each position's kept tokens, as the engine drew them:
     log_softmax(logits / temperature) restricted to support[j], -inf outside it. With `tokens`
-    [T], the log-probabilities at them ([T]); else the whole [T, V]. `support`: a Sample's
-    Support, or a list of T id tensors."""
-    if len(support) != logits.shape[0]:
-        raise ValueError(f"support: {len(support)} positions for {logits.shape[0]} logits rows")
+    [T] (a tensor or list of ids, each in its position's support), the log-probabilities at
+    them ([T]); else the whole [T, V]. `support`: a Sample's Support, or T id tensors or lists,
+    none empty. A bad argument raises ValueError naming it; the checks are a few whole-tensor
+    reductions, no loop over ids."""
+    if not isinstance(logits, torch.Tensor) or logits.ndim != 2 \
+            or not logits.is_floating_point():
+        got = (f"shape {tuple(logits.shape)}, dtype {logits.dtype}"
+               if isinstance(logits, torch.Tensor) else type(logits).__name__)
+        raise ValueError(f"logits must be a 2-D floating torch.Tensor [T, V], got {got}")
+    temperature = as_float("temperature", temperature)
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 (a greedy token's support is itself), got "
                          f"{temperature!r}")
-    vocab = logits.shape[-1]
+    rows, vocab = logits.shape
     if isinstance(support, Support):
         if support.vocab_size != vocab:
             raise ValueError(f"support: vocabulary {support.vocab_size}, logits {vocab}")
-        mask = support.mask(logits.device)
+        given = support._rows
+    elif isinstance(support, (str, bytes)) or not isinstance(support, Iterable):
+        raise ValueError(f"support must be a Support or a list of T id tensors or lists, got "
+                         f"{type(support).__name__}")
     else:
-        mask = Support(list(support), vocab).mask(logits.device)
+        given = list(support)
+    if len(given) != rows:
+        raise ValueError(f"support: {len(given)} positions for {rows} logits rows")
+    # None: the whole vocabulary (as a Support stores it)
+    kept = [None if row is None else _ids(f"support[{j}]", row) for j, row in enumerate(given)]
+    cut = [j for j, row in enumerate(kept) if row is not None]
+    sizes = [len(kept[j]) for j in cut]
+    if 0 in sizes:  # its row would be all NaN
+        raise ValueError(f"support[{cut[sizes.index(0)]}] is empty; each position keeps at "
+                         f"least its token")
+    if cut:
+        ends = torch.tensor(sizes).cumsum(0)
+        _check_range(torch.cat([kept[j] for j in cut]), vocab,
+                     lambda i: f"support[{cut[int(torch.searchsorted(ends, i, right=True))]}]")
+    mask = Support(kept, vocab).mask(logits.device)
     scaled = (logits.float() / temperature).masked_fill(~mask, float("-inf"))
     logp = scaled.log_softmax(dim=-1)
     if tokens is None:
         return logp
-    return logp.gather(-1, tokens.to(logits.device).long()[:, None]).squeeze(-1)
+    tokens = _ids("tokens", tokens).to(logits.device)
+    if len(tokens) != rows:
+        raise ValueError(f"tokens: {len(tokens)} ids for {rows} logits rows")
+    _check_range(tokens, vocab, lambda i: f"tokens[{i}]")
+    inside = mask.gather(-1, tokens.long()[:, None]).squeeze(-1)
+    if not inside.all():
+        j = int((~inside).nonzero()[0])
+        raise ValueError(f"tokens[{j}]: id {int(tokens[j])} is not in support[{j}] (a token "
+                         f"is drawn from its position's support)")
+    return logp.gather(-1, tokens.long()[:, None]).squeeze(-1)
+
+
+def _ids(name: str, value) -> torch.Tensor:
+    """`value` (a tensor, array or list of ints) as a 1-D integer tensor, converted whole."""
+    ids = value
+    if not isinstance(ids, torch.Tensor):
+        try:
+            ids = torch.as_tensor(value)
+        except (TypeError, ValueError, RuntimeError):  # ragged, strings, objects
+            raise ValueError(f"{name} must be a 1-D tensor or list of int token ids, got "
+                             f"{type(value).__name__}") from None
+    if ids.ndim == 1 and ids.numel() == 0:
+        return ids.long()  # [] reads as float32: no id in it to be wrong
+    if ids.ndim != 1 or ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+        raise ValueError(f"{name} must be a 1-D tensor or list of int token ids, got shape "
+                         f"{tuple(ids.shape)}, dtype {ids.dtype}")
+    return ids
+
+
+def _check_range(ids: torch.Tensor, vocab: int, name) -> None:
+    """Every id in [0, vocab) (a negative one would index from the end): one reduction;
+    `name(i)` names the argument holding the first bad one, at position i of `ids`."""
+    bad = (ids < 0) | (ids >= vocab)
+    if bad.any():
+        i = int(bad.nonzero()[0])
+        raise ValueError(f"{name(i)}: id {int(ids[i])} is outside the vocabulary [0, {vocab})")
+

@@ -13,12 +13,9 @@ def check_scores(sequences, temperature, top_logprobs, start, vocab_size: int,
     """(token ids per sequence, first scored token per sequence, temperature, top k)."""
     if isinstance(sequences, str) or not isinstance(sequences, (list, tuple)):
         raise ValueError("sequences must be a list of strings or of token-id lists")
-    ids = [token_ids(f"sequences[{i}]", s, vocab_size, tokenizer)[1]
+    ids = [token_ids(f"sequences[{i}]", s, vocab_size, tokenizer, max_model_len,
+                     f"max_model_len={max_model_len}")[1]
            for i, s in enumerate(sequences)]
-    for i, seq in enumerate(ids):
-        if len(seq) > max_model_len:
-            raise ValueError(f"sequences[{i}]: {len(seq)} tokens, more than max_model_len="
-                             f"{max_model_len}")
     temperature = as_float("temperature", temperature)
     if not MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE:
         raise ValueError(f"temperature must be in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], "

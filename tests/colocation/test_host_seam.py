@@ -22,7 +22,7 @@ from rollout import Engine, EngineConfig, SamplingParams
 from rollout.colocation import weights as weights_module
 from rollout.colocation.colocation import Colocation
 from rollout.colocation.device_memory import tensor_bytes
-from rollout.colocation.parking import SEPARATE_HOST_MEMORY
+from rollout.config import SEPARATE_HOST_MEMORY
 from rollout.spec import SpeculativeConfig
 
 CONFIG = dict(kv_cache_tokens=512, max_model_len=64, max_num_seqs=16)

@@ -51,11 +51,15 @@ BAD = {  # what spoils a good tensor, and the problem the error names
     "int64": (lambda t: t.long(), "dtype torch.int64 is not floating point"),
     "bool": (lambda t: t > 0, "dtype torch.bool is not floating point"),
     "complex": (lambda t: t.to(torch.complex64), "dtype torch.complex64 is not floating point"),
+    # a floating dtype, but the copy into the engine's dense weights would fail half way
+    "sparse_coo": (lambda t: t.to_sparse(), "layout torch.sparse_coo is not dense"),
+    "sparse_csr": (lambda t: t.to_sparse_csr(), "layout torch.sparse_csr is not dense"),
     "shape": (lambda t: t[:, :3], r"shape \(64, 3\), expected \(64, 128\)"),
     "non-tensor": (lambda t: t.numpy(), "expected a torch.Tensor, got ndarray"),
 }
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 @pytest.mark.parametrize("container", ["dict", "pairs"])
 @pytest.mark.parametrize("bad", BAD)
 def test_bad_named_tensor_is_refused_before_any_copy(bad, container):
@@ -98,7 +102,8 @@ def test_a_source_with_no_weight_is_refused_and_changes_nothing():
     assert outputs(engine.generate(PROMPT, GREEDY)) == fresh(new)
 
 
-@pytest.mark.parametrize("bad", ["meta", "int64", "bool", "complex"])
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("bad", ["meta", "int64", "bool", "complex", "sparse_coo", "sparse_csr"])
 def test_bad_model_parameter_is_refused_from_its_metadata(bad):
     spoil, problem = BAD[bad]
     engine, new = old_engine_and_new_model()

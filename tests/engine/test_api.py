@@ -1,5 +1,6 @@
 """rollout.generate: one engine per model object, kept in step with the model's weights."""
 
+import pytest
 import torch
 from models import tiny_model
 from reference import assert_paths_agree
@@ -52,3 +53,16 @@ def test_a_model_of_inference_tensors():
     assert tokens(after) == tokens(Engine(model, EngineConfig(**CONFIG)).generate(PROMPTS,
                                                                                 GREEDY))
     assert tokens(after) != tokens(first)
+
+
+@pytest.mark.parametrize("junk", [None, 5, {"a": 1}, b"path"])
+def test_generate_refuses_what_is_not_a_model_as_engine_does(junk):
+    # Refused with Engine's own ValueError naming `model`: the engine cache's weak-key lookup
+    # had raised a TypeError first.
+    with pytest.raises(ValueError) as engine_refusal:
+        Engine(junk)
+    assert str(engine_refusal.value).startswith("model must be a transformers PreTrainedModel")
+    for call in (lambda: rollout.generate(junk, [[1, 2]]), lambda: engine_for(junk)):
+        with pytest.raises(ValueError) as refusal:
+            call()
+        assert str(refusal.value) == str(engine_refusal.value)

@@ -2,12 +2,14 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from helpers import samples
-from models import tiny_model
+from models import char_tokenizer, tiny_model
 
 from rollout import Engine, EngineConfig, SamplingParams
+from rollout.requests import intake
 
 
 @pytest.fixture(scope="module")
@@ -31,29 +33,63 @@ def test_bad_sampling_params(kwargs, field):
         SamplingParams(**kwargs)
 
 
-@pytest.mark.parametrize("prompt, field", [
-    ([], "prompt"), ([1, 2, 500], "vocabulary"), ([1, -3], "vocabulary"),
-    (list(range(64)), "max_model_len"), ("hello", "tokenizer"), ([1, 2.0], "prompt"),
-    (None, "prompt"),
-])
-def test_bad_prompts_raise_and_running_requests_survive(model, prompt, field):
-    engine = make_engine(model)
-    good = [[1, 2, 3], [4, 5, 6, 7]]
-    params = SamplingParams(temperature=0, max_tokens=12)
-    expected = samples(make_engine(model).generate(good, params))
-    ids = [engine.add_request(p, params) for p in good]
+GOOD_PROMPTS = [[1, 2, 3], [4, 5, 6, 7]]
+GREEDY12 = SamplingParams(temperature=0, max_tokens=12)
+
+
+def assert_refused_while_running(make, refuse, match: str):
+    """`refuse(engine)` raises ValueError matching `match` while two requests are mid-way; they
+    finish exactly as on an engine that never saw it. `make()` builds a fresh engine."""
+    expected = samples(make().generate(GOOD_PROMPTS, GREEDY12))
+    engine = make()
+    ids = [engine.add_request(p, GREEDY12) for p in GOOD_PROMPTS]
     engine.step()
     engine.step()
-    with pytest.raises(ValueError, match=field):
-        engine.add_request(prompt, params)
-    with pytest.raises(ValueError, match=field):
-        engine.generate([[9, 9, 9], prompt], params)  # the good prompt must not be queued
+    with pytest.raises(ValueError, match=match):
+        refuse(engine)
     assert set(engine.running_requests) == set(ids)
     engine.check_invariants()
     done = {}
     while engine.has_unfinished:
         done.update({o.request_id: o for o in engine.step()})
     assert samples([done[i] for i in ids]) == expected
+
+
+@pytest.mark.parametrize("prompt, field", [
+    ([], "prompt"), ([1, 2, 500], "vocabulary"), ([1, -3], "vocabulary"),
+    (list(range(64)), "max_model_len"), ("hello", "tokenizer"), ([1, 2.0], "prompt"),
+    (None, "prompt"), (torch.tensor([[1, 2, 3]]), r"prompt must be 1-D.*\(1, 3\)"),
+])
+def test_bad_prompts_raise_and_running_requests_survive(model, prompt, field):
+    def refuse(engine):
+        with pytest.raises(ValueError, match=field):
+            engine.add_request(prompt, GREEDY12)
+        engine.generate([[9, 9, 9], prompt], GREEDY12)  # the good prompt must not be queued
+
+    assert_refused_while_running(lambda: make_engine(model), refuse, field)
+
+
+@pytest.mark.parametrize("form", [list, torch.tensor, np.array])
+def test_a_prompt_too_long_is_refused_before_its_tokens_are_converted(model, form, monkeypatch):
+    """Its length is known without reading it: a 1M-token prompt costs no per-token work
+    (converting each token first had taken 6 s for 10M), in add_request and score alike."""
+    converted = []
+    monkeypatch.setattr(intake, "as_int", lambda name, v, *a: converted.append(v) or int(v))
+    long = form([1] * 1_000_000)
+
+    def refuse(call):
+        converted.clear()
+        try:
+            call()
+        finally:
+            assert converted == []  # not one of its tokens
+
+    assert_refused_while_running(lambda: make_engine(model),
+                                 lambda engine: refuse(lambda: engine.add_request(long)),
+                                 r"prompt: 1000000 tokens, more than max_model_len - 1 = 63")
+    with pytest.raises(ValueError, match=r"sequences\[0\]: 1000000 tokens, more than "
+                                         r"max_model_len=64"):
+        refuse(lambda: make_engine(model).score([long]))
 
 
 def test_other_bad_requests(model):
@@ -85,9 +121,70 @@ def test_bad_config():
             EngineConfig(**kwargs)
 
 
+@pytest.mark.parametrize("extra, match", [
+    (None, r"^extra must be a dict .*got None"), (5, r"^extra must be a dict"),
+    ([("separate_host_memory", True)], r"^extra must be a dict"),
+    # a typo is refused, not ignored: the known keys are listed
+    ({"seperate_host_memory": True}, r"^extra: unknown key 'seperate_host_memory'; the known "
+                                     r"keys are \('separate_host_memory',\)"),
+    ({1: True}, r"^extra: unknown key 1"),
+    ({"separate_host_memory": "yes"}, r"^extra\['separate_host_memory'\] must be True or False"),
+])
+def test_bad_config_extra_is_refused_by_the_config(extra, match):
+    # by EngineConfig itself: before, Engine built the model and then met an AttributeError
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(kv_cache_tokens=256, max_model_len=32, extra=extra)
+
+
+def test_config_extra_takes_its_known_keys(model):
+    assert EngineConfig().extra == {}
+    given = {"separate_host_memory": True}
+    config = EngineConfig(kv_cache_tokens=256, max_model_len=32, extra=given)
+    assert config.extra == given and config.extra is not given  # later edits don't reach it
+    assert Engine(model, config).stack.parking.separate_host
+
+
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr"])
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_sparse_weights_are_refused_before_any_copy_and_running_requests_survive(model, layout):
+    """A sparse tensor has a floating dtype but cannot be copied into the dense weights: it had
+    failed half way through the copy (needs_weights, the running requests stopped)."""
+    def refuse(engine):
+        named = [(n, p.detach().clone()) for n, p in model.named_parameters()]
+        i = max(i for i, (_, p) in enumerate(named) if p.ndim == 2)  # the dense ones before it
+        name, tensor = named[i]
+        named[i] = (name, tensor.to_sparse() if layout == "sparse_coo" else tensor.to_sparse_csr())
+        try:
+            engine.update_weights(named)
+        finally:
+            assert not engine.needs_weights
+
+    assert_refused_while_running(lambda: make_engine(model), refuse,
+                                 rf"weight '.*': layout torch.{layout} is not dense")
+
+
 def test_pool_too_small_for_one_request_refuses_to_start(model):
     with pytest.raises(ValueError, match=r"holds 100 tokens.*max_model_len=256"):
         Engine(model, EngineConfig(kv_cache_tokens=100, max_model_len=256))
+
+
+def test_bad_chat_template_kwargs_are_refused_naming_them_and_running_requests_survive():
+    # The engine passes the conversation (the template's `messages`) and tokenize itself: these
+    # had failed inside the template, reported as conversations[0]'s fault.
+    tok = char_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    chat_model = tiny_model("qwen2", vocab_size=len(tok))
+    conversation = [{"role": "user", "content": "ab"}]
+
+    def refuse(engine):
+        for kwargs in ({"conversation": []}, {"messages": 1}, {1: 2}):
+            with pytest.raises(ValueError, match=r"^chat_template_kwargs: "):
+                engine.chat(conversation, GREEDY12, chat_template_kwargs=kwargs)
+        engine.chat(conversation, GREEDY12, chat_template_kwargs={"tokenize": True})
+
+    assert_refused_while_running(
+        lambda: Engine(chat_model, EngineConfig(kv_cache_tokens=1024, max_model_len=64),
+                       tokenizer=tok), refuse, r"^chat_template_kwargs: 'tokenize'")
 
 
 GOOD = [[1, 2, 3], [4, 5, 6]]

@@ -135,6 +135,14 @@ def test_bad_chat_arguments_are_refused_and_change_nothing(tok, model):
     cases = [
         (dict(chat_template_kwargs={"tokenize": True}), "chat_template_kwargs: 'tokenize'"),
         (dict(chat_template_kwargs=["x"]), "chat_template_kwargs must be a dict"),
+        # what the engine passes itself: these had failed in the template and been blamed on
+        # conversations[0]
+        (dict(chat_template_kwargs={"conversation": []}),
+         r"^chat_template_kwargs: 'conversation' is the engine's to set"),
+        (dict(chat_template_kwargs={"messages": 1}),
+         r"^chat_template_kwargs: 'messages' is the engine's to set"),
+        (dict(chat_template_kwargs={1: 2}),
+         r"^chat_template_kwargs: keys must be str \(the template's variable names\), got 1"),
         (dict(params=[GREEDY]), "params: 1 SamplingParams for 2 prompts"),
     ]
     for kwargs, match in cases:

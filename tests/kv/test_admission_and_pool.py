@@ -209,6 +209,40 @@ def test_auto_pool_refuses_when_one_request_cannot_fit(monkeypatch):
     assert auto_engine(monkeypatch, free + 2 * per_token).pool.num_slots == MAX_MODEL_LEN
 
 
+def test_explicit_pool_beyond_free_memory_is_refused_naming_both_sizes(monkeypatch):
+    per_token = per_token_bytes()
+    monkeypatch.setattr(kv_pool, "available_memory", lambda device: 1000 * per_token + 1)
+    config = dict(max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS)
+    with pytest.raises(ValueError, match=rf"^kv_cache_tokens=1001 needs {1001 * per_token} "
+                                         rf"bytes .* but cpu has {1000 * per_token + 1} bytes "
+                                         rf"\(.* MiB\) available \(room for 1000 tokens\)"):
+        Engine(tiny_model("llama"), EngineConfig(kv_cache_tokens=1001, **config))
+    # What the memory holds is taken as asked (not cut to kv_memory_fraction of it).
+    engine = Engine(tiny_model("llama"), EngineConfig(kv_cache_tokens=1000, **config))
+    assert engine.inspect().kv_slots == 1000
+
+
+def test_explicit_pool_of_a_terabyte_is_a_value_error_with_the_real_reading():
+    # It had been a bare OSError from mmap: no field named, no size compared.
+    with pytest.raises(ValueError, match=r"^kv_cache_tokens=2147483647 needs .* available"):
+        Engine(tiny_model("llama"), EngineConfig(kv_cache_tokens=2**31 - 1, max_model_len=64))
+
+
+def test_ranks_refuse_an_explicit_pool_together():
+    """A tensor-parallel rank short of memory offers what it holds: every rank gets the
+    smallest and refuses with it, none goes on to build its pool alone."""
+    offered = []
+
+    def agree(tokens):
+        offered.append(tokens)
+        return min(tokens, 10)  # another rank holds only 10 tokens
+
+    with pytest.raises(ValueError, match=r"kv_cache_tokens=100 needs .*room for 10 tokens"):
+        kv_pool.size_pool(100, 0.3, 8, 4, bytes_per_token=64, device=torch.device("cpu"),
+                          agree=agree)
+    assert offered == [100]  # this rank's memory holds it all
+
+
 def test_auto_pool_with_the_real_reading():
     engine = Engine(tiny_model("llama"), EngineConfig(kv_cache_tokens=None, max_model_len=32,
                                                       max_num_seqs=4))

@@ -4,6 +4,7 @@ the scattered reads of a decode step, and 512x fewer faults when the pool is bui
 wake-up)."""
 
 import ctypes
+import errno
 import gc
 import mmap
 
@@ -137,3 +138,22 @@ def test_dropping_the_pool_unmaps_it():
     gc.collect()
     with pytest.raises(AssertionError, match="no mapping"):
         mapping_of(address)
+
+
+def test_a_mapping_the_kernel_refuses_is_a_value_error_naming_kv_cache_tokens(monkeypatch):
+    """The backstop behind size_pool's check against free memory (which memory taken between
+    the check and the build can defeat): ENOMEM from mmap names the field and the size."""
+    def refuse(*args, **kwargs):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(huge_pages.mmap, "mmap", refuse)
+    with pytest.raises(ValueError, match=r"^kv_cache_tokens: the KV pool's 64.0 MiB could not "
+                                         r"be mapped \(\[Errno 12\] Cannot allocate memory\)"):
+        huge_pages.empty_zeros((16 << 20,), torch.float32, torch.device("cpu"))
+
+    def other(*args, **kwargs):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(huge_pages.mmap, "mmap", other)
+    with pytest.raises(OSError, match="Invalid argument"):  # not a matter of the pool's size
+        huge_pages.empty_zeros((16 << 20,), torch.float32, torch.device("cpu"))

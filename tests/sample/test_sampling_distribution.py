@@ -6,6 +6,7 @@ and without speculative verification; `logprobs_on_support` and its gradients ag
 masked log-softmax; and the engine's samples carrying both."""
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -215,6 +216,48 @@ def test_logprobs_on_support_refuses_a_mismatch():
         logprobs_on_support(logits, [torch.tensor([1])] * 2, temperature=0)
     with pytest.raises(ValueError, match="vocabulary 11, logits 10"):
         logprobs_on_support(logits, Support([None, None], 11))
+
+
+L5 = torch.zeros(2, 5)
+S5 = [torch.tensor([0, 1]), torch.tensor([2])]
+
+
+@pytest.mark.parametrize("args, match", [
+    ((L5.tolist(), S5), r"^logits must be a 2-D floating torch.Tensor \[T, V\], got list"),
+    ((L5[0], S5[:1]), r"^logits must be a 2-D .*shape \(5,\)"),
+    ((L5.long(), S5), r"^logits must be a 2-D floating .*torch.int64"),
+    ((L5, S5, math.inf), r"^temperature must be a finite float"),
+    ((L5, S5, "x"), r"^temperature must be a real number"),
+    ((L5, S5, -1.0), r"^temperature must be > 0"),
+    ((L5, 5), r"^support must be a Support or a list of T id tensors or lists, got int"),
+    ((L5, [torch.tensor([-1]), torch.tensor([2])]), r"^support\[0\]: id -1 is outside the "
+                                                    r"vocabulary \[0, 5\)"),
+    ((L5, [torch.tensor([1]), torch.tensor([2, 7])]), r"^support\[1\]: id 7 is outside"),
+    ((L5, [[0, 1], []]), r"^support\[1\] is empty"),  # its row had been all NaN
+    ((L5, [torch.tensor([], dtype=torch.long), [2]]), r"^support\[0\] is empty"),
+    ((L5, [[0, 1.5], [2]]), r"^support\[0\] must be a 1-D tensor or list of int token ids"),
+    ((L5, [torch.tensor([[0, 1]]), [2]]), r"^support\[0\] must be a 1-D"),
+    ((L5, [[True], [2]]), r"^support\[0\] must be a 1-D"),
+    ((L5, Support([torch.tensor([9], dtype=torch.int32), None], 5)), r"^support\[0\]: id 9"),
+    ((L5, S5, 1.0, torch.tensor([0])), r"^tokens: 1 ids for 2 logits rows"),
+    ((L5, S5, 1.0, torch.tensor([0, 9])), r"^tokens\[1\]: id 9 is outside the vocabulary "
+                                          r"\[0, 5\)"),
+    ((L5, S5, 1.0, torch.tensor([0, 1])), r"^tokens\[1\]: id 1 is not in support\[1\]"),
+    ((L5, S5, 1.0, torch.tensor([0.0, 2.0])), r"^tokens must be a 1-D tensor or list of int"),
+])
+def test_logprobs_on_support_refuses_bad_arguments_naming_them(args, match):
+    """Each had given a silent wrong answer (an id of -1 read as V-1, an empty support a row of
+    NaN, fewer tokens fewer values, an infinite temperature) or an IndexError/TypeError."""
+    with pytest.raises(ValueError, match=match):
+        logprobs_on_support(*args)
+
+
+def test_logprobs_on_support_takes_support_rows_and_tokens_as_lists():
+    logits = torch.randn(2, 5, generator=torch.Generator().manual_seed(0))
+    want = logprobs_on_support(logits, S5, 0.5, torch.tensor([1, 2]))
+    assert torch.equal(logprobs_on_support(logits, [[0, 1], [2]], 0.5, [1, 2]), want)
+    assert torch.equal(logprobs_on_support(logits, (r.numpy() for r in S5), 0.5),
+                       logprobs_on_support(logits, S5, 0.5))
 
 
 def test_the_engine_returns_both_and_they_agree_with_the_trainers_renormalisation():
