@@ -14,6 +14,10 @@ from .sdpa import TorchAttention
 # What the Triton kernels run and are tested in: their tile sizes and dot precision assume 2- or
 # 4-byte floats (kernels/triton/paged_attention.py).
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Under TRITON_INTERPRET=1 the same kernels run on the CPU, but the interpreter's bf16 tl.dot is
+# wrong (a bf16 engine's logprobs were 5.9 nats off transformers'; the kernel tests leave bf16
+# out there, tests/support/kernels_env.py): bf16 takes the torch attention instead.
+INTERPRETED_DTYPES = (torch.float16, torch.float32)
 
 
 def _triton(pool, windows, invariant: bool = False):
@@ -23,8 +27,9 @@ def _triton(pool, windows, invariant: bool = False):
 
 
 def _triton_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    return dtype in TRITON_DTYPES and (device.type == "cuda" or interpreted)
+    if device.type == "cuda":
+        return dtype in TRITON_DTYPES
+    return os.environ.get("TRITON_INTERPRET") == "1" and dtype in INTERPRETED_DTYPES
 
 
 ATTENTION = Op("attention", torch=(TorchAttention, always),

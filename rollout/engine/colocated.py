@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
+from ..executor.stack import plain_tensors
 from ..fields import as_bool
 from ..parallel.agree import agree_max
 from .score import check_probe, run_probe
@@ -57,6 +58,7 @@ class ColocationCalls:
         with self._entered("wake_up"), self._on_every_rank("wake_up"):
             self.colocation.wake_up()
 
+    @plain_tensors  # it packs the weights' derived copies anew, which later updates rewrite
     def update_weights(self, source, bucket_bytes: int = 256 << 20, probe=None,
                        probe_reference=None, full: bool = False) -> dict:
         """Copy new weights in place (docs/colocation.md): `source` is the trainer's model

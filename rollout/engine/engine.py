@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 from ..colocation.colocation import Colocation
 from ..config import EngineConfig
-from ..executor.stack import ModelStack, pool_slots
+from ..executor.stack import ModelStack, plain_tensors, pool_slots
 from ..fields import as_bool
 from ..journal import Journal, RollbackFailed
 from ..lora.sync import LoraSync
@@ -53,6 +53,7 @@ from .stop import StopChecker
 
 
 class Engine(ColocationCalls):
+    @plain_tensors  # built inside torch.inference_mode, it must still run outside it
     def __init__(self, model, config: EngineConfig | None = None, tokenizer=None,
                  process_group=None, **overrides) -> None:
         """`process_group`: the torch.distributed group of `tensor_parallel_size` ranks to run

@@ -26,6 +26,16 @@ from .cuda_graph import DecodeGraphs
 from .runner import ModelRunner
 
 
+def plain_tensors(function):
+    """`function` with autograd off and outside inference mode, whatever mode its caller is in:
+    what it allocates and keeps is made of plain tensors. An eval script or a trainer's rollout
+    block may build or wake the engine under torch.inference_mode, whose inference tensors the
+    engine's later calls outside it could not update in place (the pool's free list, the slot
+    table, the weights update_weights copies into): torch refuses, and the failed step's rollback
+    with it."""
+    return torch.inference_mode(False)(torch.no_grad()(function))
+
+
 class ModelStack:
     def __init__(self, model, config: EngineConfig, num_slots: int, device: torch.device,
                  journal: Journal) -> None:
@@ -90,6 +100,7 @@ class ModelStack:
         self.model.drop_tables()
         self.parking.park(level)
 
+    @plain_tensors
     def wake_up(self) -> None:
         """Bring back what sleep dropped; what a failed sleep left in place is kept."""
         # Weights a level-2 sleep dropped come back uninitialised: packed after update_weights.

@@ -68,13 +68,24 @@ def size_pool(kv_cache_tokens: int | None, memory_fraction: float, max_model_len
     explicit `kv_cache_tokens` does not fit in the device's available memory. `agree`: the
     ranks of a tensor-parallel engine settle on one size (the smallest) before those checks,
     so they refuse together."""
-    asked = kv_cache_tokens
     if kv_cache_tokens is not None:
-        # What the memory holds, offered to `agree` in place of the asked size: a rank short
-        # of memory makes every rank refuse below (a CPU pool too big for the host had been a
-        # bare OSError from mmap; a GPU's, an out-of-memory error).
+        # Checked against the memory (a CPU pool too big for the host had been a bare OSError
+        # from mmap; a GPU's, an out-of-memory error). Under tensor parallelism the ranks may
+        # ask for different sizes (the pool takes the smallest, below): each offers its spare
+        # room, and a rank short of it makes every rank refuse.
         available = available_memory(device)
-        kv_cache_tokens = min(kv_cache_tokens, available // bytes_per_token)
+        spare = available // bytes_per_token - kv_cache_tokens
+        if agree is not None:
+            spare = agree(spare)
+        if spare < 0:
+            asked = kv_cache_tokens * bytes_per_token
+            where = (f"{device} has {available} bytes ({available / 2**20:.1f} MiB) available "
+                     f"(room for {available // bytes_per_token} tokens)" if agree is None else
+                     f"a rank's {device} lacks room for {-spare} of the tokens it asks for")
+            raise ValueError(
+                f"kv_cache_tokens={kv_cache_tokens} needs {asked} bytes ({asked / 2**20:.1f} "
+                f"MiB) of KV pool, but {where}; lower kv_cache_tokens, or leave it None to "
+                f"size the pool from free memory")
     else:
         budget = int(available_memory(device) * memory_fraction)
         # More than every sequence at full length could never be used.
@@ -86,16 +97,6 @@ def size_pool(kv_cache_tokens: int | None, memory_fraction: float, max_model_len
             kv_cache_tokens = min(kv_cache_tokens, ceiling)
     if agree is not None:
         kv_cache_tokens = agree(kv_cache_tokens)
-    if asked is not None and kv_cache_tokens < asked:
-        # Under tensor parallelism the shortfall may be another rank's: its room is what came
-        # back from `agree`.
-        room, where = ((available, str(device)) if agree is None else
-                       (kv_cache_tokens * bytes_per_token, f"a rank's {device}"))
-        raise ValueError(
-            f"kv_cache_tokens={asked} needs {asked * bytes_per_token} bytes "
-            f"({asked * bytes_per_token / 2**20:.1f} MiB) of KV pool, but {where} has {room} "
-            f"bytes ({room / 2**20:.1f} MiB) available (room for {kv_cache_tokens} tokens); "
-            f"lower kv_cache_tokens, or leave it None to size the pool from free memory")
     if kv_cache_tokens < max_model_len:
         raise ValueError(
             f"kv_cache_tokens: the KV pool holds {kv_cache_tokens} tokens "

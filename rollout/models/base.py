@@ -288,7 +288,8 @@ class CausalLM(nn.Module):
         return sum(m.derived_bytes() for m in self._projections())
 
     def build_tables(self, device: torch.device) -> None:
-        """Rebuild the tables sleep dropped (those still there are kept)."""
+        """Build the tables: at construction (on the device the model was allocated on), and
+        again at wake-up for those sleep dropped (those still there are kept)."""
         for m in self._tables():
             if not m.has_table:
                 m.build_table(device)

@@ -38,7 +38,11 @@ def build_model(config, max_model_len: int, dtype: torch.dtype, device: torch.de
     rank's part of them under tensor parallelism `tp`. `source`: the live transformers model
     (or a path) they are built for, whose rounded rotary frequencies they take."""
     cls = model_class(config)
-    with torch.device(device), building_for(tp):
+    # Constructed on the meta device, where nothing is allocated or initialised: the modules'
+    # default init (nn.Linear's kaiming, ...) would draw from torch's generators, which a
+    # trainer seeded for its own dropout and shuffles, and took longer than the load that
+    # overwrites it; and weights made in float32 then cast peaked at 3x a bf16 model's bytes.
+    with torch.device("meta"), building_for(tp):
         model = cls(config, max_model_len)
     if isinstance(source, torch.nn.Module):
         adopt_rounded_frequencies(model, source)
@@ -46,6 +50,8 @@ def build_model(config, max_model_len: int, dtype: torch.dtype, device: torch.de
     # reference casts its cos/sin.
     for p in model.parameters():
         p.data = p.data.to(dtype)
+    model.to_empty(device=device)
+    model.build_tables(device)  # computed, not loaded: on the device now, as at wake-up
     model.requires_grad_(False)
     return model.eval()
 

@@ -5,15 +5,17 @@ import pytest
 import torch
 from kernels_env import DEVICE, ON_GPU
 from models import tiny_model
-from reference import assert_paths_agree
+from reference import assert_matches_reference, assert_paths_agree
 from test_torch_shared_prefix import assert_attention_exact
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.attention import triton as triton_attention
 from rollout.attention.metadata import AttentionMetadata
+from rollout.attention.registry import attention_name
 from rollout.attention.sdpa import TorchAttention
 from rollout.attention.triton import TritonAttention, TritonPlan
 from rollout.kv.pool import KVPool
+from rollout.ops.backend import resolve_backend
 from rollout_kernels.triton import shared_prefix_attention
 
 pytestmark = pytest.mark.interpreter
@@ -38,6 +40,27 @@ def test_triton_backend_matches_torch_backend():
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11], [12] * 5]
     params = SamplingParams(n=2, temperature=0.8, max_tokens=6, logprobs=True, seed=1)
     generate_on_both_backends(prompts, params, max_num_batched_tokens=9)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's case: compiled, the kernels run bf16")
+def test_interpreter_leaves_bf16_to_torch_attention():
+    """The interpreter's bf16 tl.dot is wrong (tests/support/kernels_env.py): a bf16 model's
+    attention falls back to torch's, whose logprobs are transformers' (the Triton kernels were
+    5.9 nats off); fp16 and fp32 keep the kernels. The batch-invariant mode, which has no
+    fallback, refuses."""
+    backend = resolve_backend("triton", torch.device("cpu"))
+    assert [attention_name(backend, dtype) for dtype in
+            (torch.float32, torch.float16, torch.bfloat16)] == ["triton", "triton", "torch"]
+    model = tiny_model("qwen3", dtype=torch.bfloat16)
+    engine = Engine(model, EngineConfig(kv_cache_tokens=512, max_model_len=64, backend="triton"))
+    assert engine.implementations()["attention"] == "torch"
+    prompts = [list(range(1, 11)), [12] * 5]
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=6, logprobs=True))
+    # bf16 against transformers' bf16 forward: a bound of a few bf16 roundings of a logprob.
+    assert_matches_reference(model, prompts, outs, atol=0.25, greedy=False)
+    with pytest.raises(ValueError, match="Triton attention does not run torch.bfloat16"):
+        Engine(model, EngineConfig(kv_cache_tokens=512, max_model_len=64, backend="triton",
+                                   batch_invariant=True))
 
 
 def test_samples_of_a_prompt_decode_through_the_shared_prefix(monkeypatch):

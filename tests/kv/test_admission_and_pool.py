@@ -228,19 +228,30 @@ def test_explicit_pool_of_a_terabyte_is_a_value_error_with_the_real_reading():
         Engine(tiny_model("llama"), EngineConfig(kv_cache_tokens=2**31 - 1, max_model_len=64))
 
 
-def test_ranks_refuse_an_explicit_pool_together():
-    """A tensor-parallel rank short of memory offers what it holds: every rank gets the
-    smallest and refuses with it, none goes on to build its pool alone."""
+@pytest.mark.parametrize("other", ["short_of_memory", "asking_fewer"])
+def test_ranks_agree_on_an_explicit_pool(other):
+    """Tensor-parallel ranks offer their spare room, then their sizes: a rank short of memory
+    makes every rank refuse (none goes on to build its pool alone); a rank that asked for
+    fewer tokens (kv_cache_tokens may differ per rank) gives every rank its smaller pool."""
     offered = []
+    spare, size = {"short_of_memory": (-90, 10), "asking_fewer": (1 << 30, 50)}[other]
+    others = iter([spare, size])  # what the other rank offers to each agreement
 
-    def agree(tokens):
-        offered.append(tokens)
-        return min(tokens, 10)  # another rank holds only 10 tokens
+    def agree(value):
+        offered.append(value)
+        return min(value, next(others))
 
-    with pytest.raises(ValueError, match=r"kv_cache_tokens=100 needs .*room for 10 tokens"):
-        kv_pool.size_pool(100, 0.3, 8, 4, bytes_per_token=64, device=torch.device("cpu"),
-                          agree=agree)
-    assert offered == [100]  # this rank's memory holds it all
+    args = (100, 0.3, 8, 4)
+    if other == "short_of_memory":
+        with pytest.raises(ValueError, match=r"kv_cache_tokens=100 needs .*a rank's cpu lacks "
+                                             r"room for 90 of the tokens it asks for"):
+            kv_pool.size_pool(*args, bytes_per_token=64, device=torch.device("cpu"),
+                              agree=agree)
+        assert len(offered) == 1 and offered[0] > 0  # this rank's memory holds it all
+    else:
+        assert kv_pool.size_pool(*args, bytes_per_token=64, device=torch.device("cpu"),
+                                 agree=agree) == 50
+        assert offered[1] == 100
 
 
 def test_auto_pool_with_the_real_reading():

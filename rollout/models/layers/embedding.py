@@ -23,7 +23,9 @@ class VocabParallelEmbedding(Projection, nn.Module):
         super().__init__()
         self.tp, self.vocab_size = current(), vocab_size
         rows, self.start, self.real = split_vocab(vocab_size, self.tp)
-        # Zeros: the padding rows of the last rank are never loaded.
+        # The last rank's padding rows are never loaded (build_model allocates uninitialised
+        # memory, a level-2 sleep drops them) and never read: forward masks their lookups and
+        # gather_vocab cuts their logit columns.
         self.weight = nn.Parameter(torch.zeros(rows, hidden_size))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -68,7 +68,10 @@ class PackedCopy:
         if key != self.key:
             stale = self.packed if self.in_place else None
             self.drop()  # the stale copy goes before the new one is made (or is rewritten)
-            self.packed = self._pack(weight.detach(), stale)
+            # Packed at first use too, inside the runner's inference mode: a plain tensor
+            # still, which a later update_weights (outside that mode) rewrites in place.
+            with torch.inference_mode(False):
+                self.packed = self._pack(weight.detach(), stale)
             self.key = key
         return self.packed
 

@@ -47,7 +47,7 @@ def _inv_freq(config, head_dim: int, max_model_len: int, layer_type: str | None,
                   if partial_rotary else 1.0)
         dim = int(head_dim * factor)
         # On the CPU explicitly: built under the engine's device context, it would otherwise
-        # stay on the GPU through sleep.
+        # stay on the GPU through sleep (or hold no values on meta: loader.py).
         exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float()
         return 1.0 / (theta ** (exponents / dim)), 1.0
     if rope_type not in ROPE_INIT_FUNCTIONS:
@@ -55,7 +55,11 @@ def _inv_freq(config, head_dim: int, max_model_len: int, layer_type: str | None,
     kwargs = {"seq_len": max_model_len} if rope_type in _LENGTH_DEPENDENT else {}
     if layer_type is not None:
         kwargs["layer_type"] = layer_type
-    return ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kwargs)
+    # transformers makes some of its tensors on the default device, whatever `device` says: on
+    # the CPU too, not on the meta device the engine builds its modules on (loader.py), where
+    # they would hold no values.
+    with torch.device("cpu"):
+        return ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kwargs)
 
 
 class RotaryEmbedding(Dispatched, nn.Module):
@@ -73,11 +77,12 @@ class RotaryEmbedding(Dispatched, nn.Module):
                                  in _LENGTH_DEPENDENT)
         self.rotary_dim = 2 * self.inv_freq.numel()
         self.max_model_len = max_model_len
+        # Built by CausalLM.build_tables once the model is on its device: the engine constructs
+        # its modules on the meta device (loader.py), where the table would hold no values.
         self.register_buffer("cos_table", None, persistent=False)
         self.register_buffer("sin_table", None, persistent=False)
-        self.build_table(torch.get_default_device())
 
-    # --- the table: dropped at sleep, rebuilt at wake (models/base.py) -----------------------
+    # --- the table: built on the device, dropped at sleep, rebuilt at wake (models/base.py) ---
     def build_table(self, device: torch.device) -> None:
         """(Re)compute the fp32 cos/sin tables."""
         positions = torch.arange(self.max_model_len, dtype=torch.int64, device=device).float()
