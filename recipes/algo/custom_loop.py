@@ -144,7 +144,8 @@ class CustomTrainer:
             batch, episode_metrics = self._episode_batch(episodes, answers)
         else:
             if rewards is None:
-                rewards = [self.task.reward(s.text or "", answer)
+                rewards = [self.task.score(self.tokenizer, s.token_ids, answer,
+                                           self.engine.eos_ids)
                            for out, answer in zip(outs, answers) for s in out.samples]
             batch = build_batch(outs, rewards, self.tokenizer.pad_token_id, self.acc.device,
                                 self.behaviour)
@@ -193,11 +194,11 @@ class CustomTrainer:
                             env_timeout=self.cfg.env_timeout)
 
     def _episode_batch(self, episodes, answers) -> tuple[RolloutBatch, dict]:
-        """Each episode scored by the task's reward on its text after the prompt; the batch's
-        mask is the episodes' own (model tokens 1, environment tokens 0)."""
+        """Each episode scored by the task on its tokens after the prompt; the batch's mask is
+        the episodes' own (model tokens 1, environment tokens 0)."""
         texts = [episode_text(self.tokenizer, ep) for row in episodes for ep in row]
-        rewards = [self.task.reward(text, answer) for text, answer in
-                   zip(texts, (a for row, a in zip(episodes, answers) for _ in row))]
+        rewards = [self.task.score(self.tokenizer, ep.token_ids, answer, self.engine.eos_ids)
+                   for row, answer in zip(episodes, answers) for ep in row]
         batch = build_episode_batch(episodes, rewards, self.tokenizer.pad_token_id,
                                     self.acc.device, texts, self.behaviour)
         flat = [ep for row in episodes for ep in row]

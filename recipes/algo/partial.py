@@ -63,7 +63,8 @@ class GroupDrawer:
             else:
                 outs = self.rollout.generate(prompts, self.params)
             for out, answer in zip(outs, answers):
-                rewards = [self.task.reward(s.text or "", answer) for s in out.samples]
+                rewards = [self.task.score(self.tokenizer, s.token_ids, answer, engine.eos_ids)
+                           for s in out.samples]
                 if cfg.dynamic_sampling and calls < draws and len(set(rewards)) == 1:
                     dropped += 1
                     continue

@@ -60,7 +60,7 @@ def train_trl_async(cfg: RecipeConfig, accelerator, policy, tokenizer, task, tra
     policy.save_pretrained(path)
     tokenizer.save_pretrained(path)
     engine = Engine(path, engine_config(cfg), tokenizer=tokenizer)
-    trainer = engine_async_grpo(engine, path, [correctness_reward(task.reward)],
+    trainer = engine_async_grpo(engine, path, [correctness_reward(task, tokenizer, engine.eos_ids)],
                                 async_args(cfg, accelerator), task.train, tokenizer)
     trainer.add_callback(_ToTracker(tracker))
     scorer = ColocatedRollout(engine, trainer.model, cfg.sleep_level, synced=False)

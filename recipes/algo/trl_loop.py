@@ -4,14 +4,16 @@ The recipe's keys map onto GRPOConfig; TRL's own logs are forwarded to the recip
 (JSONL + W&B) under the same names the custom loop uses, so runs of both paths compare.
 
 A chat task's prompts are conversations (tasks/base.py): TRL renders them with the tokenizer's
-chat template into the ids rollout/engine/chat.py gives the custom loop, and hands its reward functions
-the completions as assistant messages."""
+chat template into the ids rollout/engine/chat.py gives the custom loop. Its reward function scores
+each completion's token ids as the custom loop does (Task.score)."""
 
 from __future__ import annotations
 
 import time
 
 from transformers import PrinterCallback, TrainerCallback
+
+from rollout.models.loader import eos_token_ids
 
 from ..run.build import engine_config, frozen_copy
 from ..run.config import RecipeConfig
@@ -66,12 +68,13 @@ def _optimizer_steps_per_rollout(cfg: RecipeConfig) -> int:
     return cfg.minibatches * cfg.epochs
 
 
-def correctness_reward(reward):
-    """TRL calls reward functions with the batch's columns as keyword lists."""
+def correctness_reward(task, tokenizer, eos_ids):
+    """TRL calls reward functions with the batch's columns as keyword lists and each
+    completion's token ids, which the task scores as the custom loop does (Task.score: TRL's
+    completion text skips special tokens). `eos_ids`: the ids that end a sample."""
 
-    def correct(prompts, completions, answer, **_):
-        return [reward(c if isinstance(c, str) else c[-1]["content"], a)
-                for c, a in zip(completions, answer)]
+    def correct(completion_ids, answer, **_):
+        return [task.score(tokenizer, ids, a, eos_ids) for ids, a in zip(completion_ids, answer)]
 
     return correct
 
@@ -127,8 +130,10 @@ def train_trl(cfg: RecipeConfig, accelerator, policy, tokenizer, task, tracker) 
     # Read before GRPOConfig resets the accelerate state.
     slot = engine_slot(accelerator.process_index, accelerator.num_processes,
                        cfg.tensor_parallel_size)
+    # The ids the engine TRL builds ends samples on (Engine.eos_ids, from the same policy).
+    reward = correctness_reward(task, tokenizer, eos_token_ids(policy, policy.config, tokenizer))
     trainer = RolloutGRPOTrainer(
-        policy, reward_funcs=[correctness_reward(task.reward)], args=grpo_args(cfg, accelerator),
+        policy, reward_funcs=[reward], args=grpo_args(cfg, accelerator),
         train_dataset=task.train, processing_class=tokenizer,
         engine_config=engine_config(cfg, slot.index), sleep_level=cfg.sleep_level,
         importance_ratio=cfg.importance_ratio,

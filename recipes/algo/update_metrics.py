@@ -5,8 +5,11 @@ groups whose rewards differ."""
 from __future__ import annotations
 
 import math
+import sys
 
 from .batch import RolloutBatch
+
+_LARGEST_EXP = math.log(sys.float_info.max)  # math.exp raises OverflowError past it
 
 
 def reduce_stat(key: str, total: float | None, value: float) -> float:
@@ -35,7 +38,8 @@ def ratio_metrics(totals: dict, tokens: float) -> dict:
         "loss/ratio_outside": totals["ratio_outside"] / tokens,
         "mismatch/logprob_gap_mean": gap,
         "mismatch/logprob_gap_max": totals["mismatch/gap_max"],
-        "mismatch/prob_error": math.exp(gap),
+        # inf rather than an OverflowError when a broken sync makes the gap huge
+        "mismatch/prob_error": math.inf if gap > _LARGEST_EXP else math.exp(gap),
         "mismatch/ratio_min": totals["mismatch/ratio_min"],
         "mismatch/ratio_max": totals["mismatch/ratio_max"],
         "mismatch/kl": totals["mismatch/kl"] / first}

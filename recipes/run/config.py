@@ -20,6 +20,7 @@ import torch
 from rollout.config import CARRIED_KV, LORA_MODES
 
 from . import smollm2
+from .data_files import is_data_file
 from .options import engine_config, lora_config, speculative_config
 from .tiny import tiny_llama
 
@@ -27,6 +28,7 @@ TRAINERS = ("custom", "trl", "trl_async")
 ALGOS = ("grpo", "ppo")
 REWARDS = ("auto", "exact", "math")
 TASKS = ("addition", "calculator", "reverse")
+WANDB_MODES = ("offline", "online", "disabled")  # wandb_mode's, and $WANDB_MODE's
 
 
 @dataclass
@@ -46,7 +48,9 @@ class RecipeConfig:
     eval_every: int = 0  # also score every this many RL steps (custom trainer); 0: never
     train_split: str = "train"
     eval_split: str = "test"
-    prompt_template: str = "{prompt}"  # str.format over a dataset row
+    # str.format over a dataset row; None: the row's `prompt` column, else its `question`
+    # (GSM8K's), so that `--model X --dataset openai/gsm8k` runs without a template.
+    prompt_template: str | None = None
     answer_field: str = "answer"
     system_prompt: str | None = None
     chat_template: bool | None = None  # None: use the tokenizer's chat template if it has one
@@ -160,7 +164,8 @@ class RecipeConfig:
     def __post_init__(self) -> None:
         for name, (builtin, named) in _AUTO.items():
             if getattr(self, name) is None:
-                setattr(self, name, builtin if self.model is None else named)
+                value = builtin if self.model is None else named
+                setattr(self, name, value(self) if callable(value) else value)
         _check_types(self)
         _check_values(self)
 
@@ -180,10 +185,20 @@ class RecipeConfig:
         return "exact" if self.dataset is None else "math"
 
 
-# Keys left None get a value that fits the model: (built-in tiny model, a named model). A named
-# model without a config then still runs (`--model X --dataset Y`); its YAML tunes the rest.
-_AUTO = {"max_new_tokens": (8, 256), "max_model_len": (64, 1024), "learning_rate": (1e-4, 1e-6),
-         "micro_batch_size": (64, 8), "warmstart_steps": (300, 0)}
+def _longest_turn(cfg: RecipeConfig) -> int | None:
+    """The built-in task's longest model turn in tokens (its `longest_turn`): every answer (or
+    tool call) fits, and the exact-match reward gives nothing longer any credit."""
+    from ..tasks import BUILTIN  # here: the tasks import this module
+
+    task = BUILTIN.get(cfg.task) if isinstance(cfg.task, str) else None
+    return task.longest_turn(cfg) if task else None  # an unknown task: _check_values names it
+
+
+# Keys left None get a value that fits the model: (built-in tiny model, a named model), or a
+# function of the config. A named model without a config then still runs (`--model X
+# --dataset Y`); its YAML tunes the rest.
+_AUTO = {"max_new_tokens": (_longest_turn, 256), "max_model_len": (64, 1024),
+         "learning_rate": (1e-4, 1e-6), "micro_batch_size": (64, 8), "warmstart_steps": (300, 0)}
 
 _POSITIVE = ("steps", "prompts_per_step", "num_generations", "max_new_tokens", "epochs",
              "minibatches", "micro_batch_size", "warmstart_batch_size", "max_model_len",
@@ -197,7 +212,7 @@ _NON_NEGATIVE_FINITE = ("beta", "weight_decay", "vf_coef")
 
 def _check_values(cfg: RecipeConfig) -> None:
     for name, allowed in (("trainer", TRAINERS), ("algo", ALGOS), ("reward", REWARDS),
-                          ("task", TASKS), ("wandb_mode", (None, "offline", "online", "disabled")),
+                          ("task", TASKS), ("wandb_mode", (None, *WANDB_MODES)),
                           ("importance_ratio", ("on_support", "full_policy")),
                           ("lora_mode", LORA_MODES)):
         if getattr(cfg, name) not in allowed:
@@ -331,7 +346,12 @@ def _check_values(cfg: RecipeConfig) -> None:
         raise ValueError(f"model: {cfg.model!r} is neither an existing path nor a hub id")
     if cfg.dataset is not None and is_data_file(cfg.dataset) and not os.path.isfile(cfg.dataset):
         raise ValueError(f"dataset: file not found: {cfg.dataset!r}")
-    if "{" not in cfg.prompt_template or "}" not in cfg.prompt_template:
+    if cfg.dataset is not None and _looks_like_local_path(cfg.dataset) and \
+            not os.path.exists(cfg.dataset):
+        raise ValueError(f"dataset: local directory not found: {cfg.dataset!r} (a hub id is "
+                         f"'org/name')")
+    if cfg.prompt_template is not None and ("{" not in cfg.prompt_template
+                                            or "}" not in cfg.prompt_template):
         raise ValueError(f"prompt_template must name a dataset field in braces, e.g. "
                          f"'{{question}}', got {cfg.prompt_template!r}")
 
@@ -378,17 +398,15 @@ _TINY_DEFAULTS = {name: parameter.default
                   if name in _TINY_KEYS}
 
 
-DATA_FILE_TYPES = {"json": "json", "jsonl": "json", "csv": "csv", "parquet": "parquet"}
-
-
-def is_data_file(name: str) -> bool:
-    return os.path.splitext(name)[1].lstrip(".") in DATA_FILE_TYPES
-
-
 def _looks_like_hub_id(name: str) -> bool:
     # "org/name" with no leading dot or slash; local paths start with ./, / or ~ or exist.
     parts = name.split("/")
     return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
+
+
+def _looks_like_local_path(name: str) -> bool:
+    # What can only be a local path: no hub id (a dataset's may be one bare name, "gsm8k").
+    return name.startswith((".", "/", "~")) or name.count("/") > 1
 
 
 def _check_types(cfg: RecipeConfig) -> None:
@@ -398,12 +416,6 @@ def _check_types(cfg: RecipeConfig) -> None:
         if float in allowed and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)  # YAML writes 1 for 1.0
             setattr(cfg, f.name, value)
-        if float in allowed and str not in allowed and isinstance(value, str):
-            try:  # PyYAML reads 5e-4 (no dot) as a string
-                value = float(value)
-                setattr(cfg, f.name, value)
-            except ValueError:
-                pass
         if not any(_is(value, t) for t in allowed):
             names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
             raise ValueError(f"{f.name} must be {names}, got {value!r}")

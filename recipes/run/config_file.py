@@ -5,10 +5,27 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import yaml
 
 from .config import RecipeConfig, field_types
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML as PyYAML reads it, but for exponent floats without a dot ("5e-2", "1E5"): floats,
+    where PyYAML (YAML 1.1) reads them as strings. At every level, a lora or speculative
+    dict's values included."""
+
+
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float",
+                              re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"),
+                              list("-+0123456789"))
+
+
+def read_yaml(text) -> object:
+    """A YAML document (a string or an open file), read by _Loader."""
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 (_Loader is a SafeLoader)
 
 
 def load_config(path: str | None = None, overrides: dict | None = None) -> RecipeConfig:
@@ -18,11 +35,16 @@ def load_config(path: str | None = None, overrides: dict | None = None) -> Recip
         if not os.path.isfile(path):
             raise ValueError(f"config: file not found: {path!r}")
         with open(path) as f:
-            loaded = yaml.safe_load(f)
+            loaded = read_yaml(f)
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
             raise ValueError(f"config: {path!r} must hold a mapping of keys to values")
+        not_names = [k for k in loaded if not isinstance(k, str)]
+        if not_names:
+            raise ValueError(f"config: key(s) {not_names} in {path!r} are not names: YAML reads "
+                             f"an unquoted on/off/yes/no/y/n as a boolean, digits as a number; "
+                             f"quote them")
         values.update(loaded)
     values.update(overrides or {})
     known = {f.name for f in dataclasses.fields(RecipeConfig)}
@@ -36,7 +58,7 @@ _NULLS = ("", "~", "null", "Null", "NULL")  # YAML's nulls
 
 
 def parse_overrides(args: list[str]) -> dict:
-    """`--key value` / `--key=value` pairs; values are read as YAML (so 1e-4, true, null work),
+    """`--key value` / `--key=value` pairs; values are read as YAML (read_yaml: 1e-4, true, null),
     a string field's as typed."""
     out: dict = {}
     i = 0
@@ -58,7 +80,7 @@ def parse_overrides(args: list[str]) -> dict:
             out[key] = value
             continue
         try:
-            out[key] = yaml.safe_load(value) if value != "" else None
+            out[key] = read_yaml(value) if value != "" else None
         except yaml.YAMLError:  # e.g. a prompt template "{question}=" is not YAML: keep it
             out[key] = value
     return out

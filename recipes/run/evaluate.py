@@ -12,7 +12,6 @@ import torch
 from rollout import SamplingParams
 from rollout.agent import run_episodes
 
-from ..algo.batch import episode_text
 from .shard import engine_slot, rank_slice
 
 
@@ -26,21 +25,24 @@ def held_out_accuracy(rollout, task, tokenizer, max_new_tokens: int, accelerator
             outs = rollout.generate(task.encode(tokenizer, prompts), SamplingParams(temperature=0,
                                                             max_tokens=max_new_tokens),
                                     use_tqdm=progress and accelerator.is_main_process)
-        correct = sum(task.reward(o.samples[0].text or "", a) for o, a in zip(outs, answers))
+        eos_ids = rollout.engine.eos_ids
+        correct = sum(task.score(tokenizer, o.samples[0].token_ids, a, eos_ids)
+                      for o, a in zip(outs, answers))
     return _mean_over_engines(correct, len(prompts), accelerator, rollout.engine)
 
 
 def held_out_episode_accuracy(rollout, task, tokenizer, cfg, accelerator,
                               progress: bool = False) -> float:
     """Greedy episodes with the task's environment (one per held-out prompt), scored by the
-    task's reward on each episode's text after the prompt."""
+    task on each episode's tokens after the prompt."""
     prompts, answers = _rank_share(task, accelerator, rollout.engine)
     correct = 0.0
     if prompts:
         with rollout:
             episodes = _greedy_episodes(rollout, task, tokenizer, cfg, prompts, cfg.max_turns,
                                         progress and accelerator.is_main_process)
-        correct = sum(task.reward(episode_text(tokenizer, row[0]), a)
+        eos_ids = rollout.engine.eos_ids
+        correct = sum(task.score(tokenizer, row[0].token_ids, a, eos_ids)
                       for row, a in zip(episodes, answers))
     return _mean_over_engines(correct, len(prompts), accelerator, rollout.engine)
 

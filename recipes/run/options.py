@@ -16,7 +16,7 @@ def lora_config(cfg):
     import peft
 
     known = {f.name for f in dataclasses.fields(peft.LoraConfig)}
-    unknown = sorted(set(cfg.lora) - known)
+    unknown = sorted(set(cfg.lora) - known, key=str)  # YAML may give a non-string key
     if unknown:
         raise ValueError(f"lora: unknown key(s) {unknown}; see peft.LoraConfig")
     options = {"task_type": "CAUSAL_LM", "lora_dropout": 0.0, **cfg.lora}
@@ -50,7 +50,7 @@ def speculative_config(cfg):
     from rollout.spec import SpeculativeConfig
 
     known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
-    unknown = sorted(set(cfg.speculative) - known)
+    unknown = sorted(set(cfg.speculative) - known, key=str)  # likewise
     if unknown:
         raise ValueError(f"speculative: unknown key(s) {unknown}; known: {sorted(known)}")
     return SpeculativeConfig(**cfg.speculative)

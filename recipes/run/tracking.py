@@ -10,7 +10,7 @@ import os
 
 from tqdm.auto import tqdm
 
-from .config import RecipeConfig, to_dict
+from .config import WANDB_MODES, RecipeConfig, to_dict
 
 
 class Tracker:
@@ -21,32 +21,44 @@ class Tracker:
         self.run = None
         self.jsonl_path = os.path.join(cfg.output_dir, "metrics.jsonl")
         self._jsonl = None
+        # An exported but empty $WANDB_MODE is unset (wandb.init, which reads it too, would
+        # refuse it whatever mode it is given); any other value is checked here, before a file
+        # is created, as the config's own wandb_mode is.
+        if os.environ.get("WANDB_MODE") == "":
+            del os.environ["WANDB_MODE"]
         self.wandb_mode = cfg.wandb_mode or os.environ.get("WANDB_MODE", "offline")
+        if cfg.wandb and self.wandb_mode not in WANDB_MODES:
+            raise ValueError(f"WANDB_MODE must be one of {WANDB_MODES} (or unset: offline), got "
+                             f"{self.wandb_mode!r}; --wandb_mode wins over it")
         if not is_main:
             return
         os.makedirs(cfg.output_dir, exist_ok=True)
         self._jsonl = open(self.jsonl_path, "w")
-        mode = self.wandb_mode
-        if cfg.wandb and mode != "disabled":
+        if cfg.wandb and self.wandb_mode != "disabled":
             import wandb
 
-            self.run = wandb.init(project=cfg.wandb_project, name=cfg.run_name, mode=mode,
-                                  dir=cfg.output_dir, config=to_dict(cfg), reinit="finish_previous")
+            try:
+                self.run = wandb.init(project=cfg.wandb_project, name=cfg.run_name,
+                                      mode=self.wandb_mode, dir=cfg.output_dir,
+                                      config=to_dict(cfg), reinit="finish_previous")
+            except BaseException:
+                self.finish()  # the caller gets no tracker to finish: close the file here
+                raise
 
     def log(self, metrics: dict, step: int) -> None:
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         self.history.append(row)
         if not self.is_main:
             return
-        self._jsonl.write(json.dumps(row) + "\n")
+        self._jsonl.write(json.dumps(_outgoing(row)) + "\n")
         self._jsonl.flush()
         if self.run is not None:
-            self.run.log({k: v for k, v in row.items() if k != "step"}, step=step)
+            self.run.log(_outgoing({k: v for k, v in row.items() if k != "step"}), step=step)
 
     def set_summary(self, **values) -> None:
         self.summary.update({k: _plain(v) for k, v in values.items()})
         if self.run is not None:
-            self.run.summary.update(self.summary)
+            self.run.summary.update(_outgoing(self.summary))
 
     def print(self, text: str) -> None:
         if self.is_main and self.cfg.progress:
@@ -54,7 +66,7 @@ class Tracker:
 
     def finish(self) -> None:
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps({"summary": self.summary}) + "\n")
+            self._jsonl.write(json.dumps(_outgoing({"summary": self.summary})) + "\n")
             self._jsonl.close()
             self._jsonl = None
         if self.run is not None:
@@ -70,9 +82,14 @@ class Tracker:
 
 
 def _plain(v):
-    """Tensors and numpy scalars to Python numbers; NaN stays NaN (JSON writes it as NaN)."""
-    if hasattr(v, "item"):
-        v = v.item()
-    if isinstance(v, float) and math.isinf(v):
-        return str(v)
-    return v
+    """Tensors and numpy scalars to Python numbers, infinities and NaN included: the history
+    stays numbers (the reward curve computes with them)."""
+    return v.item() if hasattr(v, "item") else v
+
+
+def _outgoing(v):
+    """What leaves the process (the JSONL file, W&B): an infinity as the text "inf" / "-inf",
+    JSON having no such number (Python's json writes NaN as NaN and reads it back)."""
+    if isinstance(v, dict):
+        return {k: _outgoing(x) for k, x in v.items()}
+    return str(v) if isinstance(v, float) and math.isinf(v) else v

@@ -8,23 +8,32 @@ task, each with a `load(...) -> Task` (base.py):
                   or single-turn without the tool (`tools: false`)
 
 A new task is a new file here with its data, its reward (and, for multi-turn episodes, its
-environment: see base.py), named in BUILTIN below and in TASKS of recipes/run/config.py.
+environment: see base.py), named in BUILTIN below and in TASKS of recipes/run/config.py; a
+built-in one also gives its `longest_turn(cfg)`, the tokens of its longest model turn (the
+built-in model's max_new_tokens).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from typing import TYPE_CHECKING
 
-from ..run.config import RecipeConfig
 from . import addition, calculator, gsm8k, reverse
 from .addition import exact_reward
-from .base import Task
+from .base import Reward, Task
 from .gsm8k import math_reward
 
-__all__ = ["REWARDS", "Task", "builtin_alphabet", "exact_reward", "load_task", "math_reward"]
+if TYPE_CHECKING:  # the config resolves its defaults from the tasks
+    from ..run.config import RecipeConfig
+
+__all__ = ["NEEDS_EOS", "REWARDS", "Task", "builtin_alphabet", "exact_reward", "load_task",
+           "math_reward"]
 
 # Reward names a config may give (`reward: exact | math`; `auto` picks per task).
-REWARDS: dict[str, Callable[[str, str], float]] = {"exact": exact_reward, "math": math_reward}
+REWARDS: dict[str, Reward] = {"exact": exact_reward, "math": math_reward}
+# Whether a reward scores only completions that EOS ended (Task.needs_eos): exact match takes
+# nothing extra, a missing EOS included; math reads the answer wherever the completion stopped.
+NEEDS_EOS = {"exact": True, "math": False}
 
 # The built-in tasks (`task:` in a config, used when `dataset` is None) and their alphabets.
 BUILTIN = {"addition": addition, "calculator": calculator, "reverse": reverse}
@@ -33,8 +42,10 @@ BUILTIN = {"addition": addition, "calculator": calculator, "reverse": reverse}
 def load_task(cfg: RecipeConfig, tokenizer=None) -> Task:
     reward = REWARDS[cfg.reward_kind]
     if cfg.dataset is None:
-        return BUILTIN[cfg.task].load(cfg, reward)
-    return gsm8k.load(cfg, tokenizer, reward)
+        task = BUILTIN[cfg.task].load(cfg, reward)
+    else:
+        task = gsm8k.load(cfg, tokenizer, reward)
+    return dataclasses.replace(task, needs_eos=NEEDS_EOS[cfg.reward_kind])
 
 
 def builtin_alphabet(cfg: RecipeConfig) -> str | None:

@@ -28,9 +28,17 @@ def addition(train_size: int, eval_size: int, seed: int) -> tuple[Dataset, Datas
     return rows(pairs[eval_size:eval_size + train_size]), rows(pairs[:eval_size])
 
 
+def longest_turn(cfg) -> int:
+    """Tokens of the longest answer, 99+99's, and EOS under the built-in tokenizer (one a
+    character): the built-in model's max_new_tokens."""
+    return len(str(99 + 99)) + 1
+
+
 def exact_reward(completion: str, answer: str) -> float:
-    """1.0 when the completion, stripped, equals the answer: the answers are bare numbers, so
-    anything extra is wrong."""
+    """1.0 when the completion, stripped of whitespace, equals the answer: the answers are bare
+    numbers, so anything extra is wrong. A special token is extra too (the text a task scores
+    keeps them), and so is a missing EOS: Task.score gives an exact-match completion that EOS
+    did not end 0 (tasks/base.py)."""
     return float(completion.strip() == str(answer).strip())
 
 

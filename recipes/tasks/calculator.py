@@ -83,6 +83,15 @@ def demonstration(prompt: str, answer: str, tools: bool) -> list[tuple[str, bool
             (answer, True)]
 
 
+def longest_turn(cfg) -> int:
+    """Tokens of the longest model turn under the built-in tokenizer (one a character): the
+    call on the largest operands (its closing tag ends the turn), or without the tool the
+    largest sum and EOS. The built-in model's max_new_tokens."""
+    if cfg.tools:
+        return len(f"{CALL}{HIGH}+{HIGH}{END_CALL}")
+    return len(str(HIGH + HIGH)) + 1
+
+
 def load(cfg, reward) -> Task:
     train, held_out = sums(cfg.train_size, cfg.eval_size, cfg.split_seed)
 

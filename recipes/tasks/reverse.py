@@ -35,6 +35,12 @@ def strings(train_size: int, eval_size: int, seed: int) -> tuple[Dataset, Datase
     return rows(ordered[eval_size:]), rows(ordered[:eval_size])
 
 
+def longest_turn(cfg) -> int:
+    """Tokens of the longest answer, LONGEST digits, and EOS under the built-in tokenizer (one
+    a character): the built-in model's max_new_tokens."""
+    return LONGEST + 1
+
+
 def load(cfg, reward) -> Task:
     train, held_out = strings(cfg.train_size, cfg.eval_size, cfg.split_seed)
     return Task(train, held_out if cfg.eval_size else None, reward, ALPHABET)

@@ -70,7 +70,8 @@ def test_trl_feeds_the_engine_the_same_prompt_ids(tmp_path, monkeypatch):
                       max_steps=1, per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=4, save_strategy="no", seed=0)
     trainer = RolloutGRPOTrainer(
-        tiny_model("llama", vocab_size=len(tok)), reward_funcs=correctness_reward(task.reward),
+        tiny_model("llama", vocab_size=len(tok)),
+        reward_funcs=correctness_reward(task, tok, {tok.eos_token_id}),
         args=args, train_dataset=task.train, processing_class=tok,
         engine_config=EngineConfig(kv_cache_tokens=512, max_model_len=96, max_num_seqs=8))
     prompts = list(task.train["prompt"])  # TRL hands over its batch's rows as a list

@@ -16,7 +16,7 @@ from rollout_recipes.algo.losses import behaviour_weights, grpo_loss
 from rollout_recipes.grpo import main
 from rollout_recipes.run.build import engine_config
 from rollout_recipes.run.config import RecipeConfig
-from rollout_recipes.tasks import REWARDS
+from rollout_recipes.tasks import NEEDS_EOS, REWARDS
 
 
 def test_decoupled_loss_by_hand():
@@ -60,8 +60,10 @@ def test_partial_rollouts_carry_groups_into_later_steps(tmp_path, algo, monkeypa
     whose behaviour logprobs then differ from the proximal policy's and whose token weights
     pi_prox / mu are not 1. Fresh samples have weight 1 (up to fp32 rounding of the two
     forwards), and the clipped ratio against the proximal policy is 1 in the single
-    minibatch. A length reward gives the groups a spread, so the policy does move."""
+    minibatch. A length reward gives the groups a spread, so the policy does move (every
+    sample scored, EOS or not)."""
     monkeypatch.setitem(REWARDS, "exact", lambda completion, answer: float(len(completion) > 2))
+    monkeypatch.setitem(NEEDS_EOS, "exact", False)
     out = main(["--config", write_config(tmp_path), "--algo", algo, "--partial_rollouts", "true",
                 "--over_sample", "2", "--max_staleness", "3", "--steps", "4",
                 "--learning_rate", "1e-2"])
@@ -115,21 +117,24 @@ def test_dynamic_sampling_trains_on_groups_with_signal(tmp_path, monkeypatch):
 
 
 class FakeRollout:
-    """Engine.rollout / generate on one prompt text for every row, every sample answering "1":
-    a group's reward tells which row's answer it was scored against. rollout() hands out the
-    groups newest first and carries the oldest (not the order asked); `asked` records which
-    dataset row each request id was asked for (the i-th id of a call is the i-th row drawn)."""
+    """Engine.rollout / generate on one prompt text for every row, every sample answering "1"
+    and EOS (`written`): a group's reward tells which row's answer it was scored against.
+    rollout() hands out the groups newest first and carries the oldest (not the order asked);
+    `asked` records which dataset row each request id was asked for (the i-th id of a call is
+    the i-th row drawn)."""
 
-    def __init__(self, rows_drawn) -> None:
+    def __init__(self, rows_drawn, written: list[int], eos_ids) -> None:
         self.rows_drawn = rows_drawn  # the sampler's row indices, in the order drawn
+        self.written = written
         self.asked: dict[str, int] = {}
         self.engine = SimpleNamespace(stats=SimpleNamespace(
             generated_tokens=0, stale_restarts=0, stale_kv_kept=0, parked_tokens=0),
-            carried=[], weights_version=1)
+            carried=[], weights_version=1, eos_ids=eos_ids)
 
     def _output(self, request_id, prompt):
         return RolloutOutput(request_id, prompt, [
-            Sample(j, [5], [-0.1], "stop", text="1", weights_versions=[1]) for j in range(2)])
+            Sample(j, self.written, [-0.1] * len(self.written), "stop", text="1",
+                   weights_versions=[1]) for j in range(2)])
 
     def generate(self, prompts, params):
         return [self._output(f"drawn-{len(self.asked) + i}", p) for i, p in enumerate(prompts)]
@@ -167,10 +172,12 @@ def test_groups_are_scored_against_their_own_rows_answer(partial):
             rows_drawn.extend(rows)
             return rows
 
-    fake = FakeRollout(rows_drawn)
+    tok = char_tokenizer("0123456789?")
+    fake = FakeRollout(rows_drawn, tok.encode("1") + [tok.eos_token_id],
+                       frozenset({tok.eos_token_id}))
     cfg = SimpleNamespace(prompts_per_step=2, partial_rollouts=partial, over_sample=2.0,
                           dynamic_sampling=not partial, dynamic_sampling_draws=1)
-    drawer = GroupDrawer(cfg, fake, task, char_tokenizer("0123456789?"), Sampler(), None)
+    drawer = GroupDrawer(cfg, fake, task, tok, Sampler(), None)
     for _ in range(3):
         first = len(fake.asked) if partial else len(rows_drawn)
         outs, rewards, _ = drawer.draw()

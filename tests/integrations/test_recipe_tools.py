@@ -158,6 +158,10 @@ def test_calculator_reward_scores_the_final_answer():
     assert task.reward("<c>12+34</c><r>46</r>47", "46") == 0.0
     assert task.reward("<c>12+34</c><r>46</r>", "46") == 0.0  # the result alone is no answer
     assert task.reward("46", "46") == 1.0  # no call: the whole completion
+    # Scored from the episode's tokens, the answer needs its EOS (cut short: wrong).
+    episode = TOK.encode("<c>12+34</c><r>46</r>46")
+    assert task.score(TOK, episode + [TOK.eos_token_id], "46", {TOK.eos_token_id}) == 1.0
+    assert task.score(TOK, episode, "46", {TOK.eos_token_id}) == 0.0
     # Held-out sums are never trained on.
     train = set(zip(task.train["prompt"], task.train["answer"]))
     assert not train & set(zip(task.eval["prompt"], task.eval["answer"]))

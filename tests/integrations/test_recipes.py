@@ -399,9 +399,8 @@ def test_trl_minibatches_are_checked_before_any_model_is_built():
 def test_overrides_are_read_as_yaml():
     got = parse_overrides(["--learning_rate", "5e-4", "--beta=0.1", "--wandb", "false",
                            "--run_name", "7", "--kv_cache_tokens", "null"])
-    assert got == {"learning_rate": "5e-4", "beta": 0.1, "wandb": False, "run_name": "7",
+    assert got == {"learning_rate": 5e-4, "beta": 0.1, "wandb": False, "run_name": "7",
                    "kv_cache_tokens": None}
-    assert RecipeConfig(learning_rate=got["learning_rate"]).learning_rate == 5e-4
     # a string field's text as typed: what YAML reads as a comment or quoting stays
     typed = {"system_prompt": "Think, then give the final number after #### ",
              "run_name": "gsm8k #2", "output_dir": "'quoted' out"}
@@ -539,3 +538,229 @@ def test_named_model_and_dataset_files(tmp_path, trainer):
     assert task.chat and len(task.train) == 32 and len(task.eval) == 8
     [(text, _)] = render_conversations(tok, [task.train[0]["prompt"]])
     assert text.startswith("s=add\nu=what is ") and text.endswith("?\na=")
+
+
+# --- review fixes: rewards, defaults, tracking, config files ---------------------------------
+
+def test_exact_match_scores_every_token_the_model_wrote(tmp_path):
+    """Exact match scores the tokens after the prompt, not the engine's text (special tokens
+    skipped): a stray special token or an answer without EOS (cut at max_tokens) is wrong, on
+    every exact-match task; math stays lenient about both by design."""
+    from rollout_recipes.run.tiny import char_tokenizer
+    from rollout_recipes.tasks import load_task
+
+    for name in ("addition", "reverse", "calculator"):
+        task = load_task(RecipeConfig(task=name, train_size=20, eval_size=5))
+        tok = char_tokenizer(task.alphabet)
+        eos = frozenset({tok.eos_token_id})
+        for answer in task.eval["answer"]:
+            lead = "<c>1+1</c><r>2</r>" if name == "calculator" else ""  # an episode's turns
+            right = tok.encode(lead + answer) + [tok.eos_token_id]
+            variants = [right, right[:-1], tok.encode(lead + answer + "<pad><pad>"),
+                        tok.encode(lead + "<bos>" + answer + "<eos>"),
+                        tok.encode(lead + answer[:1] + "<pad>" + answer[1:] + "<eos>"),
+                        tok.encode(lead + answer + "<pad><eos>"),
+                        tok.encode(lead + answer + "0<eos>")]
+            # the naive rule: right only when the tokens are the answer's and then EOS
+            got = [task.score(tok, ids, answer, eos) for ids in variants]
+            assert got == [float(ids == right) for ids in variants], (name, answer, got)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i}?", "answer": f"#### {i}"}) + "\n"
+                            for i in range(4)))
+    math = load_task(RecipeConfig(model=str(tmp_path), dataset=str(data), eval_size=1), None)
+    tok = char_tokenizer("0123456789# ")
+    # lenient by design: a completion cut after its answer's number still named it
+    assert math.score(tok, tok.encode("#### 42 and"), "#### 42", {tok.eos_token_id}) == 1.0
+
+
+def test_held_out_accuracy_and_trl_rewards_score_the_tokens():
+    """The repro's sample: "4", <bos>, "6", <pad>, <pad> with no EOS, whose engine text is "46",
+    scores 0 in held-out accuracy and in the TRL trainer's reward function; "46" EOS scores 1."""
+    from types import SimpleNamespace
+
+    from rollout import RolloutOutput
+    from rollout.requests.outputs import Sample
+    from rollout_recipes.algo.trl_loop import correctness_reward
+    from rollout_recipes.run.evaluate import held_out_accuracy
+    from rollout_recipes.run.tiny import char_tokenizer
+    from rollout_recipes.tasks import load_task
+
+    task = load_task(RecipeConfig(train_size=10, eval_size=2))
+    tok = char_tokenizer(task.alphabet)
+    answers = list(task.eval["answer"])
+    written = [tok.encode(answers[0][:1] + "<bos>" + answers[0][1:] + "<pad><pad>"),
+               tok.encode(answers[1]) + [tok.eos_token_id]]
+    assert tok.decode(written[0], skip_special_tokens=True) == answers[0]  # what Sample.text is
+
+    class Rollout:  # the ColocatedRollout surface held_out_accuracy uses
+        engine = SimpleNamespace(tp=SimpleNamespace(size=1), eos_ids=frozenset({2}))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def generate(self, prompts, params, use_tqdm=False):
+            return [RolloutOutput(str(i), p, [Sample(0, ids, None, reason, text=tok.decode(
+                ids, skip_special_tokens=True))]) for i, (p, ids, reason) in
+                enumerate(zip(prompts, written, ["length", "stop"]))]
+
+    accelerator = SimpleNamespace(process_index=0, num_processes=1, device=torch.device("cpu"),
+                                  is_main_process=True, reduce=lambda t, reduction: t)
+    assert held_out_accuracy(Rollout(), task, tok, 5, accelerator) == 0.5
+    reward = correctness_reward(task, tok, frozenset({tok.eos_token_id}))
+    texts = [tok.decode(ids, skip_special_tokens=True) for ids in written]
+    assert reward(prompts=list(task.eval["prompt"]), completions=texts, completion_ids=written,
+                  answer=answers) == [0.0, 1.0]
+
+
+def test_a_dataset_without_a_prompt_column_gets_its_question(tmp_path):
+    """The documented config-less command, `--model X --dataset Y` on GSM8K's columns
+    (question, answer): prompts are the questions; a `prompt` column wins; neither is a
+    ValueError naming prompt_template."""
+    from rollout_recipes.tasks import load_task
+
+    def rows(path, **columns):
+        with open(path, "w") as f:
+            for i in range(10):
+                f.write(json.dumps({k: v.format(i=i) for k, v in columns.items()}) + "\n")
+        return str(path)
+
+    questions = rows(tmp_path / "q.jsonl", question="what is {i}+1?", answer="#### {i}")
+    cfg = load_config(None, parse_overrides(["--model", str(tmp_path), "--dataset", questions]))
+    task = load_task(cfg, None)
+    assert sorted(list(task.train["prompt"]) + list(task.eval["prompt"])) == \
+        sorted(f"what is {i}+1?" for i in range(10))
+    prompts = rows(tmp_path / "p.jsonl", prompt="p{i}", question="q{i}", answer="#### {i}")
+    task = load_task(RecipeConfig(model=str(tmp_path), dataset=prompts), None)
+    assert all(p.startswith("p") for p in task.train["prompt"])
+    neither = rows(tmp_path / "n.jsonl", text="t{i}", answer="#### {i}")
+    with pytest.raises(ValueError, match="prompt_template: unset.*'prompt' or 'question'"):
+        load_task(RecipeConfig(model=str(tmp_path), dataset=neither), None)
+
+
+def test_an_empty_held_out_set_is_refused(tmp_path):
+    from rollout_recipes.tasks import load_task
+
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
+    with pytest.raises(ValueError, match="eval_size: .*empty"):
+        load_task(RecipeConfig(model=str(tmp_path), dataset=str(path), eval_size=4), None)
+
+
+@pytest.mark.parametrize("name", ["addition", "reverse", "calculator"])
+def test_builtin_max_new_tokens_fits_the_tasks_longest_turn(name):
+    """Left unset, max_new_tokens fits every answer and EOS of the built-in task's data (and
+    the calculator's longest tool call), counted with the built-in tokenizer."""
+    from rollout_recipes.run.tiny import char_tokenizer
+    from rollout_recipes.tasks import load_task
+
+    cfg = RecipeConfig(task=name)
+    task = load_task(cfg)
+    tok = char_tokenizer(task.alphabet)
+    rows = [(r["prompt"], r["answer"]) for split in (task.train, task.eval) for r in split]
+    need = max(len(tok.encode(a)) + 1 for _, a in rows)
+    if name == "calculator":
+        need = max(need, max(len(tok.encode(f"<c>{p[:-1]}</c>")) for p, _ in rows))
+    assert need <= cfg.max_new_tokens < cfg.max_model_len
+    assert RecipeConfig(task=name, model="org/name").max_new_tokens == 256  # a named model's
+
+
+def test_an_infinite_metric_is_logged_and_plotted(tmp_path):
+    """A rollout-vs-trainer gap past exp's range gives prob_error inf (no OverflowError); the
+    history keeps it a float, the JSONL a string, and the reward curve is drawn."""
+    from rollout_recipes.algo.update_metrics import ratio_metrics
+    from rollout_recipes.run.plot import reward_curve
+    from rollout_recipes.run.tracking import Tracker
+
+    totals = {"mismatch/tokens": 2.0, "mismatch/gap": 2000.0, "mismatch/gap_max": 1500.0,
+              "clip_frac": 0.0, "ratio": 2.0, "ratio_abs_dev": 0.0, "ratio_outside": 0.0,
+              "mismatch/ratio_min": 0.5, "mismatch/ratio_max": math.inf, "mismatch/kl": 3.0}
+    metrics = ratio_metrics(totals, 2.0)
+    assert metrics["mismatch/prob_error"] == math.inf
+    tracker = Tracker(RecipeConfig(wandb=False, output_dir=str(tmp_path), progress=False), True)
+    tracker.log({"reward/mean": 0.5, **metrics}, step=1)
+    tracker.log({"reward/mean": 0.6, **ratio_metrics({**totals, "mismatch/gap": 0.2,
+                                                      "mismatch/ratio_max": 1.1}, 2.0)}, step=2)
+    tracker.finish()
+    assert tracker.history[0]["mismatch/ratio_max"] == math.inf
+    assert tracker.history[0]["mismatch/prob_error"] == math.inf
+    assert read_jsonl(tracker.jsonl_path)[0]["mismatch/ratio_max"] == "inf"
+    path = reward_curve(tracker.history, str(tmp_path / "curve.png"), "t",
+                        accuracy={"before": 0.1, "after": 0.2})
+    assert os.path.getsize(path) > 0
+
+
+def test_wandb_mode_from_the_environment_is_checked(tmp_path, monkeypatch):
+    """An exported but empty $WANDB_MODE is unset: a real offline W&B run starts (wandb reads
+    the variable too); a bad one is a ValueError naming it before any file is written."""
+    from rollout_recipes.run.tracking import Tracker
+
+    monkeypatch.setenv("WANDB_MODE", "")
+    tracker = Tracker(RecipeConfig(output_dir=str(tmp_path / "empty")), is_main=True)
+    tracker.finish()
+    assert tracker.wandb_mode == "offline" and os.listdir(tracker.wandb_dir)
+    monkeypatch.setenv("WANDB_MODE", "bogus")
+    with pytest.raises(ValueError, match="WANDB_MODE.*'bogus'"):
+        Tracker(RecipeConfig(output_dir=str(tmp_path / "bad")), is_main=True)
+    assert not os.path.exists(tmp_path / "bad" / "metrics.jsonl")  # nothing truncated
+
+
+def test_a_failing_wandb_init_closes_the_metrics_file(tmp_path, monkeypatch):
+    import builtins
+
+    import wandb
+
+    from rollout_recipes.run import tracking
+
+    opened = []
+
+    def recording_open(*args, **kwargs):
+        opened.append(builtins.open(*args, **kwargs))
+        return opened[-1]
+
+    def init(**kwargs):
+        raise RuntimeError("no W&B today")
+
+    monkeypatch.setattr(tracking, "open", recording_open, raising=False)
+    monkeypatch.setattr(wandb, "init", init)
+    with pytest.raises(RuntimeError, match="no W&B today"):
+        tracking.Tracker(RecipeConfig(output_dir=str(tmp_path)), is_main=True)
+    assert len(opened) == 1 and opened[0].closed
+
+
+def test_exponent_floats_without_a_dot_are_floats_at_every_level(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("learning_rate: 1e-5\nlora: {r: 8, lora_alpha: 16, lora_dropout: 5e-2}\n"
+                    "speculative: {method: ngram, history_min_share: 3E-1}\n")
+    cfg = load_config(str(path))
+    assert cfg.learning_rate == 1e-5 and cfg.lora["lora_dropout"] == 0.05
+    assert cfg.speculative["history_min_share"] == 0.3
+    got = parse_overrides(["--lora", "{r: 4, lora_dropout: 1e-1}", "--beta", "2e-2"])
+    assert got == {"lora": {"r": 4, "lora_dropout": 0.1}, "beta": 0.02}
+    # still what YAML reads otherwise: ints, strings, dotted floats
+    assert parse_overrides(["--steps", "12", "--clip_eps", "0.25"]) == {"steps": 12,
+                                                                        "clip_eps": 0.25}
+
+
+def test_non_string_keys_in_a_config_file_are_named(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("on: 1\nlearning_rat: 1.0e-4\n")  # YAML 1.1 reads `on` as True
+    with pytest.raises(ValueError, match=r"config: key\(s\) \[True\] .*quote"):
+        load_config(str(path))
+    with pytest.raises(ValueError, match=r"lora: unknown key\(s\) \[True\]"):
+        RecipeConfig(lora={True: 1})
+
+
+def test_a_missing_local_dataset_or_an_upper_case_extension(tmp_path):
+    from rollout_recipes.tasks import load_task
+
+    for missing in ("./no_such_dir/gsm8k", str(tmp_path / "none"), str(tmp_path / "x.JSONL")):
+        with pytest.raises(ValueError, match="dataset: .*not found"):
+            RecipeConfig(model=str(tmp_path), dataset=missing, prompt_template="{question}")
+    path = tmp_path / "train.JSONL"
+    path.write_text("".join(json.dumps({"question": f"{i}?", "answer": f"#### {i}"}) + "\n"
+                            for i in range(6)))
+    task = load_task(RecipeConfig(model=str(tmp_path), dataset=str(path), eval_size=2), None)
+    assert len(task.train) == 4 and len(task.eval) == 2
