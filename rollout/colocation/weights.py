@@ -175,12 +175,15 @@ def merged_adapters(layers: list[nn.Module]):
         for layer in layers:
             adapters = unmerged_adapters(layer)  # what its forward adds (none: disabled)
             if adapters:
-                layer.merge(adapter_names=adapters)
+                # Listed first: PEFT counts each adapter as merged as it goes, so a failure on
+                # the second leaves the first in the weight; unmerge() undoes what it counted.
                 merged.append(layer)
+                layer.merge(adapter_names=adapters)
         yield
     finally:
         for layer in merged:
-            layer.unmerge()
+            if layer.merged:  # (none, where its first adapter's merge failed)
+                layer.unmerge()
 
 
 def lora_layers(model: nn.Module) -> tuple[dict[str, nn.Module], list[nn.Module] | None]:

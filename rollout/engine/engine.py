@@ -442,7 +442,7 @@ class Engine(ColocationCalls):
         """How many leading tokens of `tokens` (a string or token ids, as a prompt) the prefix
         cache holds K/V for now."""
         return self.cache.prefix_len(prefix_ids("tokens", tokens, self.vocab_size,
-                                                self.tokenizer))
+                                                self.tokenizer, self.config.max_model_len))
 
     def implementations(self) -> dict[str, str]:
         """Which implementation each op runs: {"backend", "attention", "sample", "projection",

@@ -78,10 +78,12 @@ def check_probe(engine, probe, reference) -> tuple[list[int], list[float] | None
         if reference is not None:
             raise ValueError("probe_reference needs a probe (the token ids it scores)")
         return None
-    tokens = token_ids("probe", probe, engine.vocab_size, engine.tokenizer)[1]
-    if not 2 <= len(tokens) <= engine.config.max_model_len:
-        raise ValueError(f"probe: {len(tokens)} tokens; it needs at least 2 (the first is never "
-                         f"scored) and at most max_model_len={engine.config.max_model_len}")
+    limit = engine.config.max_model_len
+    tokens = token_ids("probe", probe, engine.vocab_size, engine.tokenizer, max_len=limit,
+                       limit=f"max_model_len={limit}")[1]  # the length before any id is read
+    if len(tokens) < 2:
+        raise ValueError(f"probe: {len(tokens)} token; it needs at least 2 (the first is never "
+                         f"scored) and at most max_model_len={limit}")
     if reference is not None:
         if isinstance(reference, (torch.Tensor, np.ndarray)):
             reference = reference.tolist()

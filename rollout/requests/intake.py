@@ -66,11 +66,15 @@ def prompt_ids(prompt: Prompt, vocab_size: int, max_model_len: int, tokenizer
                      f"max_model_len - 1 = {max_model_len - 1} (room for one generated token)")
 
 
-def prefix_ids(name: str, value: Prompt, vocab_size: int, tokenizer) -> list[int]:
-    """token_ids' ids, where empty is an empty prefix."""
+def prefix_ids(name: str, value: Prompt, vocab_size: int, tokenizer, max_len: int) -> list[int]:
+    """token_ids' ids of the first `max_len` tokens (no sequence, so no cached prefix, is longer:
+    the rest is not read, however long), where empty is an empty prefix."""
     if isinstance(value, str) and not value:
         return []  # no tokens asked about (encoding it could give a BOS)
-    return token_ids(name, value, vocab_size, tokenizer, empty_ok=True)[1]
+    if isinstance(value, (list, tuple)) or (isinstance(value, (torch.Tensor, np.ndarray))
+                                            and value.ndim == 1):  # (token_ids refuses others)
+        value = value[:max_len]
+    return token_ids(name, value, vocab_size, tokenizer, empty_ok=True)[1][:max_len]
 
 
 def token_ids(name: str, value: Prompt, vocab_size: int, tokenizer, max_len: int | None = None,

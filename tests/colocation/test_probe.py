@@ -63,8 +63,8 @@ def test_without_a_reference_the_logprobs_are_recorded(setup):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(probe=[5]), "probe: 1 tokens; it needs at least 2"),
-    (dict(probe=list(range(2, 100))), "probe: 98 tokens; .* at most max_model_len"),
+    (dict(probe=[5]), "probe: 1 token; it needs at least 2"),
+    (dict(probe=list(range(2, 100))), "probe: 98 tokens, more than max_model_len=64"),
     (dict(probe=True), "probe must be a string or a list of token ids"),
     (dict(probe=PROBE, probe_reference=0.5), "probe_reference must be a list"),
     (dict(probe=[5, 500]), r"token id 500 is outside"),

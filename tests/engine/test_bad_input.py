@@ -90,6 +90,12 @@ def test_a_prompt_too_long_is_refused_before_its_tokens_are_converted(model, for
     with pytest.raises(ValueError, match=r"sequences\[0\]: 1000000 tokens, more than "
                                          r"max_model_len=64"):
         refuse(lambda: make_engine(model).score([long]))
+    engine = make_engine(model)
+    with pytest.raises(ValueError, match=r"probe: 1000000 tokens, more than max_model_len=64"):
+        refuse(lambda: engine.update_weights(model, probe=long))
+    # How much of it the cache holds reads its first max_model_len tokens only (none is longer).
+    converted.clear()
+    assert engine.cached_prefix_len(long) == 0 and len(converted) == 64
 
 
 def test_other_bad_requests(model):
