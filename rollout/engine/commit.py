@@ -57,23 +57,24 @@ class Committer:
         or the length, none when its request failed: what speculation's stats count)."""
         verdicts, failed = self._verdicts(batch, emitted, scored)
         version = self.weights_version()
-        finished, prompt_tokens, score_tokens = [], 0, 0
+        finished, kept, prompt_tokens, score_tokens = [], [], 0, 0
         for it, verdict, rows in zip(batch.items, verdicts, scored):
-            if it.seq.group in failed:
+            dropped = it.seq.group in failed
+            if dropped:
                 self.kv.free(it.slots)
-                continue
-            if it.seq.score is not None:
+            elif it.seq.score is not None:
                 score_tokens += it.num_new
                 if self._apply_score(it, rows):
                     finished.append(it.seq)
-                continue
-            prompt_tokens += max(0, min(it.start + it.num_new, it.seq.num_prompt) - it.start)
-            if self._apply(it, verdict, version):
-                finished.append(it.seq)
+            else:
+                prompt_tokens += max(0, min(it.start + it.num_new, it.seq.num_prompt)
+                                     - it.start)
+                if self._apply(it, verdict, version):
+                    finished.append(it.seq)
+            if it.sample:
+                kept.append(0 if dropped else len(verdict.emitted.tokens))
         self.journal.add(self, "prompt_tokens_computed", prompt_tokens)
         self.journal.add(self, "score_tokens_computed", score_tokens)
-        kept = [0 if it.seq.group in failed else len(verdict.emitted.tokens)
-                for it, verdict in zip(batch.items, verdicts) if it.sample]
         return finished, failed, kept
 
     def _verdicts(self, batch: Batch, emitted: list[Emitted], scored: list[ScoreRows | None]):

@@ -66,8 +66,8 @@ def size_pool(kv_cache_tokens: int | None, memory_fraction: float, max_model_len
               agree: Callable[[int], int] | None = None) -> int:
     """Number of slots; refuses (ValueError) when one max_model_len request cannot fit, or an
     explicit `kv_cache_tokens` does not fit in the device's available memory. `agree`: the
-    ranks of a tensor-parallel engine settle on one size (the smallest) before those checks,
-    so they refuse together."""
+    ranks of a tensor-parallel engine settle on the least spare room (an explicit size), then
+    on one size (the smallest), before the checks, so they refuse together."""
     if kv_cache_tokens is not None:
         # Checked against the memory (a CPU pool too big for the host had been a bare OSError
         # from mmap; a GPU's, an out-of-memory error). Under tensor parallelism the ranks may

@@ -107,7 +107,7 @@ class KVLayout:
         return values.pop()
 
 
-# Which layers a family's reference slides `config.sliding_window` over (CausalLM.WINDOWED):
+# Which layers a family's reference slides `config.sliding_window` over (CausalLM.window_rule):
 # the layers `layer_types` marks (Gemma 2/3, Qwen2/3), every layer whatever `layer_types` says
 # (Mistral, Mixtral, Phi-3, Qwen3-MoE), or none (Llama keeps the attribute and ignores it).
 WINDOW_BY_LAYER_TYPE, WINDOW_EVERY_LAYER, WINDOW_NONE = "layer_types", "every_layer", "none"

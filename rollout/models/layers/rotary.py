@@ -11,8 +11,9 @@ max_model_len:
   max_model_len <= that length the table holds the short factors, otherwise the long ones, so it
   matches the reference for every sequence on the same side of the boundary as max_model_len.
 Partial rotary (`partial_rotary_factor` < 1, e.g. Phi-4-mini) rotates the first dimensions of
-each head only, in the families whose reference reads it (Phi-3; the others ignore it). Models with RoPE parameters per layer type (Gemma 3: local and global bases)
-build one table per type (`layer_type`).
+each head only, in the families whose reference reads it (Phi-3; the others ignore it). Models
+with RoPE parameters per layer type (Gemma 3: local and global bases) build one table per type
+(`layer_type`).
 """
 
 from __future__ import annotations
