@@ -72,16 +72,21 @@ class ModelStack:
 
     def implementations(self) -> dict[str, str]:
         """Which implementation each op runs (rollout/ops/backend.py): the attention backend,
-        the sampler, every dispatched layer kind, and the projections' packing."""
+        the sampler, every dispatched layer kind, and the packing of the decoder's projections and
+        of the LM head."""
         out = {"backend": self.backend.name,
                "attention": attention_name(self.backend, self.model.dtype),
                "sample": self.backend.choose(DRAW.implementations, torch.float32)}
+        # the head has its own key: its packing can differ (EngineConfig.lm_head_dtype), and
+        # one key for both showed whichever came last, hiding the decoder's
+        head = {id(m) for m in self.model.head.modules()}
         for module in self.model.modules():
             if isinstance(module, Dispatched):
                 out[type(module).__name__] = module.implementation
             elif isinstance(module, Projection):
                 packing = module.packing
-                out["projection"] = "torch" if packing is None else packing.kind
+                key = "lm_head" if id(module) in head else "projection"
+                out[key] = "torch" if packing is None else packing.kind
             elif isinstance(module, LoraWeights):  # an unmerged LoRA adapter (rollout/lora/)
                 out["lora"] = module.implementation
         return out

@@ -180,7 +180,7 @@ def test_triton_backend_under_the_interpreter():
     batched = engine(model, backend="triton", max_num_batched_tokens=40)
     kinds = batched.implementations()
     assert (kinds["attention"], kinds["RMSNorm"]) == ("triton-invariant", "triton")
-    assert kinds["projection"] == "triton-invariant"
+    assert kinds["projection"] == kinds["lm_head"] == "triton-invariant"
     outs = batched.generate(prompts, params)
     assert record(outs) == reference
     assert batched.stats.cache_hit_tokens > 0
@@ -216,7 +216,8 @@ def test_triton_backend_fp32_head_of_an_fp16_model():
     solo = engine(model, enable_prefix_caching=False, **config)
     reference = [record(solo.generate([p], [sp]))[0] for p, sp in zip(prompts, params)]
     batched = engine(model, max_num_batched_tokens=40, **config)
-    assert batched.implementations()["projection"] == "triton-invariant-fp32"  # the head: last
+    kinds = batched.implementations()
+    assert (kinds["projection"], kinds["lm_head"]) == ("triton-invariant", "triton-invariant-fp32")
     assert record(batched.generate(prompts, params)) == reference
     held = batched.memory_held()
     batched.sleep(1)
@@ -280,7 +281,7 @@ def test_triton_backend_on_cuda(family, dtype):
     reference = alone(model, prompts, params)
     batched = engine(model)
     kinds = batched.implementations()
-    assert (kinds["attention"], kinds["projection"]) == ("triton-invariant", "triton-invariant")
+    assert (kinds["attention"], kinds["projection"], kinds["lm_head"]) == ("triton-invariant",) * 3
     outs = batched.generate(prompts, params)
     assert record(outs) == reference
     assert scored(batched, prompts, params, outs) == logprobs_of(outs)
