@@ -316,6 +316,13 @@ def _check_values(cfg: RecipeConfig) -> None:
     if cfg.carried_kv not in CARRIED_KV:
         raise ValueError(f"carried_kv must be one of {', '.join(CARRIED_KV)}, "
                          f"got {cfg.carried_kv!r}")
+    # They shape the groups partial rollouts keep in flight and what those resume from; set
+    # without partial rollouts they would be ignored without a word.
+    unused = [name for name, default in (("over_sample", 1.0), ("carried_kv", "recompute"))
+              if getattr(cfg, name) != default]
+    if unused and not cfg.partial_rollouts:
+        raise ValueError(f"{', '.join(unused)}: take effect with partial rollouts only; set "
+                         f"--partial_rollouts true or leave them at their defaults")
     for name in ("partial_rollouts", "dynamic_sampling"):
         if getattr(cfg, name) and (cfg.trainer != "custom" or _has_environment(cfg)):
             raise ValueError(f"{name}: the custom trainer's single-turn rollouts only "

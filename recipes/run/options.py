@@ -74,7 +74,7 @@ def engine_config(cfg, engine_index: int = 0):
                    cuda_graphs=cfg.cuda_graphs, speculative=speculative_config(cfg),
                    tensor_parallel_size=cfg.tensor_parallel_size,
                    max_staleness=cfg.max_staleness if cfg.partial_rollouts else None,
-                   carried_kv=cfg.carried_kv if cfg.partial_rollouts else "recompute",
+                   carried_kv=cfg.carried_kv,
                    lora=cfg.lora_mode, seed=cfg.seed + 1009 * engine_index)
     try:
         return EngineConfig(**options)
