@@ -5,11 +5,14 @@
     loss.backward(); optimizer.step()       # the engine is asleep: its memory is free
 
 Entering wakes the engine and syncs the weights when the trainer changed them since the last
-sync; leaving (also on error) aborts whatever is still running and puts the engine to sleep,
-except, with `carry=True`, the groups `rollout()` carries into the next step (partial rollouts:
+sync; leaving (also on error) aborts whatever is still running, drops the outputs step() has not
+returned (collect a streaming request's inside its block) and puts the engine to sleep, except,
+with `carry=True`, the groups `rollout()` carries into the next step (partial rollouts:
 docs/partial-rollouts.md), which sleep keeps.
 Blocks nest (an evaluation helper that opens its own block inside the step's, or two wrappers
-sharing one engine): only the outermost block wakes, aborts and puts the engine to sleep.
+sharing one engine): only the outermost block wakes, aborts and puts the engine to sleep. Blocks
+nested on one engine serve one model (its weights are the engine's): a block for another model
+inside an open one is refused. Blocks of different engines nest freely.
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ from torch import nn
 
 from rollout import Engine
 from rollout.fields import as_bool, as_int
-from rollout.colocation.weights import watch_optimizer, weights_version
+from rollout.colocation.weights import unwrap, watch_optimizer, weights_version
 
-# Open blocks per engine, across every ColocatedRollout that shares it.
-_OPEN: weakref.WeakKeyDictionary[Engine, int] = weakref.WeakKeyDictionary()
+# The (unwrapped) models of the open blocks per engine, outermost first, across every
+# ColocatedRollout that shares it.
+_OPEN: weakref.WeakKeyDictionary[Engine, list[nn.Module]] = weakref.WeakKeyDictionary()
 
 
 class ColocatedRollout:
@@ -37,7 +41,8 @@ class ColocatedRollout:
         which need not bump version counters): the first entry then syncs unconditionally.
         `optimizer`: the trainer's optimizer, whose steps then count as weight changes even
         where its kernels bump no version counter (fused AdamW; see `watch`). `carry`: leaving
-        keeps the groups `rollout()` carries (Engine.carried) instead of aborting them."""
+        keeps the groups `rollout()` carries (Engine.carried) instead of aborting them; streaming
+        requests end either way."""
         if not isinstance(engine, Engine):
             raise ValueError(f"engine must be an Engine, got {type(engine).__name__}")
         if not isinstance(model, nn.Module):
@@ -65,7 +70,16 @@ class ColocatedRollout:
         watch_optimizer(optimizer)
 
     def __enter__(self) -> ColocatedRollout:
-        outermost = _OPEN.get(self.engine, 0) == 0
+        model = unwrap(self.model)
+        open_models = _OPEN.get(self.engine, [])
+        outermost = not open_models
+        if not outermost and open_models[0] is not model:
+            # Its sync would swap the weights under the enclosing block: the requests that
+            # block has in flight, and its calls after this block, would sample this model.
+            raise RuntimeError("ColocatedRollout: the engine is open in an enclosing block for "
+                               "another model; nested blocks on one engine must serve one "
+                               "model: use an engine per model, or open this block after the "
+                               "other one is left")
         t0 = time.perf_counter()
         if outermost:
             self.engine.wake_up()
@@ -77,7 +91,7 @@ class ColocatedRollout:
             if outermost:
                 self.engine.sleep(self.sleep_level)
             raise
-        _OPEN[self.engine] = _OPEN.get(self.engine, 0) + 1
+        _OPEN.setdefault(self.engine, []).append(model)
         self.timings.update(wake=t1 - t0, sync=time.perf_counter() - t1)
         return self
 
@@ -108,19 +122,21 @@ class ColocatedRollout:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         t0 = time.perf_counter()
-        left = _OPEN.get(self.engine, 1) - 1
-        if left > 0:
+        open_models = _OPEN.get(self.engine, [])
+        if len(open_models) > 1:
             # An enclosing block still uses the engine (and may have requests in flight).
-            _OPEN[self.engine] = left
+            open_models.pop()
             self.timings["sleep"] = 0.0
             return
         _OPEN.pop(self.engine, None)
         try:
             if self.carry:
+                # Streaming requests end as without carry, complete ones too: kept, a later
+                # block's step() would hand one out a step late, its id still taken.
                 carried = set(self.engine.carried)
-                for request_id in self.engine.running_requests:
+                for request_id in [*self.engine.running_requests, *self.engine.requests.ready]:
                     if request_id not in carried:
-                        self.engine.abort(request_id)
+                        self.engine.abort(request_id)  # a complete one's output is dropped
             else:
                 self.engine.abort_all()
         finally:

@@ -31,11 +31,14 @@ import queue
 import threading
 import time
 import warnings
+from collections.abc import Mapping
 
 import numpy as np
 
 from rollout import Engine, SamplingParams
 from rollout.engine.chat import render_conversations
+from rollout.fields import as_int, show
+from rollout.sample.params import MAX_N
 
 STOP_WAIT = 60.0  # seconds stop() waits for the thread's current call before it says so
 
@@ -46,16 +49,25 @@ class EngineRolloutWorker:
     def __init__(self, engine: Engine, dataset, reward_funcs, tokenizer, num_generations: int,
                  params: SamplingParams, groups_in_flight: int = 4, queue_maxsize: int = 0,
                  chat_template_kwargs: dict | None = None) -> None:
-        if groups_in_flight < 1:
-            raise ValueError(f"groups_in_flight must be >= 1, got {groups_in_flight}")
-        if len(dataset) == 0:
-            raise ValueError("dataset: empty; the worker needs prompts to roll out")
+        # Checked here: in the thread, a bad argument would only surface at check_health.
+        if not isinstance(engine, Engine):
+            raise ValueError(f"engine must be an Engine, got {type(engine).__name__}")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        reward_funcs = [reward_funcs] if callable(reward_funcs) else reward_funcs
+        if (not isinstance(reward_funcs, (list, tuple)) or not reward_funcs
+                or not all(callable(f) for f in reward_funcs)):
+            raise ValueError(f"reward_funcs must be a function or a non-empty list of "
+                             f"functions, got {show(reward_funcs)}")
         self.engine, self.dataset, self.tokenizer = engine, dataset, tokenizer
         self.reward_funcs = list(reward_funcs)
-        self.params = dataclasses.replace(params, n=num_generations, logprobs=True)
-        self.groups_in_flight = groups_in_flight
-        self.chat_template_kwargs = chat_template_kwargs or {}
-        self.rollout_buffer: queue.Queue = queue.Queue(maxsize=queue_maxsize)
+        self.params = dataclasses.replace(params, logprobs=True,
+                                          n=as_int("num_generations", num_generations, 1, MAX_N))
+        self.groups_in_flight = as_int("groups_in_flight", groups_in_flight, 1)
+        self.chat_template_kwargs = {} if chat_template_kwargs is None else chat_template_kwargs
+        self._check_rows()
+        self.rollout_buffer: queue.Queue = queue.Queue(
+            maxsize=as_int("queue_maxsize", queue_maxsize, 0))
         self.metrics_queue: queue.Queue = queue.Queue()
         self.model_version = 0
         # The trainer's model version of each engine weights version (set at each sync).
@@ -77,6 +89,8 @@ class EngineRolloutWorker:
     def start(self) -> None:
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError("start: the engine's rollout thread is still running")
+        # The last thread's failure and silence are not the new one's (check_health).
+        self._error, self._last_push = None, time.time()
         self._stop.clear()
         self._run.set()
         self._thread = threading.Thread(target=self._loop, name="engine-rollout", daemon=True)
@@ -152,6 +166,20 @@ class EngineRolloutWorker:
                     self._push(out)
         except BaseException as e:  # check_health raises it in the trainer
             self._error = e
+
+    def _check_rows(self) -> None:
+        """The first row read as the thread reads every row (its prompt rendered)."""
+        try:
+            size = len(self.dataset)
+            row = self.dataset[0] if size else None
+        except Exception as e:
+            raise ValueError(f"dataset must be a sized, indexable collection of rows (TRL's "
+                             f"Dataset), got {type(self.dataset).__name__}") from e
+        if size == 0:
+            raise ValueError("dataset: empty; the worker needs prompts to roll out")
+        if not isinstance(row, Mapping) or "prompt" not in row:
+            raise ValueError(f"dataset: rows must be dicts with a 'prompt', got {show(row)}")
+        self._prompt_ids(row)
 
     def _prompt_ids(self, row: dict) -> list[int]:
         prompt = row["prompt"]
@@ -237,8 +265,16 @@ class EngineWeightTransfer:
         self.worker.pause()
 
     def send_weights(self, iterator) -> None:
-        self.worker.engine.update_weights(list(iterator))
-        self.worker.synced()
+        engine = self.worker.engine
+        before = engine.weights_version
+        try:
+            engine.update_weights(list(iterator))
+        finally:
+            # An update failing after its copy (packing the weights, say) still counts in the
+            # engine, which stamps what it samples next with the new version: those samples
+            # are the trainer's next version all the same.
+            if engine.weights_version != before:
+                self.worker.synced()
 
     def resume(self) -> None:
         self.worker.resume()

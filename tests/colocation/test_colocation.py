@@ -329,3 +329,59 @@ def test_nested_blocks_keep_the_engine_awake_until_the_outermost_exits():
     with scorer:  # and the next block works
         assert run(scorer.engine) == fresh(model)
     assert engine.is_sleeping
+
+
+@pytest.mark.parametrize("carry", [False, True], ids=["plain", "carry"])
+def test_leaving_ends_the_blocks_streaming_requests_complete_or_not(carry):
+    """Leaving ends the block's streaming requests (add_request), running or complete with an
+    output step() has not returned, with carry=True as without: carry keeps rollout()'s groups
+    only. A complete one had outlived a carry=True block (a running one did not): a later
+    block's step() handed it out, a step late, and its id was still taken."""
+    model = tiny_model("qwen2")
+    engine = Engine(model, CONFIG)
+    short = SamplingParams(temperature=0, max_tokens=2)
+    with ColocatedRollout(engine, model, carry=carry) as r:
+        r.engine.add_request(PROMPTS[1], short, request_id="eval", hold_kv=True)
+        r.engine.add_request(PROMPTS[1], dataclasses.replace(short, max_tokens=80))
+        group = r.rollout(PROMPTS[:1], GREEDY, groups=0, request_ids=["group"])
+        r.generate(PROMPTS[2:], GREEDY)  # "eval" completes meanwhile, uncollected
+        assert group == [] and engine.has_unfinished
+    assert engine.carried == (["group"] if carry else [])
+    assert not engine.has_unfinished and set(engine.running_requests) <= {"group"}
+    assert engine.inspect().holds == ()
+    with ColocatedRollout(engine, model, carry=carry) as r:
+        r.engine.add_request(PROMPTS[1], short, request_id="eval")  # the id is free again
+        outs = []
+        while engine.has_unfinished:
+            outs += engine.step()
+        assert [o.request_id for o in outs] == ["eval"]
+        assert [o.request_id for o in r.rollout()] == (["group"] if carry else [])
+    engine.check_invariants()
+
+
+def test_a_block_for_another_model_inside_an_open_one_is_refused():
+    """Nested blocks on one engine share its weights: a block for another model inside an open
+    one had synced that model in, and the outer block's later calls sampled from it (its
+    tokens were the other model's). Refused at entry, changing nothing; the same model through
+    another wrapper (DDP) still nests, and blocks of two engines nest, each waking and putting
+    to sleep its own."""
+    a, b = tiny_model("qwen2", seed=0), tiny_model("qwen2", seed=1)
+    want_a, want_b = fresh(a), fresh(b)
+    engine, other = Engine(a, CONFIG), Engine(b, CONFIG)
+    other.sleep(1)
+    outer, inner = ColocatedRollout(engine, a), ColocatedRollout(engine, b, synced=False)
+    with outer:
+        version = engine.weights_version
+        with pytest.raises(RuntimeError, match="another model"), inner:
+            pass
+        with ColocatedRollout(engine, DDPLike(a)):
+            pass
+        assert engine.weights_version == version and not engine.is_sleeping
+        with ColocatedRollout(other, b) as r:
+            assert run(r.engine) == want_b
+        assert other.is_sleeping and not engine.is_sleeping
+        assert run(engine) == want_a
+    assert engine.is_sleeping
+    with inner:  # on its own, the other model's block syncs it in
+        assert run(engine) == want_b
+    assert engine.is_sleeping

@@ -18,11 +18,14 @@ from models import char_tokenizer, tiny_model
 from rollout import Engine, EngineConfig, SamplingParams, SpeculativeConfig
 from rollout.agent import Step, run_episodes
 from trainer_hooks import ColocatedRollout
+from trainer_hooks.trl_async import EngineRolloutWorker
 from trainer_hooks.trl_rollout import make_rollout_func
 
 TOK = char_tokenizer()
 TOK.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
+ROWS = [{"prompt": "ab"}]  # an async worker's dataset (rows as TRL's Dataset gives them)
+CHAT_ROWS = [{"prompt": [{"role": "user", "content": "ab"}]}]
 JUNK = [None, True, False, 0, -1, 1, 2, 3, 2**70, -2**70, 1.5, math.nan, math.inf, "x", "",
         b"x", [], [1], [[1]], [None], [1.5], [-1], [10**9], {}, {"a": 1}, (1,), ("a", 0),
         ("a", "b"), torch.tensor(1), torch.tensor([1, 2]), torch.tensor([[1]]), np.int64(1),
@@ -90,6 +93,16 @@ CALLS = {
     "sleep_level ": lambda e, v: make_rollout_func(e, sleep_level=v),
     "seed": lambda e, v: make_rollout_func(e, seed=v),
     "importance_ratio": lambda e, v: make_rollout_func(e, importance_ratio=v),
+    "engine ": lambda e, v: EngineRolloutWorker(v, ROWS, [len], TOK, 2, GREEDY),
+    "dataset": lambda e, v: EngineRolloutWorker(e, v, [len], TOK, 2, GREEDY),
+    "reward_funcs": lambda e, v: EngineRolloutWorker(e, ROWS, v, TOK, 2, GREEDY),
+    "num_generations": lambda e, v: EngineRolloutWorker(e, ROWS, [len], TOK, v, GREEDY),
+    "params   ": lambda e, v: EngineRolloutWorker(e, ROWS, [len], TOK, 2, v),
+    "groups_in_flight": lambda e, v: EngineRolloutWorker(e, ROWS, [len], TOK, 2, GREEDY, v),
+    "queue_maxsize": lambda e, v: EngineRolloutWorker(e, ROWS, [len], TOK, 2, GREEDY,
+                                                      queue_maxsize=v),
+    "chat_template_kwargs ": lambda e, v: EngineRolloutWorker(
+        e, CHAT_ROWS, [len], TOK, 2, GREEDY, chat_template_kwargs=v),
 }
 
 

@@ -133,6 +133,11 @@ def test_pause_waits_for_the_engine_and_a_dead_worker_says_why(checkpoint):
     assert isinstance(info.value.__cause__, ZeroDivisionError)
     worker.stop()
     engine.check_invariants()
+    failing.clear()  # started again, the worker is judged by its new thread alone
+    worker.start()
+    worker.rollout_buffer.get(timeout=60)
+    worker.check_health(60)
+    worker.stop()
 
 
 def test_what_the_engine_cannot_give_is_refused(tmp_path, checkpoint):
@@ -155,6 +160,16 @@ def test_what_the_engine_cannot_give_is_refused(tmp_path, checkpoint):
     with pytest.raises(ValueError, match="groups_in_flight"):
         EngineRolloutWorker(engine, data, [length_reward], tok, 2, SamplingParams(),
                             groups_in_flight=0)
+    # Refused when built, not when the thread reads a row or scores a group (it had died
+    # there, and check_health said so steps later).
+    with pytest.raises(ValueError, match="dataset: rows must be dicts with a 'prompt'"):
+        EngineRolloutWorker(engine, Dataset.from_dict({"question": PROMPTS}),
+                            [length_reward], tok, 2, SamplingParams())
+    with pytest.raises(ValueError, match="conversations: the tokenizer has no chat template"):
+        EngineRolloutWorker(engine, [{"prompt": [{"role": "user", "content": "abc"}]}],
+                            [length_reward], tok, 2, SamplingParams())
+    with pytest.raises(ValueError, match="reward_funcs"):
+        engine_async_grpo(engine, path, None, async_args(tmp_path), data, tok)
 
 
 def test_stop_while_the_thread_is_in_a_long_engine_call(checkpoint, monkeypatch):
@@ -254,3 +269,35 @@ def test_a_group_is_scored_with_its_own_row(checkpoint, monkeypatch):
     worker.stop()
     assert len(asked[0]) == 2 and rewards == [2.0, 2.0, 1.0, 1.0]
     assert not worker._rows  # stop() forgets the rows of the groups it aborted
+
+
+@pytest.mark.parametrize("kind", [RuntimeError, KeyboardInterrupt], ids=["error", "interrupt"])
+def test_an_update_failing_after_its_copy_still_tags_its_samples(checkpoint, monkeypatch, kind):
+    """send_weights fails after the engine took the new weights (packing them, out of memory
+    say): the engine counts the update (its weights_version moved), so the worker records
+    that version as the trainer's next one, as a complete sync does; its samples had been
+    tagged version 0, the oldest, and dropped as stale once training went on."""
+    path, tok = checkpoint
+    engine = Engine(path, EngineConfig(kv_cache_tokens=1024, max_model_len=64), tokenizer=tok)
+    worker = EngineRolloutWorker(engine, Dataset.from_dict({"prompt": PROMPTS}),
+                                 [length_reward], tok, num_generations=2,
+                                 params=SamplingParams(max_tokens=6), groups_in_flight=2)
+    worker.update_model_version(3)
+    transfer = EngineWeightTransfer(worker)
+
+    def pack():
+        raise kind("packing the new weights")
+
+    monkeypatch.setattr(engine.stack.model, "pack_weights", pack)
+    transfer.pause()
+    with pytest.raises(kind):
+        transfer.send_weights(tiny_model("qwen2", seed=1, vocab_size=len(tok)).named_parameters())
+    monkeypatch.undo()
+    assert engine.weights_version == 1
+    transfer.resume()
+    worker.start()
+    try:
+        versions = {worker.rollout_buffer.get(timeout=60).model_version for _ in range(4)}
+    finally:
+        worker.stop()
+    assert versions == {4}
