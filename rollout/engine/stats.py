@@ -113,7 +113,8 @@ class EngineStats:
 
     @property
     def tokens_per_verification(self) -> float:
-        """Tokens a sample gains per target forward while speculating (1 without drafts)."""
+        """Tokens a sample gains per target forward while speculating (0 when none was
+        verified, as acceptance_rate is 0 when none was proposed)."""
         return self.spec_emitted / self.spec_verifications if self.spec_verifications else 0.0
 
     @property
