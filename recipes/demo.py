@@ -2,7 +2,7 @@
 
 A tiny Llama (built from a config, random weights) and a character tokenizer (built here) learn
 2-digit addition, "12+34=" -> "46", from a verifiable reward. A short supervised warm start
-gets some rewards off zero; then GRPO with the rollout engine: 8 samples per prompt sharing
+gets some rewards off zero; then GRPO with the rollout engine: 16 samples per prompt sharing
 the prompt's KV in the radix tree, the engine asleep at every optimizer step. Held-out greedy
 accuracy is printed before and after GRPO; the reward curve goes to a PNG and the run to an
 offline W&B directory.
