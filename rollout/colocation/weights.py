@@ -414,29 +414,31 @@ def buckets(named: Iterable[tuple[str, torch.Tensor]], device: torch.device,
         yield flush()
 
 
-_optimizer_steps = 0  # steps of the optimizers given to watch_optimizer
-_watched: weakref.WeakSet = weakref.WeakSet()
+# Steps of each optimizer given to watch_optimizer, counted apart: one model's steps must not
+# move the version of another model in the process (its engine would sync for nothing). Weakly
+# keyed: watching keeps no optimizer alive.
+_steps: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
 
 
 def _count_step(optimizer, args, kwargs) -> None:
-    global _optimizer_steps
-    _optimizer_steps += 1
+    _steps[optimizer] += 1
 
 
 def watch_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """Count `optimizer`'s steps in weights_version: fused optimizer kernels (torch's fused
-    AdamW, the HF Trainer's default on CUDA) write the parameters without bumping autograd's
-    version counters, so without this a sync after their step is not seen to be needed. The
-    hook is the optimizer's own (not a process-wide one); watching twice is once. Wrappers
-    (accelerate's AcceleratedOptimizer) are looked through to the optimizer that steps."""
+    """Count `optimizer`'s steps in the weights_version of the models whose parameters it
+    holds: fused optimizer kernels (torch's fused AdamW, the HF Trainer's default on CUDA)
+    write the parameters without bumping autograd's version counters, so without this a sync
+    after their step is not seen to be needed. The hook is the optimizer's own (not a
+    process-wide one); watching twice is once. Wrappers (accelerate's AcceleratedOptimizer)
+    are looked through to the optimizer that steps."""
     while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
         optimizer = optimizer.optimizer
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"optimizer must be a torch.optim.Optimizer, got "
                          f"{type(optimizer).__name__}")
-    if optimizer not in _watched:
+    if optimizer not in _steps:
         optimizer.register_step_post_hook(_count_step)
-        _watched.add(optimizer)
+        _steps[optimizer] = 0
 
 
 def weights_version(model: nn.Module) -> tuple:
@@ -448,8 +450,10 @@ def weights_version(model: nn.Module) -> tuple:
     (the allocator reuses it), while a storage's own record outlives its data as long as a
     weak reference to it does, so no other storage can be told for it by a version held.
     Fused optimizer kernels (torch's fused AdamW, the HF Trainer's default on CUDA) write
-    without bumping counters: the steps of optimizers given to `watch_optimizer` count too
-    (at worst one needless sync when another watched optimizer stepped).
+    without bumping counters: the steps of the optimizers given to `watch_optimizer` that
+    hold some of the model's parameters count too (`_owned_steps`); another model's leave this
+    version alone. An optimizer of fp32 master copies holds none: what writes them back into
+    the model must be seen (copy_ is, `.data` below is not).
     Not seen: in-place writes through `.data` (`p.data.add_(...)`) bypass the counter; after
     those call `engine.update_weights(model, full=True)` (or
     `ColocatedRollout.sync_weights(force=True)`): `full` also copies a PEFT model's frozen base,
@@ -462,9 +466,23 @@ def weights_version(model: nn.Module) -> tuple:
     """
     model = unwrap(model)
     params = list(model.parameters())
-    return (_optimizer_steps, *(-1 if p.is_inference() else p._version for p in params),
+    return (_owned_steps(params), *(-1 if p.is_inference() else p._version for p in params),
             *(StorageWeakRef(p.untyped_storage()) for p in params),
             *(p.data_ptr() for p in params), _adapter_selection(model))
+
+
+def _owned_steps(params: list[nn.Parameter]) -> tuple:
+    """(optimizer, steps) of each watched optimizer that has stepped and holds some of
+    `params`, by identity (wrappers and PEFT hold the very parameters of the model they wrap),
+    looked up at each call: param groups added or dropped since the watch count as they are
+    now (at worst one needless sync when they change). One yet to step has changed nothing:
+    left out, watching it moves no version. The optimizer by a weak reference, as the
+    storages: a version held keeps none alive, and one gone is told from any made later at its
+    address."""
+    held = {id(p) for p in params}
+    return tuple((weakref.ref(optimizer), steps) for optimizer, steps in _steps.items()
+                 if steps and any(id(p) in held for group in optimizer.param_groups
+                                  for p in group["params"]))
 
 
 def _adapter_selection(model: nn.Module) -> tuple:
