@@ -10,6 +10,7 @@ import torch
 from .fields import INT32_MAX, SEED_LIMIT, as_bool, as_choice, as_float, as_int, show
 from .ops.backend import BACKENDS
 
+DEFAULT_MAX_MODEL_LEN = 4096
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 STALE_POLICIES = ("restart", "drop", "keep")  # what a group past max_staleness becomes
 CARRIED_KV = ("recompute", "park")  # what a sample carried mid-way resumes from
@@ -31,7 +32,9 @@ class EngineConfig:
     # (rollout/kv/pool.py, CPU_POOL_BYTES).
     kv_cache_tokens: int | None = None
     kv_memory_fraction: float = 0.3
-    max_model_len: int = 4096
+    # Prompt + output tokens of one sequence, at most the model's context (context_length in
+    # rollout/models/layers/rotary.py); None: DEFAULT_MAX_MODEL_LEN, or that context if shorter.
+    max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     # "lpm" admits the longest cached prefix first (the oldest waiting request goes first once
@@ -107,10 +110,11 @@ class EngineConfig:
         if not 0 < self.kv_memory_fraction <= 1:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
         # A prompt needs a token and room for one generated token.
-        self.max_model_len = as_int("max_model_len", self.max_model_len, 2, INT32_MAX)
+        if self.max_model_len is not None:  # (None: the engine sets it from the model)
+            self.max_model_len = as_int("max_model_len", self.max_model_len, 2, INT32_MAX)
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             setattr(self, name, as_int(name, getattr(self, name), 1, INT32_MAX))
-        if self.max_num_seqs * self.max_model_len > INT32_MAX:
+        if self.max_model_len is not None and self.max_num_seqs * self.max_model_len > INT32_MAX:
             raise ValueError(f"max_num_seqs * max_model_len must be <= 2**31 - 1 (a step's int32 "
                              f"kv_indptr sums its sequences' lengths), got {self.max_num_seqs} * "
                              f"{self.max_model_len}")

@@ -27,7 +27,8 @@ from ..fields import as_bool
 from ..journal import Journal, RollbackFailed
 from ..lora.sync import LoraSync
 from ..models.base import ROUTED_EXPERTS
-from ..models.loader import build_model, eos_token_ids, load_into, resolve_model
+from ..models.loader import (build_model, eos_token_ids, fit_max_model_len, load_into,
+                             resolve_model)
 from ..parallel import shared_seed, tensor_parallel
 from ..parallel.agree import agree_min, check_same_config, check_same_requests
 from ..requests.intake import Prompt, check_request, check_requests, hold_key, prefix_ids
@@ -65,13 +66,13 @@ class Engine(ColocationCalls):
                              f"{type(config).__name__}")
         if overrides:
             config = dataclasses.replace(config, **overrides)
-        self.config = config
         self.tp = tensor_parallel(config.tensor_parallel_size, process_group)
         if tokenizer is not None and not all(
                 callable(getattr(tokenizer, f, None)) for f in ("encode", "decode")):
             raise ValueError(f"tokenizer must encode and decode (a transformers tokenizer), got "
                              f"{type(tokenizer).__name__}")
         hf_config, weights, device, dtype, tokenizer = resolve_model(model, config, tokenizer)
+        self.config = config = fit_max_model_len(config, hf_config)
         self.hf_config, self.tokenizer, self.device = hf_config, tokenizer, device
         agree = None
         if self.tp.size > 1:  # before any rank builds (or refuses) anything the others do not

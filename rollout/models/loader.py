@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 from collections.abc import Iterator
@@ -9,11 +10,11 @@ from collections.abc import Iterator
 import torch
 
 from ..colocation.weights import check_tied_embeddings, model_tensors, unwrap
-from ..config import EngineConfig, as_dtype
+from ..config import DEFAULT_MAX_MODEL_LEN, EngineConfig, as_dtype
 from ..parallel import SINGLE, TensorParallel, building_for
 from . import model_class
 from .base import CausalLM
-from .layers.rotary import adopt_rounded_frequencies
+from .layers.rotary import adopt_rounded_frequencies, context_length
 
 
 def checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -32,11 +33,38 @@ def checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         yield from torch.load(f, map_location="cpu", weights_only=True).items()
 
 
+def fit_max_model_len(config: EngineConfig, hf_config) -> EngineConfig:
+    """`config` with a max_model_len: DEFAULT_MAX_MODEL_LEN where it was left None, or the
+    model's context where that is shorter."""
+    if config.max_model_len is not None:
+        return config
+    length = min(DEFAULT_MAX_MODEL_LEN, context_length(hf_config) or DEFAULT_MAX_MODEL_LEN)
+    return dataclasses.replace(config, max_model_len=length)
+
+
+def check_context(config, max_model_len: int) -> None:
+    """ValueError for a max_model_len past the context `config` declares (as vLLM refuses it):
+    positions beyond it are ones the model's RoPE was neither trained nor scaled for, and its
+    outputs there would be garbage, silently."""
+    limit = context_length(config)
+    if limit is None or max_model_len <= limit:
+        return
+    positions = config.max_position_embeddings
+    raise ValueError(
+        f"max_model_len: {max_model_len} is more than the model's context, {limit} tokens "
+        f"(max_position_embeddings={positions}"
+        + (", as its RoPE scaling extends it" if limit != positions else "")
+        + "); lower max_model_len, or give the model a config whose RoPE scaling reaches it "
+          "(rope_parameters: linear, dynamic or yarn with a factor)")
+
+
 def build_model(config, max_model_len: int, dtype: torch.dtype, device: torch.device,
                 tp: TensorParallel = SINGLE, source=None) -> CausalLM:
     """Allocate the engine's modules for `config` (weights uninitialised until loaded), this
-    rank's part of them under tensor parallelism `tp`. `source`: the live transformers model
-    (or a path) they are built for, whose rounded rotary frequencies they take."""
+    rank's part of them under tensor parallelism `tp`, refusing a max_model_len past the
+    model's context. `source`: the live transformers model (or a path) they are built for,
+    whose rounded rotary frequencies they take."""
+    check_context(config, max_model_len)
     cls = model_class(config)
     # Constructed on the meta device, where nothing is allocated or initialised: the modules'
     # default init (nn.Linear's kaiming, ...) would draw from torch's generators, which a

@@ -123,7 +123,7 @@ def test_refused_request_leaves_the_engine_generating_the_same(model, field, val
 BAD_CONFIG = [
     *cases("kv_cache_tokens", [*NOT_AN_INT, 0, 2**31, HUGE]),
     *cases("kv_memory_fraction", [*NOT_A_NUMBER, None, 1.5, -0.1, math.nan, math.inf, HUGE]),
-    *cases("max_model_len", [*NOT_AN_INT, None, 1, 2**31]),
+    *cases("max_model_len", [*NOT_AN_INT, 1, 2**31]),  # (None: the model's, up to 4096)
     *cases("max_num_seqs", [*NOT_AN_INT, None, 0, 2**31]),
     *cases("max_num_batched_tokens", [*NOT_AN_INT, None, 0, 2**31, HUGE]),
     *cases("lpm_max_waiting", [*NOT_AN_INT, None, 0]),

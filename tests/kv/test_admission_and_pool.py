@@ -20,6 +20,7 @@ from models import tiny_model
 
 import rollout.kv.pool as kv_pool
 from rollout import Engine, EngineConfig, SamplingParams
+from rollout.config import DEFAULT_MAX_MODEL_LEN
 
 CACHED = list(range(1, 21))  # 20 tokens, in the prefix cache before the race below
 COLD = [30, 31, 32, 33]  # shares nothing with CACHED
@@ -179,9 +180,10 @@ def test_default_cpu_pool_of_a_135m_model_builds_in_well_under_a_second():
     layers, kv_heads, head_dim = 30, 3, 64
     per_token = kv_pool.kv_bytes_per_token(layers, kv_heads, head_dim, torch.float32)
     config = EngineConfig()
-    slots = kv_pool.size_pool(None, config.kv_memory_fraction, config.max_model_len,
+    max_model_len = DEFAULT_MAX_MODEL_LEN  # (SmolLM2's 8192 positions keep the default's)
+    slots = kv_pool.size_pool(None, config.kv_memory_fraction, max_model_len,
                               config.max_num_seqs, per_token, torch.device("cpu"))
-    assert slots * per_token <= kv_pool.CPU_POOL_BYTES and slots >= config.max_model_len
+    assert slots * per_token <= kv_pool.CPU_POOL_BYTES and slots >= max_model_len
     seconds = []
     for _ in range(2):  # built, then rebuilt as wake_up does after sleep
         start = time.perf_counter()

@@ -118,6 +118,46 @@ def test_chunked_prefill_over_a_window_gives_the_same_tokens(family):
     assert [o.samples[0].token_ids for o in big] == [o.samples[0].token_ids for o in small]
 
 
+# --- the context a config declares --------------------------------------------------------
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16, "rope_theta": 500000.0}
+
+
+@pytest.mark.parametrize("family, config, length", [
+    ("llama", {}, 64),
+    # linear and dynamic NTK stretch max_position_embeddings by their factor, YaRN the original
+    # length by its factor; Llama 3's and LongRoPE's max_position_embeddings is the extended one
+    ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, 128),
+    ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, 128),
+    ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, 256),  # (Qwen2.5's)
+    ("llama", {"rope_parameters": LLAMA3}, 64),
+    ("phi3", {"rope_parameters": longrope(), "original_max_position_embeddings": 32}, 64),
+    # per layer type: the shortest (Gemma 3's global layers scaled linearly, local ones not)
+    ("gemma3_text", {}, 64),
+])
+def test_max_model_len_past_the_declared_context_is_refused(family, config, length):
+    """max_model_len up to the context the model's config declares (max_position_embeddings,
+    as its RoPE scaling extends it) builds; one token more is a ValueError naming the field
+    and both lengths, as vLLM refuses it."""
+    model = tiny_model(family, **{"max_position_embeddings": 64, **config})
+    Engine(model, EngineConfig(kv_cache_tokens=1024, max_model_len=length))
+    positions = model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=rf"^max_model_len: {length + 1} .*"
+                                         rf"max_position_embeddings={positions}\b"):
+        Engine(model, EngineConfig(kv_cache_tokens=1024, max_model_len=length + 1))
+
+
+@pytest.mark.parametrize("positions, want", [(64, 64), (8192, 4096)])
+def test_default_max_model_len_fits_the_model(positions, want):
+    """max_model_len left out: 4096, or the model's context where that is shorter."""
+    model = tiny_model("qwen2", max_position_embeddings=positions)
+    engine = Engine(model, EngineConfig(kv_cache_tokens=4096))
+    assert engine.config.max_model_len == want
+    out = engine.generate([[3, 4, 5]], SamplingParams(temperature=0, max_tokens=70,
+                                                       ignore_eos=True))
+    assert len(out[0].samples[0].token_ids) == min(70, want - 3)
+
+
 # --- the contract ---------------------------------------------------------------------------
 @pytest.mark.parametrize("family", FAMILIES)
 def test_weight_table_covers_the_checkpoint_exactly(family):

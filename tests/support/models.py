@@ -34,9 +34,11 @@ _EXTRA = {
 
 
 def tiny_config(family: str = "qwen2", vocab_size: int = 128, **overrides):
+    # max_position_embeddings: the engine refuses a max_model_len past it, and leaves 4096
+    # (its default max_model_len) to the tests that set none.
     kwargs = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=512, tie_word_embeddings=family == "qwen2",
+                  max_position_embeddings=4096, tie_word_embeddings=family == "qwen2",
                   eos_token_id=None, bos_token_id=None, pad_token_id=None)
     if family == "mistral":
         kwargs["sliding_window"] = None

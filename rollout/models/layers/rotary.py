@@ -37,6 +37,33 @@ def rope_parameters(config, layer_type: str | None = None) -> dict:
     return params
 
 
+def context_length(config) -> int | None:
+    """The longest sequence `config` declares its model serves: max_position_embeddings, as its
+    RoPE scaling extends it (vLLM's reading): linear and dynamic NTK by their factor, YaRN its
+    original length by its factor; Llama 3's and LongRoPE's max_position_embeddings is the
+    extended length already. With RoPE per layer type, the shortest: every layer sees every
+    position. None where the config states no length."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if not isinstance(positions, int):
+        return None
+    params = rope_parameters(config)
+    scalings = [params] if "rope_type" in params else [
+        p for p in params.values() if isinstance(p, dict)]
+    return min((_extended(positions, p) for p in scalings), default=positions)
+
+
+def _extended(positions: int, params: dict) -> int:
+    # YaRN's factor may be None: transformers then takes max_position_embeddings as extended
+    factor = params.get("factor") or 1.0
+    rope_type = params.get("rope_type")
+    if rope_type in ("linear", "dynamic"):
+        return int(positions * factor)
+    if rope_type == "yarn":
+        return max(positions,
+                   int(params.get("original_max_position_embeddings", positions) * factor))
+    return positions
+
+
 def _inv_freq(config, head_dim: int, max_model_len: int, layer_type: str | None,
               partial_rotary: bool) -> tuple[torch.Tensor, float]:
     params = rope_parameters(config, layer_type)
