@@ -32,7 +32,7 @@ class GroupDrawer:
     def __init__(self, cfg, rollout, task, tokenizer, sampler, params) -> None:
         self.cfg, self.rollout, self.engine = cfg, rollout, rollout.engine
         self.task, self.tokenizer, self.sampler, self.params = task, tokenizer, sampler, params
-        # The answers of the groups in flight, by request id; each leaves when scored.
+        # The answers of the groups in flight (Engine.carried), by request id.
         self.answers: dict[str, object] = {}
         self._requests = 0  # ids drawn: the same on every rank of an engine, as they must be
         # Over the run so far: a step may generate nothing (its groups completed while carried)
@@ -58,8 +58,12 @@ class GroupDrawer:
                 ids = [f"group-{self._requests + i}" for i in range(len(prompts))]
                 self._requests += len(ids)
                 self.answers.update(zip(ids, answers))
-                outs = self.rollout.rollout(prompts, self.params, groups=short, request_ids=ids)
-                answers = [self.answers.pop(out.request_id) for out in outs]
+                try:
+                    outs = self.rollout.rollout(prompts, self.params, groups=short,
+                                                request_ids=ids)
+                    answers = [self.answers[out.request_id] for out in outs]
+                finally:
+                    self._keep_carried()
             else:
                 outs = self.rollout.generate(prompts, self.params)
             for out, answer in zip(outs, answers):
@@ -75,6 +79,13 @@ class GroupDrawer:
         self.trained += sum(len(s.token_ids) for out in outs for s in out.samples)
         return outs, [r for _, rewards in kept for r in rewards], self._metrics(
             outs, engine.stats.stale_restarts - restarts, dropped, calls)
+
+    def _keep_carried(self) -> None:
+        """The answers of the groups the engine still carries, no others: it ends groups
+        without handing them back (dropped past max_staleness, aborted by abort_rest) and
+        refuses a call before it queues its ids, and no output will ever come to pop those."""
+        carried = set(self.engine.carried)
+        self.answers = {rid: a for rid, a in self.answers.items() if rid in carried}
 
     def _metrics(self, outs, restarts: int, dropped: int, calls: int) -> dict:
         version = self.engine.weights_version

@@ -4,6 +4,7 @@ Only the main process writes; every rank's numbers were averaged into it before 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -21,12 +22,9 @@ class Tracker:
         self.run = None
         self.jsonl_path = os.path.join(cfg.output_dir, "metrics.jsonl")
         self._jsonl = None
-        # An exported but empty $WANDB_MODE is unset (wandb.init, which reads it too, would
-        # refuse it whatever mode it is given); any other value is checked here, before a file
-        # is created, as the config's own wandb_mode is.
-        if os.environ.get("WANDB_MODE") == "":
-            del os.environ["WANDB_MODE"]
-        self.wandb_mode = cfg.wandb_mode or os.environ.get("WANDB_MODE", "offline")
+        # An exported but empty $WANDB_MODE reads as unset; any other value is checked here,
+        # before a file is created, as the config's own wandb_mode is.
+        self.wandb_mode = cfg.wandb_mode or os.environ.get("WANDB_MODE") or "offline"
         if cfg.wandb and self.wandb_mode not in WANDB_MODES:
             raise ValueError(f"WANDB_MODE must be one of {WANDB_MODES} (or unset: offline), got "
                              f"{self.wandb_mode!r}; --wandb_mode wins over it")
@@ -38,9 +36,10 @@ class Tracker:
             import wandb
 
             try:
-                self.run = wandb.init(project=cfg.wandb_project, name=cfg.run_name,
-                                      mode=self.wandb_mode, dir=cfg.output_dir,
-                                      config=to_dict(cfg), reinit="finish_previous")
+                with _empty_wandb_mode_unset():
+                    self.run = wandb.init(project=cfg.wandb_project, name=cfg.run_name,
+                                          mode=self.wandb_mode, dir=cfg.output_dir,
+                                          config=to_dict(cfg), reinit="finish_previous")
             except BaseException:
                 self.finish()  # the caller gets no tracker to finish: close the file here
                 raise
@@ -79,6 +78,21 @@ class Tracker:
         if not self.cfg.wandb or self.wandb_mode == "disabled":
             return None
         return os.path.join(self.cfg.output_dir, "wandb")
+
+
+@contextlib.contextmanager
+def _empty_wandb_mode_unset():
+    """An exported but empty $WANDB_MODE unset for the length of wandb.init only: wandb's
+    first init reads the environment and refuses "" whatever mode it is given (its settings
+    stay as that init read them), and the caller's environment is the caller's."""
+    if os.environ.get("WANDB_MODE") != "":
+        yield
+        return
+    del os.environ["WANDB_MODE"]
+    try:
+        yield
+    finally:
+        os.environ["WANDB_MODE"] = ""
 
 
 def _plain(v):

@@ -183,27 +183,38 @@ class Colocation:
             raise
         dtype = model.dtype
         moved, resharding = 0, ReshardStats()
+        # Whether the engine's weights may have changed yet: the source is read as it is
+        # copied (a PEFT model merged while read), so a read can fail before the first write
+        # and leave the engine exact.
+        written = False
         try:
-            if (self.lora is not None and self.lora.attach(plan, self.stack.backend)
-                    and self.stack.graphs is not None):
-                self.stack.graphs.release()  # captured with the projections' old adapters
+            if self.lora is not None:
+                written = True  # (attaching may fail half way)
+                written = self.lora.attach(plan, self.stack.backend)
+                if written and self.stack.graphs is not None:
+                    self.stack.graphs.release()  # captured with the projections' old adapters
             parts = rank_parts(named, model.rank_parts(shapes), dtype, bucket_bytes, resharding)
             checked = Checked()
             for bucket in buckets(parts, self.device, dtype, bucket_bytes,
                                   separate_host=self.stack.parking.separate_host):
+                written = True
                 model.load_weights(bucket, local=True, copy=checked.copy)
                 checked.verify()
                 moved += sum(t.numel() * t.element_size() for _, t in bucket)
             if plan is not None:
+                written = True
                 moved += self.lora.copy(plan)
                 self.lora.remember(plan)
         except BaseException as e:
             named.close()  # at once: reading a PEFT model may hold its merge open
-            self.weights_missing = True
+            self.weights_missing = self.weights_missing or written
             if not isinstance(e, Exception) or isinstance(e, (ValueError, CopyMismatch)):
                 # KeyboardInterrupt stays what it is, a refused source a ValueError naming it;
                 # needs_weights says the rest.
                 raise
+            if not written:
+                raise RuntimeError("update_weights: failed before any weight was written; "
+                                   "the engine keeps the weights it had") from e
             raise RuntimeError("update_weights: a copy failed after some weights were "
                                "written; the engine's weights are incomplete and it "
                                "refuses to generate until a complete update_weights") from e

@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_recipes import TINY, write_config
 
-from rollout import RolloutOutput
+from rollout import RolloutOutput, SamplingParams
 from rollout.requests.outputs import Sample
 from rollout_recipes.algo.losses import behaviour_weights, grpo_loss
 from rollout_recipes.grpo import main
@@ -93,12 +93,18 @@ def test_partial_rollouts_carry_groups_into_later_steps(tmp_path, algo, monkeypa
         assert row["engine/asleep_at_optimizer_step"] == 1.0
 
 
-@pytest.mark.parametrize("partial", [True, False])
-def test_carried_kv_reaches_the_engine_with_partial_rollouts(partial):
+def test_carried_kv_reaches_the_engine_with_partial_rollouts():
     """--carried_kv park sets EngineConfig.carried_kv for partial rollouts (the engine's tests
-    hold what it does: tests/engine/test_carry_park.py); without them nothing is carried."""
-    cfg = RecipeConfig(partial_rollouts=partial, carried_kv="park")
-    assert engine_config(cfg).carried_kv == ("park" if partial else "recompute")
+    hold what it does: tests/engine/test_carry_park.py)."""
+    assert engine_config(RecipeConfig(partial_rollouts=True, carried_kv="park")).carried_kv == "park"
+
+
+@pytest.mark.parametrize("key", [dict(carried_kv="park"), dict(over_sample=1.5),
+                                 dict(over_sample=2.0, carried_kv="park")])
+def test_partial_rollout_keys_without_partial_rollouts_are_refused(key):
+    """Without partial rollouts nothing is carried or over-sampled: such keys had been ignored."""
+    with pytest.raises(ValueError, match=rf"^{', '.join(key)}: take effect with partial"):
+        RecipeConfig(**key)
 
 
 def test_dynamic_sampling_trains_on_groups_with_signal(tmp_path, monkeypatch):
@@ -127,6 +133,7 @@ class FakeRollout:
         self.rows_drawn = rows_drawn  # the sampler's row indices, in the order drawn
         self.written = written
         self.asked: dict[str, int] = {}
+        self.prompts: dict[str, str] = {}
         self.engine = SimpleNamespace(stats=SimpleNamespace(
             generated_tokens=0, stale_restarts=0, stale_kv_kept=0, parked_tokens=0),
             carried=[], weights_version=1, eos_ids=eos_ids)
@@ -142,10 +149,11 @@ class FakeRollout:
     def rollout(self, prompts, params, groups, request_ids):
         for rid, prompt in zip(request_ids, prompts):
             self.asked[rid] = self.rows_drawn.pop(0)
-            self.engine.carried.append((rid, prompt))
+            self.prompts[rid] = prompt
+            self.engine.carried.append(rid)
         handed = self.engine.carried[-groups:][::-1]
         del self.engine.carried[-groups:]
-        return [self._output(rid, prompt) for rid, prompt in handed]
+        return [self._output(rid, self.prompts[rid]) for rid in handed]
 
 
 @pytest.mark.parametrize("partial", [True, False])
@@ -187,6 +195,56 @@ def test_groups_are_scored_against_their_own_rows_answer(partial):
         want = [exact_reward("1", answers[row]) for row in rows for _ in range(2)]
         assert rewards == want and len(set(want)) == 2
         assert len(drawer.answers) == len(fake.engine.carried)
+
+
+def test_drawer_keeps_the_answers_of_the_groups_in_flight_only():
+    """The engine ends groups the drawer never gets back: dropped past max_staleness
+    (stale_groups "drop"), aborted (abort_rest), or never queued (a refused call). After
+    every draw, succeeded or refused, the drawer holds the answers of the carried groups
+    exactly, however many steps the run takes."""
+    from datasets import Dataset
+    from test_carry import PROMPTS, TOK, make, target
+
+    from rollout_recipes.algo.partial import GroupDrawer
+    from rollout_recipes.tasks.base import Task
+
+    engine = make("plain", True, max_staleness=0, stale_groups="drop")
+    task = Task(Dataset.from_dict({"prompt": PROMPTS, "answer": ["1"] * len(PROMPTS)}), None,
+                lambda completion, answer: 0.0)
+    drawn = iter(range(10**6))
+
+    class Sampler:
+        def next(self, count):
+            return [next(drawn) % len(PROMPTS) for _ in range(count)]
+
+    cfg = SimpleNamespace(prompts_per_step=1, partial_rollouts=True, over_sample=3.0,
+                          dynamic_sampling=False, dynamic_sampling_draws=1)
+    drawer = GroupDrawer(cfg, SimpleNamespace(engine=engine, rollout=engine.rollout), task, TOK,
+                         Sampler(), SamplingParams(n=2, temperature=1.0, seed=0, max_tokens=12))
+
+    def in_flight():
+        assert engine.carried and sorted(drawer.answers) == sorted(engine.carried)
+
+    drawer.draw()
+    in_flight()
+    for _ in range(3):  # each update drops the groups that sampled a token before it
+        engine.sleep(2)
+        engine.wake_up()
+        engine.update_weights(target())
+        drawer.draw()
+        in_flight()
+    assert engine.stats.stale_drops > 0
+    engine.rollout(groups=0, abort_rest=True)  # over-sample and abort
+    drawer.draw()
+    in_flight()
+    engine.sleep(1)  # asleep, rollout() refuses the call before it queues anything
+    with pytest.raises(RuntimeError):
+        drawer.draw()
+    in_flight()
+    engine.wake_up()
+    drawer.draw()
+    in_flight()
+    engine.check_invariants()
 
 
 @pytest.mark.parametrize("key, value, match", [

@@ -693,14 +693,19 @@ def test_an_infinite_metric_is_logged_and_plotted(tmp_path):
 
 
 def test_wandb_mode_from_the_environment_is_checked(tmp_path, monkeypatch):
-    """An exported but empty $WANDB_MODE is unset: a real offline W&B run starts (wandb reads
-    the variable too); a bad one is a ValueError naming it before any file is written."""
+    """An exported but empty $WANDB_MODE reads as unset: a real offline W&B run starts (wandb
+    reads the variable too, and refuses ""), and the process environment is left as the
+    caller had it; a bad one is a ValueError naming it before any file is written."""
     from rollout_recipes.run.tracking import Tracker
 
     monkeypatch.setenv("WANDB_MODE", "")
+    before = dict(os.environ)
     tracker = Tracker(RecipeConfig(output_dir=str(tmp_path / "empty")), is_main=True)
     tracker.finish()
     assert tracker.wandb_mode == "offline" and os.listdir(tracker.wandb_dir)
+    # wandb's own: the address of its service, exported for child processes by its first init
+    after = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE" or k in before}
+    assert after == before
     monkeypatch.setenv("WANDB_MODE", "bogus")
     with pytest.raises(ValueError, match="WANDB_MODE.*'bogus'"):
         Tracker(RecipeConfig(output_dir=str(tmp_path / "bad")), is_main=True)
