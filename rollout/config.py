@@ -75,8 +75,9 @@ class EngineConfig:
     # A PEFT LoRA model (built from or synced with): "unmerged" serves its adapter beside the
     # base weights, loaded once (update_weights then copies the adapter only; rollout/lora/),
     # refusing adapters it cannot serve so; "merged" folds the adapter into the weights at
-    # every sync; "auto" serves unmerged what it can and merges the rest (DoRA, several
-    # active adapters, LoRA on embeddings or MoE experts: Engine.lora_status says why).
+    # every sync; "auto" serves unmerged what it can and merges the rest (DoRA and other
+    # variants, several active adapters, LoRA on embeddings or on one expert's linear, MoE
+    # experts in the batch-invariant mode: Engine.lora_status says why).
     lora: str = "auto"
     device: torch.device | str | None = None  # None: the model's device (cuda if loading a path)
     seed: int | None = None  # default seed of unseeded requests; None draws one per request
