@@ -26,6 +26,9 @@ def _accept_triton(**rows):
 # feed it), a sample's fast (its own text changes character within a few tokens).
 RATE_ENGINE, RATE_SAMPLE = 0.05, 0.3
 
+# _journaled's value that drops the key.
+_DROP = object()
+
 # The acceptance scan along each request's drafts (verify.py).
 ACCEPT = Op("accept_drafts", torch=(accept_drafts_ref, always), triton=(_accept_triton, on_cuda))
 
@@ -75,16 +78,18 @@ class Speculator:
         self.accept = stack.backend.bind(ACCEPT)
         self.max_model_len, self.siblings = max_model_len, siblings
         self.drafter = drafter or NgramDrafter(config.ngram_min, config.ngram_max)
-        # seq_id -> (consecutive fully rejected rounds, steps left before proposing again):
-        # a sample whose drafts keep failing stops paying for verification, with exponential
-        # back-off so it is probed again now and then.
-        self._misses: dict[int, list[int]] = {}
+        # seq_id -> (consecutive fully rejected rounds, output length at which it proposes
+        # again): a sample whose drafts keep failing stops paying for verification, with
+        # exponential back-off so it is probed again now and then. The wait is counted in the
+        # sample's own tokens (one per step while it does not draft), not by counting steps
+        # down: a proposal then changes nothing, so a step that fails after it leaves no trace.
+        self._misses: dict[int, tuple[int, int]] = {}
         # seq_id -> where this step's draft came from ("self", "siblings", "history"; the
         # draft model's: "draft"), for the per-source stats.
         self.sources: dict[int, str] = {}
         # Running acceptance per draft token (exponential averages) per draft source: the
         # engine's, and each sample's (seq_id -> source -> rate), which set the adaptive draft
-        # length (_paying).
+        # length (_paying). Like the back-off, changed only through _journaled.
         self.rates: dict[str, float] = {}
         self._rates: dict[int, dict[str, float]] = {}
         # This step's decodes were more than max_batch_size (no drafting): for the stats.
@@ -173,10 +178,7 @@ class Speculator:
 
     def _ready(self, seq: Sequence) -> bool:
         state = self._misses.get(seq.seq_id)
-        if state is None or state[1] == 0:
-            return True
-        state[1] -= 1
-        return False
+        return state is None or seq.num_output >= state[1]
 
     def after_commit(self, batch: Batch, verdicts, kept: list[int]) -> list[Verified]:
         """Learn the acceptance and update the back-off from what each verification committed
@@ -193,32 +195,32 @@ class Speculator:
                             min(verdict.accepted, got), got)
             verified.append(done)
             self._learn(it.seq.seq_id, done.source, done.accepted / done.proposed)
-            state = self._misses.setdefault(it.seq.seq_id, [0, 0])
-            if done.accepted:
-                state[0] = 0
-            else:
-                state[0] += 1
-                state[1] = min(2 ** state[0], 32)
+            misses = 0 if done.accepted else self._misses.get(it.seq.seq_id, (0, 0))[0] + 1
+            wait = min(2 ** misses, 32) if misses else 0
+            self._journaled(self._misses, it.seq.seq_id, (misses, it.seq.num_output + wait))
         self.drafter.rollback(seqs)
         return verified
 
     def _learn(self, seq_id: int, source: str, share: float) -> None:
-        """One verification's share of accepted draft tokens into the running rates
-        (journaled with the commit: a failed step teaches nothing)."""
+        """One verification's share of accepted draft tokens into the running rates."""
         engine, own = self.rates.get(source, 0.5), self._rates.get(seq_id, {})
-        before, before_own = dict(self.rates), (seq_id, dict(own) if seq_id in self._rates
-                                                else None)
-        self.rates[source] = engine + RATE_ENGINE * (share - engine)
+        self._journaled(self.rates, source, engine + RATE_ENGINE * (share - engine))
         mine = own.get(source, engine)
-        self._rates[seq_id] = {**own, source: mine + RATE_SAMPLE * (share - mine)}
-        self.kv.journal.record(lambda: self._restore_rates(before, *before_own))
+        self._journaled(self._rates, seq_id, {**own, source: mine + RATE_SAMPLE * (share - mine)})
 
-    def _restore_rates(self, rates: dict, seq_id: int, own: dict | None) -> None:
-        self.rates = rates
-        if own is None:
-            self._rates.pop(seq_id, None)
+    def _journaled(self, table: dict, key, value=_DROP) -> None:
+        """table[key] = value (_DROP: the key dropped), undone with the journal's unit: the
+        back-off and the rates decide the drafts, which must be as if a failed step never ran.
+        Values are replaced, never changed in place, so the undo can hold the old one."""
+        if key in table:
+            old = table[key]
+            self.kv.journal.record(lambda: table.__setitem__(key, old))
         else:
-            self._rates[seq_id] = own
+            self.kv.journal.record(lambda: table.pop(key, None))
+        if value is _DROP:
+            table.pop(key, None)
+        else:
+            table[key] = value
 
     @property
     def backoff_sequences(self) -> frozenset[int]:
@@ -230,8 +232,8 @@ class Speculator:
         """The request ended (finished or aborted): drop its back-off state; the drafter may
         remember its samples (suffix.py)."""
         for seq in seqs:
-            self._misses.pop(seq.seq_id, None)
-            self._rates.pop(seq.seq_id, None)
+            self._journaled(self._misses, seq.seq_id)
+            self._journaled(self._rates, seq.seq_id)
         self.drafter.remember(seqs)
 
     def verify(self, logits, rows, items, want_support=None) -> list[Verdict]:
