@@ -49,6 +49,8 @@ def sampled_at(candidates: torch.Tensor | None, rows: list[int], tokens: list[in
     indices into `candidates` and the per-row flags; a row not in `want_logprobs` (default:
     all) skips the renormalisation (its sampling logprob is then its logprob, unused)."""
     # (Each per-row pass only where a flag is set anywhere: a rollout's step has none.)
+    if any(truncated):
+        truncated = _cutting(candidates, rows, truncated, want_support, want_logprobs)
     sampling = ([0.0 if greedy[r] else lp for r, lp in zip(rows, logprobs)] if any(greedy)
                 else list(logprobs))
     cut = [i for i, r in enumerate(rows)
@@ -70,6 +72,25 @@ def sampled_at(candidates: torch.Tensor | None, rows: list[int], tokens: list[in
         elif want_support[r] and truncated[r]:
             supports[i] = next(kept)
     return sampling, supports
+
+
+def _cutting(candidates: torch.Tensor, rows: list[int], truncated: Sequence[bool],
+             want_support: Sequence[bool], want_logprobs: Sequence[bool] | None
+             ) -> Sequence[bool]:
+    """`truncated` (set from the row's filters) less the reported rows whose filters kept every
+    token: whether a filter cuts depends on the row (min-p's threshold on its top token, a cut
+    among tied values), and a row that kept the whole vocabulary was drawn from it, as with
+    top_k >= vocab or top_p = 1 (SamplingParams.validate turns those off)."""
+    asked = sorted({r for r in rows if truncated[r]
+                    and (want_support[r] or want_logprobs is None or want_logprobs[r])})
+    if not asked:
+        return truncated
+    whole = candidates[torch.tensor(asked, device=candidates.device)].amin(dim=-1) \
+        > float("-inf")
+    truncated = list(truncated)
+    for r, kept_all in zip(asked, whole.tolist()):
+        truncated[r] = not kept_all
+    return truncated
 
 
 class Support(Sequence):

@@ -105,6 +105,30 @@ def test_greedy_rows_are_a_point_mass():
 
 
 @pytest.mark.parametrize("backend", SAMPLERS)
+def test_a_min_p_that_cuts_nothing_is_no_truncation(backend):
+    """min-p cuts relative to each row's top token, so whether it cuts depends on the row: one
+    whose every token lies above max + log(min_p) (a tiny min_p, or a flat row) is drawn from
+    the whole vocabulary and reads as top_k = vocab or top_p = 1 do (sampling logprob = logprob,
+    support 'all'), drawn or verified; a row it cuts keeps its truncated report."""
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(2)) * 3
+    logits[1] = 0.5  # flat: every token is the top one
+    min_p = [1e-30, 0.5, 0.05]
+    device = device_for(backend)
+    rows = SamplingBatch.build([1.0] * 3, [0] * 3, [1.0] * 3, min_p, [1, 2, 3], [7] * 3, device)
+    drawn = Sampler(resolve_backend(backend, device)).draw(logits.to(device), rows, (True,) * 3)
+    verified = verify(logits.to(device), rows, [[]] * 3, [None] * 3, want_support=(True,) * 3)
+    for emitted in (drawn, verified):
+        for r in (0, 1):
+            assert list(emitted[r].supports) == [None]
+            assert list(emitted[r].sampling_logprobs) == list(emitted[r].logprobs)
+        kept, dist = reference(logits[2], 1.0, 0, 1.0, min_p[2])
+        assert 0 < len(kept) < VOCAB and emitted[2].supports[0].tolist() == sorted(kept)
+        (token,), (slp,) = emitted[2].tokens, emitted[2].sampling_logprobs
+        assert slp == pytest.approx(np.log(dist[token]), abs=1e-5)
+        assert slp > emitted[2].logprobs[0]
+
+
+@pytest.mark.parametrize("backend", SAMPLERS)
 def test_ties_at_the_boundary_are_kept_together_and_renormalised_over(backend):
     """Values tied across the top-k or top-p boundary: every tied token is kept (whatever
     the order a sort leaves them in), tokens are drawn from them alone, and the sampling
@@ -271,11 +295,12 @@ def test_the_engine_returns_both_and_they_agree_with_the_trainers_renormalisatio
         n=3, temperature=0.9, top_p=p, max_tokens=10, logprobs=True, seed=4,
         return_support=True)) for p in (1.0, 0.8))
     # Filters set that keep every token are no truncation either: top_k at or above the
-    # vocabulary (128), a top_p that is 1 in the sampler's float32 (each had given a
-    # renormalised logprob an ulp off and the whole vocabulary as an explicit support).
+    # vocabulary (128), a top_p that is 1 in the sampler's float32, a min_p below every
+    # token's share of the top one's (each had given a renormalised logprob an ulp off and
+    # the whole vocabulary as an explicit support).
     kept_all = [engine.generate(prompts, SamplingParams(
         n=3, temperature=0.9, max_tokens=10, logprobs=True, seed=4, return_support=True, **kw))
-        for kw in ({"top_k": 128}, {"top_k": 1000}, {"top_p": 1 - 1e-9})]
+        for kw in ({"top_k": 128}, {"top_k": 1000}, {"top_p": 1 - 1e-9}, {"min_p": 1e-30})]
     for outs in (full, *kept_all):
         for out in outs:
             for s in out.samples:
