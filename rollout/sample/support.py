@@ -57,9 +57,11 @@ def sampled_at(candidates: torch.Tensor | None, rows: list[int], tokens: list[in
            if truncated[r] and (want_logprobs is None or want_logprobs[r])] \
         if any(truncated) else []
     if cut:
-        index = torch.tensor([rows[i] for i in cut], device=candidates.device)
+        picked = [rows[i] for i in cut]
+        block = candidates if picked == list(range(candidates.shape[0])) else \
+            candidates[torch.tensor(picked, device=candidates.device)]  # (a copy: [cut, V])
         chosen = torch.tensor([tokens[i] for i in cut], device=candidates.device)
-        for i, lp in zip(cut, truncated_logprobs(candidates[index], chosen).tolist()):
+        for i, lp in zip(cut, truncated_logprobs(block, chosen).tolist()):
             sampling[i] = lp
     supports: list = [None] * len(rows)
     if not any(want_support):
@@ -85,8 +87,10 @@ def _cutting(candidates: torch.Tensor, rows: list[int], truncated: Sequence[bool
                     and (want_support[r] or want_logprobs is None or want_logprobs[r])})
     if not asked:
         return truncated
-    whole = candidates[torch.tensor(asked, device=candidates.device)].amin(dim=-1) \
-        > float("-inf")
+    # every row asked (a rollout with logprobs): no gathered copy of the [rows, V] block
+    part = candidates if len(asked) == candidates.shape[0] else \
+        candidates[torch.tensor(asked, device=candidates.device)]
+    whole = part.amin(dim=-1) > float("-inf")
     truncated = list(truncated)
     for r, kept_all in zip(asked, whole.tolist()):
         truncated[r] = not kept_all
