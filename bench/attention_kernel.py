@@ -4,9 +4,9 @@ pool per layer as the engine has them (one buffer, on huge pages), each sample's
 runs of --run consecutive slots, the samples' runs taking turns (KVManager.alloc_decodes'
 arrangement; --run 1: token t of sample b at slot prefix + t * batch + b, the worst case).
 Times a step's 30 layers with the suffixes (whole) and without them (the prompt part alone: one
-key each), best of --repeat, interleaved; prints the prompt part's FMA rate against the CPU's
-FMA peak (fma_peak.c, measured in the same loop) and the rate at which the suffixes' K/V are
-read. Prints only; not in CI.
+key each), best of --repeat, interleaved (each in turn first after the FMA probe); prints the
+prompt part's FMA rate against the CPU's FMA peak (fma_peak.c, measured in the same loop) and
+the rate at which the suffixes' K/V are read. Prints only; not in CI.
 
     python bench/attention_kernel.py [--threads 2] [--suffix 66] [--run 32] [--repeat 15]
 """
@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fma_peak import FmaPeak  # noqa: E402
+from fma_peak import FmaPeak, rotated  # noqa: E402
 from workloads import cpu_name  # noqa: E402
 
 from rollout.kv import huge_pages  # noqa: E402
@@ -70,11 +70,11 @@ def main() -> None:
              "whole": rows_for(args.prompts, args.n, args.prefix, args.suffix, args.run)}
     best = dict.fromkeys(cases, float("inf"))
     probe, peak = FmaPeak(), 0.0
-    for _ in range(args.repeat):
-        for name, rows in cases.items():
+    for i in range(args.repeat):
+        for name in rotated(list(cases), i):
             t0 = time.perf_counter()
             for k, v in pools:
-                native.paged_attention(q, k, v, out, rows, dim ** -0.5, None, None)
+                native.paged_attention(q, k, v, out, cases[name], dim ** -0.5, None, None)
             best[name] = min(best[name], time.perf_counter() - t0)
         peak = max(peak, probe.gflops(torch.get_num_threads()))
     # the prompt part: every query head's scores and values over the prefix, 2 FMAs a key-dim

@@ -24,6 +24,7 @@ from workloads import QWEN2_05B, random_qwen2  # noqa: E402
 
 from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
 from rollout.colocation import checksum  # noqa: E402
+from rollout.colocation.device_memory import tensor_bytes  # noqa: E402
 
 GB = 1e9
 
@@ -70,8 +71,11 @@ def main() -> None:
     # `policy` stays alive: memory_allocated after sleep(2) must come back to `before_engine`.
     engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, seed=0))  # touch the pool
     awake = engine.memory_held()
-    print(f"engine memory held awake: {awake / GB:.3f} GB "
-          f"(weights + KV pool {engine.inspect().kv_bytes / GB:.3f} GB + slot table)")
+    weights = tensor_bytes([*engine.model.parameters(), *engine.model.buffers()])
+    packed, kv = engine.model.derived_bytes(), engine.inspect().kv_bytes
+    print(f"engine memory held awake: {awake / GB:.3f} GB (weights {weights / GB:.3f} GB + "
+          f"their packed copies {packed / GB:.3f} GB + KV pool {kv / GB:.3f} GB + slot table "
+          f"and per-slot extras {(awake - weights - packed - kv) / GB:.3f} GB)")
     print(f"cuda memory_allocated before engine creation: {before_engine}, "
           f"engine awake: {allocated(device)}")
 

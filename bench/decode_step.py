@@ -21,8 +21,9 @@ then replayed:
   with --top-p, also native steps whose samples all filter by that top_p (the issue's "a
   top-p=0.9 step against a step without it").
 
-Best of --repeat, paths interleaved. At --profile-at, the torch profiler's top ops of one step
-each way. Nothing is asserted but that both paths' logits agree (printed).
+Best of --repeat, paths and matmul interleaved (each in turn first after the FMA probe). At
+--profile-at, the torch profiler's top ops of one step each way. Nothing is asserted but that
+both paths' logits agree (printed).
 
     python bench/decode_step.py [--threads 2] [--decoded 8 64 192] [--repeat 10] [--no-pack]
                                 [--top-p 0.9] [--real]
@@ -40,7 +41,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fma_peak import FmaPeak  # noqa: E402
+from fma_peak import FmaPeak, rotated  # noqa: E402
 from workloads import SMOLLM2_135M, cpu_name, random_llama  # noqa: E402
 
 from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
@@ -263,10 +264,11 @@ def measure(engine, inputs, switch, args, probe: FmaPeak, profile_it: bool) -> N
 
     best = {mode: float("inf") for mode in (*switch.modes(), "matmul")}
     peak = 0.0
-    for _ in range(args.repeat):
-        for mode in switch.modes():
-            best[mode] = min(best[mode], replay(runner, inputs, switch, mode))
-        best["matmul"] = min(best["matmul"], matmul_seconds(runner.model, batch))
+    for i in range(args.repeat):
+        for case in rotated(list(best), i):
+            seconds = (matmul_seconds(runner.model, batch) if case == "matmul"
+                       else replay(runner, inputs, switch, case))
+            best[case] = min(best[case], seconds)
         peak = max(peak, probe.gflops(torch.get_num_threads()))
     mm = best["matmul"]
     rate = matmul_flops(runner.model, batch) / mm / 1e9

@@ -36,3 +36,11 @@ class FmaPeak:
         elapsed = time.perf_counter() - t0
         self.iters = max(1, int(self.iters * self.seconds / elapsed))  # next call: ~seconds
         return flops / elapsed / 1e9
+
+
+def rotated(cases: list, repeat: int) -> list:
+    """`cases` in the order of repeat number `repeat` of a loop that ends with the probe: each
+    case in turn runs first after the probe's all-core FMAs (the clock they leave, the caches
+    they flush), so that start costs every case alike and interleaving compares them."""
+    k = repeat % len(cases)
+    return cases[k:] + cases[:k]

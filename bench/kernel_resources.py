@@ -359,7 +359,7 @@ def all_kernels() -> set[str]:
 def tile_sweep_cases() -> list[tuple[str, Callable[[], object]]]:
     """The tiles bench/triton_kernels.py sweeps on the GPU (Llama-3-8B heads, bf16), so a tile the
     GPU cannot launch is known before the device time is spent."""
-    from bench.kernels import HEAD_DIM, KV_HEADS, Q_HEADS, TILE_SWEEP
+    from triton_kernels import HEAD_DIM, KV_HEADS, Q_HEADS, TILE_SWEEP  # bench/ is sys.path[0]
     from rollout_kernels.triton.paged_attention import launch_paged_attention
 
     pool_k = torch.empty(4096, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)

@@ -26,7 +26,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from workloads import add_model_args, model_from_args  # noqa: E402
 
 from rollout import Engine, EngineConfig, SamplingParams  # noqa: E402
+from rollout.engine.stats import EngineStats  # noqa: E402
 from rollout.spec import SpeculativeConfig  # noqa: E402
+
+# What report() reads of a timed run.
+COUNTERS = ("generated_tokens", "steps", "spec_proposed", "spec_accepted", "spec_verifications",
+            "spec_emitted")
 
 
 def noisy_copy(model, scale: float, seed: int = 0):
@@ -39,6 +44,12 @@ def noisy_copy(model, scale: float, seed: int = 0):
             noise = torch.randn(p.shape, generator=gen).to(p.device, p.dtype)
             p.add_(noise * p.float().std().to(p.dtype) * scale)
     return draft
+
+
+def since(base: dict, now: dict) -> EngineStats:
+    """The counters of what ran between two Engine.stats.as_dict() snapshots, and so its rates
+    (acceptance_rate, tokens_per_verification) without the warm-up's drafts."""
+    return EngineStats(**{k: now[k] - base[k] for k in COUNTERS})
 
 
 def timed(model, prompts, params, spec, args):
@@ -54,11 +65,9 @@ def timed(model, prompts, params, spec, args):
     if args.device == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    s = engine.stats.as_dict()
+    run = since(base, engine.stats.as_dict())
     samples = sum(len(o.samples) for o in outs)
-    generated = s["generated_tokens"] - base["generated_tokens"]
-    steps = s["steps"] - base["steps"]
-    return seconds, steps * samples / generated, s
+    return seconds, run.steps * samples / run.generated_tokens, run
 
 
 def report(name, batch, plain, spec):
@@ -66,8 +75,8 @@ def report(name, batch, plain, spec):
     t1, f1, s = spec
     print(f"{name:<28} batch {batch:>3}: plain {t0:6.2f}s  spec {t1:6.2f}s  speed-up "
           f"{t0 / t1:4.2f}x | target forwards/token {f0:4.2f} -> {f1:4.2f} | acceptance "
-          f"{s['acceptance_rate']:.2f}, tokens/verification {s['tokens_per_verification']:.2f}, "
-          f"proposed {s['spec_proposed']}")
+          f"{s.acceptance_rate:.2f}, tokens/verification {s.tokens_per_verification:.2f}, "
+          f"proposed {s.spec_proposed}")
 
 
 def main() -> None:

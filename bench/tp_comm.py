@@ -7,11 +7,12 @@ Workload: a random-weight Llama of about SmolLM2-135M's shapes (hidden 576, MLP 
 replicated at TP=4), --layers layers, --batch requests decoding side by side; forked CPU ranks
 on gloo.
 Expected per decode step: 2 all-reduces per layer (after o_proj and down_proj) + 1 (the
-vocabulary-parallel embedding) and 1 all-gather of the logits rows; nothing else. Rank 0
-prints what it counted (every rank issues the same calls). Then one update_weights from the
-model sharded as FSDP2 shards it (DTensor Shard(0) over the tp ranks): collectives and bytes
-received per rank, against gathering each weight whole. No timing: CPU gloo says nothing about
-NVLink.
+vocabulary-parallel embedding) and 1 all-gather of the logits rows, plus the check that the
+ranks run the same batch (check_same_batch: one MAX all-reduce of two int64s, counted apart
+from the forward's sums and left out of their bytes); nothing else. Rank 0 prints what it
+counted (every rank issues the same calls). Then one update_weights from the model sharded as
+FSDP2 shards it (DTensor Shard(0) over the tp ranks): collectives and bytes received per rank,
+against gathering each weight whole. No timing: CPU gloo says nothing about NVLink.
 
     python bench/tp_comm.py [--tp 2 4] [--layers 4] [--batch 8] [--dtype float32]
 """
@@ -36,6 +37,7 @@ SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_atte
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_single", "all_gather_into_tensor",
                "all_gather_object", "broadcast", "reduce_scatter_tensor", "all_to_all_single",
                "barrier")
+CHECK = "all_reduce (check)"
 
 
 def random_llama(layers: int):
@@ -49,7 +51,9 @@ def random_llama(layers: int):
 
 class Counting:
     """Counts calls and bytes (the input tensor's; an all-gather's output is size x that) of
-    every torch.distributed collective while active."""
+    every torch.distributed collective while active. An all-reduce other than a sum counts as
+    CHECK: the engine's consistency checks (rollout/parallel/collectives.py check_same, agree.py)
+    reduce with MAX or MIN, the forward only sums."""
 
     def __init__(self) -> None:
         self.calls: Counter = Counter()
@@ -64,8 +68,12 @@ class Counting:
             if self.active:
                 tensor = args[1] if name in ("all_gather_single", "all_gather_into_tensor") \
                     else (args[0] if args and isinstance(args[0], torch.Tensor) else None)
-                self.calls[name] += 1
-                self.bytes[name] += 0 if tensor is None else tensor.numel() * tensor.element_size()
+                key = name
+                if name == "all_reduce":
+                    op = kwargs.get("op", args[1] if len(args) > 1 else dist.ReduceOp.SUM)
+                    key = name if op == dist.ReduceOp.SUM else CHECK
+                self.calls[key] += 1
+                self.bytes[key] += 0 if tensor is None else tensor.numel() * tensor.element_size()
             return fn(*args, **kwargs)
         return counted
 
@@ -96,12 +104,14 @@ def _rank(rank: int, tp: int, port: int, args) -> None:
         gathers = sum(counting.calls[n] for n in gather_names) / steps
         gather_kib = sum(counting.bytes[n] for n in gather_names) / steps / 1024
         received_kib = args.batch * SHAPE["vocab_size"] * engine.model.dtype.itemsize / 1024
+        checks = counting.calls[CHECK] / steps
         others = {n: c / steps for n, c in counting.calls.items()
-                  if n != "all_reduce" and n not in gather_names}
-        ok = reduces == expected and gathers == 1 and not others
+                  if n not in ("all_reduce", CHECK) and n not in gather_names}
+        ok = reduces == expected and checks == 1 and gathers == 1 and not others
         print(f"tp={tp} layers={args.layers} batch={args.batch} dtype={args.dtype}: per decode "
               f"step {reduces:g} all-reduces ({reduce_kib:.1f} KiB per rank; expected 2 x "
-              f"{args.layers} layers + 1 embedding = {expected}), {gathers:g} logits all-gather "
+              f"{args.layers} layers + 1 embedding = {expected}) + {checks:g} same-batch check "
+              f"({counting.bytes[CHECK] / steps:g} B, expected 1), {gathers:g} logits all-gather "
               f"({gather_kib:.1f} KiB sent, {received_kib:.0f} KiB received per rank), other "
               f"collectives {others or 'none'}: {'OK' if ok else 'UNEXPECTED'}", flush=True)
     _update_from_dtensors(rank, tp, args, counting)

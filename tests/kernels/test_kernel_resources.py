@@ -20,6 +20,7 @@ from bench.kernel_resources import (
     Variant,
     no_host_reads,
     report,
+    tile_sweep_cases,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -89,3 +90,13 @@ def test_occupancy_follows_the_tightest_resource():
     assert v.resident_warps(h200) == 16
     v.regs, v.shared = 32, 100 * 1024  # two 101 KiB blocks per 228 KiB SM
     assert v.resident_warps(h200) == 8
+
+
+def test_tile_sweep_cases_import_the_sweep_as_the_script_does(monkeypatch):
+    # Run as a script, bench/ is sys.path[0]: `--tiles` finds bench/triton_kernels.py's sweep there.
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    from triton_kernels import TILE_SWEEP
+
+    names = [name for name, _ in tile_sweep_cases()]
+    assert names == [f"tile sweep {shape} {tile}" for shape, _, _, tiles in TILE_SWEEP
+                     for tile in tiles]
