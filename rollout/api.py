@@ -11,7 +11,7 @@ from .colocation.weights import weights_version
 from .config import EngineConfig
 from .engine.chat import is_conversations
 from .engine.engine import Engine
-from .models.loader import checkpoint_tensors
+from .models.loader import checkpoint_tensors, fit_max_model_len
 
 # The engines `generate` keeps, so repeated calls reuse one (and its prefix cache). An in-memory
 # model's entry [engine, weights version it holds] goes with the model (a weak key); a checkpoint
@@ -84,4 +84,6 @@ def _checkpoint_engine(path: str, cfg: EngineConfig, tokenizer) -> Engine:
 
 
 def _reusable(engine: Engine, cfg: EngineConfig, tokenizer) -> bool:
-    return engine.config == cfg and (tokenizer is None or engine.tokenizer is tokenizer)
+    # the engine holds its config fitted to the model (max_model_len None made a number)
+    return engine.config == fit_max_model_len(cfg, engine.hf_config) and (
+        tokenizer is None or engine.tokenizer is tokenizer)

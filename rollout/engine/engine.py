@@ -27,8 +27,8 @@ from ..fields import as_bool
 from ..journal import Journal, RollbackFailed
 from ..lora.sync import LoraSync
 from ..models.base import ROUTED_EXPERTS
-from ..models.loader import (build_model, eos_token_ids, fit_max_model_len, load_into,
-                             resolve_model)
+from ..models.loader import (build_model, check_context, eos_token_ids, fit_max_model_len,
+                             load_into, resolve_model)
 from ..parallel import shared_seed, tensor_parallel
 from ..parallel.agree import agree_min, check_same_config, check_same_requests
 from ..requests.intake import Prompt, check_request, check_requests, hold_key, prefix_ids
@@ -78,6 +78,7 @@ class Engine(ColocationCalls):
         if self.tp.size > 1:  # before any rank builds (or refuses) anything the others do not
             check_same_config(config, hf_config, self.tp, device)
             agree = functools.partial(agree_min, tp=self.tp, device=device)
+        check_context(hf_config, config.max_model_len)  # (after the ranks agree: all refuse)
         self.model = build_model(hf_config, config.max_model_len, dtype, device, self.tp,
                                  source=model)
         # A PEFT LoRA model: its base unmerged, its adapter beside it (rollout/lora/).

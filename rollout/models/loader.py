@@ -45,7 +45,9 @@ def fit_max_model_len(config: EngineConfig, hf_config) -> EngineConfig:
 def check_context(config, max_model_len: int) -> None:
     """ValueError for a max_model_len past the context `config` declares (as vLLM refuses it):
     positions beyond it are ones the model's RoPE was neither trained nor scaled for, and its
-    outputs there would be garbage, silently."""
+    outputs there would be garbage, silently. The target's only: a draft model of a shorter
+    context (TinyLlama's 2048 for a 4096 target) drafts worse past it, and verification keeps
+    every output the target's."""
     limit = context_length(config)
     if limit is None or max_model_len <= limit:
         return
@@ -61,10 +63,8 @@ def check_context(config, max_model_len: int) -> None:
 def build_model(config, max_model_len: int, dtype: torch.dtype, device: torch.device,
                 tp: TensorParallel = SINGLE, source=None) -> CausalLM:
     """Allocate the engine's modules for `config` (weights uninitialised until loaded), this
-    rank's part of them under tensor parallelism `tp`, refusing a max_model_len past the
-    model's context. `source`: the live transformers model (or a path) they are built for,
-    whose rounded rotary frequencies they take."""
-    check_context(config, max_model_len)
+    rank's part of them under tensor parallelism `tp`. `source`: the live transformers model
+    (or a path) they are built for, whose rounded rotary frequencies they take."""
     cls = model_class(config)
     # Constructed on the meta device, where nothing is allocated or initialised: the modules'
     # default init (nn.Linear's kaiming, ...) would draw from torch's generators, which a

@@ -38,6 +38,17 @@ def test_generate_reuses_its_engine_and_follows_optimizer_steps():
     assert engine_for(model, max_model_len=32, kv_cache_tokens=512) is not engine
 
 
+@pytest.mark.parametrize("length", [None, 4096], ids=["left-out", "the-default-given"])
+def test_an_engine_whose_max_model_len_was_left_out_is_reused(length):
+    """The engine keeps its config with max_model_len fitted to the model (None -> 4096): a
+    call asking with it left out, or with the number it became, is the same engine (a
+    comparison with the unfitted config had rebuilt the engine, pool and weights every call)."""
+    model = tiny_model("llama")
+    engine = engine_for(model, kv_cache_tokens=4096)
+    assert engine.config.max_model_len == 4096
+    assert engine_for(model, kv_cache_tokens=4096, max_model_len=length) is engine
+
+
 def test_a_model_of_inference_tensors():
     """Made under torch.inference_mode, its parameters keep no version counter (reading one
     raised): generate works as for any model, and follows a change of its weights' storage."""

@@ -50,6 +50,20 @@ def test_draft_model_greedy_equals_plain_greedy(target, k):
     assert spec.stats.spec_proposed > 0
 
 
+def test_a_draft_model_of_a_shorter_context_drafts_past_it(target):
+    """A draft whose context (max_position_embeddings) is shorter than the target's
+    max_model_len is served (TinyLlama's 2048 for a 4096 target): only the target's context
+    bounds max_model_len; past its own, a draft drafts worse, and the outputs stay the
+    target's. (It had been refused as if the target's limit were passed.)"""
+    params = SamplingParams(n=2, temperature=0, max_tokens=30)
+    draft = tiny_model("qwen2", seed=3, num_hidden_layers=1, max_position_embeddings=32)
+    spec = engine(target, SpeculativeConfig("draft", num_speculative_tokens=3, draft_model=draft))
+    assert samples(run_checked(spec, PROMPTS, params)) == baseline(target, params)
+    assert spec.stats.spec_proposed > 0
+    with pytest.raises(ValueError, match="max_model_len: 160 is more than the model's context"):
+        engine(draft)
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_drafts_count_against_the_step_token_budget(target, method, monkeypatch):
     """max_num_batched_tokens is the tokens a step computes: the drafts' verify positions fit
