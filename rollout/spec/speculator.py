@@ -78,12 +78,14 @@ class Speculator:
         self.accept = stack.backend.bind(ACCEPT)
         self.max_model_len, self.siblings = max_model_len, siblings
         self.drafter = drafter or NgramDrafter(config.ngram_min, config.ngram_max)
-        # seq_id -> (consecutive fully rejected rounds, output length at which it proposes
-        # again): a sample whose drafts keep failing stops paying for verification, with
-        # exponential back-off so it is probed again now and then. The wait is counted in the
-        # sample's own tokens (one per step while it does not draft), not by counting steps
-        # down: a proposal then changes nothing, so a step that fails after it leaves no trace.
-        self._misses: dict[int, tuple[int, int]] = {}
+        # seq_id -> (consecutive fully rejected rounds, output length when they were counted,
+        # output length at which it proposes again): a sample whose drafts keep failing stops
+        # paying for verification, with exponential back-off so it is probed again now and
+        # then. The wait is counted in the sample's own tokens (one per step while it does not
+        # draft), not by counting steps down: a proposal then changes nothing, so a step that
+        # fails after it leaves no trace. A sample shorter than when it was counted (restarted
+        # from its prompt, a stale group) waits no more.
+        self._misses: dict[int, tuple[int, int, int]] = {}
         # seq_id -> where this step's draft came from ("self", "siblings", "history"; the
         # draft model's: "draft"), for the per-source stats.
         self.sources: dict[int, str] = {}
@@ -178,7 +180,7 @@ class Speculator:
 
     def _ready(self, seq: Sequence) -> bool:
         state = self._misses.get(seq.seq_id)
-        return state is None or seq.num_output >= state[1]
+        return state is None or not state[1] <= seq.num_output < state[2]
 
     def after_commit(self, batch: Batch, verdicts, kept: list[int]) -> list[Verified]:
         """Learn the acceptance and update the back-off from what each verification committed
@@ -195,9 +197,9 @@ class Speculator:
                             min(verdict.accepted, got), got)
             verified.append(done)
             self._learn(it.seq.seq_id, done.source, done.accepted / done.proposed)
-            misses = 0 if done.accepted else self._misses.get(it.seq.seq_id, (0, 0))[0] + 1
-            wait = min(2 ** misses, 32) if misses else 0
-            self._journaled(self._misses, it.seq.seq_id, (misses, it.seq.num_output + wait))
+            misses = 0 if done.accepted else self._misses.get(it.seq.seq_id, (0,))[0] + 1
+            wait, at = min(2 ** misses, 32) if misses else 0, it.seq.num_output
+            self._journaled(self._misses, it.seq.seq_id, (misses, at, at + wait))
         self.drafter.rollback(seqs)
         return verified
 

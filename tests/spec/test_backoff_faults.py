@@ -79,3 +79,27 @@ def test_a_failed_step_leaves_the_drafting_state_as_it_was(point, kind, monkeypa
     assert point == "retire" or backing_off  # a sample was waiting to propose again
     assert {rid: [s.token_ids for s in o.samples] for rid, o in outs.items()} == \
         {rid: [s.token_ids for s in o.samples] for rid, o in twin_outs.items()}
+
+
+def test_a_restarted_sample_waits_no_longer_than_the_back_off():
+    """A stale group restarted from its prompt (max_staleness 0, stale_groups "restart") starts
+    its output again: its back-off, counted against the length it had, must not make it wait
+    for its whole old output to grow back (it had waited ~150 steps for a wait of <= 32)."""
+    engine = Engine(target(), EngineConfig(
+        kv_cache_tokens=4096, max_model_len=400, seed=0, max_staleness=0,
+        stale_groups="restart", speculative=SpeculativeConfig("ngram", num_speculative_tokens=3)))
+    params = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=300)
+    engine.rollout(PROMPTS[::2], params, groups=0, request_ids=["a", "b"])
+    for _ in range(150):
+        engine.step()
+    spec = engine.speculator
+    assert any(not spec._ready(s) or spec._misses.get(s.seq_id, (0,))[0]
+               for r in engine.requests.running.values() for s in r.seqs)  # backed off
+    engine.update_weights(target())  # the groups restart from their prompts
+    seqs = [s for r in engine.requests.running.values() for s in r.seqs]
+    assert seqs and all(s.num_output == 0 for s in seqs)
+    for _ in range(33):
+        if all(spec._ready(s) for s in seqs):
+            break
+        engine.step()
+    assert all(spec._ready(s) for s in seqs)
