@@ -64,10 +64,11 @@ class ColocatedRollout:
         if optimizer is not None:
             self.watch(optimizer)
 
-    @staticmethod
-    def watch(optimizer) -> None:
-        """Count this optimizer's steps as weight changes (rollout.watch_optimizer)."""
-        watch_optimizer(optimizer)
+    def watch(self, optimizer) -> None:
+        """Count this optimizer's steps as changes of this block's model's weights
+        (rollout.watch_optimizer), whatever it steps: the model's parameters, or fp32 master
+        copies written back through `.data` (DeepSpeed ZeRO-1/2), which no counter sees."""
+        watch_optimizer(optimizer, self.model)
 
     def __enter__(self) -> ColocatedRollout:
         model = unwrap(self.model)

@@ -418,27 +418,37 @@ def buckets(named: Iterable[tuple[str, torch.Tensor]], device: torch.device,
 # move the version of another model in the process (its engine would sync for nothing). Weakly
 # keyed: watching keeps no optimizer alive.
 _steps: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+# The models each was watched for (unwrapped): its steps count for them whatever its param
+# groups hold, as an optimizer of fp32 master copies (DeepSpeed ZeRO-1/2, apex) holds none of
+# the model's parameters and writes them back through `.data`, which no counter sees.
+_bound: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.WeakSet] = \
+    weakref.WeakKeyDictionary()
 
 
 def _count_step(optimizer, args, kwargs) -> None:
     _steps[optimizer] += 1
 
 
-def watch_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """Count `optimizer`'s steps in the weights_version of the models whose parameters it
-    holds: fused optimizer kernels (torch's fused AdamW, the HF Trainer's default on CUDA)
-    write the parameters without bumping autograd's version counters, so without this a sync
-    after their step is not seen to be needed. The hook is the optimizer's own (not a
-    process-wide one); watching twice is once. Wrappers (accelerate's AcceleratedOptimizer)
-    are looked through to the optimizer that steps."""
+def watch_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module | None = None) -> None:
+    """Count `optimizer`'s steps in the weights_version of `model` (when given) and of the
+    models whose parameters it holds: fused optimizer kernels (torch's fused AdamW, the HF
+    Trainer's default on CUDA) write the parameters without bumping autograd's version
+    counters, so without this a sync after their step is not seen to be needed. Name the model
+    where the optimizer steps copies of its weights (fp32 master weights). The hook is the
+    optimizer's own (not a process-wide one); watching twice is once. Wrappers (accelerate's
+    AcceleratedOptimizer, DeepSpeed's) are looked through to the optimizer that steps."""
     while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
         optimizer = optimizer.optimizer
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"optimizer must be a torch.optim.Optimizer, got "
                          f"{type(optimizer).__name__}")
+    if model is not None and not isinstance(model, nn.Module):
+        raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
     if optimizer not in _steps:
         optimizer.register_step_post_hook(_count_step)
         _steps[optimizer] = 0
+    if model is not None:
+        _bound.setdefault(optimizer, weakref.WeakSet()).add(unwrap(model))
 
 
 def weights_version(model: nn.Module) -> tuple:
@@ -466,23 +476,24 @@ def weights_version(model: nn.Module) -> tuple:
     """
     model = unwrap(model)
     params = list(model.parameters())
-    return (_owned_steps(params), *(-1 if p.is_inference() else p._version for p in params),
+    return (_owned_steps(model, params),
+            *(-1 if p.is_inference() else p._version for p in params),
             *(StorageWeakRef(p.untyped_storage()) for p in params),
             *(p.data_ptr() for p in params), _adapter_selection(model))
 
 
-def _owned_steps(params: list[nn.Parameter]) -> tuple:
-    """(optimizer, steps) of each watched optimizer that has stepped and holds some of
-    `params`, by identity (wrappers and PEFT hold the very parameters of the model they wrap),
-    looked up at each call: param groups added or dropped since the watch count as they are
-    now (at worst one needless sync when they change). One yet to step has changed nothing:
+def _owned_steps(model: nn.Module, params: list[nn.Parameter]) -> tuple:
+    """(optimizer, steps) of each watched optimizer that has stepped and was watched for
+    `model` or holds some of its `params`, by identity (wrappers and PEFT hold the very
+    parameters of the model they wrap), looked up at each call: param groups added or dropped
+    since the watch count as they are now (at worst one needless sync when they change). One yet to step has changed nothing:
     left out, watching it moves no version. The optimizer by a weak reference, as the
     storages: a version held keeps none alive, and one gone is told from any made later at its
     address."""
     held = {id(p) for p in params}
     return tuple((weakref.ref(optimizer), steps) for optimizer, steps in _steps.items()
-                 if steps and any(id(p) in held for group in optimizer.param_groups
-                                  for p in group["params"]))
+                 if steps and (model in _bound.get(optimizer, ()) or any(
+                     id(p) in held for group in optimizer.param_groups for p in group["params"])))
 
 
 def _adapter_selection(model: nn.Module) -> tuple:

@@ -81,3 +81,29 @@ def test_neither_the_watch_nor_a_version_keeps_an_optimizer_alive():
     del optimizer
     gc.collect()
     assert gone() is None
+
+
+def test_an_optimizer_of_master_copies_counts_for_the_model_it_was_watched_for():
+    """fp32 master weights (DeepSpeed ZeRO-1/2, apex): the optimizer steps copies and writes
+    them back through `.data`, which no counter sees, and holds none of the model's
+    parameters. Watched for the model (ColocatedRollout names its own), its steps sync that
+    model's engine and no other's (they had synced none: matching by parameters alone)."""
+    models = [tiny_model("qwen2", seed=seed) for seed in (0, 1)]
+    params = list(models[0].parameters())
+    masters = [p.detach().clone().requires_grad_(True) for p in params]
+    optimizer = fused_adamw(masters)
+    rollouts = [rollout_of(models[0], optimizer), rollout_of(models[1], None)]
+    for rollout in rollouts:
+        with rollout:
+            pass
+    step(optimizer)
+    with torch.no_grad():
+        for p, master in zip(params, masters):
+            p.data.copy_(master.data)  # (.data: no version counter moves)
+    synced = []
+    for rollout in rollouts:
+        with rollout:
+            synced.append(rollout.synced)
+    assert synced == [True, False]
+    with pytest.raises(ValueError, match="model must be an nn.Module"):
+        watch_optimizer(optimizer, "model")
