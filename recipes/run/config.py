@@ -340,6 +340,12 @@ def _check_values(cfg: RecipeConfig) -> None:
     if cfg.lora is not None:
         lora_config(cfg)  # likewise for lora.*
     _check_tiny_model(cfg.tiny_model)
+    positions = {**_TINY_DEFAULTS, **cfg.tiny_model}["max_position_embeddings"]
+    if cfg.model is None and cfg.max_model_len > positions:
+        # (the engine would refuse it after the model is built, naming RoPE scaling)
+        raise ValueError(f"max_model_len: {cfg.max_model_len} is more than the built-in tiny "
+                         f"model's context, tiny_model.max_position_embeddings = {positions}; "
+                         f"lower max_model_len or raise that")
     if cfg.max_new_tokens >= cfg.max_model_len:
         raise ValueError(f"max_new_tokens must be < max_model_len ({cfg.max_model_len}): a "
                          f"prompt and its completion share it, got {cfg.max_new_tokens}")

@@ -447,8 +447,9 @@ class Engine(ColocationCalls):
                                                 self.tokenizer, self.config.max_model_len))
 
     def implementations(self) -> dict[str, str]:
-        """Which implementation each op runs: {"backend", "attention", "sample", "projection",
-        each dispatched layer kind: "torch" | "cpu" | "triton" | "onednn"} (docs/backends.md)."""
+        """Which implementation each op runs: "backend", "attention", "sample", "projection"
+        (the decoder's), "lm_head", "lora" (an adapter served unmerged) and one key per
+        dispatched layer kind; docs/backends.md lists the values each can take."""
         return self.stack.implementations()
 
     def check_invariants(self) -> None:

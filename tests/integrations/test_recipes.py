@@ -312,6 +312,9 @@ def test_missing_dataset_file(tmp_path):
     ("tiny_model", {"num_attention_heads": 3}, "tiny_model.num_key_value_heads must divide"),
     ("tiny_model", {"hidden_size": 30}, r"tiny_model.hidden_size must be a multiple of 2 x"),
     ("tiny_model", {"hidden_size": 36}, r"tiny_model.hidden_size must be a multiple of 2 x"),
+    # the built-in model's 64 positions (the engine refused it only once the model was built)
+    ("max_model_len", 128, r"max_model_len: 128 is more than the built-in tiny model's context, "
+                           r"tiny_model.max_position_embeddings = 64"),
     ("lora", {"r": 4, "lora_alpha": math.inf}, "lora.lora_alpha must be a number > 0 and "
                                                "finite"),
     ("lora", {"lora_alpha": True}, "lora.lora_alpha"),
