@@ -3,6 +3,7 @@ helpers that build it on the device from host lengths."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
@@ -20,10 +21,11 @@ class AttentionMetadata:
     out_slots: torch.Tensor  # int64 [T]: where the new tokens' K/V go
     q_lens: list[int]
     kv_lens: list[int]
-    # Per request, on the host: its sample group, and how many leading context slots it holds
+    # Per request, on the host: its sample group (a request's samples going on from parked
+    # K/V are a group of their own: (group, tag)), and how many leading context slots it holds
     # in common with every other request of that group (the cached prompt; 0 = none known).
     # Backends that read a group's shared K/V once use these; empty lists mean no grouping.
-    groups: list[str] = field(default_factory=list)
+    groups: list[Hashable] = field(default_factory=list)
     shared_lens: list[int] = field(default_factory=list)
     plan: Any = field(default=None)  # the backend's per-step precomputation, shared by layers
 

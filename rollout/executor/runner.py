@@ -56,9 +56,13 @@ class ModelRunner:
             qo_indptr=indptr(q_lens, dev), kv_indptr=indptr(kv_lens, dev),
             kv_indices=self.table.table.view(-1)[context],
             out_slots=batch.out_slots, q_lens=q_lens, kv_lens=kv_lens,
-            groups=[it.seq.group for it in items],
+            # A sample going on from parked K/V (carried_kv="park") holds its prompt in a
+            # tagged branch of its own (KVManager.keep_stale), not its fresh siblings' slots.
+            groups=[it.seq.group if it.seq.kv_tag is None else (it.seq.group, it.seq.kv_tag)
+                    for it in items],
             # Once the prompt is cached, Scheduler.cache_computed points the first num_prompt
-            # slots of the row at the tree's, which are the same for every sample of the prompt.
+            # slots of the row at the tree's, which are the same for every sample of the prompt
+            # (and tag).
             shared_lens=[it.seq.num_prompt if it.seq.cached_len >= it.seq.num_prompt else 0
                          for it in items])
         score = score_inputs(items, dev)

@@ -269,3 +269,32 @@ def test_fault_at_a_park_point_leaves_the_engine_exact(point, kind, monkeypatch)
     want = tokens(uninterrupted("plain", True))
     assert tokens(rest) == {p: want[p] for p in rest}
     engine.check_invariants()
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_fresh_siblings_of_a_parked_sample_read_their_own_prompt(backend):
+    """A group updated while one sample had a token (its K/V parked, tagged) and its siblings
+    none: the siblings prefill their prompt under the new weights and must go on reading those
+    slots. The torch (and Triton) shared-prefix split read a group's prompt from its first
+    member, the parked sample's old-weights branch: 4.65 nats off from the second token."""
+    from models import tiny_model
+
+    old = tiny_model("llama", seed=2, vocab_size=18)
+    new = tiny_model("llama", seed=13, vocab_size=18)
+    engine = Engine(old, EngineConfig(backend=backend, kv_cache_tokens=512, max_model_len=64,
+                                      carried_kv="park"))
+    prompt = [12, 5, 5, 9, 14, 5, 9]
+    engine.add_request(prompt, SamplingParams(n=3, temperature=0, max_tokens=5, logprobs=True))
+    engine.step()  # sample 0 has a token; 1 and 2 none
+    engine.update_weights(new)
+    outs = []
+    while engine.has_unfinished:
+        outs += engine.step()
+    fresh = [s for s in outs[0].samples if s.weights_versions[0] == 1]
+    assert len(fresh) == 2
+    for s in fresh:
+        seq = torch.tensor([prompt + s.token_ids])
+        with torch.no_grad():
+            want = new(seq).logits[0, len(prompt) - 1:-1].log_softmax(-1)
+        want = want.gather(-1, seq[0, len(prompt):, None])[:, 0]
+        assert torch.allclose(torch.tensor(s.logprobs), want, atol=1e-4)
