@@ -121,6 +121,19 @@ def test_score_gives_the_rollout_logprobs(family, dtype):
     assert sum(g == 0 for g in gaps) < len(gaps) / 2 and max(gaps) > 0, gaps
 
 
+def test_bf16_at_model_shapes():
+    """SmolLM2-135M's widths (one layer): at K = 576 and 1536 oneDNN's packed bf16 layout with
+    AMX rounded a row by how many rows shared its call, which the tiny widths above never
+    showed (bench/batch_invariance.py: 7.8e-3 apart in logprob on a 25M Qwen2)."""
+    model = tiny_model("llama", seed=3, dtype=torch.bfloat16, hidden_size=576,
+                       intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                       num_hidden_layers=1)
+    prompts, params = requests(count=9, longest=8)
+    reference = alone(model, prompts, params)
+    batched = engine(model, max_num_batched_tokens=40)
+    assert record(batched.generate(prompts, params)) == reference
+
+
 def test_alone_equals_batched_on_two_threads_with_a_long_vocabulary():
     """The suite runs on one thread; with two, torch splits the sum of a lone row of 32,768
     elements or more across them (a request decoding alone, n = 1): its logprobs must still be

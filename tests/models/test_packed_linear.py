@@ -12,7 +12,8 @@ from models import tiny_model
 from torch.nn import functional as F
 
 from rollout import Engine, EngineConfig, SamplingParams
-from rollout.models.layers.packed_linear import NativePackedWeight, PackedWeight, can_pack
+from rollout.models.layers.packed_linear import (NativePackedWeight, PackedWeight, RoundedPanels,
+                                                 can_pack)
 from rollout_kernels import cpu as native
 from rollout_kernels.cpu import linear as native_linear
 
@@ -48,6 +49,21 @@ def test_equals_f_linear_to_rounding(packing, rows, bias):
     b = torch.randn(300, generator=g) if bias else None
     x = torch.randn(rows, 96, generator=g)
     assert_as_exact_as_f_linear(packing().linear(x, w, b), x, w, b)
+
+
+@pytest.mark.skipif(not native_linear.supported(torch.device("cpu"), torch.float32),
+                    reason=native.missing_reason("pack_panels_f32", "linear_f32"))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_rounded_panels_round_once_to_the_weights_dtype(dtype):
+    """The batch-invariant packing of a bf16/fp16 weight multiplies in fp32 and adds the bias
+    there: its output is in the weight's dtype and as near the float64 answer as F.linear's."""
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(300, 576, generator=g).to(dtype), torch.randn(300, generator=g).to(dtype)
+    x = torch.randn(7, 576, generator=g).to(dtype)
+    got = RoundedPanels().linear(x, w, b)
+    assert got.dtype == dtype
+    exact = F.linear(x.double(), w.double(), b.double())
+    assert_as_exact_as(got, exact, F.linear(x, w, b), "projection")
 
 
 @pytest.mark.skipif(not native_linear.add_supported(torch.device("cpu")),
@@ -125,6 +141,35 @@ def test_batch_invariant_packing_keeps_rows_apart_at_every_row_count(dtype):
     whole = project(x)
     for lo, hi in [(0, 1), (7, 8), (5, 21), (0, 64), (100, 1100), (3, native_linear.MAX_ROWS)]:
         assert torch.equal(project(x[lo:hi]), whole[lo:hi]), (lo, hi)
+
+
+# Decode batches one by one to 33 rows (oneDNN's bf16 AMX kernels differ at 8, 16 and 32), then
+# prefill-sized calls.
+ROW_COUNTS = [*range(1, 34), 48, 63, 64, 65, 100, 127, 128, 129, 160]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("n,k", [(576, 576), (300, 576), (576, 1536)])
+def test_batch_invariant_packing_keeps_rows_apart_at_model_shapes(dtype, n, k):
+    """The same at SmolLM2-135M's o_proj and down_proj (and a last panel of 12 columns): each
+    row's bits in a call of m rows the same as alone and as in the largest call. K = 96 hid
+    what K = 576 and 1536 showed on an Intel Xeon with AMX: oneDNN's packed bf16 layout rounded
+    a row by how many rows shared its call (and fp16's F.linear a lone row)."""
+    from rollout.models.layers.packed_linear import invariant_packing
+
+    g = torch.Generator().manual_seed(k)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    x = torch.randn(ROW_COUNTS[-1], k, generator=g).to(dtype)
+    packing = invariant_packing(torch.device("cpu"), dtype)
+
+    def project(rows):
+        return F.linear(rows, w) if packing is None else packing.linear(rows, w, None)
+
+    whole = project(x)
+    alone = torch.cat([project(x[r:r + 1]) for r in range(len(x))])
+    apart = [m for m in ROW_COUNTS if not torch.equal(project(x[:m]), whole[:m])]
+    assert not apart, f"rows differ from the largest call's in calls of {apart} rows"
+    assert torch.equal(alone, whole), "rows differ alone from the largest call's"
 
 
 @pytest.mark.parametrize("packing", PACKINGS)

@@ -181,6 +181,28 @@ class Float32Panels(NativePackedWeight):
         return super().linear(x.float(), weight, bias)
 
 
+# The dtypes whose weights RoundedPanels multiplies in fp32 (their upcast is exact).
+HALF = (torch.bfloat16, torch.float16)
+
+
+class RoundedPanels(Float32Panels):
+    """A bf16 or fp16 weight's projections in a batch-invariant engine: Float32Panels, x
+    upcast, the result rounded to x's dtype once, after the bias. Every output element is one
+    chain of FMAs whatever the row count (linear.c), where oneDNN's bf16 kernels are picked by
+    it (with AMX they rounded a row unlike the same row in a larger call) and fp16's F.linear
+    rounded a lone row unlike a batch's (tests/models/test_packed_linear.py). Twice the
+    weights' memory, where oneDNN's bf16 copy holds once."""
+
+    __slots__ = ()
+
+    def __init__(self) -> None:
+        super().__init__(all_rows=True)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+        return super().linear(x, weight, bias).to(x.dtype)
+
+
 class TritonRows(Float32Copy):
     """The Triton backend's batch-invariant projections (kernels/triton/row_invariant.py): the
     weight itself, multiplied by a kernel whose launch does not depend on the row count.
@@ -211,12 +233,15 @@ class TritonRows(Float32Copy):
 
 def invariant_packing(device: torch.device, dtype: torch.dtype) -> PackedCopy | None:
     """The packing of a batch-invariant engine's projections: one whose rows do not depend
-    on the other rows, for every row count. The panels (fp32), else oneDNN's packed layout,
-    else (bf16 without AVX-512 BF16) F.linear: the last two measured row-invariant for 1 to
-    4096 rows on an AVX-512 host, which no documentation promises: tests/engine/
-    test_batch_invariant.py checks every packing on the machine it runs on."""
+    on the other rows, for every row count. Where linear.c builds, its panels (a bf16 or fp16
+    weight's in fp32: RoundedPanels), row-invariant by construction; elsewhere oneDNN's packed
+    layout, else F.linear, row-invariant only where measured, which no documentation promises
+    (oneDNN's bf16 AMX kernels are not: tests/models/test_packed_linear.py), so the tests
+    check them on the machine they run on."""
     if native_linear.supported(device, dtype):
         return NativePackedWeight(all_rows=True)
+    if native_linear.supported(device, torch.float32) and dtype in HALF:
+        return RoundedPanels()
     return PackedWeight() if can_pack(device, dtype) else None
 
 
