@@ -69,12 +69,14 @@ SIGNATURES = {
     "pack_panels_f32": ([_P, _I64, _I64, _P, _INT], None),
     "linear_f32": ([_P, _I64, _I64, _I64, _P, _I64, _P, _INT], None),
     "linear_add_f32": ([_P, _I64, _I64, _I64, _P, _I64, _P, _I64, _F32, _INT], None),
+    "linear_tuned": ([], _INT),
     "checked_copy": ([_P, _P, _I64, _INT, ctypes.c_uint32, _P, _P, _P, _INT], None),
     "radix_sort_u32": ([_P, _I64, _I64, _I64], _INT),
     "top_p_prefix_f32": ([_P, _I64, _I64, _I64, _I64, _P, _P, _P], None),
 }
 # What a CPU without AVX2 and FMA leaves out of the build (the C says so with #if).
-NEEDS_AVX2_FMA = {"gumbel_argmax_f32", "gumbel_all_uniforms", "linear_f32", "linear_add_f32"}
+# (linear.c builds everywhere: its portable path serves the batch-invariant mode, linear.py.)
+NEEDS_AVX2_FMA = {"gumbel_argmax_f32", "gumbel_all_uniforms"}
 FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-fPIC")
 # x86: the compiler's auto-vectorised loops (norm sums, rotary, silu, the softmax) stay 256 bits
 # wide on AVX-512 machines too, so they add in the same lane order and round as on AVX2 ones: with

@@ -16,13 +16,24 @@ MAX_ROWS = 2048
 PANEL = 16  # output columns a panel holds (linear.c)
 
 
+def invariant_supported(device: torch.device) -> bool:
+    """linear.c runs here, on its intrinsics or its portable C (no AVX2 and FMA): each output
+    element one chain over the inputs whatever the other rows, what the batch-invariant mode
+    needs (linear_add too: same file)."""
+    return device.type == "cpu" and has("pack_panels_f32", "linear_f32", "linear_add_f32")
+
+
 def supported(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and has("pack_panels_f32", "linear_f32")
+    """linear.c runs here on its intrinsics (AVX2 and FMA, AVX-512), measured faster than
+    oneDNN's layout: the cpu backend's default for fp32 weights. The portable C is not
+    measured against oneDNN, so the default mode keeps oneDNN where only that builds."""
+    return (dtype == torch.float32 and invariant_supported(device)
+            and bool(library().linear_tuned()))
 
 
 def add_supported(device: torch.device) -> bool:
-    """linear_add is built here (with linear: same ISA needs)."""
-    return supported(device, torch.float32) and has("linear_add_f32")
+    """linear_add runs here on the intrinsics (the default mode's LoRA deltas)."""
+    return supported(device, torch.float32)
 
 
 def pack_panels(weight: torch.Tensor, out: torch.Tensor | None = None,

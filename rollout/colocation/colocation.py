@@ -174,8 +174,6 @@ class Colocation:
                 raise ValueError(f"update_weights: {why}; {len(missing)} missing, e.g. "
                                  f"{sorted(missing)[:3]}")
         try:
-            if self.lora is not None:  # can the adapter be attached? before anything changes
-                self.lora.check(plan, self.stack.backend)
             # the source is checked: running sequences' K/V (from the old weights) goes now
             self._carried.retract()
         except BaseException:

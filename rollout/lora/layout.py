@@ -92,17 +92,14 @@ def blocks_of(module: Projection | StackedExperts) -> tuple | None:
     return getattr(module, LORA_MODULE).blocks if module.lora_active else None
 
 
-def implementation(layout: Layout, backend) -> str:
-    """The projections' delta implementation for `layout` under the engine's `backend`;
-    ValueError where the batch-invariant mode has none (checked before a sync changes
-    anything, so a refused one leaves engine and adapter as they were)."""
+def implementation(backend) -> str:
+    """The projections' delta implementation under the engine's `backend`: in the
+    batch-invariant mode a row-invariant one ("cpu" or "triton": resolve_backend refused the
+    mode where neither runs)."""
     if backend.triton_rows:
         return "triton"  # its kernels' tiles do not depend on the row count (interpreted too)
-    choice = backend.choose(lora_implementations(backend.pack_weights), LORA_DTYPE)
-    if backend.batch_invariant and choice not in ("cpu", "triton") and layout:
-        raise ValueError("batch_invariant: an unmerged LoRA adapter needs the C linear kernel "
-                         "(AVX2 and FMA), which this machine did not build; use lora='merged'")
-    return choice
+    implementations = lora_implementations(backend.pack_weights, backend.batch_invariant)
+    return backend.choose(implementations, LORA_DTYPE)
 
 
 # The adapters' tensors are made as plain ones even when a sync runs under inference_mode:
@@ -114,7 +111,7 @@ def attach(model, layout: Layout, backend) -> bool:
     absent), a projection's delta the implementation `backend` (the engine's,
     rollout/ops/backend.py) chooses; whether any changed (captured CUDA graphs are then
     stale)."""
-    choice = implementation(layout, backend)
+    choice = implementation(backend)
     changed = False
     for path, module in model.named_modules():
         if not isinstance(module, (MergedLinear, RowParallelLinear, StackedExperts)):

@@ -31,7 +31,7 @@ from torch.multiprocessing.reductions import StorageWeakRef  # imported by torch
 from ..colocation.checksum import bit_sum, copy_all_verified
 from ..colocation.weights import check_tensor
 from ..models.layers.moe import StackedExperts
-from .layout import Layout, attach, copies, held, implementation, place
+from .layout import Layout, attach, copies, held, place
 from .source import SourceLora, Unsupported, is_peft_lora, read_source
 
 
@@ -126,12 +126,6 @@ class LoraSync:
         return {path: tuple(dataclasses.replace(p, source=by_weight[p.source.weight])
                             for p in placed)
                 for path, placed in self._placed[1].items()}
-
-    def check(self, plan: SyncPlan | None, backend) -> None:
-        """ValueError where the plan's adapter cannot be attached under `backend` (before a
-        sync changes anything)."""
-        if plan is not None:
-            implementation(plan.layout, backend)
 
     def attach(self, plan: SyncPlan | None, backend) -> bool:
         """The projections hold the plan's adapter (none without a plan), its delta the

@@ -28,6 +28,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
+from rollout_kernels import cpu as native
+from rollout_kernels.cpu import linear as native_linear
 
 from .op import Op, Supported
 
@@ -98,3 +100,8 @@ def _check_invariant(name: str, device: torch.device, pack_weights: bool) -> Non
     if name == "cpu" and not pack_weights:
         raise ValueError("batch_invariant: needs pack_cpu_weights=True (F.linear's rows round "
                          "differently with the number of rows)")
+    if name == "cpu" and not native_linear.invariant_supported(device):
+        raise ValueError("batch_invariant: the cpu backend multiplies through linear.c's "
+                         "panels (F.linear's and oneDNN's rows round differently with the "
+                         "number of rows), which did not load here: "
+                         + native.missing_reason("pack_panels_f32", "linear_f32"))

@@ -368,6 +368,16 @@ def test_refused_where_rows_cannot_be_kept_apart(config, message):
         Engine(tiny_model("llama"), EngineConfig(**{"batch_invariant": True, **config}))
 
 
+def test_refused_where_the_panels_did_not_load(monkeypatch):
+    """Without linear.c (no C compiler, ROLLOUT_NATIVE=0) the cpu backend's projections would
+    be oneDNN's or F.linear's, whose rows round with the row count: refused, saying why."""
+    from rollout_kernels.cpu import linear as native_linear
+
+    monkeypatch.setattr(native_linear, "invariant_supported", lambda device: False)
+    with pytest.raises(ValueError, match="batch_invariant: .*linear.c"):
+        Engine(tiny_model("llama"), EngineConfig(batch_invariant=True))
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_moe(family):
     """The router and every expert multiply through packed copies (rows apart), made with

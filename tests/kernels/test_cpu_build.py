@@ -114,22 +114,29 @@ def test_features_are_read_on_arm_too(monkeypatch, tmp_path):
 
 @pytest.mark.skipif(not X86, reason="x86-64 baseline builds")
 def test_a_build_without_avx2_turns_off_only_the_kernels_that_need_it(tmp_path):
+    """The Gumbel sampler goes off; the projections' panels run on their portable C (the
+    batch-invariant mode's), which the default mode does not choose (untuned: oneDNN's)."""
     out = finish(run("""
         import warnings
+        import torch
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             from rollout_kernels import cpu
+            from rollout_kernels.cpu import linear
             lib = cpu.library()
         print(sorted(lib.missing))
         print(cpu.has("rms_norm_f32", "rotary_f32", "silu_mul_f32", "paged_attention_f32"))
-        print(cpu.missing_reason("linear_f32"))
+        cpu_device = torch.device("cpu")
+        print(linear.invariant_supported(cpu_device), linear.supported(cpu_device, torch.float32))
+        print(cpu.missing_reason("gumbel_argmax_f32"))
         print(*[str(w.message) for w in seen], sep="|")
     """, tmp_path / "cache", ROLLOUT_NATIVE_MARCH="x86-64"))
-    missing, portable, reason, warned = out.splitlines()
+    missing, portable, panels, reason, warned = out.splitlines()
     assert missing == str(sorted(native.NEEDS_AVX2_FMA))
     assert portable == "True"
+    assert panels == "True False"
     assert "AVX2 and FMA" in reason and "x86-64" in reason
-    assert "AVX2 and FMA" in warned and "linear_f32" in warned
+    assert "AVX2 and FMA" in warned and "gumbel_argmax_f32" in warned
 
 
 @pytest.mark.skipif(not X86, reason="x86-64 builds")
@@ -144,12 +151,13 @@ def test_avx2_without_fma_builds(tmp_path):
 @pytest.mark.skipif(not X86, reason="x86-64 baseline builds")
 def test_the_portable_paths_pass_the_native_tests(tmp_path):
     """What ARM and old x86 run: the C kernels with their portable paths (no intrinsics), held
-    to the same tests; the Gumbel sampler and the packed linear skip, saying why."""
+    to the same tests (the panels' row invariance too); the Gumbel sampler skips, saying
+    why."""
     tests = ["tests/models/test_native_norm_rope.py", "tests/models/test_native_silu_mul.py",
              "tests/sample/test_native_gumbel.py", "tests/models/test_packed_linear.py",
              "tests/attention/test_native_attention.py::test_kernel_matches_float64_reference",
              "tests/attention/test_native_attention.py::test_agrees_with_the_torch_paths_on_every_layer",
-             "tests/attention/test_invariant_attention.py"]
+             "tests/attention/test_invariant_attention.py", "tests/engine/test_batch_invariant.py"]
     env = dict(os.environ, ROLLOUT_CACHE=str(tmp_path / "cache"), ROLLOUT_NATIVE_MARCH="x86-64")
     # the Triton cases of those files read no C code: they ran in the suite already
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",

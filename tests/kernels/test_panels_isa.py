@@ -1,4 +1,4 @@
-"""linear.c's two register blockings give the same bits: on a CPU with AVX-512 the library's
+"""linear.c's register blockings give the same bits: on a CPU with AVX-512 the library's
 panels run 12 rows over two panels in 16-lane vectors, a build for x86-64-v3 (AVX2 + FMA, what
 an AVX2-only host builds) 6 rows over one panel in 8-lane vectors. Every output element is one
 chain of FMAs over k in both, so the projections, and every test that holds them to F.linear or
@@ -7,6 +7,7 @@ odd number of panels, a last panel of fewer than 16 columns alone and inside a p
 strided rows and the in-place add of a LoRA expand into a column slice. RMSNorm (its vectorised
 sums held to 256-bit vectors: kernels/cpu/__init__.py X86_FLAGS) is the same on both too."""
 
+import platform
 import textwrap
 from pathlib import Path
 
@@ -29,7 +30,7 @@ COMPUTE = """
     import sys
     import torch
     from rollout_kernels.cpu import linear
-    assert linear.supported(torch.device("cpu"), torch.float32), "no panels in this build"
+    assert linear.invariant_supported(torch.device("cpu")), "no panels in this build"
     out = []
     for m, n, k in SHAPES:
         g = torch.Generator().manual_seed(m * n + k)
@@ -76,3 +77,18 @@ def test_avx512_and_avx2_panels_give_the_same_bits(tmp_path):
     g = torch.Generator().manual_seed(12 * 300 + 96)
     w, x = torch.randn(300, 96, generator=g), torch.randn(12, 99, generator=g)[:, :96]
     assert_as_exact_as(wide[3][0], x.double() @ w.double().T, x @ w.T, "panels' projection")
+
+
+@pytest.mark.skipif(not native_linear.supported(torch.device("cpu"), torch.float32),
+                    reason="this host's library has no panels on intrinsics")
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
+                    reason="x86-64 builds")
+def test_the_portable_panels_give_the_intrinsics_bits_where_they_contract(tmp_path):
+    """linear.c's portable C (no AVX2: ARM, older x86), built where the CPU has FMA as an
+    ARM build has it: the compiler contracts each multiply-add into one, so every output
+    element is the intrinsics' chain of FMAs and the bits are this host's."""
+    native_out, _ = compute(tmp_path / "native.pt")
+    portable, _ = compute(tmp_path / "portable.pt", ROLLOUT_CACHE=str(tmp_path / "cache"),
+                          ROLLOUT_NATIVE_MARCH="x86-64", ROLLOUT_NATIVE_CFLAGS="-mfma")
+    for shape, (y, added), (y2, added2) in zip(SHAPES, native_out, portable, strict=True):
+        assert torch.equal(y, y2) and torch.equal(added, added2), shape

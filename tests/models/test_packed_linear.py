@@ -25,9 +25,11 @@ PROMPTS = [[1, 2, 3, 4, 5, 6], [7, 8, 9], [1, 2, 3, 4, 5, 6, 10, 11]]
 SAMPLED = SamplingParams(n=3, temperature=0.9, top_p=0.95, max_tokens=12, logprobs=True, seed=7)
 
 
-PACKINGS = [PackedWeight, pytest.param(NativePackedWeight, marks=pytest.mark.skipif(
-    not native_linear.supported(torch.device("cpu"), torch.float32),
-    reason=native.missing_reason("pack_panels_f32", "linear_f32")))]
+# linear.c on whichever path this build has: its intrinsics, else its portable C
+# (ROLLOUT_NATIVE_MARCH=x86-64: tests/kernels/test_cpu_build.py)
+PANELS_RUN = pytest.mark.skipif(not native_linear.invariant_supported(torch.device("cpu")),
+                                reason=native.missing_reason("pack_panels_f32", "linear_f32"))
+PACKINGS = [PackedWeight, pytest.param(NativePackedWeight, marks=PANELS_RUN)]
 
 
 def assert_as_exact_as_f_linear(got, x, w, b=None):
@@ -51,8 +53,7 @@ def test_equals_f_linear_to_rounding(packing, rows, bias):
     assert_as_exact_as_f_linear(packing().linear(x, w, b), x, w, b)
 
 
-@pytest.mark.skipif(not native_linear.supported(torch.device("cpu"), torch.float32),
-                    reason=native.missing_reason("pack_panels_f32", "linear_f32"))
+@PANELS_RUN
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_rounded_panels_round_once_to_the_weights_dtype(dtype):
     """The batch-invariant packing of a bf16/fp16 weight multiplies in fp32 and adds the bias
@@ -66,8 +67,7 @@ def test_rounded_panels_round_once_to_the_weights_dtype(dtype):
     assert_as_exact_as(got, exact, F.linear(x, w, b), "projection")
 
 
-@pytest.mark.skipif(not native_linear.add_supported(torch.device("cpu")),
-                    reason=native.missing_reason("linear_add_f32"))
+@PANELS_RUN
 @pytest.mark.parametrize("rows", [0, 1, 7, 64])
 def test_linear_add_accumulates_into_a_column_slice(rows):
     """linear_add (a LoRA block's expand): y[:, cols] += alpha * x W^T in place, x a column
@@ -93,17 +93,16 @@ def test_panels_take_any_leading_shape_and_strided_rows(shape):
     g = torch.Generator().manual_seed(1)
     w = torch.randn(33, shape[-1], generator=g)
     x = torch.randn(shape, generator=g)
-    fast = native_linear.supported(torch.device("cpu"), torch.float32)
-    packed = NativePackedWeight() if fast else PackedWeight()
+    panels = native_linear.invariant_supported(torch.device("cpu"))
+    packed = NativePackedWeight() if panels else PackedWeight()
     assert_as_exact_as_f_linear(packed.linear(x, w, None), x, w)
     wide = torch.randn(6, 2 * shape[-1], generator=g)
     view = wide[:, ::2]  # rows with a stride of 2 within
     assert_as_exact_as_f_linear(packed.linear(view, w, None), view, w)
 
 
+@PANELS_RUN
 def test_panels_hand_long_prefills_to_f_linear(monkeypatch):
-    if not native_linear.supported(torch.device("cpu"), torch.float32):
-        pytest.skip(native.missing_reason("pack_panels_f32", "linear_f32"))
     monkeypatch.setattr(native_linear, "MAX_ROWS", 8)
     g = torch.Generator().manual_seed(2)
     w, x = torch.randn(20, 16, generator=g), torch.randn(9, 16, generator=g)
@@ -123,6 +122,7 @@ def test_a_row_does_not_depend_on_the_others(packing):
     assert torch.equal(packed.linear(x[5:21], w, None), whole[5:21])
 
 
+@PANELS_RUN
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_batch_invariant_packing_keeps_rows_apart_at_every_row_count(dtype):
     """EngineConfig(batch_invariant=True)'s projections: a row's bits the same alone, in a
@@ -133,10 +133,10 @@ def test_batch_invariant_packing_keeps_rows_apart_at_every_row_count(dtype):
     g = torch.Generator().manual_seed(1)
     w = torch.randn(300, 96, generator=g).to(dtype)
     x = torch.randn(native_linear.MAX_ROWS + 300, 96, generator=g).to(dtype)
-    packing = invariant_packing(torch.device("cpu"), dtype)
+    packing = invariant_packing(dtype)
 
     def project(rows):
-        return F.linear(rows, w) if packing is None else packing.linear(rows, w, None)
+        return packing.linear(rows, w, None)
 
     whole = project(x)
     for lo, hi in [(0, 1), (7, 8), (5, 21), (0, 64), (100, 1100), (3, native_linear.MAX_ROWS)]:
@@ -148,6 +148,7 @@ def test_batch_invariant_packing_keeps_rows_apart_at_every_row_count(dtype):
 ROW_COUNTS = [*range(1, 34), 48, 63, 64, 65, 100, 127, 128, 129, 160]
 
 
+@PANELS_RUN
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("n,k", [(576, 576), (300, 576), (576, 1536)])
 def test_batch_invariant_packing_keeps_rows_apart_at_model_shapes(dtype, n, k):
@@ -160,10 +161,10 @@ def test_batch_invariant_packing_keeps_rows_apart_at_model_shapes(dtype, n, k):
     g = torch.Generator().manual_seed(k)
     w = torch.randn(n, k, generator=g).to(dtype)
     x = torch.randn(ROW_COUNTS[-1], k, generator=g).to(dtype)
-    packing = invariant_packing(torch.device("cpu"), dtype)
+    packing = invariant_packing(dtype)
 
     def project(rows):
-        return F.linear(rows, w) if packing is None else packing.linear(rows, w, None)
+        return packing.linear(rows, w, None)
 
     whole = project(x)
     alone = torch.cat([project(x[r:r + 1]) for r in range(len(x))])

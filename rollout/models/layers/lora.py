@@ -43,12 +43,14 @@ class LoraBlock:
     scale: float
 
 
-def implementations(pack_weights: bool) -> dict:
+def implementations(pack_weights: bool, batch_invariant: bool) -> dict:
     """The delta's implementations (rollout/ops/op.py), chosen by the engine's backend when an
     adapter is attached: "cpu" where the base multiplies by packed weights too and linear.c
-    builds, "triton" (kernels/triton/lora.py) on CUDA."""
+    runs on its intrinsics (in the batch-invariant mode, on any build: its rows are apart),
+    "triton" (kernels/triton/lora.py) on CUDA."""
+    usable = native_linear.invariant_supported if batch_invariant else native_linear.add_supported
     return {"torch": always, "triton": on_cuda,
-            "cpu": lambda device, dtype: pack_weights and native_linear.add_supported(device)}
+            "cpu": lambda device, dtype: pack_weights and usable(device)}
 
 
 class LoraWeights(nn.Module):

@@ -231,18 +231,15 @@ class TritonRows(Float32Copy):
         return self.matmul(x, self.refresh(weight), None if bias is None else bias.to(x.dtype))
 
 
-def invariant_packing(device: torch.device, dtype: torch.dtype) -> PackedCopy | None:
-    """The packing of a batch-invariant engine's projections: one whose rows do not depend
-    on the other rows, for every row count. Where linear.c builds, its panels (a bf16 or fp16
-    weight's in fp32: RoundedPanels), row-invariant by construction; elsewhere oneDNN's packed
-    layout, else F.linear, row-invariant only where measured, which no documentation promises
-    (oneDNN's bf16 AMX kernels are not: tests/models/test_packed_linear.py), so the tests
-    check them on the machine they run on."""
-    if native_linear.supported(device, dtype):
-        return NativePackedWeight(all_rows=True)
-    if native_linear.supported(device, torch.float32) and dtype in HALF:
+def invariant_packing(dtype: torch.dtype) -> PackedCopy:
+    """The packing of a batch-invariant engine's projections on the CPU: linear.c's panels
+    for every row count (its intrinsics or its portable C), row-invariant by construction; a
+    bf16 or fp16 weight's in fp32 (RoundedPanels), since oneDNN's half-precision kernels and
+    F.linear are not (tests/models/test_packed_linear.py). resolve_backend refuses the mode
+    where linear.c did not build."""
+    if dtype in HALF:
         return RoundedPanels()
-    return PackedWeight() if can_pack(device, dtype) else None
+    return NativePackedWeight(all_rows=True)
 
 
 def packing_for(backend, dtype: torch.dtype, implementations) -> PackedCopy | None:
@@ -252,7 +249,7 @@ def packing_for(backend, dtype: torch.dtype, implementations) -> PackedCopy | No
     if backend.triton_rows:
         return TritonRows()
     if backend.batch_invariant:
-        return invariant_packing(backend.device, dtype)
+        return invariant_packing(dtype)
     if backend.choose(implementations, dtype) == "cpu" and backend.pack_weights:
         fast = native_linear.supported(backend.device, dtype)
         return NativePackedWeight() if fast else PackedWeight()
@@ -278,12 +275,11 @@ class Projection:
         if backend.triton_rows:
             self.packing = TritonRows(float32=True)
             return
-        cpu = backend.device.type == "cpu" and (backend.name == "cpu" or backend.batch_invariant)
-        fast = cpu and native_linear.supported(backend.device, torch.float32)
-        if backend.batch_invariant and not fast:
-            raise ValueError("batch_invariant with lm_head_dtype=float32: needs the C linear "
-                             "kernel (AVX2 and FMA), which this machine did not build")
-        self.packing = Float32Panels(backend.batch_invariant) if fast else Float32Copy()
+        if backend.batch_invariant:  # the cpu backend's (resolve_backend checked linear.c)
+            self.packing = Float32Panels(all_rows=True)
+            return
+        fast = backend.name == "cpu" and native_linear.supported(backend.device, torch.float32)
+        self.packing = Float32Panels() if fast else Float32Copy()
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packing is None:
