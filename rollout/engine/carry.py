@@ -114,9 +114,10 @@ class Carry:
             self.journal.add(self.stats, f"stale_{policy}s", len(stale))
 
     def _unreturned(self) -> list[Request]:
-        """Groups running, and rollout groups complete but not yet handed out."""
-        ready = [r for r in self.requests.ready.values() if r.from_rollout]
-        return [*self.requests.running.values(), *ready]
+        """Groups running, and groups complete but not yet handed out: rollout()'s, and
+        streaming requests that completed while generate() or rollout() stepped (step() has yet
+        to return them)."""
+        return [*self.requests.running.values(), *self.requests.ready.values()]
 
     def _restart(self, request: Request) -> None:
         """Every sample of the group goes back to its prompt (it keeps its seed)."""

@@ -59,6 +59,12 @@ class KVManager:
         return self.pool.num_free + self.cache.evictable_size
 
     @property
+    def kv_label(self) -> int:
+        """The tag the K/V computed now takes at the next keep_stale: what tells it apart from
+        other weights' K/V of the same tokens (Sequence.kv_bounds)."""
+        return self.stale_tags + 1
+
+    @property
     def shares_prefixes(self) -> bool:
         return self.cache.shares_prefixes
 
@@ -230,6 +236,7 @@ class KVManager:
         self.table.write(row, 0, slots)
         matched = slots.numel()
         seq.row, seq.node, seq.cached_len, seq.num_computed = row, node, matched, matched
+        seq.computes_from(matched, self.kv_label)
         self.attached[seq.seq_id] = seq
         self.journal.record(lambda: self.attached.pop(seq.seq_id))
         self.journal.add(self, "cache_hit_tokens", matched)
@@ -298,15 +305,16 @@ class KVManager:
             self.lock(node)
             nodes.append((seq, node, slots.numel()))
         self.clear_cache()
+        tag = self.kv_label
         self.journal.add(self, "stale_tags", 1)
-        tagged = self.cache.tag_branches(self.stale_tags)
+        tagged = self.cache.tag_branches(tag)
         self.journal.record(lambda: self.cache.untag_branches(tagged))
         newly = 0
         for seq, node, cached in nodes:
             self.unlock(node)
             if cached and seq.kv_tag is None:
                 self.journal.touch(seq)
-                seq.kv_tag = self.stale_tags
+                seq.kv_tag = tag
                 newly += 1
         return newly
 

@@ -65,6 +65,12 @@ class Sequence:
     # only samples tagged alike share that K/V and no fresh request matches it. None: its K/V
     # is the current weights'.
     kv_tag: int | None = None
+    # With a tag, the positions from which its K/V was computed under later weights, as
+    # (position, the tag those weights' K/V would take: KVManager.kv_label) in order; its keys
+    # mark them too, so that K/V of alike tokens is shared only where every position came from
+    # the same weights (a sample one token behind an identical sibling at an update computes
+    # that token's K/V under the new weights, the sibling had it from the old ones).
+    kv_bounds: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -77,12 +83,12 @@ class Sequence:
         lists = self._lists()
         return (self.status, self.num_computed, self.cached_len, self.node, self.row,
                 self.finish_reason, self.stop_text_at, self.routed_experts, self.kv_tag,
-                *lists, *map(len, lists))
+                self.kv_bounds, *lists, *map(len, lists))
 
     def restore(self, snapshot: tuple) -> None:
         (self.status, self.num_computed, self.cached_len, self.node, self.row,
-         self.finish_reason, self.stop_text_at, self.routed_experts, self.kv_tag, self.token_ids,
-         self.logprobs, self.sampling_logprobs, self.support, self.top_logprobs,
+         self.finish_reason, self.stop_text_at, self.routed_experts, self.kv_tag, self.kv_bounds,
+         self.token_ids, self.logprobs, self.sampling_logprobs, self.support, self.top_logprobs,
          self.versions, *lengths) = snapshot
         for values, length in zip(self._lists(), lengths):
             del values[length:]
@@ -115,7 +121,7 @@ class Sequence:
         self.logprobs, self.sampling_logprobs, self.support = [], [], []
         self.top_logprobs, self.versions = [], []
         self.status, self.finish_reason, self.stop_text_at = SeqStatus.WAITING, None, None
-        self.routed_experts, self.kv_tag = None, None
+        self.routed_experts, self.kv_tag, self.kv_bounds = None, None, ()
 
     @property
     def num_prompt(self) -> int:
@@ -147,11 +153,40 @@ class Sequence:
 
     def cache_key(self, end: int) -> list:
         """The prefix cache's key of token_ids[:end]: the tokens, the first one paired with
-        `kv_tag` when the sample goes on from stale K/V."""
+        `kv_tag` when the sample goes on from stale K/V, and the first of each later weights'
+        positions with their label (kv_bounds)."""
         key = self.token_ids[:end]
         if self.kv_tag is not None and key:
             key[0] = (self.kv_tag, key[0])
+        for at, label in self.kv_bounds:
+            if at >= end:
+                break
+            key[at] = (label, key[at])
         return key
+
+    @property
+    def prompt_kv(self) -> tuple | None:
+        """What tells apart the prompt K/V this sample reads from its siblings' (None: the
+        current weights', which fresh siblings share): its tag and the labels of its prompt's
+        later weights' positions (a tagged prompt whose end was evicted and computed again
+        under other weights than a sibling's)."""
+        if self.kv_tag is None:
+            return None
+        return (self.kv_tag, *(b for b in self.kv_bounds if b[0] < self.num_prompt))
+
+    def computes_from(self, start: int, label: int) -> None:
+        """Positions start.. get their K/V now (admission matched the ones before), under the
+        weights labelled `label` (KVManager.kv_label); from 0 the sample's K/V is all the
+        current weights', as a fresh one's. No label where the K/V before `start` came from
+        the same weights: identical histories keep one key, and share."""
+        if start == 0:
+            self.kv_tag, self.kv_bounds = None, ()
+            return
+        bounds = tuple(b for b in self.kv_bounds if b[0] < start)
+        before = bounds[-1][1] if bounds else self.kv_tag
+        if before is not None and before != label:
+            bounds += ((start, label),)
+        self.kv_bounds = bounds
 
     @property
     def is_finished(self) -> bool:

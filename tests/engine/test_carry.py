@@ -198,6 +198,48 @@ def test_staleness_policies(policy):
     assert set(returned) | set(rest) == set(PROMPTS[:3])
 
 
+@pytest.mark.parametrize("kind", [None, RuntimeError, KeyboardInterrupt],
+                         ids=["", "error", "interrupt"])
+@pytest.mark.parametrize("policy", ["restart", "drop"])
+def test_staleness_covers_streaming_requests_not_yet_stepped_out(policy, kind, monkeypatch):
+    """A streaming request (add_request) that completed during rollout()'s steps waits for
+    step(); after an update with max_staleness=0 it is handled as a running one: restarted
+    (step() returns the new weights' draw of it, as a fresh engine's) or dropped (step()
+    returns nothing of it). It had come out with its old-weights tokens under both. A fault
+    restarting or dropping it leaves it waiting for step() as it was, and the next rollout()
+    handles it."""
+    engine = make("plain", True, max_staleness=0, stale_groups=policy)
+    rid = engine.add_request(PROMPTS[0], PARAMS[0])  # 3 tokens
+    engine.rollout(PROMPTS[4:], PARAMS[4:], groups=1)  # 14: the streaming one completes
+    assert rid not in engine.running_requests and engine.has_unfinished
+    if kind is None:
+        engine.update_weights(other_weights())
+    else:
+        fault = Fault(kind, at=1, after=False)
+        fault.install(monkeypatch, *((Sequence, "restart") if policy == "restart"
+                                     else (engine.requests, "take_ready")))
+        with pytest.raises(kind):
+            engine.update_weights(other_weights())
+        monkeypatch.undo()
+        assert fault.fired and engine.weights_version == 1
+        assert list(engine.requests.ready) == [rid] and not engine.running_requests
+        engine.check_invariants()
+        assert engine.rollout() == []
+    stats = engine.stats
+    assert (stats.stale_restarts, stats.stale_drops) == {"restart": (1, 0), "drop": (0, 1)}[policy]
+    outs = []
+    while engine.has_unfinished:
+        outs += engine.step()
+    engine.check_invariants()
+    if policy == "drop":
+        assert outs == []
+        return
+    (out,) = outs
+    fresh = make("plain", True, other_weights()).generate([PROMPTS[0]], PARAMS[0])[0]
+    assert [s.token_ids for s in out.samples] == [s.token_ids for s in fresh.samples]
+    assert {v for s in out.samples for v in s.weights_versions} == {1}
+
+
 def test_a_restarted_group_drafts_from_its_new_tokens():
     """A group restarted at an update starts again from its prompt while the draft model's
     shadow of it still held its old tokens in the draft's tree (which rollback cannot undo):
