@@ -50,7 +50,7 @@ import torch
 from ..cache import cache_root
 
 SOURCES = ("paged_attention.c", "gumbel.c", "norm_rope.c", "silu_mul.c", "linear.c",
-           "checked_copy.c", "radix_sort.c", "top_p_prefix.c")
+           "linear_amx.c", "checked_copy.c", "radix_sort.c", "top_p_prefix.c")
 # Headers: not compiled on their own, part of the build's key.
 HEADERS = ("exp_approx.h", "attention_avx2.h", "attention_avx512.h")
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -70,6 +70,9 @@ SIGNATURES = {
     "linear_f32": ([_P, _I64, _I64, _I64, _P, _I64, _P, _INT], None),
     "linear_add_f32": ([_P, _I64, _I64, _I64, _P, _I64, _P, _I64, _F32, _INT], None),
     "linear_tuned": ([], _INT),
+    "pack_panels_amx": ([_P, _I64, _I64, _I64, _I64, _P, _INT], None),
+    "linear_amx_bf16": ([_P, _I64, _I64, _P, _I64, _I64, _P, _INT], _INT),
+    "amx_ready": ([], _INT),
     "checked_copy": ([_P, _P, _I64, _INT, ctypes.c_uint32, _P, _P, _P, _INT], None),
     "radix_sort_u32": ([_P, _I64, _I64, _I64], _INT),
     "top_p_prefix_f32": ([_P, _I64, _I64, _I64, _I64, _P, _P, _P], None),
@@ -77,6 +80,9 @@ SIGNATURES = {
 # What a CPU without AVX2 and FMA leaves out of the build (the C says so with #if).
 # (linear.c builds everywhere: its portable path serves the batch-invariant mode, linear.py.)
 NEEDS_AVX2_FMA = {"gumbel_argmax_f32", "gumbel_all_uniforms"}
+# What only a CPU with AMX builds, a faster path whose absence costs nothing else
+# (linear_amx.c: its callers take linear.c's fp32 panels), so no warning says it is missing.
+NEEDS_AMX = {"linear_amx_bf16", "amx_ready"}
 FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-fPIC")
 # x86: the compiler's auto-vectorised loops (norm sums, rotary, silu, the softmax) stay 256 bits
 # wide on AVX-512 machines too, so they add in the same lane order and round as on AVX2 ones: with
@@ -152,9 +158,9 @@ def library() -> ctypes.CDLL | None:
             continue
         fn.argtypes, fn.restype = argtypes, restype
     lib.missing = frozenset(missing)
-    if missing:
-        warnings.warn(f"rollout_kernels.cpu: {_why(missing)}; their torch paths run",
-                      stacklevel=2)
+    if missing - NEEDS_AMX:
+        warnings.warn(f"rollout_kernels.cpu: {_why(missing - NEEDS_AMX)}; their torch "
+                      f"paths run", stacklevel=2)
     return lib
 
 
@@ -180,6 +186,8 @@ def _why(missing) -> str:
     names = ", ".join(sorted(missing))
     if set(missing) <= NEEDS_AVX2_FMA:
         return f"{names} need AVX2 and FMA (-march={_march()})"
+    if set(missing) <= NEEDS_AMX:
+        return f"{names} need AMX-BF16 (-march={_march()})"
     return f"{names} not built"
 
 

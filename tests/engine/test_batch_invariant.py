@@ -378,11 +378,16 @@ def test_refused_where_the_panels_did_not_load(monkeypatch):
         Engine(tiny_model("llama"), EngineConfig(batch_invariant=True))
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_moe(family):
+MOE_CASES = [("qwen3_moe", torch.float32), ("mixtral", torch.float32),
+             ("qwen3_moe", torch.bfloat16)]
+
+
+@pytest.mark.parametrize("family,dtype", MOE_CASES,
+                         ids=[f"{f}-{str(d)[6:]}" for f, d in MOE_CASES])
+def test_moe(family, dtype):
     """The router and every expert multiply through packed copies (rows apart), made with
     the engine, dropped at sleep and made again."""
-    model = tiny_model(family, seed=1)
+    model = tiny_model(family, seed=1, dtype=dtype)
     prompts, params = requests(count=9)
     reference = alone(model, prompts, params)
     batched = engine(model, max_num_batched_tokens=40)

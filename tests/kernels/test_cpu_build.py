@@ -132,11 +132,12 @@ def test_a_build_without_avx2_turns_off_only_the_kernels_that_need_it(tmp_path):
         print(*[str(w.message) for w in seen], sep="|")
     """, tmp_path / "cache", ROLLOUT_NATIVE_MARCH="x86-64"))
     missing, portable, panels, reason, warned = out.splitlines()
-    assert missing == str(sorted(native.NEEDS_AVX2_FMA))
+    assert missing == str(sorted(native.NEEDS_AVX2_FMA | native.NEEDS_AMX))
     assert portable == "True"
     assert panels == "True False"
     assert "AVX2 and FMA" in reason and "x86-64" in reason
     assert "AVX2 and FMA" in warned and "gumbel_argmax_f32" in warned
+    assert "amx" not in warned  # a faster path only: its absence warns no one
 
 
 @pytest.mark.skipif(not X86, reason="x86-64 builds")

@@ -24,6 +24,7 @@ import torch
 from torch.nn import functional as F
 
 from rollout_kernels.cpu import linear as native_linear
+from rollout_kernels.cpu import linear_amx as native_amx
 
 from ...ops.op import always
 
@@ -203,6 +204,29 @@ class RoundedPanels(Float32Panels):
         return super().linear(x, weight, bias).to(x.dtype)
 
 
+class AmxPanels(NativePackedWeight):
+    """A bf16 weight's projections in a batch-invariant engine on a CPU with AMX: the weight
+    itself in tile-shaped panels (rollout_kernels.cpu.linear_amx), x's bf16 rows multiplied
+    by them into fp32, each output element one chain whatever the row count, and the result
+    rounded to bf16 once, after the bias, as RoundedPanels's. It holds the weights once where
+    RoundedPanels holds them twice, and multiplies on the tiles, where oneDNN's default bf16
+    kernels do too (docs/backends.md)."""
+
+    __slots__ = ()
+    kind = "cpu-amx"
+
+    def __init__(self) -> None:
+        super().__init__(all_rows=True)
+
+    def _pack(self, weight: torch.Tensor, stale: torch.Tensor | None) -> torch.Tensor:
+        return native_amx.pack_panels(weight)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+        y = native_amx.linear(x, self.refresh(weight), weight.shape[0])
+        return (y if bias is None else y.add_(bias.float())).to(x.dtype)
+
+
 class TritonRows(Float32Copy):
     """The Triton backend's batch-invariant projections (kernels/triton/row_invariant.py): the
     weight itself, multiplied by a kernel whose launch does not depend on the row count.
@@ -234,9 +258,12 @@ class TritonRows(Float32Copy):
 def invariant_packing(dtype: torch.dtype) -> PackedCopy:
     """The packing of a batch-invariant engine's projections on the CPU: linear.c's panels
     for every row count (its intrinsics or its portable C), row-invariant by construction; a
-    bf16 or fp16 weight's in fp32 (RoundedPanels), since oneDNN's half-precision kernels and
-    F.linear are not (tests/models/test_packed_linear.py). resolve_backend refuses the mode
+    bf16 weight's on AMX's tiles (AmxPanels) where the CPU has them, else, as an fp16
+    weight's, in fp32 (RoundedPanels), since oneDNN's half-precision kernels and F.linear are
+    not (tests/models/test_packed_linear.py). resolve_backend refuses the mode
     where linear.c did not build."""
+    if dtype == torch.bfloat16 and native_amx.supported(torch.device("cpu")):
+        return AmxPanels()
     if dtype in HALF:
         return RoundedPanels()
     return NativePackedWeight(all_rows=True)
