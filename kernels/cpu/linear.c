@@ -204,6 +204,35 @@ static inline __attribute__((always_inline)) void panel_rows(
     }
 }
 
+#else
+/* Without AVX2 and FMA (ARM, older x86): plain C over the same panels and row blocks, each
+ * row's 16 accumulators one vector loop the compiler widens to the CPU's lanes. Slower than
+ * oneDNN's layout is likely, so the default mode keeps that (linear.py: tuned); what this path
+ * is for is the batch-invariant mode, which needs a row's bits independent of the other rows:
+ * each output element is still one chain over i = 0 .. k-1 from zero (the compiler may not
+ * reassociate it; it contracts each step into an FMA where the CPU has one). */
+static inline __attribute__((always_inline)) void panel_rows(
+        const float *x, int64_t x_stride, int64_t k, const float *panel, float *y,
+        int64_t y_stride, int64_t cols, const int R, const int add, const float alpha) {
+    float a[ROW_BLOCK][PANEL] = {{0}};
+    for (int64_t i = 0; i < k; i++) {
+        const float *w = panel + i * PANEL;
+        for (int r = 0; r < R; r++) {
+            const float xb = x[r * x_stride + i];
+#pragma omp simd
+            for (int j = 0; j < PANEL; j++) a[r][j] += xb * w[j];
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int64_t c = 0; c < cols; c++) {
+            float *out = y + r * y_stride + c;
+            *out = add ? fmaf(alpha, a[r][c], *out) : a[r][c];
+        }
+}
+#endif
+
+#if !defined(__AVX512F__)
+/* The AVX2 and the portable paths: threads take panels, each runs its row blocks. */
 static void panels_times(const float *x, int64_t x_stride, int64_t m, int64_t k,
                          const float *wp, int64_t n, float *y, int64_t y_stride, int add,
                          float alpha, int num_threads) {
@@ -226,55 +255,6 @@ static void panels_times(const float *x, int64_t x_stride, int64_t m, int64_t k,
                 switch (m - r < ROW_BLOCK ? m - r : ROW_BLOCK) {
                     ROWS(6, 0); ROWS(5, 0); ROWS(4, 0); ROWS(3, 0); ROWS(2, 0); default: ROWS(1, 0);
                 }
-            }
-#undef ROWS
-        }
-    }
-}
-
-#else
-#define ROW_BLOCK_PORTABLE 4
-
-/* Without AVX2 and FMA (ARM, older x86): plain C over the same panels, R rows at a time, each
- * row's 16 accumulators one vector loop the compiler widens to the CPU's lanes. Slower than
- * oneDNN's layout is likely, so the default mode keeps that (linear.py: tuned); what this path
- * is for is the batch-invariant mode, which needs a row's bits independent of the other rows:
- * each output element is still one chain over i = 0 .. k-1 from zero (the compiler may not
- * reassociate it; it contracts each step into an FMA where the CPU has one). */
-static inline __attribute__((always_inline)) void panel_rows_portable(
-        const float *x, int64_t x_stride, int64_t k, const float *panel, float *y,
-        int64_t y_stride, int64_t cols, const int R, const int add, const float alpha) {
-    float a[ROW_BLOCK_PORTABLE][PANEL] = {{0}};
-    for (int64_t i = 0; i < k; i++) {
-        const float *w = panel + i * PANEL;
-        for (int r = 0; r < R; r++) {
-            const float xb = x[r * x_stride + i];
-#pragma omp simd
-            for (int j = 0; j < PANEL; j++) a[r][j] += xb * w[j];
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int64_t c = 0; c < cols; c++) {
-            float *out = y + r * y_stride + c;
-            *out = add ? fmaf(alpha, a[r][c], *out) : a[r][c];
-        }
-}
-
-static void panels_times(const float *x, int64_t x_stride, int64_t m, int64_t k,
-                         const float *wp, int64_t n, float *y, int64_t y_stride, int add,
-                         float alpha, int num_threads) {
-    const int64_t panels = (n + PANEL - 1) / PANEL;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t p = 0; p < panels; p++) {
-        const float *panel = wp + p * k * PANEL;
-        const int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
-        for (int64_t r = 0; r < m; r += ROW_BLOCK_PORTABLE) {
-            const float *xr = x + r * x_stride;
-            float *yr = y + r * y_stride + p * PANEL;
-#define ROWS(R) case R: panel_rows_portable(xr, x_stride, k, panel, yr, y_stride, cols, R, \
-                                            add, alpha); break
-            switch (m - r < ROW_BLOCK_PORTABLE ? m - r : ROW_BLOCK_PORTABLE) {
-                ROWS(4); ROWS(3); ROWS(2); default: ROWS(1);
             }
 #undef ROWS
         }
