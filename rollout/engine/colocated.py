@@ -43,6 +43,13 @@ class ColocationCalls:
         """True after sleep(level=2) until update_weights has refilled every weight."""
         return self.colocation.weights_missing
 
+    def _enforce_staleness(self) -> None:
+        """The staleness bound (EngineConfig.max_staleness) on the groups not yet handed out:
+        at each update, and at each rollout() and step() after it (an update whose restarts
+        failed still counted)."""
+        self.carry.enforce_staleness(self.weights_version, self.config.max_staleness,
+                                     self.config.stale_groups)
+
     def sleep(self, level: int = 1) -> None:
         """Free the KV pool (the prefix cache empties) and park the weights: on host memory
         (level 1) or nowhere (level 2, update_weights must run after wake_up). Requests still
@@ -85,8 +92,7 @@ class ColocationCalls:
                 # the update counts, and the staleness bound holds for it.
                 if self.weights_version != before:
                     self._stats.weight_syncs += 1
-                    self.carry.enforce_staleness(self.weights_version, self.config.max_staleness,
-                                                 self.config.stale_groups)
+                    self._enforce_staleness()
             stats = self._stats
             stats.adapter_syncs += result["adapter_only"]
             stats.weight_sync_bytes, stats.weight_sync_seconds = result["bytes"], result["seconds"]

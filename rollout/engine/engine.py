@@ -253,6 +253,9 @@ class Engine(ColocationCalls):
         """Run one scheduler step; returns the requests that finished in it, preceded by the
         streaming requests (add_request) that finished while generate() was stepping."""
         with self._entered("step"):
+            # As in rollout(): an update whose restarts failed still counted, and a caller who
+            # only streams must not be handed its stale groups either.
+            self._enforce_staleness()
             if self.scheduler.has_work:
                 self.colocation.check_ready()  # asleep, carried requests wait for wake_up
                 self._step_or_raise()
@@ -329,8 +332,7 @@ class Engine(ColocationCalls):
             checked, (groups, abort_rest, use_tqdm, ids) = self._checked_alike(check)
             # Enforced at each update, and again here: an update whose restarts failed (rolled
             # back) still counted, and its stale groups must not be stepped or handed out.
-            self.carry.enforce_staleness(self.weights_version, self.config.max_staleness,
-                                         self.config.stale_groups)
+            self._enforce_staleness()
             self._queue(checked, from_rollout=True, request_ids=ids)
             self._step_until(self.carry.num_complete, groups, use_tqdm, "group")
             handed = self.carry.complete()[:groups]
