@@ -105,6 +105,8 @@ class Carry:
         stale = [r for r in self._unreturned()
                  if any(s.oldest_version is not None and version - s.oldest_version > max_staleness
                         for s in r.seqs)]
+        if not stale:  # the usual case, at every step(): no unit to open
+            return
         with self.journal.unit():
             for request in stale:
                 if policy == "restart":
