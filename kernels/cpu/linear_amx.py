@@ -42,16 +42,17 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-@operator("linear_amx(Tensor x, Tensor packed, int n) -> Tensor",
-          lambda x, packed, n: x.new_empty(*x.shape[:-1], n, dtype=torch.float32))
-def linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-    """x [..., k] (bf16, CPU) times the packed [n, k] weight's transpose: [..., n] fp32, new."""
-    k = x.shape[-1]
+@operator("linear_amx(Tensor x, Tensor packed, int n, int k) -> Tensor",
+          lambda x, packed, n, k: x.new_empty(*x.shape[:-1], n, dtype=torch.float32))
+def linear(x: torch.Tensor, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """x [..., k] (bf16, CPU) times the packed [n, k] weight's transpose: [..., n] fp32, new.
+    The weight's shape is asked for whole: its padded panels hold as many values for every k
+    of one tile's depth."""
     pairs, panels = layout((n, k))
     bf16 = x.dtype == packed.dtype == torch.bfloat16 and x.device.type == "cpu"
-    if not (bf16 and packed.numel() == panels * pairs * PANEL * 2):
+    if not (bf16 and x.shape[-1] == k and packed.numel() == panels * pairs * PANEL * 2):
         raise ValueError(f"linear_amx: x {x.dtype} {tuple(x.shape)} must be bf16 on the CPU "
-                         f"with the in-features of the packed [{n}, k] weight "
+                         f"with the in-features of the packed [{n}, {k}] weight "
                          f"({packed.numel()} packed values)")
     rows = as_rows(x)
     m = rows.shape[0]

@@ -10,8 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout_kernels import cpu as native
-from rollout_kernels.cpu import (checked_copy, gumbel, linear, norm_rope, paged_attention,
-                                  radix_sort, silu_mul, top_p_prefix)
+from rollout_kernels.cpu import (checked_copy, gumbel, linear, linear_amx, norm_rope,
+                                 paged_attention, radix_sort, silu_mul, top_p_prefix)
 from rollout_kernels.cpu.ops import watched
 
 pytestmark = pytest.mark.skipif(not native.has("rms_norm_f32", "paged_attention_f32"),
@@ -66,6 +66,9 @@ def samples():
         w = torch.randn(40, 24, generator=gen)
         out += [(linear.linear, (x, linear.pack_panels(w), 40)),
                 (linear.linear_add, (x, linear.pack_panels(w), torch.zeros(5, 40), 0.5))]
+    if linear_amx.supported(torch.device("cpu")):
+        w = torch.randn(40, 24, generator=gen).bfloat16()
+        out.append((linear_amx.linear, (x.bfloat16(), linear_amx.pack_panels(w), 40, 24)))
     if gumbel.supported(torch.device("cpu"), torch.float32):
         out.append((gumbel.gumbel_argmax, (torch.randn(3, 50, generator=gen),
                                            torch.tensor([1, 2, 3], dtype=torch.int32))))

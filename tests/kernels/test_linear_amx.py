@@ -29,7 +29,7 @@ def test_products_are_as_exact_as_f_linear(m, n, k):
     g = torch.Generator().manual_seed(m * n + k)
     w = torch.randn(n, k, generator=g).bfloat16()
     x = torch.randn(m, k + 3, generator=g).bfloat16()[:, :k]  # rows with a stride
-    got = linear_amx.linear(x, linear_amx.pack_panels(w), n)
+    got = linear_amx.linear(x, linear_amx.pack_panels(w), n, k)
     assert got.dtype == torch.float32 and got.shape == (m, n)
     exact = x.double() @ w.double().T
     assert_as_exact_as(got, exact, x.float() @ w.float().T, "fp32 tile products")
@@ -40,10 +40,10 @@ def test_a_row_does_not_depend_on_the_others(m, n, k):
     g = torch.Generator().manual_seed(k)
     w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(m, k, generator=g).bfloat16()
     packed = linear_amx.pack_panels(w)
-    whole = linear_amx.linear(x, packed, n)
-    alone = torch.cat([linear_amx.linear(x[r:r + 1], packed, n) for r in range(m)])
+    whole = linear_amx.linear(x, packed, n, k)
+    alone = torch.cat([linear_amx.linear(x[r:r + 1], packed, n, k) for r in range(m)])
     assert torch.equal(alone, whole)
-    assert all(torch.equal(linear_amx.linear(x[:r], packed, n), whole[:r]) for r in range(m))
+    assert all(torch.equal(linear_amx.linear(x[:r], packed, n, k), whole[:r]) for r in range(m))
 
 
 def test_the_invariant_packing_of_bf16_is_the_tiles_rounded_once_after_the_bias():
@@ -55,7 +55,7 @@ def test_the_invariant_packing_of_bf16_is_the_tiles_rounded_once_after_the_bias(
     packing = AmxPanels()
     got = packing.linear(x, w, b)
     assert got.dtype == torch.bfloat16 and got.shape == (7, 2, 300)
-    assert torch.equal(got, (linear_amx.linear(x, packing.packed, 300) + b.float()).bfloat16())
+    assert torch.equal(got, (linear_amx.linear(x, packing.packed, 300, 576) + b.float()).bfloat16())
     exact = F.linear(x.double(), w.double(), b.double())
     assert_as_exact_as(got, exact, F.linear(x, w, b), "projection")
     assert packing.nbytes == linear_amx.pack_panels(w).numel() * 2  # bf16, once
@@ -65,9 +65,11 @@ def test_bad_input_is_refused():
     w = torch.randn(40, 64).bfloat16()
     packed = linear_amx.pack_panels(w)
     with pytest.raises(ValueError, match="must be bf16"):
-        linear_amx.linear(torch.randn(3, 64), packed, 40)
-    with pytest.raises(ValueError, match="in-features"):
-        linear_amx.linear(torch.randn(3, 96).bfloat16(), packed, 40)
+        linear_amx.linear(torch.randn(3, 64), packed, 40, 64)
+    # 40 and 96 inputs: the first pads to the weight's panels, the second does not
+    for k in (40, 96):
+        with pytest.raises(ValueError, match="in-features"):
+            linear_amx.linear(torch.randn(3, k).bfloat16(), packed, 40, 64)
     with pytest.raises(ValueError, match="bf16 matrix"):
         linear_amx.pack_panels(torch.randn(40, 64))
-    assert linear_amx.linear(torch.randn(0, 64).bfloat16(), packed, 40).shape == (0, 40)
+    assert linear_amx.linear(torch.randn(0, 64).bfloat16(), packed, 40, 64).shape == (0, 40)

@@ -223,7 +223,7 @@ class AmxPanels(NativePackedWeight):
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None) -> torch.Tensor:
-        y = native_amx.linear(x, self.refresh(weight), weight.shape[0])
+        y = native_amx.linear(x, self.refresh(weight), *weight.shape)
         return (y if bias is None else y.add_(bias.float())).to(x.dtype)
 
 
