@@ -82,9 +82,15 @@ class ColocationCalls:
         'exchanged_bytes', 'collectives', 'adapter_only'} (+ 'probe_logprobs', 'probe_gap')."""
         with self._entered("update_weights"):
             checked = check_probe(self, probe, probe_reference)
-            before = self.weights_version
+            before, missing = self.weights_version, self.colocation.weights_missing
+
+            def changed() -> bool:  # whether this rank's weights may be other than before
+                return (self.weights_version != before
+                        or self.colocation.weights_missing and not missing)
+
             try:
-                with self._on_every_rank("update_weights", lambda: self._lose_weights(before)):
+                with self._on_every_rank("update_weights", lambda: self._lose_weights(before),
+                                         changed):
                     result = self.colocation.update_weights(source, bucket_bytes,
                                                             as_bool("full", full))
             finally:
@@ -101,37 +107,40 @@ class ColocationCalls:
             return result
 
     def _lose_weights(self, version: int) -> None:
-        """An update that failed on some rank: every rank needs a complete one, and counts
-        none (all at `version`: the outputs' weights_version stays alike across ranks)."""
+        """An update that failed on some rank after some rank wrote a weight: every rank needs
+        a complete one, and counts none (all at `version`: the outputs' weights_version stays
+        alike across ranks)."""
         self.colocation.weights_missing = True
         self.colocation.weights_version = version
 
     @contextlib.contextmanager
-    def _on_every_rank(self, call: str,
-                       on_failure: Callable[[], None] | None = None) -> Iterator[None]:
+    def _on_every_rank(self, call: str, on_failure: Callable[[], None] | None = None,
+                       changed: Callable[[], bool] | None = None) -> Iterator[None]:
         """Under tensor parallelism a sleep, wake-up or update that fails on one rank (out of
         memory, say) fails on every rank, and every rank ends in one state: asleep at the
         deepest level any rank is at, needing weights if any rank lost them (one all-reduce
         at the end; ranks left apart would wait on each other at their next collective).
-        `on_failure`: what every rank does then besides (an update counts on none)."""
+        `on_failure`: what every rank does then besides, where `changed()` held on some rank
+        (an update that wrote a weight anywhere counts on none; one refused on every rank
+        before any write leaves them all as they were, as one engine's)."""
         if self.tp.size == 1:
             yield
             return
         try:
             yield
         except BaseException:
-            self._settle_ranks(call, True, on_failure)
+            self._settle_ranks(call, True, on_failure, changed)
             raise
-        self._settle_ranks(call, False, on_failure)
+        self._settle_ranks(call, False, on_failure, changed)
 
-    def _settle_ranks(self, call: str, failed: bool, on_failure) -> None:
+    def _settle_ranks(self, call: str, failed: bool, on_failure, changed) -> None:
         colocation = self.colocation
-        any_failed, level, missing = agree_max(
-            [int(failed), colocation.sleep_level, int(colocation.weights_missing)],
-            self.tp, self.device)
+        any_failed, level, missing, any_changed = agree_max(
+            [int(failed), colocation.sleep_level, int(colocation.weights_missing),
+             int(changed is None or changed())], self.tp, self.device)
         if not any_failed:
             return
-        if on_failure is not None:
+        if on_failure is not None and any_changed:
             on_failure()
         if level > colocation.sleep_level:
             colocation.sleep(level)

@@ -141,7 +141,8 @@ def failed_on_one_rank(cfg: dict) -> dict:
     fail on every rank, and every rank ends in one state (the deepest sleep any rank is in,
     needing weights if any lost them); the engine then goes on as before on every rank. Per
     case: (who raised: "last" on the last rank, "other rank" on the others; "sleep level /
-    needs weights" after it)."""
+    needs weights" after it). An update refused on every rank before any write changes nothing
+    ("version / needs weights")."""
     engine = Engine(MODELS["llama_mqa"](0), EngineConfig(**cfg))
     before = _samples(engine.generate(PROMPTS, GREEDY))
     last = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
@@ -182,6 +183,12 @@ def failed_on_one_rank(cfg: dict) -> dict:
     attempt("update", lambda: engine.update_weights(MODELS["llama_mqa"](0)))
     out["one_rank/version"] = engine.weights_version
     engine.update_weights(MODELS["llama_mqa"](0))
+    # refused on every rank before any write (another architecture: 2 KV heads, not 1): as on
+    # one engine, nothing changes (every rank had been left needing weights)
+    try:
+        engine.update_weights(MODELS["llama_gqa2"](0))
+    except ValueError:
+        out["one_rank/refused"] = f"{engine.weights_version}/{engine.needs_weights}"
     engine.check_invariants()
     out["one_rank/after"] = _samples(engine.generate(PROMPTS, GREEDY)) == before
     return out
