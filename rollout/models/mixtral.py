@@ -33,6 +33,4 @@ class MixtralForCausalLM(MoECausalLM):
                              top_k=config.num_experts_per_tok,
                              normalize=True, weights_in_model_dtype=False)
 
-    @classmethod
-    def expert_intermediate_size(cls, config) -> int:
-        return config.intermediate_size
+    expert_intermediate_field = "intermediate_size"

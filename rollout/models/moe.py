@@ -3,7 +3,7 @@ block (layers/moe.py) as the MLP of the layers a family says, and the routed exp
 layers kept per KV slot (`slot_extras`).
 
 A family file says which layers are sparse (`is_sparse`), how its router normalises
-(`router_options`), its expert size (`expert_intermediate_size`) and its weight table.
+(`router_options`), its expert size's field (`expert_intermediate_field`) and its weight table.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ class MoECausalLM(LlamaForCausalLM):
     def router_options(cls, config) -> RouterOptions:
         raise NotImplementedError
 
-    @classmethod
-    def expert_intermediate_size(cls, config) -> int:
-        raise NotImplementedError
+    # The config field of an expert's intermediate size (the families name it apart; a
+    # refusal names it).
+    expert_intermediate_field: str
 
     @classmethod
     def mlp_bias(cls, config) -> bool:
@@ -40,8 +40,9 @@ class MoECausalLM(LlamaForCausalLM):
             return super().mlp(config, layer)
         # Its place among the sparse layers: its row of the routed experts.
         moe_index = sum(self.is_sparse(config, i) for i in range(layer))
-        return SparseMoE(config.hidden_size, self.expert_intermediate_size(config),
-                         config.hidden_act, self.router_options(config), moe_index)
+        field = self.expert_intermediate_field
+        return SparseMoE(config.hidden_size, (field, getattr(config, field)), config.hidden_act,
+                         self.router_options(config), moe_index)
 
     def __init__(self, config, max_model_len: int) -> None:
         super().__init__(config, max_model_len)

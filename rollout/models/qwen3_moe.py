@@ -41,6 +41,4 @@ class Qwen3MoeForCausalLM(MoECausalLM):
                              top_k=config.num_experts_per_tok,
                              normalize=bool(config.norm_topk_prob), weights_in_model_dtype=True)
 
-    @classmethod
-    def expert_intermediate_size(cls, config) -> int:
-        return config.moe_intermediate_size
+    expert_intermediate_field = "moe_intermediate_size"

@@ -125,6 +125,20 @@ def test_bad_tensor_parallel_size_is_refused():
         Engine(tiny_model("llama"), EngineConfig(tensor_parallel_size=2))
 
 
+@pytest.mark.parametrize("family,field", [("qwen3_moe", "moe_intermediate_size"),
+                                          ("mixtral", "intermediate_size")])
+def test_an_expert_size_the_ranks_cannot_split_is_refused_naming_its_field(family, field):
+    import torch
+    from models import tiny_model
+
+    from rollout.models.loader import build_model
+
+    config = tiny_model(family).config
+    setattr(config, field, 49)
+    with pytest.raises(ValueError, match=f"tensor_parallel_size=2 must divide {field}=49"):
+        build_model(config, 64, torch.float32, torch.device("cpu"), TensorParallel(2, 0))
+
+
 def test_group_size_must_fit_the_world():
     from models import tiny_model
 

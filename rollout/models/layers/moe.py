@@ -111,10 +111,13 @@ class StackedExperts(nn.Module):
     all-to-alls per layer and leave ranks waiting on the one whose experts drew the most tokens;
     it pays off at batch sizes where 1/k-thin expert matmuls lose efficiency, not yet here."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int,
+                 intermediate: tuple[str, int]) -> None:
+        """`intermediate`: (its config field, an expert's intermediate size)."""
         super().__init__()
         self.tp = current()
-        start, local = even_split(intermediate_size, self.tp, "the experts' intermediate size")
+        field, intermediate_size = intermediate
+        start, local = even_split(intermediate_size, self.tp, field)
         self.num_experts, self.intermediate = num_experts, local
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * local, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, local))
@@ -167,12 +170,13 @@ class SparseMoE(Dispatched, nn.Module):
     takes_ctx = True  # the decoder layer passes ctx: the block records its routing there
     implementations = {"torch": always, "triton": on_cuda}
 
-    def __init__(self, hidden_size: int, intermediate_size: int, act: str,
+    def __init__(self, hidden_size: int, intermediate: tuple[str, int], act: str,
                  options: RouterOptions, moe_index: int) -> None:
+        """`intermediate`: (its config field, an expert's intermediate size)."""
         super().__init__()
         self.options, self.activation, self.moe_index = options, act, moe_index
         self.gate = nn.Linear(hidden_size, options.num_experts, bias=False)
-        self.experts = StackedExperts(options.num_experts, hidden_size, intermediate_size)
+        self.experts = StackedExperts(options.num_experts, hidden_size, intermediate)
 
     packed: PackedExperts | None = None  # the packed copies, where projections are packed
 
