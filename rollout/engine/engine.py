@@ -298,14 +298,17 @@ class Engine(ColocationCalls):
                 tqdm = as_bool("use_tqdm", use_tqdm)  # (per rank: a progress bar on one)
                 return self._check_all(check_requests(prompts, params)), [], tqdm
             checked, use_tqdm = self._checked_alike(check)
+            seeds = self.requests.seed_draws
             requests = self._queue(checked)
             ready = self.requests.ready
             try:
                 self._step_until(lambda: sum(r.request_id in ready for r in requests),
                                  len(requests), use_tqdm, "prompt")
             except BaseException:
-                # Nobody will collect this call's outputs: stop spending compute on them.
+                # Nobody will collect this call's outputs: stop spending compute on them,
+                # and a retry samples as if this call had not been.
                 self.carry.abandon([r.request_id for r in requests])
+                self.requests.give_back_seeds(seeds)
                 raise
             return [self._output(ready.pop(r.request_id)) for r in requests]
 

@@ -58,6 +58,17 @@ class RequestTable:
                          stop_ids=stop_ids) for j in range(params.n)]
         return Request(request_id, text, ids, params, seqs, from_rollout=from_rollout)
 
+    @property
+    def seed_draws(self) -> tuple:
+        """Where the unseeded requests' seed stream stands (for give_back_seeds)."""
+        return self._seed_rng.getstate()
+
+    def give_back_seeds(self, draws: tuple) -> None:
+        """The seeds drawn since `draws` go back to the stream: their requests were aborted
+        unreturned (a failed generate), so the next ones draw what they would have. Ids are
+        not given back: something may still name an aborted request or sequence."""
+        self._seed_rng.setstate(draws)
+
     def _undraw(self, drawn) -> None:
         self._next_seq, self._next_request, state = drawn
         self._seed_rng.setstate(state)

@@ -173,6 +173,23 @@ def test_fault_in_a_step_leaves_the_engine_exact(point, spec, after, kind, cachi
 
 
 @pytest.mark.parametrize("kind", [RuntimeError, KeyboardInterrupt], ids=["error", "interrupt"])
+def test_a_failed_generate_gives_its_unseeded_requests_seeds_back(kind, monkeypatch):
+    """Unseeded requests draw their seeds from the engine's stream (EngineConfig.seed): a
+    generate() that fails (and aborts its requests) gives them back, so the next call, a retry
+    say, samples what a fresh engine samples (they had been spent: the retry drew other
+    tokens)."""
+    unseeded = [dataclasses.replace(p, seed=None) for p in PARAMS[:4]]
+    engine = make("plain", True, seed=5)
+    Fault(kind, at=2, after=True).install(monkeypatch, engine.model, "forward")
+    with pytest.raises(kind, match="injected"):
+        engine.generate(PROMPTS[:4], unseeded)
+    monkeypatch.undo()
+    assert_clean(engine)
+    fresh = make("plain", True, seed=5).generate(PROMPTS[:4], unseeded)
+    assert view(engine.generate(PROMPTS[:4], unseeded)) == view(fresh)
+
+
+@pytest.mark.parametrize("kind", [RuntimeError, KeyboardInterrupt], ids=["error", "interrupt"])
 def test_failed_step_after_drafting_for_a_cached_prompt(kind, monkeypatch):
     """A request whose prompt the prefix cache holds all but the last token of decodes from
     its first step, so the draft model drafts for it before it has sampled anything, caching
