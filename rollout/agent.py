@@ -26,7 +26,6 @@ The environment protocol: `env_factory()` gives one environment per episode, wit
 from __future__ import annotations
 
 import dataclasses
-import random
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -144,7 +143,7 @@ class _Runner:
         # model a token (_env_turn ends the episode when an observation would not).
         self.limit = engine.config.max_model_len
         self.workers = env_workers
-        self.base_seed = params.seed if params.seed is not None else random.getrandbits(63)
+        self.base_seed = params.seed if params.seed is not None else engine.requests.draw_seed()
         self.turn_params = dataclasses.replace(params, n=1, logprobs=True)
         self.requests: dict[str, list[_Live | None]] = {}  # request id -> its episodes
         self.waiting: dict[Future, _Live] = {}  # environment steps under way

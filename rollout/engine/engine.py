@@ -387,9 +387,11 @@ class Engine(ColocationCalls):
     def _queue(self, checked: list, from_rollout: bool = False,
                request_ids: list[str | None] | None = None) -> list[Request]:
         """Checked requests (_check_all) queued."""
+        ids = request_ids or [None] * len(checked)
+        given = frozenset(rid for rid in ids if rid is not None)
         with self.journal.unit():
-            requests = [self.requests.make(*c, rid, self.eos_ids, from_rollout)
-                        for c, rid in zip(checked, request_ids or [None] * len(checked))]
+            requests = [self.requests.make(*c, rid, self.eos_ids, from_rollout, given)
+                        for c, rid in zip(checked, ids)]
             for r in requests:
                 self._enqueue(r)
         return requests

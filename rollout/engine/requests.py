@@ -34,22 +34,23 @@ class RequestTable:
         return request_id in self.running or request_id in self.ready
 
     def make(self, text: str | None, ids: list[int], params: SamplingParams,
-             request_id: str | None, eos_ids: frozenset[int],
-             from_rollout: bool = False) -> Request:
-        """Draws the request's id (unless given) and seed: only for a checked request.
-        `from_rollout`: Engine.rollout's (its output waits for a rollout() call). The draws
-        are journaled: a unit that fails after them (an interrupt held while tokenizing,
-        delivered before the request is queued) leaves the next request the ids and seed a
-        fresh engine would give it."""
+             request_id: str | None, eos_ids: frozenset[int], from_rollout: bool = False,
+             reserved: frozenset[str] = frozenset()) -> Request:
+        """Draws the request's id (unless given; never one of `reserved`, the ids its call
+        gives its other requests) and seed: only for a checked request. `from_rollout`:
+        Engine.rollout's (its output waits for a rollout() call). The draws are journaled: a
+        unit that fails after them (an interrupt held while tokenizing, delivered before the
+        request is queued) leaves the next request the ids and seed a fresh engine would give
+        it."""
         drawn = (self._next_seq, self._next_request, self._seed_rng.getstate())
         self.journal.record(lambda: self._undraw(drawn))
         if request_id is None:
-            request_id = self._new_request_id()
+            request_id = self._new_request_id(reserved)
         # Greedy requests take no seed, so adding an evaluation does not shift later rollouts.
         if params.seed is not None or params.greedy:
             base = params.seed or 0
         else:
-            base = self._seed_rng.getrandbits(63)
+            base = self.draw_seed()
         stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else eos_ids)
         first, self._next_seq = self._next_seq, self._next_seq + params.n
@@ -73,12 +74,17 @@ class RequestTable:
         self._next_seq, self._next_request, state = drawn
         self._seed_rng.setstate(state)
 
-    def _new_request_id(self) -> str:
+    def draw_seed(self) -> int:
+        """An unseeded request's seed, from the stream EngineConfig.seed starts (episodes'
+        too: rollout/agent.py)."""
+        return self._seed_rng.getrandbits(63)
+
+    def _new_request_id(self, reserved: frozenset[str]) -> str:
         # A counter of its own, skipping the ids in use: callers may name requests "3" too.
         while True:
             request_id = str(self._next_request)
             self._next_request += 1
-            if request_id not in self:
+            if request_id not in self and request_id not in reserved:
                 return request_id
 
     def start(self, request: Request) -> None:

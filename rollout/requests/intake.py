@@ -101,6 +101,8 @@ def token_ids(name: str, value: Prompt, vocab_size: int, tokenizer, max_len: int
         raise ValueError(f"{name}: empty; it needs at least 1 token")
     if max_len is not None and len(value) > max_len:
         raise ValueError(f"{name}: {len(value)} tokens, more than {limit}")
+    if isinstance(value, torch.Tensor) and value.is_meta:
+        raise ValueError(f"{name}: a meta tensor holds no token ids")
     if isinstance(value, (torch.Tensor, np.ndarray)):
         value = value.tolist()
     ids = [as_int(f"{name}: token id", t) for t in value]

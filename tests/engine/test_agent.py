@@ -127,6 +127,15 @@ def test_same_seed_same_episodes_whatever_the_env_timing():
     assert summary(a) == summary(b)
 
 
+def test_unseeded_episodes_follow_the_engines_seed():
+    """Unseeded episodes draw their seed from EngineConfig.seed's stream, as unseeded
+    requests do (they had drawn from the process-wide random module)."""
+    unseeded = SamplingParams(n=3, temperature=1.0, max_tokens=8)
+    runs = [summary(run_episodes(engine(seed=s), PROMPTS, Echo, unseeded, max_turns=3))
+            for s in (0, 0, 1)]
+    assert runs[0] == runs[1] != runs[2]
+
+
 def test_small_pool_drops_holds_and_gives_the_same_episodes():
     """Under memory pressure held episodes are released oldest first and recomputed."""
     params = SamplingParams(n=4, temperature=1.0, max_tokens=10, seed=1)

@@ -447,6 +447,12 @@ def test_groups_carry_the_ids_they_were_asked_with():
     by_id = {o.request_id: TOK.decode(o.prompt_token_ids) for o in first + rest}
     assert by_id == dict(zip(["a", "b", "c", "d", *drawn], PROMPTS))
     engine.check_invariants()
+    # an id drawn for one prompt is never the one the call gives a later prompt (the later
+    # request had overwritten the earlier, its group lost)
+    fresh = make("plain", True)
+    outs = fresh.rollout(PROMPTS[:2], PARAMS[:2], request_ids=[None, "0"])
+    assert len({o.request_id for o in outs}) == 2 and "0" in {o.request_id for o in outs}
+    fresh.check_invariants()
 
 
 def test_generate_beside_carried_groups_keeps_both_contracts():

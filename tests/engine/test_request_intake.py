@@ -3,6 +3,7 @@ nothing, request ids never clash, and generate() does not swallow streaming outp
 
 import numpy as np
 import pytest
+import torch
 from helpers import samples
 from models import tiny_model
 
@@ -148,3 +149,11 @@ def test_numpy_integers_are_token_ids(model):
 def test_non_integer_prompt_token_says_so(model, token):
     with pytest.raises(ValueError, match="prompt: token id must be an int"):
         make_engine(model).add_request([1, token])
+
+
+def test_a_prompt_on_the_meta_device_says_it_holds_no_ids(model):
+    engine = make_engine(model)
+    running = engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=4))
+    with pytest.raises(ValueError, match="prompt: a meta tensor holds no token ids"):
+        engine.add_request(torch.ones(3, dtype=torch.long, device="meta"))
+    assert set(drain(engine)) == {running}
