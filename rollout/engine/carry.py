@@ -44,6 +44,10 @@ class Carry:
         self.journal, self.stats = journal, stats
         self.parks = carried_kv == "park"
         self.parked: parked.ParkedKV | None = None  # while asleep, with carried_kv="park"
+        # The weights version whose staleness bound every group not yet handed out is known to
+        # meet (a group's oldest version never falls, so it holds until the version moves):
+        # step() and rollout() then skip the scan. Journaled with the restarts it follows.
+        self.bounded_at: int | None = None
 
     # --- across sleep and weight updates ----------------------------------------------------
     def retract(self) -> None:
@@ -100,20 +104,21 @@ class Carry:
     def enforce_staleness(self, version: int, max_staleness: int | None, policy: str) -> None:
         """After weights `version` came in: every group still to be handed out whose oldest
         token is more than `max_staleness` versions old is restarted, dropped or kept."""
-        if max_staleness is None or policy == "keep":
-            return
+        if max_staleness is None or policy == "keep" or version == self.bounded_at:
+            return  # the usual case at every step(): no scan
         stale = [r for r in self._unreturned()
                  if any(s.oldest_version is not None and version - s.oldest_version > max_staleness
                         for s in r.seqs)]
-        if not stale:  # the usual case, at every step(): no unit to open
-            return
         with self.journal.unit():
             for request in stale:
                 if policy == "restart":
                     self._restart(request)
                 else:
                     self.drop(request)
-            self.journal.add(self.stats, f"stale_{policy}s", len(stale))
+            if stale:
+                self.journal.add(self.stats, f"stale_{policy}s", len(stale))
+            before, self.bounded_at = self.bounded_at, version
+            self.journal.record(lambda: setattr(self, "bounded_at", before))
 
     def _unreturned(self) -> list[Request]:
         """Groups running, and groups complete but not yet handed out: rollout()'s, and
