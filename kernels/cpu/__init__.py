@@ -71,7 +71,7 @@ SIGNATURES = {
     "linear_add_f32": ([_P, _I64, _I64, _I64, _P, _I64, _P, _I64, _F32, _INT], None),
     "linear_tuned": ([], _INT),
     "pack_panels_amx": ([_P, _I64, _I64, _I64, _I64, _P, _INT], None),
-    "linear_amx_bf16": ([_P, _I64, _I64, _P, _I64, _I64, _P, _INT], _INT),
+    "linear_amx_bf16": ([_P, _I64, _I64, _I64, _P, _I64, _I64, _P, _INT], _INT),
     "amx_ready": ([], _INT),
     "checked_copy": ([_P, _P, _I64, _INT, ctypes.c_uint32, _P, _P, _P, _INT], None),
     "radix_sort_u32": ([_P, _I64, _I64, _I64], _INT),

@@ -5,8 +5,8 @@
  * W is packed once into panels of 16 output columns whose inputs come in pairs, the layout an
  * AMX B tile loads (panel p, pair i: wp[((p kp + i) 16 + j) 2 + h] = W[16 p + j][2 i + h]),
  * kp a multiple of 16 pairs (32 inputs: one tile's depth) and the panels even in number (they
- * go in twos), zeros past k and n. x comes padded by the caller to rows a multiple of 16 and
- * kp pairs a row, zeros beyond.
+ * go in twos), zeros past k and n. x comes with rows a multiple of 16 and kp pairs a row
+ * (x_stride values apart): padded with zeros by the caller where its own are not.
  *
  * Each C tile element is its own chain: tdpbf16ps adds, for each of its 32 inputs in order,
  * the exact product (8-bit significands) to the fp32 element, and a tile row reads its own x
@@ -78,10 +78,10 @@ static void store(const float *tile, float *y, int64_t n, int64_t rows, int64_t 
 
 /* One block of 16 R rows (R = 1 or 2) over a pair of panels; x, y at the block's first row. */
 static inline __attribute__((always_inline)) void block(
-        const uint16_t *x, int64_t kp, const uint16_t *panel, float *y, int64_t n,
-        int64_t rows, int64_t col0, const int R) {
+        const uint16_t *x, int64_t x_stride, int64_t kp, const uint16_t *panel, float *y,
+        int64_t n, int64_t rows, int64_t col0, const int R) {
     const uint16_t *second = panel + kp * PANEL * 2;
-    const int64_t stride = kp * 2 * sizeof(uint16_t);
+    const int64_t stride = x_stride * sizeof(uint16_t);
     _tile_zero(0);
     _tile_zero(1);
     if (R == 2) {
@@ -95,7 +95,7 @@ static inline __attribute__((always_inline)) void block(
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         if (R == 2) {
-            _tile_loadd(5, x + 16 * kp * 2 + s * DEPTH * 2, stride);
+            _tile_loadd(5, x + 16 * x_stride + s * DEPTH * 2, stride);
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
@@ -118,11 +118,12 @@ static inline __attribute__((always_inline)) void block(
 #undef OUT
 }
 
-/* y [m, n] (fp32, contiguous) = x [mp, 2 kp] (bf16, padded as above: mp = m rounded up to
- * 16) times the packed weight's transpose; `panels` as packed. 0, or -1 (y untouched) where
- * the tile registers are not granted: a tile instruction would kill the process. */
-int linear_amx_bf16(const uint16_t *x, int64_t m, int64_t kp, const uint16_t *wp,
-                    int64_t n, int64_t panels, float *y, int num_threads) {
+/* y [m, n] (fp32, contiguous) = x [mp, 2 kp] (bf16, rows x_stride apart, padded as above:
+ * mp = m rounded up to 16) times the packed weight's transpose; `panels` as packed. 0, or -1
+ * (y untouched) where the tile registers are not granted: a tile instruction would kill the
+ * process. */
+int linear_amx_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t kp,
+                    const uint16_t *wp, int64_t n, int64_t panels, float *y, int num_threads) {
     if (!amx_ready()) return -1;
     const int64_t pairs = panels / 2, blocks = (m + 31) / 32;
 #pragma omp parallel num_threads(num_threads)
@@ -132,13 +133,13 @@ int linear_amx_bf16(const uint16_t *x, int64_t m, int64_t kp, const uint16_t *wp
         for (int64_t p = 0; p < pairs; p++)
             for (int64_t b = 0; b < blocks; b++) {
                 const int64_t rows = m - 32 * b < 32 ? m - 32 * b : 32;
-                const uint16_t *xb = x + 32 * b * kp * 2;
+                const uint16_t *xb = x + 32 * b * x_stride;
                 const uint16_t *panel = wp + 2 * p * kp * PANEL * 2;
                 float *yb = y + 32 * b * n;
                 if (rows > 16)
-                    block(xb, kp, panel, yb, n, rows, 2 * p * PANEL, 2);
+                    block(xb, x_stride, kp, panel, yb, n, rows, 2 * p * PANEL, 2);
                 else
-                    block(xb, kp, panel, yb, n, rows, 2 * p * PANEL, 1);
+                    block(xb, x_stride, kp, panel, yb, n, rows, 2 * p * PANEL, 1);
             }
         _tile_release();
     }

@@ -58,11 +58,15 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, k: int) -> torch.Tenso
     m = rows.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
     if m:
-        # the tiles load whole 16-row, 32-input blocks: rows and inputs padded with zeros
-        padded = rows.new_zeros(-(-m // 16) * 16, 2 * pairs)
-        padded[:m, :k] = rows
-        if library().linear_amx_bf16(padded.data_ptr(), m, pairs, packed.data_ptr(), n,
-                                     panels, y.data_ptr(), torch.get_num_threads()):
+        # The tiles load whole 16-row, 32-input blocks: rows and inputs padded with zeros,
+        # unless they come whole (a decode batch of 64 rows of 576 inputs, say)
+        if m % 16 or k != 2 * pairs:
+            padded = rows.new_zeros(-(-m // 16) * 16, 2 * pairs)
+            padded[:m, :k] = rows
+            rows = padded
+        if library().linear_amx_bf16(rows.data_ptr(), rows.stride(0), m, pairs,
+                                     packed.data_ptr(), n, panels, y.data_ptr(),
+                                     torch.get_num_threads()):
             raise RuntimeError("linear_amx: this process was not granted the tile registers "
                                "(check supported() first)")
     return y.view(*x.shape[:-1], n)
