@@ -144,7 +144,8 @@ class _Runner:
         self.limit = engine.config.max_model_len
         self.workers = env_workers
         self.base_seed = params.seed if params.seed is not None else engine.requests.draw_seed()
-        self.turn_params = dataclasses.replace(params, n=1, logprobs=True)
+        # (`or`: vLLM's logprobs=k keeps its k alternatives)
+        self.turn_params = dataclasses.replace(params, n=1, logprobs=params.logprobs or True)
         self.requests: dict[str, list[_Live | None]] = {}  # request id -> its episodes
         self.waiting: dict[Future, _Live] = {}  # environment steps under way
         self.abandoned = False  # a synchronous call timed out and still runs

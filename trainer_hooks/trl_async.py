@@ -61,7 +61,7 @@ class EngineRolloutWorker:
                              f"functions, got {show(reward_funcs)}")
         self.engine, self.dataset, self.tokenizer = engine, dataset, tokenizer
         self.reward_funcs = list(reward_funcs)
-        self.params = dataclasses.replace(params, logprobs=True,
+        self.params = dataclasses.replace(params, logprobs=params.logprobs or True,  # k: kept
                                           n=as_int("num_generations", num_generations, 1, MAX_N))
         self.groups_in_flight = as_int("groups_in_flight", groups_in_flight, 1)
         self.chat_template_kwargs = {} if chat_template_kwargs is None else chat_template_kwargs

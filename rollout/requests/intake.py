@@ -53,7 +53,7 @@ def check_request(prompt: Prompt, params: SamplingParams | None, vocab_size: int
     # may have been set after construction) and keeps later edits of the caller's object,
     # often reused for the next batch, away from this request.
     params = dataclasses.replace(params)
-    params.check_vocab(vocab_size)
+    params.resolve(vocab_size)
     if params.stop and tokenizer is None:
         raise ValueError("stop: stop strings need a tokenizer; pass tokenizer= to Engine")
     text, ids = prompt_ids(prompt, vocab_size, max_model_len, tokenizer)

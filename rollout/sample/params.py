@@ -33,7 +33,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
-    # True: each token's logprob; an int k (vLLM's semantics): that and top_logprobs = k
+    # True: each token's logprob; an int k (vLLM's semantics): that and k alternatives (read as
+    # top_logprobs = k in the engine's copy only, so setting logprobs=False later turns both off)
     logprobs: bool | int = False
     # Each token's k most likely alternatives under the same distribution (Sample.top_logprobs)
     top_logprobs: int = 0
@@ -85,9 +86,9 @@ class SamplingParams:
             if self.top_logprobs not in (0, k):
                 raise ValueError(f"logprobs={k} asks for {k} alternatives but top_logprobs="
                                  f"{show(self.top_logprobs)}: give one of them")
-            logprobs, self.top_logprobs = True, k
-        self.logprobs = as_bool("logprobs", logprobs)
-        self.logprobs = self.logprobs or self.top_logprobs > 0
+            self.logprobs = k
+        else:
+            self.logprobs = as_bool("logprobs", logprobs)
         self.return_support = as_bool("return_support", self.return_support)
         self.return_routed_experts = as_bool("return_routed_experts",
                                              self.return_routed_experts)
@@ -96,14 +97,20 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def check_vocab(self, vocab_size: int) -> None:
-        """The checks that need the vocabulary (on the engine's own copy, at intake); a top_k
-        that keeps every token is off, so the token reads as drawn from the whole vocabulary
-        (its sampling logprob its logprob, its support 'all')."""
+    def resolve(self, vocab_size: int) -> None:
+        """The engine's own copy, at intake: the checks that need the vocabulary, and the
+        fields as the engine reads them: logprobs=k as logprobs=True with top_logprobs=k, any
+        alternatives with each token's logprob; a top_k that keeps every token is off, so the
+        token reads as drawn from the whole vocabulary (its sampling logprob its logprob, its
+        support 'all')."""
+        given = "top_logprobs"
+        if not isinstance(self.logprobs, bool):
+            given, self.logprobs, self.top_logprobs = "logprobs", True, self.logprobs
+        self.logprobs = self.logprobs or self.top_logprobs > 0
         if self.top_k >= vocab_size:
             self.top_k = 0
         if self.top_logprobs > vocab_size:
-            raise ValueError(f"top_logprobs must be at most the vocabulary ({vocab_size}), "
+            raise ValueError(f"{given} must be at most the vocabulary ({vocab_size}), "
                              f"got {self.top_logprobs}")
         for t in self.stop_token_ids:
             if t >= vocab_size:

@@ -61,16 +61,34 @@ def test_alternatives_equal_the_reference(model, temperature, top_p):
 
 
 def test_vllm_style_logprobs_k(model):
-    p = SamplingParams(logprobs=3)
-    assert p.logprobs is True and p.top_logprobs == 3
-    p = SamplingParams(logprobs=0)  # vLLM: the sampled token's logprob, no alternatives
-    assert p.logprobs is True and p.top_logprobs == 0
-    assert SamplingParams(top_logprobs=2).logprobs is True
-    out = engine(model).generate([[1, 2, 3]], SamplingParams(max_tokens=4, logprobs=0))
-    assert out[0].samples[0].top_logprobs is None and len(out[0].samples[0].logprobs) == 4
+    """logprobs=k asks for k alternatives as top_logprobs=k does; the caller's object keeps
+    what it was given, so a later logprobs=False turns both off (the engine reads k as
+    top_logprobs in its own copy only)."""
+    gen = engine(model)
+
+    def shapes(params):
+        s = gen.generate([[1, 2, 3]], params)[0].samples[0]
+        return (None if s.logprobs is None else len(s.logprobs),
+                None if s.top_logprobs is None else tuple(s.top_logprobs.ids.shape))
+
+    p = SamplingParams(max_tokens=4, logprobs=3)
+    assert p.logprobs == 3 and p.top_logprobs == 0
+    assert shapes(p) == (4, (4, 3)) and p.logprobs == 3  # the engine's copy, not the caller's
+    p.logprobs = False
+    assert shapes(p) == (None, None)
+    p.logprobs = 2
+    assert shapes(p) == (4, (4, 2))
+    assert shapes(SamplingParams(max_tokens=4, logprobs=0)) == (4, None)  # vLLM: no alternatives
+    assert shapes(SamplingParams(max_tokens=4, top_logprobs=2)) == (4, (4, 2))
+    assert shapes(SamplingParams(max_tokens=4, logprobs=2, top_logprobs=2)) == (4, (4, 2))
+    with pytest.raises(ValueError, match="logprobs=2 asks for 2 alternatives but top_logprobs=3"):
+        SamplingParams(logprobs=2, top_logprobs=3)
     with pytest.raises(ValueError, match="top_logprobs must be at most the vocabulary"):
         engine(tiny_model("qwen2", vocab_size=16)).generate(
             [[1, 2]], SamplingParams(top_logprobs=17))
+    with pytest.raises(ValueError, match="^logprobs must be at most the vocabulary"):
+        engine(tiny_model("qwen2", vocab_size=16)).generate(
+            [[1, 2]], SamplingParams(logprobs=17))
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
