@@ -146,6 +146,10 @@ class _Runner:
         self.base_seed = params.seed if params.seed is not None else engine.requests.draw_seed()
         # (`or`: vLLM's logprobs=k keeps its k alternatives)
         self.turn_params = dataclasses.replace(params, n=1, logprobs=params.logprobs or True)
+        # The ids a turn stops on, as the engine reads them (a base model's chat runs often
+        # stop on the template's end-of-turn through stop_token_ids, not on its eos)
+        self.end_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else engine.eos_ids)
         self.requests: dict[str, list[_Live | None]] = {}  # request id -> its episodes
         self.waiting: dict[Future, _Live] = {}  # environment steps under way
         self.abandoned = False  # a synchronous call timed out and still runs
@@ -310,9 +314,9 @@ class _Runner:
         if observation is None:
             return []
         if isinstance(observation, dict):
-            # Whichever end id the turn stopped on (the engine stops on each: an instruct
-            # model's end-of-turn may not be the tokenizer's eos_token), it is in the episode.
-            ended = last_token is not None and last_token in self.engine.eos_ids
+            # Whichever end id the turn stopped on (an instruct model's end-of-turn may not be
+            # the tokenizer's eos_token), it is in the episode.
+            ended = last_token is not None and last_token in self.end_ids
             return message_tokens(tok, observation,
                                   ended_with=token_text(tok, last_token) if ended else None)
         if isinstance(observation, str):
@@ -372,6 +376,8 @@ def message_tokens(tokenizer, message: dict, ended_with: str | None) -> list[int
         raise ValueError("the chat template is not prefix-preserving: appending a message "
                          "changes the rendering of the turns before it")
     tail = full[full.index(_MARK) + len(_MARK):]
-    if ended_with and tail.startswith(ended_with):
-        tail = tail[len(ended_with):]
+    # (Llama-2's template writes a space before the end token: the model's turn has its own
+    # end token, and its tokens are never re-tokenised, so what comes before it goes too.)
+    if ended_with and tail.lstrip().startswith(ended_with):
+        tail = tail.lstrip()[len(ended_with):]
     return list(tokenizer.encode(tail, add_special_tokens=False))

@@ -489,15 +489,24 @@ def test_chat_message_observation_is_the_templates_delta():
     assert tok.decode(delta) == "\n<tool>42\n<assistant>"
     delta = message_tokens(tok, {"role": "tool", "content": "42"}, ended_with=None)
     assert tok.decode(delta) == "<eos>\n<tool>42\n<assistant>"
+    # Llama-2's template ends an assistant turn with ' ' + eos: the turn's own end token
+    # stands for it (not twice)
+    tok.chat_template = ("{% for m in messages %}{% if m.role == 'assistant' %}"
+                         "{{ ' ' + m.content + ' <eos>' }}{% else %}{{ '<' + m.role + '>' + "
+                         "m.content }}{% endif %}{% endfor %}")
+    delta = message_tokens(tok, {"role": "user", "content": "42"}, ended_with="<eos>")
+    assert tok.decode(delta) == "<user>42"
     tok.chat_template = "{% for m in messages[-1:] %}{{ m['content'] }}{% endfor %}"
     with pytest.raises(ValueError, match="prefix-preserving"):
         message_tokens(tok, {"role": "tool", "content": "42"}, ended_with="<eos>")
 
 
-def test_a_turn_ended_by_an_end_of_turn_id_is_not_ended_twice():
-    """The model ends its turn with an end-of-turn token that is one of its generation
-    config's end ids but not the tokenizer's eos_token (Gemma's <end_of_turn>, Llama-3's
-    <|eot_id|>): the episode's tokens are still the chat template's rendering of the
+@pytest.mark.parametrize("stops_on", ["eos_ids", "stop_token_ids"])
+def test_a_turn_ended_by_an_end_of_turn_id_is_not_ended_twice(stops_on):
+    """The model ends its turn with an end-of-turn token that is not the tokenizer's
+    eos_token, one of its generation config's end ids (Gemma's <end_of_turn>, Llama-3's
+    <|eot_id|>) or, for a base model whose eos is <|endoftext|>, one the caller stops on by
+    stop_token_ids: the episode's tokens are still the chat template's rendering of the
     conversation (the template's end-of-turn had been added after the model's own)."""
     tok = char_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": ["<u>", "<a>", "<eot>"]})
@@ -506,7 +515,8 @@ def test_a_turn_ended_by_an_end_of_turn_id_is_not_ended_twice():
                          "{% if add_generation_prompt %}<a>{% endif %}")
     eot = tok.convert_tokens_to_ids("<eot>")
     model = tiny_model("llama", vocab_size=len(tok))
-    model.generation_config.eos_token_id = [tok.eos_token_id, eot]
+    if stops_on == "eos_ids":
+        model.generation_config.eos_token_id = [tok.eos_token_id, eot]
     with torch.no_grad():  # every greedy token is <eot> (each turn empty): the last hidden
         d = model.config.hidden_size - 1  # unit carries the embedding's 30 to the head
         for layer in model.model.layers:
@@ -524,8 +534,9 @@ def test_a_turn_ended_by_an_end_of_turn_id_is_not_ended_twice():
             return Step(observation={"role": "user", "content": "hi"})
 
     conv = [{"role": "user", "content": "ab"}]
-    ep = run_episodes(eng, [conv], User, SamplingParams(temperature=0, max_tokens=4),
-                      max_turns=2)[0][0]
+    params = SamplingParams(temperature=0, max_tokens=4,
+                            stop_token_ids=[eot] if stops_on == "stop_token_ids" else [])
+    ep = run_episodes(eng, [conv], User, params, max_turns=2)[0][0]
     assert ep.token_ids[0] == eot  # the rig held
     want = tok.apply_chat_template(conv + [{"role": "assistant", "content": ""},
                                            {"role": "user", "content": "hi"},
