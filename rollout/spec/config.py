@@ -74,3 +74,6 @@ class SpeculativeConfig:
                              f"{self.history_min_share}")
         if self.method == "draft" and self.draft_model is None:
             raise ValueError("speculative.draft_model is required when method='draft'")
+        if self.method != "draft" and self.draft_model is not None:  # (not silently unused)
+            raise ValueError(f"speculative.draft_model is read by method='draft' only, got "
+                             f"method={self.method!r}")

@@ -97,8 +97,8 @@ def test_speculation_changes_no_alternative(model, method):
     same alternatives as plain decoding."""
     params = SamplingParams(n=2, max_tokens=20, temperature=0.9, seed=5, top_logprobs=3)
     plain = engine(model).generate(PROMPTS, params)
-    spec = engine(model, speculative=SpeculativeConfig(method, num_speculative_tokens=4,
-                                                       draft_model=model))
+    spec = engine(model, speculative=SpeculativeConfig(
+        method, num_speculative_tokens=4, draft_model=model if method == "draft" else None))
     outs = spec.generate(PROMPTS, params)
     assert spec.stats.spec_accepted > 0
     assert tokens(outs) == tokens(plain)
