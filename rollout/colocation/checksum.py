@@ -134,7 +134,8 @@ def copy_all_verified(copies: list[tuple[str, torch.Tensor, torch.Tensor]],
 
 def _non_finite(name: str) -> ValueError:
     return ValueError(f"update_weights: weight {name!r} holds non-finite values (nan or inf) "
-                      f"in the engine's dtype; refused")
+                      f"in the engine's dtype (written: the engine's weights are unusable and "
+                      f"it refuses to generate until a complete update_weights)")
 
 
 def _mismatch(name: str) -> CopyMismatch:
