@@ -322,7 +322,11 @@ def sampling_params(trainer: GRPOTrainer, engine: Engine) -> SamplingParams:
     return SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k or 0,
         min_p=args.min_p or 0.0, max_tokens=max_tokens,
-        stop_token_ids=[t for t in trainer.eos_token_ids if t is not None], logprobs=True)
+        # TRL's end ids exactly (ignore_eos: not the engine's too, which may hold another the
+        # model's config names): a sample TRL would go on with, or count as ended, must be one
+        # the engine goes on with or ends
+        stop_token_ids=[t for t in trainer.eos_token_ids if t is not None], ignore_eos=True,
+        logprobs=True)
 
 
 class EngineGeneration:

@@ -116,6 +116,35 @@ def test_grpo_steps_generate_with_engine_and_sleep_before_each_optimizer_step(tm
         assert abs(h["sampling/importance_sampling_ratio/mean"] - 1) < 1e-4
 
 
+def test_samples_end_on_trls_end_ids_only(tmp_path):
+    """The model's config names an end id ('.') TRL's eos_token_ids lack: TRL's own generate
+    goes on past it, and so must the engine (ending there, TRL would count the row as ended
+    where its policy had not, and as truncated for mask_truncated_completions)."""
+    tok = char_tokenizer()
+    model = tiny_model("qwen2", vocab_size=len(tok), tie_word_embeddings=False)
+    dot = tok.convert_tokens_to_ids(".")
+    model.config.eos_token_id = dot
+    with torch.no_grad():  # every token '.': the last hidden unit carries the embedding's 30
+        d = model.config.hidden_size - 1  # to the head, whatever the layers do
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[d] = 0
+            layer.mlp.down_proj.weight[d] = 0
+        model.model.embed_tokens.weight[:, d] = 30.0
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[d] = 1.0
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[dot, d] = 10.0
+    trainer = RolloutGRPOTrainer(
+        model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+        args=grpo_args(tmp_path, max_steps=1), processing_class=tok, engine_config=ENGINE,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
+    assert dot in trainer.engine.eos_ids and dot not in trainer.eos_token_ids  # the rig held
+    calls = spy_rollouts(trainer)
+    trainer.train()
+    completions = [c for _, out in calls for c in out["completion_ids"]]
+    assert completions and all(c == [dot] * 8 for c in completions)
+
+
 class Capture(RolloutGRPOTrainer):
     """Keeps what TRL computed for each generation batch: the trainer's recomputed ("old")
     logprobs next to the sampling logprobs it took from the engine, and each row's logprobs
