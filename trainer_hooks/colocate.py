@@ -38,7 +38,9 @@ class ColocatedRollout:
         (DeepSpeed ZeRO-3 / FSDP), e.g. trl's unwrap_model_for_generation bound to the
         accelerator; weights are read inside it. `synced=False` when the engine may not hold
         the model's current weights (built earlier, or before DDP broadcast rank 0's weights,
-        which need not bump version counters): the first entry then syncs unconditionally.
+        which need not bump version counters): the first entry then syncs unconditionally, as
+        it does where the engine's weights did not come from this model (built from another
+        module or a path: `Engine.holds_weights_of`).
         `optimizer`: the trainer's optimizer, whose steps then count as weight changes even
         where its kernels bump no version counter (fused AdamW; see `watch`). `carry`: leaving
         keeps the groups `rollout()` carries (Engine.carried) instead of aborting them; streaming
@@ -55,6 +57,7 @@ class ColocatedRollout:
         synced = as_bool("synced", synced)
         self.engine, self.model, self.sleep_level, self.gather = engine, model, sleep_level, gather
         self.carry = as_bool("carry", carry)
+        synced = synced and engine.holds_weights_of(model)
         self._synced_version: tuple[int, ...] | None = weights_version(model) if synced else None
         # The engine's own version at that sync: a wrapper for another model sharing the
         # engine, or a direct update_weights, moves it, and this model's weights are due again.

@@ -16,6 +16,7 @@ their tokens, and their K/V is recomputed or parked.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 from typing import Protocol
 
@@ -28,7 +29,7 @@ from ..parallel.reshard import ReshardStats, rank_parts
 from . import host_heap
 from .checksum import Checked, CopyMismatch
 from .device_memory import release_cuda_cache, tensor_bytes
-from .weights import buckets, check_tied_embeddings, named_shapes_and_tensors
+from .weights import buckets, check_tied_embeddings, named_shapes_and_tensors, unwrap
 
 
 class Sleeper(Protocol):
@@ -70,6 +71,16 @@ class Colocation:
         self.weights_missing = False
         # Complete update_weights so far: the version the engine's outputs are stamped with.
         self.weights_version = 0
+        # The module the weights were last taken from whole (built from, or a complete
+        # update_weights from a model): what ColocatedRollout(synced=True) may trust.
+        self.weights_from: weakref.ref | None = None
+
+    def took_weights_from(self, source) -> None:
+        self.weights_from = weakref.ref(unwrap(source)) if isinstance(source, nn.Module) else None
+
+    def holds_weights_of(self, model: nn.Module) -> bool:
+        return (not self.weights_missing and self.weights_from is not None
+                and self.weights_from() is unwrap(model))
 
     @property
     def is_sleeping(self) -> bool:
@@ -227,6 +238,7 @@ class Colocation:
                 raise
         self.weights_missing = False
         self.weights_version += 1
+        self.took_weights_from(source)
         model.pack_weights()  # an interrupt here leaves the rest to pack at first use
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

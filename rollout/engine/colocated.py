@@ -31,6 +31,11 @@ class ColocationCalls:
         with); every RolloutOutput carries the version it was generated under."""
         return self.colocation.weights_version
 
+    def holds_weights_of(self, model) -> bool:
+        """Whether the engine's weights are, whole, those it last took from this module
+        (wrappers peeled): built from it, or its last complete update_weights read it."""
+        return self.colocation.holds_weights_of(model)
+
     @property
     def lora_status(self) -> str | None:
         """How the adapter of the last PEFT model built from or synced with is served:

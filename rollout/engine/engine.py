@@ -112,6 +112,7 @@ class Engine(ColocationCalls):
         sleepers: list = []  # the draft model's stack, once built
         self.colocation = colocation = Colocation(self.stack, device, self.carry,
                                                   lambda: sleepers, self.lora)
+        colocation.took_weights_from(model)
         self.committer = Committer(self.kv, self.scheduler, self.stop, self.journal,
                                    lambda: colocation.weights_version)
         # The siblings lookup closes over the running dict, not the engine: a reference back

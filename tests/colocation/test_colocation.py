@@ -215,6 +215,26 @@ def test_colocated_rollout_syncs_only_when_weights_changed(monkeypatch):
     assert len(calls) == 3
 
 
+@pytest.mark.parametrize("given", ["another model", "a state dict"])
+def test_synced_is_trusted_only_for_the_model_the_weights_came_from(given):
+    """synced=True (the default) for a model the engine's weights did not come from (built
+    from another, or last updated from a state dict) syncs at the first entry: the block
+    samples from the model it was given, never silently from other weights."""
+    a, b = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    engine = Engine(a if given == "another model" else b, CONFIG)
+    if given == "a state dict":
+        engine.update_weights(dict(b.state_dict()))
+    assert engine.holds_weights_of(DDPLike(a)) == (given == "another model")
+    assert not engine.holds_weights_of(b)
+    rollout = ColocatedRollout(engine, b)
+    with rollout as r:
+        assert rollout.synced
+        got = run(r.engine)
+    assert got == fresh(b) and engine.holds_weights_of(DDPLike(b))
+    with ColocatedRollout(engine, DDPLike(b)) as r:  # now trusted, wrapper peeled
+        assert not r.synced
+
+
 class DDPLike(nn.Module):
     """What DistributedDataParallel looks like to a weight reader: the model under `.module`."""
 
