@@ -6,9 +6,10 @@ the engine: it keeps `groups_in_flight` prompt groups in the engine and calls
 `Engine.rollout(groups=1)` over and over (partial rollouts: a group is handed out as soon as it
 is complete, the others stay), scores each group with the trainer's reward functions, computes
 GRPO's group-normalised advantages and pushes one `RolloutSample` per completion, its
-`old_log_probs` the engine's logprobs. Weights come in through `EngineWeightTransfer`: pause
-(the thread finishes its current call and waits), `update_weights` in place (carried groups are
-retracted and go on under the new weights), resume.
+`old_log_probs` the engine's logprobs (untruncated, or with `importance_ratio="full_policy"`
+the truncated distribution's each token was drawn from: trl_rollout.EngineRollout's). Weights
+come in through `EngineWeightTransfer`: pause (the thread finishes its current call and waits),
+`update_weights` in place (carried groups are retracted and go on under the new weights), resume.
 
 Each sample is tagged with the trainer's model version of its *oldest* token, so TRL's
 `max_staleness` drops what is too old; the engine gets the same bound (EngineConfig.
@@ -37,10 +38,13 @@ import numpy as np
 
 from rollout import Engine, SamplingParams
 from rollout.engine.chat import render_conversations
-from rollout.fields import as_int, show
+from rollout.fields import as_choice, as_int, show
 from rollout.sample.params import MAX_N
 
 STOP_WAIT = 60.0  # seconds stop() waits for the thread's current call before it says so
+# trl_rollout's but "on_support", which needs TRL's side renormalised: AsyncGRPOTrainer's
+# forward takes the whole vocabulary.
+IMPORTANCE_RATIOS = ("untruncated", "full_policy")
 
 
 class EngineRolloutWorker:
@@ -48,7 +52,13 @@ class EngineRolloutWorker:
 
     def __init__(self, engine: Engine, dataset, reward_funcs, tokenizer, num_generations: int,
                  params: SamplingParams, groups_in_flight: int = 4, queue_maxsize: int = 0,
-                 chat_template_kwargs: dict | None = None) -> None:
+                 chat_template_kwargs: dict | None = None,
+                 importance_ratio: str = "untruncated") -> None:
+        """`importance_ratio`: which engine logprobs are TRL's `old_log_probs`, the sampling
+        logprobs its ratio divides by: "untruncated", log_softmax(logits / T), what TRL's
+        forward recomputes (the ratio then measures the engine-trainer mismatch and the
+        staleness alone); "full_policy", Sample.sampling_logprobs, so under top-k/top-p/min-p
+        the ratio also carries the truncation (pi / mu, below 1 by the mass cut)."""
         # Checked here: in the thread, a bad argument would only surface at check_health.
         if not isinstance(engine, Engine):
             raise ValueError(f"engine must be an Engine, got {type(engine).__name__}")
@@ -64,6 +74,8 @@ class EngineRolloutWorker:
         self.params = dataclasses.replace(params, logprobs=params.logprobs or True,  # k: kept
                                           n=as_int("num_generations", num_generations, 1, MAX_N))
         self.groups_in_flight = as_int("groups_in_flight", groups_in_flight, 1)
+        self.importance_ratio = as_choice("importance_ratio", importance_ratio,
+                                          IMPORTANCE_RATIOS)
         self.chat_template_kwargs = {} if chat_template_kwargs is None else chat_template_kwargs
         self._check_rows()
         self.rollout_buffer: queue.Queue = queue.Queue(
@@ -204,11 +216,13 @@ class EngineRolloutWorker:
         rewards, advantages, spread = group_advantages(columns)
         group_id = next(self._group_ids)
         prompt_ids = list(out.prompt_token_ids)
+        full_policy = self.importance_ratio == "full_policy"
         for s, completion, advantage, reward in zip(out.samples, completions, advantages,
                                                     rewards):
             oldest = min(s.weights_versions, default=self.engine.weights_version)
             self._put(_sample(
-                row["prompt"], completion, prompt_ids, s, float(advantage),
+                row["prompt"], completion, prompt_ids, s.token_ids,
+                s.sampling_logprobs if full_policy else s.logprobs, float(advantage),
                 self._versions.get(oldest, 0), group_id,
                 {"reward": float(reward), "reward_std": spread}))
         self._last_push = time.time()
@@ -239,15 +253,16 @@ def group_advantages(columns: list[list]) -> tuple[np.ndarray, np.ndarray, float
     return rewards, advantages, spread
 
 
-def _sample(prompt, completion, prompt_ids, s, advantage, version, group_id, metrics):
+def _sample(prompt, completion, prompt_ids, token_ids, logprobs, advantage, version, group_id,
+            metrics):
     from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
-    ids = prompt_ids + list(s.token_ids)
+    ids = prompt_ids + list(token_ids)
     return RolloutSample(
         prompt=prompt, completion=completion, input_ids=np.asarray(ids, dtype=np.int64),
-        completion_mask=np.asarray([0] * len(prompt_ids) + [1] * len(s.token_ids),
+        completion_mask=np.asarray([0] * len(prompt_ids) + [1] * len(token_ids),
                                    dtype=np.int64),
-        old_log_probs=np.asarray([0.0] * len(prompt_ids) + list(s.logprobs), dtype=np.float32),
+        old_log_probs=np.asarray([0.0] * len(prompt_ids) + list(logprobs), dtype=np.float32),
         advantage=advantage, model_version=version, group_id=group_id, metrics=metrics,
         enqueued_at=time.time())
 
@@ -284,9 +299,11 @@ class EngineWeightTransfer:
 
 
 def engine_async_grpo(engine: Engine, model, reward_funcs, args, train_dataset,
-                      processing_class, groups_in_flight: int | None = None, **kwargs):
+                      processing_class, groups_in_flight: int | None = None,
+                      importance_ratio: str = "untruncated", **kwargs):
     """An AsyncGRPOTrainer whose rollouts and weight syncs are the engine's (this module's
-    docstring); `groups_in_flight` defaults to twice the groups of one optimizer step."""
+    docstring); `groups_in_flight` defaults to twice the groups of one optimizer step;
+    `importance_ratio`: EngineRolloutWorker's."""
     from trl.experimental.async_grpo import AsyncGRPOTrainer
 
     if kwargs.get("tools") or kwargs.get("environment_factory"):
@@ -313,7 +330,7 @@ def engine_async_grpo(engine: Engine, model, reward_funcs, args, train_dataset,
                                  reward_funcs if isinstance(reward_funcs, list)
                                  else [reward_funcs], processing_class, args.num_generations,
                                  params, groups_in_flight, args.queue_maxsize,
-                                 args.chat_template_kwargs)
+                                 args.chat_template_kwargs, importance_ratio)
     return AsyncGRPOTrainer(model=model, reward_funcs=reward_funcs, args=args,
                             train_dataset=train_dataset, processing_class=processing_class,
                             rollout_worker=worker, weight_transfer=EngineWeightTransfer(worker),

@@ -60,8 +60,12 @@ def train_trl_async(cfg: RecipeConfig, accelerator, policy, tokenizer, task, tra
     policy.save_pretrained(path)
     tokenizer.save_pretrained(path)
     engine = Engine(path, engine_config(cfg), tokenizer=tokenizer)
+    # on_support: RecipeConfig refuses it under truncation, and untruncated the engine's
+    # sampling logprobs are its untruncated ones.
+    ratio = "full_policy" if cfg.importance_ratio == "full_policy" else "untruncated"
     trainer = engine_async_grpo(engine, path, [correctness_reward(task, tokenizer, engine.eos_ids)],
-                                async_args(cfg, accelerator), task.train, tokenizer)
+                                async_args(cfg, accelerator), task.train, tokenizer,
+                                importance_ratio=ratio)
     trainer.add_callback(_ToTracker(tracker))
     scorer = ColocatedRollout(engine, trainer.model, cfg.sleep_level, synced=False)
     if task.eval is not None:

@@ -139,7 +139,9 @@ def train_trl(cfg: RecipeConfig, accelerator, policy, tokenizer, task, tracker) 
         importance_ratio=cfg.importance_ratio,
         # The KL reference is the policy RL starts from (after the warm start), as in the
         # custom loop; left to TRL it would reload the model's path (none for the tiny model).
-        ref_model=frozen_copy(policy) if cfg.beta > 0 else None)
+        # A PEFT policy's is TRL's own frozen copy of its (warm-started) adapter, "ref";
+        # RolloutGRPOTrainer refuses a reference model beside it.
+        ref_model=frozen_copy(policy) if cfg.beta > 0 and cfg.lora is None else None)
     engine = trainer.engine
     engine.wake_up()  # one measured wake: what the engine holds while it generates
     awake_bytes = engine.memory_held()

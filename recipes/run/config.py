@@ -276,6 +276,13 @@ def _check_values(cfg: RecipeConfig) -> None:
                              f"term, one optimizer step per batch and no LoRA; got "
                              f"{', '.join(unmet)} (set --beta 0 --minibatches 1 --epochs 1 and "
                              f"no lora, or use --trainer trl or custom)")
+    if cfg.trainer == "trl_async" and cfg.truncates and cfg.importance_ratio == "on_support":
+        # AsyncGRPOTrainer's forward takes the whole vocabulary: no renormalised side to
+        # divide by the sampling logprobs. (Untruncated, the engine's two logprobs are one.)
+        raise ValueError("importance_ratio: on_support needs the trainer's logprobs "
+                         "renormalised over the sampler's kept tokens, which trainer trl_async "
+                         "(TRL's AsyncGRPOTrainer) cannot give under top_p / top_k / min_p; set "
+                         "--importance_ratio full_policy or use --trainer trl or custom")
     for name in ("gamma", "lam"):
         if not 0 <= getattr(cfg, name) <= 1:
             raise ValueError(f"{name} must be in [0, 1], got {getattr(cfg, name)}")
@@ -316,13 +323,19 @@ def _check_values(cfg: RecipeConfig) -> None:
     if cfg.carried_kv not in CARRIED_KV:
         raise ValueError(f"carried_kv must be one of {', '.join(CARRIED_KV)}, "
                          f"got {cfg.carried_kv!r}")
-    # They shape the groups partial rollouts keep in flight and what those resume from; set
-    # without partial rollouts they would be ignored without a word.
-    unused = [name for name, default in (("over_sample", 1.0), ("carried_kv", "recompute"))
-              if getattr(cfg, name) != default]
+    # They shape the groups partial rollouts keep in flight, what those resume from and how
+    # stale tokens are weighed (max_staleness also bounds trl_async's); set without partial
+    # rollouts they would be ignored without a word.
+    partial_keys = ("over_sample", "carried_kv", "behaviour_weight_cap") + \
+        (("max_staleness",) if cfg.trainer != "trl_async" else ())
+    unused = [name for name in partial_keys if getattr(cfg, name) != _DEFAULTS[name]]
     if unused and not cfg.partial_rollouts:
         raise ValueError(f"{', '.join(unused)}: take effect with partial rollouts only; set "
                          f"--partial_rollouts true or leave them at their defaults")
+    if cfg.dynamic_sampling_draws != _DEFAULTS["dynamic_sampling_draws"] and \
+            not cfg.dynamic_sampling:
+        raise ValueError("dynamic_sampling_draws: takes effect with dynamic sampling only; set "
+                         "--dynamic_sampling true or leave it at its default")
     for name in ("partial_rollouts", "dynamic_sampling"):
         if getattr(cfg, name) and (cfg.trainer != "custom" or _has_environment(cfg)):
             raise ValueError(f"{name}: the custom trainer's single-turn rollouts only "
@@ -449,6 +462,7 @@ def _is(value, t) -> bool:
 
 
 _HINTS = typing.get_type_hints(RecipeConfig)
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RecipeConfig)}
 
 
 def field_types(name: str) -> tuple:

@@ -100,11 +100,25 @@ def test_carried_kv_reaches_the_engine_with_partial_rollouts():
 
 
 @pytest.mark.parametrize("key", [dict(carried_kv="park"), dict(over_sample=1.5),
-                                 dict(over_sample=2.0, carried_kv="park")])
+                                 dict(over_sample=2.0, carried_kv="park"),
+                                 dict(behaviour_weight_cap=5.0), dict(max_staleness=3),
+                                 dict(max_staleness=None),
+                                 dict(over_sample=2.0, max_staleness=0)])
 def test_partial_rollout_keys_without_partial_rollouts_are_refused(key):
-    """Without partial rollouts nothing is carried or over-sampled: such keys had been ignored."""
+    """Without partial rollouts nothing is carried, over-sampled or weighed by its behaviour
+    policy: such keys had been ignored. max_staleness is trl_async's bound too."""
     with pytest.raises(ValueError, match=rf"^{', '.join(key)}: take effect with partial"):
         RecipeConfig(**key)
+    RecipeConfig(partial_rollouts=True, **key)
+    assert RecipeConfig(trainer="trl_async", max_staleness=3).max_staleness == 3
+
+
+def test_dynamic_sampling_draws_without_dynamic_sampling_are_refused():
+    """One rollout call a step without dynamic sampling: the draws had been ignored."""
+    with pytest.raises(ValueError, match="^dynamic_sampling_draws: takes effect with "
+                                         "dynamic sampling only"):
+        RecipeConfig(dynamic_sampling_draws=8)
+    assert RecipeConfig(dynamic_sampling=True, dynamic_sampling_draws=8).dynamic_sampling_draws == 8
 
 
 def test_dynamic_sampling_trains_on_groups_with_signal(tmp_path, monkeypatch):
@@ -289,16 +303,27 @@ def test_colocated_block_keeps_carried_groups_only_with_carry():
     engine.check_invariants()
 
 
-def test_trl_async_recipe_trains_on_the_engine(tmp_path, monkeypatch):
+@pytest.mark.parametrize("flags, importance_ratio", [
+    ([], "untruncated"), (["--top_k", "3", "--importance_ratio", "full_policy"], "full_policy")])
+def test_trl_async_recipe_trains_on_the_engine(tmp_path, monkeypatch, flags, importance_ratio):
     """`--trainer trl_async`: TRL's AsyncGRPOTrainer with the engine's worker, 2 steps on the
     built-in task (TRL's GPU-only attention kernel stood in for by a torch reference, as in
-    test_trl_async.py), the held-out set scored before and after."""
+    test_trl_async.py), the held-out set scored before and after. `--importance_ratio
+    full_policy` reaches the worker (it had been ignored); without truncation the sampling
+    logprobs are the untruncated ones, which the worker sends."""
     pytest.importorskip("trl.experimental.async_grpo")
     import flash_varlen
 
+    from trainer_hooks import trl_async
+
     flash_varlen.install(monkeypatch)
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
-    out = main(["--config", write_config(tmp_path), "--trainer", "trl_async"])
+    built = []
+    build = trl_async.engine_async_grpo
+    monkeypatch.setattr(trl_async, "engine_async_grpo",
+                        lambda *a, **k: built.append(build(*a, **k)) or built[-1])
+    out = main(["--config", write_config(tmp_path), "--trainer", "trl_async", *flags])
+    assert built[0].rollout_worker.importance_ratio == importance_ratio
     assert [row["step"] for row in out["history"]] == [1, 2]
     for row in out["history"]:
         assert 0 <= row["reward/mean"] <= 1 and row["sample/staleness_max"] <= 1

@@ -229,6 +229,19 @@ def test_trl_kl_reference_and_rl_steps_match_the_custom_loop(tmp_path):
     assert out["history"][0]["kl"] == pytest.approx(0.0, abs=1e-6)  # reference == policy
 
 
+def test_trl_kl_reference_with_lora_is_the_warm_started_adapter(tmp_path):
+    """lora + beta: TRL keeps a copy of the policy's adapter as its reference ("ref"), so a
+    reference of our own would be refused after the model is built and warm-started; the
+    reference is then the warm-started policy, as the custom loop's (the base with the adapter
+    off would leave out what the warm start trained: a KL > 0 from the first step)."""
+    pytest.importorskip("trl")
+    pytest.importorskip("peft")
+    out = main(["--config", write_config(tmp_path, eval_size=0, steps=1, warmstart_steps=5),
+                "--trainer", "trl", "--beta", "0.05", "--lora",
+                "{r: 4, lora_alpha: 8, target_modules: all-linear}"])
+    assert out["history"][0]["kl"] == pytest.approx(0.0, abs=1e-6)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -363,7 +376,8 @@ def test_trl_async_refuses_an_unbounded_max_staleness():
     ("any age") is refused rather than turned into some bound."""
     with pytest.raises(ValueError, match="max_staleness.*trl_async"):
         RecipeConfig(trainer="trl_async", max_staleness=None)
-    assert RecipeConfig(max_staleness=None).max_staleness is None  # custom: any age
+    # custom: any age
+    assert RecipeConfig(partial_rollouts=True, max_staleness=None).max_staleness is None
 
 
 def test_finite_limits_leave_max_grad_norm_unbounded():
@@ -390,8 +404,20 @@ def test_trl_async_samples_with_the_recipes_filters():
     from rollout_recipes.algo.trl_async_loop import async_args
 
     cpu = SimpleNamespace(device=torch.device("cpu"))
-    args = async_args(RecipeConfig(trainer="trl_async", top_p=0.5, top_k=5, min_p=0.1), cpu)
+    args = async_args(RecipeConfig(trainer="trl_async", top_p=0.5, top_k=5, min_p=0.1,
+                                   importance_ratio="full_policy"), cpu)
     assert (args.top_p, args.top_k, args.min_p) == (0.5, 5, 0.1)
+
+
+def test_trl_async_refuses_a_ratio_on_the_support():
+    """AsyncGRPOTrainer's forward takes the whole vocabulary: under truncation "on_support"
+    (the default) cannot be had there, and had been the untruncated ratio without a word.
+    Without truncation the engine's two logprobs are one and any value is accepted."""
+    for filters in (dict(top_p=0.9), dict(top_k=5), dict(min_p=0.1)):
+        with pytest.raises(ValueError, match="^importance_ratio: .*trl_async.*full_policy"):
+            RecipeConfig(trainer="trl_async", **filters)
+        RecipeConfig(trainer="trl_async", importance_ratio="full_policy", **filters)
+    RecipeConfig(trainer="trl_async")
 
 
 def test_trl_minibatches_are_checked_before_any_model_is_built():

@@ -301,3 +301,32 @@ def test_an_update_failing_after_its_copy_still_tags_its_samples(checkpoint, mon
     finally:
         worker.stop()
     assert versions == {4}
+
+
+@pytest.mark.parametrize("importance_ratio", ["untruncated", "full_policy"])
+def test_old_log_probs_are_the_importance_ratios_behaviour_logprobs(checkpoint,
+                                                                     importance_ratio):
+    """Under top-k, TRL's old_log_probs are the engine's untruncated logprobs (its ratio then
+    measures the engine-trainer mismatch alone, as trl_rollout's "untruncated") or, with
+    "full_policy", the truncated distribution's each token was drawn from (pi / mu): they had
+    been the untruncated ones whatever was asked."""
+    path, tok = checkpoint
+    engine = Engine(path, EngineConfig(kv_cache_tokens=1024, max_model_len=64), tokenizer=tok)
+    worker = EngineRolloutWorker(engine, Dataset.from_dict({"prompt": PROMPTS}),
+                                 [length_reward], tok, num_generations=4,
+                                 params=SamplingParams(max_tokens=6, top_k=3, seed=0),
+                                 importance_ratio=importance_ratio)
+    row = {"prompt": PROMPTS[0]}
+    worker._rows["0"] = row
+    out, = engine.rollout([worker._prompt_ids(row)], worker.params, request_ids=["0"])
+    worker._push(out)
+    pushed = [worker.rollout_buffer.get_nowait() for _ in out.samples]
+    for s, sample in zip(out.samples, pushed):
+        sent = sample.old_log_probs[sample.completion_mask.astype(bool)]
+        want = s.sampling_logprobs if importance_ratio == "full_policy" else s.logprobs
+        assert sent.tolist() == pytest.approx(want, abs=1e-6)
+        # top-k 3 of the tiny model's vocabulary cuts mass at every token: the two differ
+        assert all(t > u for t, u in zip(s.sampling_logprobs, s.logprobs))
+    with pytest.raises(ValueError, match="importance_ratio"):
+        EngineRolloutWorker(engine, Dataset.from_dict({"prompt": PROMPTS}), [length_reward],
+                            tok, 2, SamplingParams(), importance_ratio="on_support")
