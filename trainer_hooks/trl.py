@@ -112,13 +112,15 @@ class RolloutGRPOTrainer(GRPOTrainer):
             raise ValueError("ref_model: pass the policy as a module too (TRL loads the "
                              "reference of a model given by name from that name)")
         if ref_model is not None:
-            # TRL builds no reference at beta 0 (its default), and with PEFT takes the policy
-            # with its adapter disabled: the given one would be dropped without a word.
+            # TRL builds no reference at beta 0 (its default), and with PEFT takes it from the
+            # policy itself: the given one would be dropped without a word.
             given = inspect.signature(GRPOTrainer.__init__).bind_partial(
                 self, model, reward_funcs, args, *positional, **kwargs).arguments
             if given.get("peft_config") is not None or is_peft(model):
-                raise ValueError("ref_model: with PEFT, TRL's reference is the policy with its "
-                                 "adapter disabled; drop ref_model")
+                raise ValueError("ref_model: with PEFT, TRL takes the reference from the policy "
+                                 "itself (a frozen copy of a wrapped model's adapter, or the "
+                                 "base with the adapter off when it wraps the model from "
+                                 "peft_config); drop ref_model")
             if (args.beta if args is not None else GRPOConfig().beta) == 0:
                 raise ValueError("ref_model: TRL uses no reference at beta=0 (its default); "
                                  "set beta > 0 for a KL term, or drop ref_model")
