@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,6 +170,19 @@ class EngineConfig:
                 raise ValueError("speculative must be a rollout.spec.SpeculativeConfig or None")
 
 
+def known_fields(overrides: dict) -> dict:
+    """Engine(**overrides) as EngineConfig fields: an unknown keyword, a typo or a field
+    since gone, is a ValueError naming it (dataclasses.replace would raise a TypeError)."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], fields, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"{unknown[0]}: not an EngineConfig field{hint}; the fields are "
+                         f"{', '.join(sorted(fields))}")
+    return overrides
+
+
 def check_extra(extra) -> dict:
     """A copy of `extra` (so later edits of the caller's dict don't reach the engine), every
     key known and its value a bool."""
@@ -193,8 +208,11 @@ def as_device(value) -> torch.device:
     """Parsed only: whether this process has the device is checked when the engine starts."""
     if isinstance(value, (str, torch.device)):
         try:
-            return torch.device(value)
+            device = torch.device(value)
         except RuntimeError:
-            pass
+            device = None
+        # (torch takes any index for the CPU and reads none: 'cpu:7' would run on the one CPU)
+        if device is not None and not (device.type == "cpu" and device.index not in (None, 0)):
+            return device
     raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:<index>' (a str or torch.device), "
                      f"got {show(value)}")

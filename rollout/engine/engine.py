@@ -21,7 +21,7 @@ import functools
 from collections.abc import Iterator
 
 from ..colocation.colocation import Colocation
-from ..config import EngineConfig
+from ..config import EngineConfig, known_fields
 from ..executor.stack import ModelStack, plain_tensors, pool_slots
 from ..fields import as_bool
 from ..journal import Journal, RollbackFailed
@@ -65,7 +65,7 @@ class Engine(ColocationCalls):
             raise ValueError(f"config must be an EngineConfig or None, got "
                              f"{type(config).__name__}")
         if overrides:
-            config = dataclasses.replace(config, **overrides)
+            config = dataclasses.replace(config, **known_fields(overrides))
         self.tp = tensor_parallel(config.tensor_parallel_size, process_group)
         if tokenizer is not None and not all(
                 callable(getattr(tokenizer, f, None)) for f in ("encode", "decode")):

@@ -135,7 +135,8 @@ BAD_CONFIG = [
     *cases("keep_cpu_heap", [None, 0, "true"]),
     *cases("dtype", ["int32", torch.int32, torch.bool, torch.complex64, torch.float64, "float64",
                      torch.float8_e4m3fn, np.float32, 5, "", "torch.int8"]),
-    *cases("device", ["gpu", "cuda:x", "cuda:-1", "", " cpu", 1.5, True, 0, ["cpu"]]),
+    *cases("device", ["gpu", "cuda:x", "cuda:-1", "", " cpu", "cpu:7", torch.device("cpu", 1),
+                      1.5, True, 0, ["cpu"]]),
     *cases("seed", [*NOT_AN_INT, -1, 2**64, HUGE]),
 ]
 
@@ -155,6 +156,12 @@ def test_batch_of_longest_sequences_must_fit_int32():
 def test_bad_override_at_engine_construction_names_the_field(model):
     with pytest.raises(ValueError, match=r"^max_model_len must be in \[2, 2\*\*31 - 1\]"):
         Engine(model, EngineConfig(kv_cache_tokens=256), max_model_len=1)
+    # an unknown keyword (a typo, a field since gone) too, not dataclasses' TypeError
+    with pytest.raises(ValueError, match=r"^max_model_length: not an EngineConfig field "
+                                         r"\(did you mean 'max_model_len'\?\)"):
+        Engine(model, EngineConfig(kv_cache_tokens=256), max_model_length=64)
+    with pytest.raises(ValueError, match=r"^native_cpu_kernels: not an EngineConfig field; "):
+        Engine(model, EngineConfig(kv_cache_tokens=256), native_cpu_kernels=True)
 
 
 def test_numpy_and_0d_tensor_config_values_become_plain_python_values(model):
