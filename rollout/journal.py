@@ -60,8 +60,12 @@ class Journal:
             return False
         undo = self._undo[point:]
         del self._undo[point:]
-        for revert in reversed(undo):
-            revert()
+        try:
+            for revert in reversed(undo):
+                revert()
+        except BaseException as e:
+            # The rest of this segment is out of the log: the unit could not undo it either.
+            raise RollbackFailed("undoing part of a unit") from e
         return True
 
     @contextlib.contextmanager

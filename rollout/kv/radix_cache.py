@@ -215,15 +215,21 @@ class RadixCache:
         leaves = [n for n in self.nodes() if not n.children and n.lock_ref == 0]
         heapq.heapify(leaves)
         evicted, freed = [], 0
-        while freed < num_slots and leaves:
-            leaf = heapq.heappop(leaves)
-            evicted.append(leaf)
-            freed += len(leaf.key)
-            self.evictable_size -= len(leaf.key)
-            parent = leaf.parent
-            del parent.children[leaf.key[0]]
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(leaves, parent)
+        try:
+            while freed < num_slots and leaves:
+                leaf = heapq.heappop(leaves)
+                evicted.append(leaf)
+                freed += len(leaf.key)
+                self.evictable_size -= len(leaf.key)
+                parent = leaf.parent
+                del parent.children[leaf.key[0]]
+                if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                    heapq.heappush(leaves, parent)
+        except BaseException:
+            # All or nothing: the caller records its undo once it has the list, so nodes
+            # detached before a failure here would be lost with their slots.
+            self.unevict(evicted)
+            raise
         return evicted
 
     def unevict(self, evicted: list[RadixNode]) -> None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from rollout.journal import Journal
+from rollout.journal import Journal, RollbackFailed
 from rollout.kv.manager import KVManager
 from rollout.kv.pool import KVPool
 from rollout.kv.prefix_cache import make_prefix_cache
@@ -925,3 +925,23 @@ def test_a_failed_alloc_inside_a_unit_keeps_its_holds_and_cached_prefixes():
         slots = w.kv.alloc(7)
     assert slots is not None and slots.numel() == 7 and not w.kv.holds
     assert w.kv.holds_dropped == 1 and running.num_computed == 9
+
+
+def test_a_partial_rollback_that_fails_is_a_rollback_failure():
+    """rollback_to takes its segment out of the unit's log before undoing it: an undo that
+    raises there leaves the rest of the segment undone for good, which only RollbackFailed
+    (the engine then refuses every call) may report, not the undo's own error."""
+    journal, undone = Journal(), []
+
+    def broken():
+        raise RuntimeError("an undo failing")
+
+    with pytest.raises(RollbackFailed) as failed:
+        with journal.unit():
+            journal.record(lambda: undone.append("before the savepoint"))
+            point = journal.savepoint()
+            journal.record(lambda: undone.append("first"))
+            journal.record(broken)
+            journal.rollback_to(point)
+    assert isinstance(failed.value.__cause__, RuntimeError)
+    assert undone == ["before the savepoint"] and not journal.recording

@@ -9,6 +9,7 @@ removed from the slots that came back to the pool, and then checks that the remo
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -16,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from rollout.kv.pool import KVPool
 from rollout.kv.prefix_cache import make_prefix_cache
-from rollout.kv.radix_cache import RadixCache
+from rollout.kv.radix_cache import RadixCache, RadixNode
 
 CPU = torch.device("cpu")
 NUM_SLOTS = 96
@@ -378,6 +379,35 @@ def test_evict_frees_whole_leaves_then_the_parents_they_expose():
     assert evict(pool, cache, 1) == 2  # then the exposed parent [1, 2]
     assert cache.total_size == 0 and pool.num_free == NUM_SLOTS
     cache.check()
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_an_eviction_that_fails_half_way_detaches_nothing(monkeypatch, error):
+    """The caller records its undo once evict returns: a failure inside it (the heap's
+    comparisons are Python code) must leave every node attached, not some of them lost with
+    their slots."""
+    pool, cache = make_cache()
+    for t in range(4):
+        insert_new(pool, cache, [t, t])
+    before = (cache.total_size, cache.evictable_size, sorted(n.key[0] for n in cache.nodes()))
+    calls = 0
+
+    def failing(self, other):
+        nonlocal calls
+        calls += 1
+        if calls == 6:  # after the heap is built and some leaves are detached
+            raise error("in a comparison")
+        return self.last_access < other.last_access
+
+    monkeypatch.setattr(RadixNode, "__lt__", failing)
+    with pytest.raises(error):
+        cache.evict(100)
+    assert calls == 6  # the rig held
+    monkeypatch.undo()
+    assert (cache.total_size, cache.evictable_size,
+            sorted(n.key[0] for n in cache.nodes())) == before
+    cache.check()
+    assert evict(pool, cache, 100) == 8 and pool.num_free == NUM_SLOTS
 
 
 def test_evict_is_least_recently_used_first():
