@@ -1,5 +1,5 @@
 """linear.c's register blockings give the same bits: on a CPU with AVX-512 the library's
-panels run 12 rows over two panels in 16-lane vectors, a build for x86-64-v3 (AVX2 + FMA, what
+panels run 8 rows over three panels in 16-lane vectors, a build for x86-64-v3 (AVX2 + FMA, what
 an AVX2-only host builds) 6 rows over one panel in 8-lane vectors. Every output element is one
 chain of FMAs over k in both, so the projections, and every test that holds them to F.linear or
 to transformers, are the same on both ISAs. Shapes cover each tail: row blocks cut short, an
@@ -66,13 +66,18 @@ def test_avx512_and_avx2_panels_give_the_same_bits(tmp_path):
         assert all(torch.equal(u, v) for u, v in zip(a, b))
     # The 512-bit loop in chunks of 32 inputs (every shape but k = 7 cut, k = 300 in 10): the
     # chains go on through y, so whichever chunking a CPU's build takes (linear.c K_CHUNK_512:
-    # whole k on a Zen 4, 128 elsewhere) gives the same bits.
-    chunked, _ = compute(tmp_path / "chunked.pt", ROLLOUT_CACHE=str(tmp_path / "cache32"),
-                         ROLLOUT_NATIVE_CFLAGS="-DK_CHUNK_512=32")
-    for (m, n, k), (y, added), (y2, added2), (y3, added3) in zip(SHAPES, wide, narrow, chunked,
-                                                                 strict=True):
-        assert torch.equal(y, y2) and torch.equal(y, y3), (m, n, k)
-        assert torch.equal(added, added2) and torch.equal(added, added3), (m, n, k)
+    # whole k on a Zen 4, 128 elsewhere) gives the same bits; and so do other register blocks
+    # (ROW_BLOCK_512 rows x PANELS_512 panels: 8 x 3 by default; 12 x 2 and 6 x 4 have their
+    # own tails, a group of 4 panels cut short at 40 and 300 outputs).
+    variants = [compute(tmp_path / f"v{i}.pt", ROLLOUT_CACHE=str(tmp_path / f"cache{i}"),
+                        ROLLOUT_NATIVE_CFLAGS=flags)[0]
+                for i, flags in enumerate(["-DK_CHUNK_512=32",
+                                           "-DROW_BLOCK_512=12 -DPANELS_512=2",
+                                           "-DROW_BLOCK_512=6 -DPANELS_512=4 -DK_CHUNK_512=64"])]
+    for i, (m, n, k) in enumerate(SHAPES):
+        y, added = wide[i]
+        for other in [narrow, *variants]:
+            assert torch.equal(y, other[i][0]) and torch.equal(added, other[i][1]), (m, n, k)
     # and the results are the projections' (the bits are not all zero or garbage)
     g = torch.Generator().manual_seed(12 * 300 + 96)
     w, x = torch.randn(300, 96, generator=g), torch.randn(12, 99, generator=g)[:, :96]
