@@ -23,6 +23,7 @@ sample in it half or twice.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 from array import array
@@ -72,9 +73,12 @@ class DraftHistory:
             self._evict_oldest()
         self._compact()
         start = self._reserve(n + 1)
-        # From here to the undo's record nothing is called that could fail halfway.
-        self._flat[start:start + n] = tokens
         eid, key = next(self._ids), hash(tuple(prompt))
+        # Recorded before the first change: an append can fail (memory) with the entry half
+        # in, and the undo takes back whatever of it is there.
+        self.journal.record(functools.partial(self._unadd, eid, key, start, tokens, self.tokens,
+                                              self.prompt_entries.get(key, 0)))
+        self._flat[start:start + n] = tokens
         self.entries[eid], self.prompt_of[eid] = (start, n), key
         self.tokens += n
         own = self.prompt_index.setdefault(key, {})
@@ -89,7 +93,6 @@ class DraftHistory:
                 if held is None:
                     index[gram] = held = array("q")
                 held.append(start + end)
-        self.journal.record(functools.partial(self._unadd, eid))
         return eid
 
     def _grams(self, tokens: list[int]):
@@ -98,24 +101,32 @@ class DraftHistory:
         m = self.min_match
         return ((tuple(tokens[end - m:end]), end) for end in range(m, len(tokens)))
 
-    def _unadd(self, eid: int) -> None:
-        """Undo add(). Undos run newest first, so the history is as add() left it: the entry's
-        tokens are in the buffer and its offsets the last of their indexes' arrays (the place
-        it reserved is given back by _reserve's undo, next)."""
-        start, n = self.entries.pop(eid)
-        key = self.prompt_of.pop(eid)
-        own = self.prompt_index[key]
-        for gram, _ in self._grams(self._flat[start:start + n].tolist()):
-            for index in (self.global_index, own):
-                held = index[gram]
-                held.pop()
+    def _unadd(self, eid: int, key: int, start: int, tokens: list[int], held_tokens: int,
+               prompt_entries: int) -> None:
+        """Undo add(), all of it or the part done before it failed. Undos run newest first, so
+        the history is as add() left it: the offsets it appended are the last of their arrays,
+        above every other (its place was at the end of the buffer, given back by _reserve's
+        undo, next)."""
+        self.entries.pop(eid, None)
+        self.prompt_of.pop(eid, None)
+        self.tokens = held_tokens
+        indexes = [self.global_index]
+        if prompt_entries:
+            self.prompt_entries[key] = prompt_entries
+            indexes.append(self.prompt_index[key])
+        else:  # the prompt's first entry: its index goes whole
+            self.prompt_entries.pop(key, None)
+            self.prompt_index.pop(key, None)
+        for gram, after in reversed(list(self._grams(tokens))):
+            for index in indexes:
+                held = index.get(gram)
+                if held is None:
+                    continue
+                if held and held[-1] == start + after:
+                    held.pop()
                 if not held:
                     del index[gram]
-        self.tokens -= n
-        self.prompt_entries[key] -= 1
-        if not self.prompt_entries[key]:
-            del self.prompt_entries[key], self.prompt_index[key]
-        self._flat[start:start + n] = GAP
+        self._flat[start:start + len(tokens)] = GAP
 
     def clear(self) -> None:
         self.__init__(self.budget, self.min_match, self.max_match, self.journal)
@@ -212,10 +223,13 @@ class DraftHistory:
         """Where the oldest entry held starts: offsets below it are the evicted entries'."""
         return next(iter(self.entries.values()))[0] if self.entries else self._used
 
-    def _live_offsets(self, held: array) -> np.ndarray:
-        """An index's offsets of entries still held (a view of its array)."""
-        offsets = np.frombuffer(held, dtype=np.int64)
-        return offsets[np.searchsorted(offsets, self._live):]
+    def _live_offsets(self, held: array, newest: int | None = None) -> np.ndarray:
+        """An index's offsets of entries still held (only the newest `newest` of them), copied:
+        while a view of `held` lives (in an exception's traceback, say) it cannot grow."""
+        first = bisect.bisect_left(held, self._live)
+        if newest is not None:
+            first = max(first, len(held) - newest)
+        return np.frombuffer(held[first:], dtype=np.int64)
 
     # --- matching -----------------------------------------------------------------------------
     def matches(self, context: list[int], prompt: list[int] | None = None
@@ -237,7 +251,7 @@ class DraftHistory:
             held = index.get(gram)
             if held is None:
                 continue
-            best = self._live_offsets(held)[-MAX_CANDIDATES:]
+            best = self._live_offsets(held, MAX_CANDIDATES)
             if not len(best):
                 continue
             # One token further back at a time, keeping the candidates that still agree with
@@ -249,7 +263,7 @@ class DraftHistory:
                 if not len(agree):
                     break
                 best, n = agree, n + 1
-            return n, best[::-1].copy()  # (a view would pin the index's array)
+            return n, best[::-1]
         return 0, none
 
     def continuation(self, positions: np.ndarray, k: int, min_share: float) -> list[int]:

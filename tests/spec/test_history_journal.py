@@ -5,6 +5,7 @@ failed flush of finished samples neither loses nor repeats any of them."""
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter
 
 import pytest
@@ -200,3 +201,48 @@ def test_finished_samples_enter_at_the_next_step_whatever_its_batch():
     engine.step()  # 9 decoding samples: no drafts
     assert engine.stats.spec_skipped_steps == skipped + 1
     history.check()
+
+
+class Appends(array):
+    """An index's offsets that fail to grow at the `at`-th append of all (out of memory, or
+    its buffer pinned by a view that something still holds)."""
+    fault: Fault | None = None
+
+    def append(self, offset: int) -> None:
+        fault = Appends.fault
+        if fault is not None:
+            fault.calls += 1
+            if fault.calls == fault.at:
+                raise fault.kind("injected fault")
+        super().append(offset)
+
+
+@pytest.mark.parametrize("kind", [MemoryError, KeyboardInterrupt])
+def test_an_addition_failing_halfway_is_undone(compacting, kind, monkeypatch):
+    """A unit whose addition fails partway through its offsets (at each of them in turn): the
+    history is as it was, and then as if it had never failed."""
+    monkeypatch.setattr(rollout.spec.history, "array", Appends)
+
+    def build():
+        history = DraftHistory(20, MIN, MAX, Journal())
+        add_all(history, [((i % 2,), [1, 2, 3, i % 4, 0, 1]) for i in range(6)])
+        return history
+    unit = [((i % 3,), [2, 3, i % 4, 1, 0, i % 5, 2]) for i in range(4)]
+    done = build()
+    Appends.fault = counting = Fault(kind, at=0, after=False)
+    try:
+        add_all(done, unit)
+        for at in range(1, counting.calls + 1):
+            Appends.fault = None
+            history = build()
+            was = held(history)
+            Appends.fault = Fault(kind, at, after=False)
+            with pytest.raises(kind), history.journal.unit():
+                add_all(history, unit)
+            Appends.fault = None
+            history.check()
+            assert held(history) == was, at
+            add_all(history, unit)
+            assert held(history) == held(done)
+    finally:
+        Appends.fault = None

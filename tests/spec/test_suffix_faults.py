@@ -7,8 +7,12 @@ Afterwards the engine is clean, and the same generate() returns what a fresh eng
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from test_faults import PARAMS, PROMPTS, Fault, assert_clean, assert_exact, make
+
+from rollout.spec.history import DraftHistory
 
 POINTS = {
     "remember": lambda e: (e.speculator.drafter, "remember"),
@@ -41,3 +45,56 @@ def test_fault_while_drafting_from_history_leaves_the_engine_exact(point, kind, 
     assert_exact(engine, "suffix", True)
     assert engine.stats.spec_sources.get("history", [0, 0])[0] > 0
     assert_clean(engine)
+
+
+
+class FaultInside(Fault):
+    """Raises `kind` inside the `at`-th run of `code` itself: as it starts, or as it returns
+    (then its locals, all it had in hand, go with the exception's traceback)."""
+
+    def __init__(self, kind: type[BaseException], at: int, after: bool, code) -> None:
+        super().__init__(kind, at, after)
+        self.code = code
+
+    def __call__(self, frame, event, arg):  # sys.settrace's, on every call
+        if event != "call" or frame.f_code is not self.code:
+            return None
+        self.calls += 1
+        if self.calls != self.at:
+            return None
+        if not self.after:
+            raise self.kind("injected fault")
+
+        def on_return(frame, event, arg):
+            if event == "return":
+                raise self.kind("injected fault")
+            return on_return
+        return on_return
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["before", "after"])
+@pytest.mark.parametrize("kind", [RuntimeError, KeyboardInterrupt], ids=["error", "interrupt"])
+@pytest.mark.parametrize("point", ["matches", "_live_offsets", "_live"])
+def test_a_kept_lookup_fault_does_not_stop_the_history_growing(point, kind, after):
+    """A fault inside the history's lookup (the 3rd run of each point: inside a lookup of the
+    step after a flush), and the caller keeps the exception (a retry loop's `last = e`,
+    pytest.raises, Jupyter's sys.last_traceback) and with it the frames it went through: the
+    history still takes new samples and stays whole, and the engine returns what it returns
+    without speculation."""
+    engine = make("suffix", True)
+    engine.generate(PROMPTS, PARAMS)
+    fn = getattr(DraftHistory, point)
+    code = (fn.fget if point == "_live" else fn).__code__  # (_live: a property)
+    fault = FaultInside(kind, at=3, after=after, code=code)
+    sys.settrace(fault)
+    try:
+        with pytest.raises(kind, match="injected") as kept:
+            engine.generate(PROMPTS, PARAMS)
+    finally:
+        sys.settrace(None)
+    assert fault.fired
+    assert_clean(engine)
+    assert_exact(engine, "plain", True)  # what speculation off returns
+    assert engine.stats.spec_sources.get("history", [0, 0])[0] > 0
+    assert_clean(engine)
+    assert kept.value is not None  # held to the end
