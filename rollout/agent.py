@@ -152,6 +152,9 @@ class _Runner:
             frozenset() if params.ignore_eos else engine.eos_ids)
         self.requests: dict[str, list[_Live | None]] = {}  # request id -> its episodes
         self.waiting: dict[Future, _Live] = {}  # environment steps under way
+        # Every episode: one whose environment has answered is in neither of the above until
+        # its next turn is queued, and a failure meanwhile must still release its hold.
+        self.lives: list[_Live] = []
         self.abandoned = False  # a synchronous call timed out and still runs
 
     def run(self, prompts: list, use_tqdm: bool) -> list[list[Episode]]:
@@ -187,6 +190,7 @@ class _Runner:
 
     def _start(self, episode: Episode, index: tuple[int, int]) -> _Live:
         live = _Live(episode, None, index)
+        self.lives.append(live)
         try:
             live.env = self.env_factory()
             reset = getattr(live.env, "reset", None)
@@ -339,7 +343,7 @@ class _Runner:
 
     def _abandon(self) -> None:
         """The run failed: stop its requests, release its holds, leave its envs to finish."""
-        for live in self.waiting.values():
+        for live in self.lives:
             if live.hold is not None:
                 self.engine.release_hold(live.hold)
         for future in self.waiting:

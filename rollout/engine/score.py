@@ -39,13 +39,15 @@ def score(engine, sequences, temperature: float, top_logprobs: int, start, use_t
             engine._step_until(lambda: sum(r.request_id in ready for r in requests),
                                len(requests), use_tqdm, "sequence")
             for (i, _), request in zip(chosen, requests):
+                ready.pop(request.request_id)
                 if request.error is not None:
                     errors[i] = request.error  # no source for the rows of others
                 else:
                     plan.finish(i, request.seqs[0].score.rows())
-        finally:
-            # Whatever happened, nobody else collects these (running ones are aborted).
+        except BaseException:
+            # Nobody else collects these: running ones are aborted, finished ones dropped.
             engine.carry.abandon([r.request_id for r in requests])
+            raise
     outputs = []
     for i, (tokens, first) in enumerate(zip(ids, starts)):
         if i in errors:

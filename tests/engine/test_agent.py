@@ -15,10 +15,13 @@ import pytest
 import torch
 from floors import assert_within_floor, exact_copy, token_logprobs
 from models import char_tokenizer, tiny_model
+from test_faults import Fault
 
 import rollout.agent
+import rollout.engine.engine
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.agent import Step, message_tokens, run_episodes
+from rollout.engine.requests import RequestTable
 
 TOK = char_tokenizer()
 PROMPTS = ["ab 1+2=", "the cat", "zz top 9"]
@@ -222,6 +225,46 @@ def test_a_run_that_fails_midway_leaves_no_kv_held(where, monkeypatch):
     eng = engine()
     with pytest.raises(kind):
         run_episodes(eng, PROMPTS, env, PARAMS)
+    assert_no_kv_held(eng)
+
+
+@functools.cache
+def reference_episodes():
+    return summary(run_episodes(engine(), PROMPTS, Echo, PARAMS))
+
+
+# Points on the way from an environment's answer to the next turn's request (the 4th call of
+# each is the first environment turn's; calls 1-3 are the prompts' first turns), and whether a
+# fault after the call is one the run can clean up: not after add_request returned, whose
+# request is queued under an id the run never learnt.
+BETWEEN_TURNS = {
+    "seed": (lambda: (rollout.agent._Runner, "_seed"), True),
+    "budget": (lambda: (rollout.agent._Runner, "_budget"), True),
+    "add_request": (lambda: (Engine, "add_request"), False),
+    # inside add_request, before and in its unit (which queues nothing then)
+    "check_request": (lambda: (rollout.engine.engine, "check_request"), True),
+    "make": (lambda: (RequestTable, "make"), True),
+}
+
+
+@pytest.mark.parametrize("kind", [RuntimeError, KeyboardInterrupt], ids=["error", "interrupt"])
+@pytest.mark.parametrize("point,after", [
+    pytest.param(point, after, id=f"{point}-{'after' if after else 'before'}")
+    for point, (_, has_after) in BETWEEN_TURNS.items() for after in (False, True)[:1 + has_after]])
+def test_a_run_that_fails_between_turns_leaves_no_kv_held(point, after, kind, monkeypatch):
+    """A fault after an environment answered, before the next turn's request is queued: the
+    episode is then neither waiting for its environment nor running, and its hold (the turn
+    just sampled) had stayed locked. The run raises with nothing held, and a rerun gives a
+    fresh engine's episodes."""
+    eng = engine()
+    fault = Fault(kind, at=4, after=after)
+    fault.install(monkeypatch, *BETWEEN_TURNS[point][0]())
+    with pytest.raises(kind, match="injected"):
+        run_episodes(eng, PROMPTS, Echo, PARAMS)
+    assert fault.fired
+    monkeypatch.undo()
+    assert_no_kv_held(eng)
+    assert summary(run_episodes(eng, PROMPTS, Echo, PARAMS)) == reference_episodes()
     assert_no_kv_held(eng)
 
 

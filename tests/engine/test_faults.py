@@ -16,6 +16,8 @@ import functools
 import pytest
 from models import char_tokenizer, tiny_model
 
+import rollout.engine.engine as engine_module
+import rollout.requests.outputs as outputs
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.models.layers.packed_linear import Projection
 from rollout.spec import SpeculativeConfig
@@ -170,6 +172,44 @@ def test_fault_in_a_step_leaves_the_engine_exact(point, spec, after, kind, cachi
     assert_clean(engine)
     assert_exact(engine, spec, caching)
     assert_clean(engine)
+
+
+# What generate() runs after its last step, building each output: per request, then per sample
+# (text, supports, top-k alternatives: an out-of-memory torch.stack, a tokenizer's interrupt).
+OUTPUT_POINTS = {
+    "output": lambda e: (e, "_output"),
+    "build_output": lambda e: (engine_module, "build_output"),
+    "text": lambda e: (e, "_text"),
+    "support": lambda e: (outputs, "Support"),
+    "tops": lambda e: (outputs, "_tops"),
+}
+OUTPUT_CASES = [
+    pytest.param(point, after, kind, id=f"{point}-{'after' if after else 'before'}-{name}")
+    for point in OUTPUT_POINTS for after in (False, True)
+    for kind, name in ((RuntimeError, "error"), (KeyboardInterrupt, "interrupt"))
+    if not (point == "text" and kind is RuntimeError)]  # (that costs the text, not the call)
+
+
+@pytest.mark.parametrize("point,after,kind", OUTPUT_CASES)
+def test_fault_while_generate_builds_its_outputs(point, after, kind, monkeypatch):
+    """Every request finished, some outputs built: the rest had stayed in the engine, and the
+    next step() handed them out as if they were the caller's streaming requests. The call
+    leaves none of its own behind; a streaming request queued before it finishes as it
+    would have."""
+    engine = make("plain", True)
+    stream = engine.add_request(PROMPTS[1], PARAMS[1])
+    fault = Fault(kind, at=3, after=after)  # requests 0 (and, per sample, 1) built already
+    fault.install(monkeypatch, *OUTPUT_POINTS[point](engine))
+    with pytest.raises(kind, match="injected"):
+        engine.generate(PROMPTS, PARAMS)
+    assert fault.fired
+    monkeypatch.undo()
+    engine.check_invariants()
+    done = drain(engine)
+    assert list(done) == [stream]
+    assert view([done[stream]]) == view(make("plain", True).generate(PROMPTS[1:2], PARAMS[1]))
+    assert_clean(engine)
+    assert_exact(engine, "plain", True)
 
 
 @pytest.mark.parametrize("kind", [RuntimeError, KeyboardInterrupt], ids=["error", "interrupt"])

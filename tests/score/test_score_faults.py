@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import test_faults
-from test_faults import Fault, assert_clean, make
+from test_faults import PARAMS, PROMPTS, Fault, assert_clean, drain, make, view
 
 import rollout.engine.score as engine_score
 import rollout.executor.runner as runner
@@ -31,6 +31,7 @@ POINTS = {
     "finish": (lambda e: (e.scheduler, "finish"), False),
     "radix_insert": (lambda e: (e.cache, "insert"), True),
     "round_done": (lambda e: (ScorePlan, "finish"), True),
+    "round_taken": (lambda e: (ScoreState, "rows"), True),  # every request of the round done
 }
 CASES = [pytest.param(point, after, id=f"{point}-{'after' if after else 'before'}")
          for point, (_, has_after) in POINTS.items() for after in (False, True)[:1 + has_after]]
@@ -56,3 +57,24 @@ def test_fault_while_scoring_leaves_the_engine_exact(point, after, kind, monkeyp
     for (a, _), (b, _) in zip(got, want):
         assert a == pytest.approx(b, abs=1e-5)
     assert_clean(engine)
+
+
+@pytest.mark.parametrize("kind", [RuntimeError, KeyboardInterrupt], ids=["error", "interrupt"])
+def test_a_round_that_finished_takes_its_requests_itself(kind, monkeypatch):
+    """A failed round's cleanup (Carry.abandon) had also run after every round that finished,
+    to take its requests out of the engine: a fault there left them finished in it, and the
+    next step() handed them to the caller as streaming outputs. A streaming request queued
+    before the call finishes as it would have."""
+    engine = make("plain", True)
+    stream = engine.add_request(PROMPTS[1], PARAMS[1])
+    Fault(kind, at=1, after=False).install(monkeypatch, engine.carry, "abandon")
+    got = scores(engine)
+    monkeypatch.undo()
+    done = drain(engine)
+    assert list(done) == [stream]
+    assert view([done[stream]]) == view(make("plain", True).generate(PROMPTS[1:2], PARAMS[1]))
+    assert_clean(engine)
+    want = scores(make("plain", True))
+    assert [ids for _, ids in got] == [ids for _, ids in want]
+    for (a, _), (b, _) in zip(got, want):
+        assert a == pytest.approx(b, abs=1e-5)
