@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 from floors import assert_within_floor, exact_copy, token_logprobs
-from models import char_tokenizer, tiny_model
+from models import always_picks, char_tokenizer, tiny_model
 from test_faults import Fault
 
 import rollout.agent
@@ -557,19 +557,9 @@ def test_a_turn_ended_by_an_end_of_turn_id_is_not_ended_twice(stops_on):
                          "{% endif %}{{ m.content }}<eot>\n{% endfor %}"
                          "{% if add_generation_prompt %}<a>{% endif %}")
     eot = tok.convert_tokens_to_ids("<eot>")
-    model = tiny_model("llama", vocab_size=len(tok))
+    model = always_picks(tiny_model("llama", vocab_size=len(tok)), eot)  # each turn empty
     if stops_on == "eos_ids":
         model.generation_config.eos_token_id = [tok.eos_token_id, eot]
-    with torch.no_grad():  # every greedy token is <eot> (each turn empty): the last hidden
-        d = model.config.hidden_size - 1  # unit carries the embedding's 30 to the head
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight[d] = 0
-            layer.mlp.down_proj.weight[d] = 0
-        model.model.embed_tokens.weight[:, d] = 30.0
-        model.model.norm.weight.zero_()
-        model.model.norm.weight[d] = 1.0
-        model.lm_head.weight.zero_()
-        model.lm_head.weight[eot, d] = 10.0
     eng = Engine(model, EngineConfig(kv_cache_tokens=512, max_model_len=64), tokenizer=tok)
 
     class User:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from datasets import Dataset
 from floors import MIN_ULPS, alone_logprobs, tolerance
-from models import char_tokenizer, tiny_model
+from models import always_picks, char_tokenizer, tiny_model
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
@@ -121,19 +121,10 @@ def test_samples_end_on_trls_end_ids_only(tmp_path):
     goes on past it, and so must the engine (ending there, TRL would count the row as ended
     where its policy had not, and as truncated for mask_truncated_completions)."""
     tok = char_tokenizer()
-    model = tiny_model("qwen2", vocab_size=len(tok), tie_word_embeddings=False)
     dot = tok.convert_tokens_to_ids(".")
+    model = always_picks(tiny_model("qwen2", vocab_size=len(tok), tie_word_embeddings=False),
+                         dot)
     model.config.eos_token_id = dot
-    with torch.no_grad():  # every token '.': the last hidden unit carries the embedding's 30
-        d = model.config.hidden_size - 1  # to the head, whatever the layers do
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight[d] = 0
-            layer.mlp.down_proj.weight[d] = 0
-        model.model.embed_tokens.weight[:, d] = 30.0
-        model.model.norm.weight.zero_()
-        model.model.norm.weight[d] = 1.0
-        model.lm_head.weight.zero_()
-        model.lm_head.weight[dot, d] = 10.0
     trainer = RolloutGRPOTrainer(
         model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
         args=grpo_args(tmp_path, max_steps=1), processing_class=tok, engine_config=ENGINE,

@@ -64,6 +64,23 @@ def tiny_model(family: str = "qwen2", seed: int = 0, dtype=torch.float32, **over
     return model.to(dtype).eval()
 
 
+@torch.no_grad()
+def always_picks(model, token: int):
+    """Rig a tiny Llama-shaped model (untied head) so its greedy token is always `token`,
+    whatever the context: the last hidden unit carries the embedding's 30 past every layer to
+    the head. Returns the model."""
+    d = model.config.hidden_size - 1
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.weight[d] = 0
+        layer.mlp.down_proj.weight[d] = 0
+    model.model.embed_tokens.weight[:, d] = 30.0
+    model.model.norm.weight.zero_()
+    model.model.norm.weight[d] = 1.0
+    model.lm_head.weight.zero_()
+    model.lm_head.weight[token, d] = 10.0
+    return model
+
+
 def char_tokenizer(alphabet: str = "abcdefghijklmnopqrstuvwxyz0123456789 +=.,\n"):
     """A character-level tokenizer built locally: ids 0..2 are <pad>, <bos>, <eos>."""
     from rollout_recipes.run.tiny import char_tokenizer as build
