@@ -175,7 +175,7 @@ static void panels_times(const float *x, int64_t x_stride, int64_t m, int64_t k,
                 for (int64_t r = 0; r < m; r += ROW_BLOCK_512) {
                     const int64_t l0 = r / ROW_BLOCK_512 * per_block;
                     for (int64_t l = l0; l < l0 + per_block && l < lines; l++)
-                        for (int q = 0; q < PANELS_512; q++)
+                        for (int q = 0; q < (nk0 ? np : PANELS_512); q++)
                             _mm_prefetch((const char *)(next + (q * k + nk0 + l) * PANEL),
                                          _MM_HINT_T1);
                     const float *xr = x + r * x_stride;

@@ -13,7 +13,6 @@ import time
 
 from transformers import PrinterCallback, TrainerCallback
 
-from rollout.models.loader import eos_token_ids
 
 from ..run.build import engine_config, frozen_copy
 from ..run.config import RecipeConfig
@@ -130,8 +129,10 @@ def train_trl(cfg: RecipeConfig, accelerator, policy, tokenizer, task, tracker) 
     # Read before GRPOConfig resets the accelerate state.
     slot = engine_slot(accelerator.process_index, accelerator.num_processes,
                        cfg.tensor_parallel_size)
-    # The ids the engine TRL builds ends samples on (Engine.eos_ids, from the same policy).
-    reward = correctness_reward(task, tokenizer, eos_token_ids(policy, policy.config, tokenizer))
+    # The ids samples end on: TRL's eos_token_ids, which the hook stops on alone (filled once
+    # the trainer has them; the reward reads them at its first call).
+    ends: set[int] = set()
+    reward = correctness_reward(task, tokenizer, ends)
     trainer = RolloutGRPOTrainer(
         policy, reward_funcs=[reward], args=grpo_args(cfg, accelerator),
         train_dataset=task.train, processing_class=tokenizer,
@@ -142,6 +143,7 @@ def train_trl(cfg: RecipeConfig, accelerator, policy, tokenizer, task, tracker) 
         # A PEFT policy's is TRL's own frozen copy of its (warm-started) adapter, "ref";
         # RolloutGRPOTrainer refuses a reference model beside it.
         ref_model=frozen_copy(policy) if cfg.beta > 0 and cfg.lora is None else None)
+    ends.update(t for t in trainer.eos_token_ids if t is not None)
     engine = trainer.engine
     engine.wake_up()  # one measured wake: what the engine holds while it generates
     awake_bytes = engine.memory_held()

@@ -26,7 +26,7 @@ failed unit leaves requests, queues and sequences as they were.
 from __future__ import annotations
 
 from ..fields import as_int
-from ..journal import Journal
+from ..journal import Journal, RollbackFailed
 from ..kv import parked
 from ..kv.manager import KVManager
 from ..requests.request import Request
@@ -155,9 +155,13 @@ class Carry:
             return
         self.abort(request, keep_kv)
 
-    def abandon(self, request_ids: list[str]) -> None:
-        """A call that failed gives its requests up (nobody will collect their outputs): what
-        still runs is aborted, K/V to the prefix cache, or freed should that fail too."""
+    def abandon(self, request_ids: list[str], failure: BaseException) -> None:
+        """A call that failed (with `failure`) gives its requests up (nobody will collect their
+        outputs): what still runs is aborted, K/V to the prefix cache, or freed should that
+        fail too. After a RollbackFailed nothing is touched: the bookkeeping is unknown, the
+        engine refuses every later call, and an error here would hide why."""
+        if isinstance(failure, RollbackFailed):
+            return
         for request_id in request_ids:
             self.requests.ready.pop(request_id, None)
             request = self.requests.running.get(request_id)
@@ -166,6 +170,8 @@ class Carry:
             try:
                 with self.journal.unit():
                     self.abort(request, keep_kv=True)
+            except RollbackFailed:
+                raise
             except Exception:
                 with self.journal.unit():
                     self.abort(request, keep_kv=False)

@@ -306,11 +306,11 @@ class Engine(ColocationCalls):
                 self._step_until(lambda: sum(r.request_id in ready for r in requests),
                                  len(requests), use_tqdm, "prompt")
                 return [self._output(ready.pop(r.request_id)) for r in requests]
-            except BaseException:
+            except BaseException as e:
                 # Nobody will collect this call's outputs (building one may fail too: the
                 # others must not be left for step() to hand out): stop spending compute on
                 # them, and a retry samples as if this call had not been.
-                self.carry.abandon([r.request_id for r in requests])
+                self.carry.abandon([r.request_id for r in requests], e)
                 self.requests.give_back_seeds(seeds)
                 raise
 

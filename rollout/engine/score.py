@@ -44,9 +44,9 @@ def score(engine, sequences, temperature: float, top_logprobs: int, start, use_t
                     errors[i] = request.error  # no source for the rows of others
                 else:
                     plan.finish(i, request.seqs[0].score.rows())
-        except BaseException:
+        except BaseException as e:
             # Nobody else collects these: running ones are aborted, finished ones dropped.
-            engine.carry.abandon([r.request_id for r in requests])
+            engine.carry.abandon([r.request_id for r in requests], e)
             raise
     outputs = []
     for i, (tokens, first) in enumerate(zip(ids, starts)):

@@ -19,6 +19,8 @@ from models import char_tokenizer, tiny_model
 import rollout.engine.engine as engine_module
 import rollout.requests.outputs as outputs
 from rollout import Engine, EngineConfig, SamplingParams
+from rollout.engine.carry import Carry
+from rollout.journal import RollbackFailed
 from rollout.models.layers.packed_linear import Projection
 from rollout.spec import SpeculativeConfig
 
@@ -536,3 +538,38 @@ def test_fault_beside_kv_holds_leaves_holds_exact(point, spec, after, moment, ki
     for key in list(engine.inspect().holds):
         assert engine.release_hold(key)
     assert_clean(engine)
+
+
+@pytest.mark.parametrize("call", ["generate", "score"])
+def test_a_rollback_failing_while_a_failed_call_gives_up_its_requests_breaks_the_engine(
+        call, monkeypatch):
+    """A failed call aborts its requests, each in a unit; an undo of that unit failing in turn
+    (RollbackFailed: the bookkeeping unknown) must end every later call with "build a new
+    Engine", not be taken for an abort's failure and retried (the engine had served on)."""
+    eng = make("plain", True)
+    real_abort = Carry.abort
+    failed = []
+
+    def broken_undo():
+        raise RuntimeError("an undo failing")
+
+    def abort(self, request, keep_kv):
+        if not failed:
+            failed.append(request.request_id)
+            self.journal.record(broken_undo)
+            raise RuntimeError("an abort failing")
+        return real_abort(self, request, keep_kv)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Carry, "abort", abort)
+    monkeypatch.setattr(eng, "_step_until", interrupted)
+    run = {"generate": lambda: eng.generate(PROMPTS[:2], PARAMS[0]),
+           "score": lambda: eng.score([TOK.encode("ab 1+2=3")])}[call]
+    with pytest.raises(RollbackFailed):
+        run()
+    assert failed  # the rig held
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="build a new Engine"):
+        eng.generate(PROMPTS[:1], PARAMS[0])

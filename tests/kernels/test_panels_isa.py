@@ -25,6 +25,8 @@ AVX512 = "avx512f" in native._cpu_features().split()  # what -march=native build
 # and a partial single), 300 (19 panels, the last of 12 columns), 64 (two full pairs)
 SHAPES = [(1, 16, 96), (5, 24, 7), (11, 40, 33), (12, 300, 96), (13, 64, 130), (25, 300, 40),
           (130, 40, 96), (7, 40, 300)]  # k = 300: three chunks of 128
+# On 3 threads: 3 panels, one each (the last of 1 or 8 columns); 19 in runs of 6-7
+THREE_THREADS = [(9, 33, 70), (9, 40, 70), (9, 300, 70)]
 
 COMPUTE = """
     import sys
@@ -40,6 +42,13 @@ COMPUTE = """
         wide = torch.randn(m, n + 20, generator=g)
         linear.linear_add(x, packed, wide[:, 5:5 + n], 0.37)
         out.append((y, wide))
+    torch.set_num_threads(3)  # runs of panels split 3 ways, and fewer panels than threads
+    for m, n, k in THREE_THREADS:
+        g = torch.Generator().manual_seed(n)
+        w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
+        packed, wide = linear.pack_panels(w), torch.randn(m, n + 20, generator=g)
+        linear.linear_add(x, packed, wide[:, 5:5 + n], 0.37)
+        out.append((linear.linear(x, packed, n), wide))
     from rollout_kernels.cpu import norm_rope
     norms = []
     for rows, dim in [(3, 64), (7, 576), (5, 1001)]:  # 1001: a tail past every lane count
@@ -52,7 +61,8 @@ COMPUTE = """
 
 
 def compute(path: Path, **env) -> list:
-    return computed(f"SHAPES = {SHAPES!r}\n" + textwrap.dedent(COMPUTE), path, **env)
+    return computed(f"SHAPES = {SHAPES!r}\nTHREE_THREADS = {THREE_THREADS!r}\n"
+                    + textwrap.dedent(COMPUTE), path, **env)
 
 
 @pytest.mark.skipif(not AVX512, reason="needs a CPU with AVX-512 to run both blockings")
@@ -74,7 +84,7 @@ def test_avx512_and_avx2_panels_give_the_same_bits(tmp_path):
                 for i, flags in enumerate(["-DK_CHUNK_512=32",
                                            "-DROW_BLOCK_512=12 -DPANELS_512=2",
                                            "-DROW_BLOCK_512=6 -DPANELS_512=4 -DK_CHUNK_512=64"])]
-    for i, (m, n, k) in enumerate(SHAPES):
+    for i, (m, n, k) in enumerate(SHAPES + THREE_THREADS):
         y, added = wide[i]
         for other in [narrow, *variants]:
             assert torch.equal(y, other[i][0]) and torch.equal(added, other[i][1]), (m, n, k)
@@ -95,5 +105,6 @@ def test_the_portable_panels_give_the_intrinsics_bits_where_they_contract(tmp_pa
     native_out, _ = compute(tmp_path / "native.pt")
     portable, _ = compute(tmp_path / "portable.pt", ROLLOUT_CACHE=str(tmp_path / "cache"),
                           ROLLOUT_NATIVE_MARCH="x86-64", ROLLOUT_NATIVE_CFLAGS="-mfma")
-    for shape, (y, added), (y2, added2) in zip(SHAPES, native_out, portable, strict=True):
+    for shape, (y, added), (y2, added2) in zip(SHAPES + THREE_THREADS, native_out, portable,
+                                               strict=True):
         assert torch.equal(y, y2) and torch.equal(added, added2), shape
