@@ -220,7 +220,7 @@ BAD_SPECULATIVE = [
     *cases("ngram_min", [*NOT_AN_INT, None, 0, 5]),  # 5 > ngram_max
     *cases("ngram_max", [*NOT_AN_INT, None, 0]),
     *cases("max_batch_size", [*NOT_AN_INT, None, 0]),
-    *cases("draft_model", [object()]),  # method "ngram": it would go unused
+    *cases("draft_model", ["a/checkpoint"]),  # method "ngram": it would go unused
 ]
 
 
