@@ -48,6 +48,8 @@ class Carry:
         # meet (a group's oldest version never falls, so it holds until the version moves):
         # step() and rollout() then skip the scan. Journaled with the restarts it follows.
         self.bounded_at: int | None = None
+        self.kept_now = 0  # samples the last update's forget_cache let go on from kept K/V
+        self.kept_lost = False  # whether the last forget_cache had to drop that K/V
 
     # --- across sleep and weight updates ----------------------------------------------------
     def retract(self) -> None:
@@ -90,16 +92,30 @@ class Carry:
         for the samples carried mid-way with carried_kv="park", which go on from theirs
         under a tag (KVManager.keep_stale). Should that fail, everything goes: no K/V of
         the old weights may stay where a fresh request could match it."""
+        self.kept_now = 0
         if self.parks:
             try:
                 with self.journal.unit():
                     kept = self.kv.keep_stale(self._mid_sample())
                     self.journal.add(self.stats, "stale_kv_kept", kept)
+                self.kept_now = kept
                 return
             except BaseException:
+                self.kept_lost = True
                 self.kv.clear_cache()
                 raise
         self.kv.clear_cache()
+
+    def drop_kept_kv(self) -> None:
+        """Some rank of a tensor-parallel engine had its forget_cache fail: every rank drops
+        what that one dropped (the cache, the kept K/V of samples carried mid-way and their
+        tags), so the ranks schedule those samples alike (each re-prefills); ranks that had
+        kept it would otherwise resume from it and step apart."""
+        self.kv.clear_cache()
+        for seq in self._mid_sample():
+            seq.kv_tag = None
+        self.stats.stale_kv_kept -= self.kept_now  # (kept by this update, and lost)
+        self.kept_now = 0
 
     def enforce_staleness(self, version: int, max_staleness: int | None, policy: str) -> None:
         """After weights `version` came in: every group still to be handed out whose oldest

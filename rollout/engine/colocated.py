@@ -93,9 +93,10 @@ class ColocationCalls:
                 return (self.weights_version != before
                         or self.colocation.weights_missing and not missing)
 
+            self.carry.kept_lost = False
             try:
                 with self._on_every_rank("update_weights", lambda: self._lose_weights(before),
-                                         changed):
+                                         changed, lambda: self.carry.kept_lost):
                     result = self.colocation.update_weights(source, bucket_bytes,
                                                             as_bool("full", full))
             finally:
@@ -120,33 +121,40 @@ class ColocationCalls:
 
     @contextlib.contextmanager
     def _on_every_rank(self, call: str, on_failure: Callable[[], None] | None = None,
-                       changed: Callable[[], bool] | None = None) -> Iterator[None]:
+                       changed: Callable[[], bool] | None = None,
+                       lost_kv: Callable[[], bool] | None = None) -> Iterator[None]:
         """Under tensor parallelism a sleep, wake-up or update that fails on one rank (out of
         memory, say) fails on every rank, and every rank ends in one state: asleep at the
         deepest level any rank is at, needing weights if any rank lost them (one all-reduce
         at the end; ranks left apart would wait on each other at their next collective).
         `on_failure`: what every rank does then besides, where `changed()` held on some rank
         (an update that wrote a weight anywhere counts on none; one refused on every rank
-        before any write leaves them all as they were, as one engine's)."""
+        before any write leaves them all as they were, as one engine's). `lost_kv()`: this
+        rank dropped the K/V its carried samples were to go on from (Carry.forget_cache):
+        then every rank drops it (Carry.drop_kept_kv), or the ranks would schedule those
+        samples apart."""
         if self.tp.size == 1:
             yield
             return
         try:
             yield
         except BaseException:
-            self._settle_ranks(call, True, on_failure, changed)
+            self._settle_ranks(call, True, on_failure, changed, lost_kv)
             raise
-        self._settle_ranks(call, False, on_failure, changed)
+        self._settle_ranks(call, False, on_failure, changed, lost_kv)
 
-    def _settle_ranks(self, call: str, failed: bool, on_failure, changed) -> None:
+    def _settle_ranks(self, call: str, failed: bool, on_failure, changed, lost_kv) -> None:
         colocation = self.colocation
-        any_failed, level, missing, any_changed = agree_max(
+        any_failed, level, missing, any_changed, any_lost = agree_max(
             [int(failed), colocation.sleep_level, int(colocation.weights_missing),
-             int(changed is None or changed())], self.tp, self.device)
+             int(changed is None or changed()), int(lost_kv is not None and lost_kv())],
+            self.tp, self.device)
         if not any_failed:
             return
         if on_failure is not None and any_changed:
             on_failure()
+        if any_lost:
+            self.carry.drop_kept_kv()
         if level > colocation.sleep_level:
             colocation.sleep(level)
         colocation.weights_missing = colocation.weights_missing or bool(missing)
