@@ -215,6 +215,8 @@ class Colocation:
                 moved += self.lora.copy(plan)
                 self.lora.remember(plan)
         except BaseException as e:
+            if resharding.collectives:
+                _drain(parts)
             named.close()  # at once: reading a PEFT model may hold its merge open
             self.weights_missing = self.weights_missing or written
             if not isinstance(e, Exception) or isinstance(e, (ValueError, CopyMismatch)):
@@ -255,3 +257,17 @@ class Colocation:
                    stack.table.table]
         return (tensor_bytes(t for t in tensors if t is not None and t.device == self.device)
                 + stack.model.derived_bytes())
+
+
+def _drain(parts) -> None:
+    """A copy failed on this rank while the parts came from DTensor shards: each bucket's
+    exchange is a collective over the source's mesh, which the other ranks go on calling (an
+    engine's ranks, and other data-parallel engines on the same mesh); this rank joins the
+    rest of them, copying nothing, so that all reach the end of the update (where an engine's
+    ranks agree that it failed) instead of waiting on each other forever. A failure while
+    draining leaves the first one to be reported."""
+    try:
+        for _ in parts:
+            pass
+    except BaseException:
+        pass

@@ -65,6 +65,7 @@ def test_tensor_parallel_matches_one_rank(tp, reference, tmp_path):
         who = "last" if r == tp - 1 else "other rank"
         assert failed == {"one_rank/sleep": [who, "1/False"], "one_rank/sleep2": [who, "2/True"],
                           "one_rank/wake_up": [who, "1/False"], "one_rank/update": [who, "0/True"],
+                          "one_rank/update_dtensor": [who, "0/True"],
                           "one_rank/version": 1, "one_rank/refused": "2/False",
                           "one_rank/after": True}, (r, failed)
     assert got["preempt/count"] and got["update/same_addresses"]

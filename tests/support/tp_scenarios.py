@@ -181,6 +181,11 @@ def failed_on_one_rank(cfg: dict) -> dict:
     engine.wake_up()
     fail_once(stack.model, "load_weights", RuntimeError("copy"))
     attempt("update", lambda: engine.update_weights(MODELS["llama_mqa"](0)))
+    # ... from DTensor shards in many buckets, each exchanged by a collective over the mesh:
+    # the failed rank joins the rest of them (it had stopped, and every rank waited forever)
+    fail_once(stack.model, "load_weights", RuntimeError("copy"))
+    attempt("update_dtensor", lambda: engine.update_weights(
+        world_sharded(MODELS["llama_mqa"](0), 0), bucket_bytes=4096))
     out["one_rank/version"] = engine.weights_version
     engine.update_weights(MODELS["llama_mqa"](0))
     # refused on every rank before any write (another architecture: 2 KV heads, not 1): as on
