@@ -148,8 +148,7 @@ class _Runner:
         self.turn_params = dataclasses.replace(params, n=1, logprobs=params.logprobs or True)
         # The ids a turn stops on, as the engine reads them (a base model's chat runs often
         # stop on the template's end-of-turn through stop_token_ids, not on its eos)
-        self.end_ids = frozenset(params.stop_token_ids) | (
-            frozenset() if params.ignore_eos else engine.eos_ids)
+        self.end_ids = params.stop_ids(engine.eos_ids)
         self.requests: dict[str, list[_Live | None]] = {}  # request id -> its episodes
         self.waiting: dict[Future, _Live] = {}  # environment steps under way
         # Every episode: one whose environment has answered is in neither of the above until

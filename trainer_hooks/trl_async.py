@@ -41,10 +41,12 @@ from rollout.engine.chat import render_conversations
 from rollout.fields import as_choice, as_int, show
 from rollout.sample.params import MAX_N
 
+from .trl_rollout import IMPORTANCE_RATIOS as SYNC_RATIOS, behaviour_logprobs
+
 STOP_WAIT = 60.0  # seconds stop() waits for the thread's current call before it says so
 # trl_rollout's but "on_support", which needs TRL's side renormalised: AsyncGRPOTrainer's
 # forward takes the whole vocabulary.
-IMPORTANCE_RATIOS = ("untruncated", "full_policy")
+IMPORTANCE_RATIOS = tuple(r for r in SYNC_RATIOS if r != "on_support")
 
 
 class EngineRolloutWorker:
@@ -216,13 +218,12 @@ class EngineRolloutWorker:
         rewards, advantages, spread = group_advantages(columns)
         group_id = next(self._group_ids)
         prompt_ids = list(out.prompt_token_ids)
-        full_policy = self.importance_ratio == "full_policy"
         for s, completion, advantage, reward in zip(out.samples, completions, advantages,
                                                     rewards):
             oldest = min(s.weights_versions, default=self.engine.weights_version)
             self._put(_sample(
                 row["prompt"], completion, prompt_ids, s.token_ids,
-                s.sampling_logprobs if full_policy else s.logprobs, float(advantage),
+                behaviour_logprobs(s, self.importance_ratio), float(advantage),
                 self._versions.get(oldest, 0), group_id,
                 {"reward": float(reward), "reward_std": spread}))
         self._last_push = time.time()

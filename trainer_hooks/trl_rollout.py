@@ -25,6 +25,13 @@ EngineFactory = Callable[["GRPOTrainer"], Engine]
 IMPORTANCE_RATIOS = ("untruncated", "full_policy", "on_support")
 
 
+def behaviour_logprobs(sample, importance_ratio: str) -> list[float]:
+    """The engine's logprobs TRL's importance ratio divides by: the untruncated ones, or the
+    sampling logprobs (the truncated distribution each token was drawn from)."""
+    return list(sample.logprobs if importance_ratio == "untruncated"
+                else sample.sampling_logprobs)
+
+
 def make_rollout_func(engine_or_factory: Engine | EngineFactory, sleep_level: int = 1,
                       seed: int | None = None, importance_ratio: str = "untruncated"
                       ) -> EngineRollout:
@@ -209,8 +216,7 @@ class EngineRollout:
                                    f"{out.error}")
             for row, sample in zip(groups[key], out.samples):
                 completion_ids[row] = list(sample.token_ids)
-                logprobs[row] = list(sample.logprobs if self.importance_ratio == "untruncated"
-                                     else sample.sampling_logprobs)
+                logprobs[row] = behaviour_logprobs(sample, self.importance_ratio)
                 if on_support:
                     self.supports.add(key, sample.token_ids, sample.support)
         return completion_ids[mine], logprobs[mine]

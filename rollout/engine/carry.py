@@ -48,8 +48,9 @@ class Carry:
         # meet (a group's oldest version never falls, so it holds until the version moves):
         # step() and rollout() then skip the scan. Journaled with the restarts it follows.
         self.bounded_at: int | None = None
-        self.kept_now = 0  # samples the last update's forget_cache let go on from kept K/V
-        self.kept_lost = False  # whether the last forget_cache had to drop that K/V
+        # The update under way: samples its forget_cache let go on from kept K/V, and whether
+        # it had to drop that K/V (begin_update resets both).
+        self.kept_now, self.kept_lost = 0, False
 
     # --- across sleep and weight updates ----------------------------------------------------
     def retract(self) -> None:
@@ -92,7 +93,6 @@ class Carry:
         for the samples carried mid-way with carried_kv="park", which go on from theirs
         under a tag (KVManager.keep_stale). Should that fail, everything goes: no K/V of
         the old weights may stay where a fresh request could match it."""
-        self.kept_now = 0
         if self.parks:
             try:
                 with self.journal.unit():
@@ -105,6 +105,10 @@ class Carry:
                 self.kv.clear_cache()
                 raise
         self.kv.clear_cache()
+
+    def begin_update(self) -> None:
+        """A weight update starts (whether or not it gets as far as forget_cache)."""
+        self.kept_now, self.kept_lost = 0, False
 
     def drop_kept_kv(self) -> None:
         """Some rank of a tensor-parallel engine had its forget_cache fail: every rank drops

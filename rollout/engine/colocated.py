@@ -93,7 +93,7 @@ class ColocationCalls:
                 return (self.weights_version != before
                         or self.colocation.weights_missing and not missing)
 
-            self.carry.kept_lost = False
+            self.carry.begin_update()
             try:
                 with self._on_every_rank("update_weights", lambda: self._lose_weights(before),
                                          changed, lambda: self.carry.kept_lost):

@@ -51,8 +51,7 @@ class RequestTable:
             base = params.seed or 0
         else:
             base = self.draw_seed()
-        stop_ids = frozenset(params.stop_token_ids) | (
-            frozenset() if params.ignore_eos else eos_ids)
+        stop_ids = params.stop_ids(eos_ids)
         first, self._next_seq = self._next_seq, self._next_seq + params.n
         seqs = [Sequence(seq_id=first + j, group=request_id, sample_index=j,
                          prompt_ids=ids, params=params, seed=sample_seed(base, j),

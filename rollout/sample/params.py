@@ -97,6 +97,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    def stop_ids(self, eos_ids: frozenset[int]) -> frozenset[int]:
+        """The token ids a sample stops on: the model's end ids (unless ignore_eos) and
+        stop_token_ids."""
+        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else eos_ids)
+
     def resolve(self, vocab_size: int) -> None:
         """The engine's own copy, at intake: the checks that need the vocabulary, and the
         fields as the engine reads them: logprobs=k as logprobs=True with top_logprobs=k, any
