@@ -143,7 +143,6 @@ class _Runner:
         # model a token (_env_turn ends the episode when an observation would not).
         self.limit = engine.config.max_model_len
         self.workers = env_workers
-        self.base_seed = params.seed if params.seed is not None else engine.requests.draw_seed()
         # (`or`: vLLM's logprobs=k keeps its k alternatives)
         self.turn_params = dataclasses.replace(params, n=1, logprobs=params.logprobs or True)
         # The ids a turn stops on, as the engine reads them (a base model's chat runs often
@@ -160,6 +159,11 @@ class _Runner:
         engine = self.engine
         checked = [check_request(p, self.params, engine.vocab_size, engine.config.max_model_len,
                                  engine.tokenizer)[1] for p in prompts]  # every prompt first
+        # Unseeded, the run draws its seed from the engine's stream, as a request does, and a
+        # failed run gives it back (a retry samples what a fresh engine would).
+        draws = engine.requests.seed_draws
+        self.base_seed = (self.params.seed if self.params.seed is not None
+                          else engine.requests.draw_seed())
         result: list[list[Episode]] = []
         bar = self.bar = progress(len(prompts) * self.params.n, use_tqdm, unit="episode")
         self.envs = EnvCalls(self.workers)
@@ -179,6 +183,7 @@ class _Runner:
             failed = False
         except BaseException:
             self._abandon()
+            engine.requests.give_back_seeds(draws)
             raise
         finally:
             bar.close()

@@ -137,6 +137,19 @@ def test_unseeded_episodes_follow_the_engines_seed():
     runs = [summary(run_episodes(engine(seed=s), PROMPTS, Echo, unseeded, max_turns=3))
             for s in (0, 0, 1)]
     assert runs[0] == runs[1] != runs[2]
+    # A run refused (a prompt out of the vocabulary) or failed half way (an interrupt in an
+    # environment) gives its seed back: the next run samples what a fresh engine's first does.
+
+    class Interrupted(Echo):
+        def step(self, turn_ids, text):
+            raise KeyboardInterrupt
+
+    eng = engine(seed=0)
+    with pytest.raises(ValueError):
+        run_episodes(eng, [PROMPTS[0], [10**6]], Echo, unseeded, max_turns=3)
+    with pytest.raises(KeyboardInterrupt):
+        run_episodes(eng, PROMPTS, Interrupted, unseeded, max_turns=3)
+    assert summary(run_episodes(eng, PROMPTS, Echo, unseeded, max_turns=3)) == runs[0]
 
 
 def test_small_pool_drops_holds_and_gives_the_same_episodes():
