@@ -58,7 +58,7 @@ class ModelRunner:
             out_slots=batch.out_slots, q_lens=q_lens, kv_lens=kv_lens,
             # A sample going on from parked K/V (carried_kv="park") holds its prompt in a
             # tagged branch of its own (KVManager.keep_stale), not its fresh siblings' slots.
-            groups=[it.seq.group if it.seq.prompt_kv is None else (it.seq.group, it.seq.prompt_kv)
+            groups=[it.seq.group if (kv := it.seq.prompt_kv) is None else (it.seq.group, kv)
                     for it in items],
             # Once the prompt is cached, Scheduler.cache_computed points the first num_prompt
             # slots of the row at the tree's, which are the same for every sample of the prompt

@@ -224,7 +224,8 @@ class AmxPanels(NativePackedWeight):
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None) -> torch.Tensor:
         y = native_amx.linear(x, self.refresh(weight), *weight.shape)
-        return (y if bias is None else y.add_(bias.float())).to(x.dtype)
+        # (add_ reads a bf16 bias as fp32 itself: no fp32 copy of it a call)
+        return (y if bias is None else y.add_(bias)).to(x.dtype)
 
 
 class TritonRows(Float32Copy):
