@@ -26,6 +26,7 @@ The environment protocol: `env_factory()` gives one environment per episode, wit
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -149,6 +150,7 @@ class _Runner:
         # stop on the template's end-of-turn through stop_token_ids, not on its eos)
         self.end_ids = params.stop_ids(engine.eos_ids)
         self.requests: dict[str, list[_Live | None]] = {}  # request id -> its episodes
+        self.turn_ids = itertools.count()  # names the turns' requests (_submit)
         self.waiting: dict[Future, _Live] = {}  # environment steps under way
         # Every episode: one whose environment has answered is in neither of the above until
         # its next turn is queued, and a failure meanwhile must still release its hold.
@@ -223,8 +225,13 @@ class _Runner:
                 lives: list[_Live | None], resume) -> None:
         if all(live is None for live in lives):
             return
-        request_id = self.engine.add_request(prompt_ids, params, hold_kv=True, resume=resume)
+        # Named and listed before it is queued: a failure once it is (add_request raising as it
+        # returns, an interrupt before the run had its id) must find it for _abandon to abort,
+        # or it runs on in the engine.
+        request_id = next(rid for rid in map("episode-turn-{}".format, self.turn_ids)
+                          if rid not in self.engine.requests)
         self.requests[request_id] = lives
+        self.engine.add_request(prompt_ids, params, request_id, hold_kv=True, resume=resume)
 
     def _advance(self) -> None:
         """One engine step, or, with nothing to compute, a wait for an environment."""
@@ -355,8 +362,9 @@ class _Runner:
         for request_id, lives in self.requests.items():
             try:
                 self.engine.abort(request_id)  # running, or finished and not yet stepped out
-            except ValueError:  # stepped out with the failing step's outputs: its samples
-                for j in range(len(lives)):  # hold KV
+            except ValueError:  # stepped out with the failing step's outputs (its samples
+                # hold KV), or never queued (add_request failed first: nothing held)
+                for j in range(len(lives)):
                     self.engine.release_hold((request_id, j))
 
 

@@ -300,9 +300,10 @@ class Engine(ColocationCalls):
                 return self._check_all(check_requests(prompts, params)), [], tqdm
             checked, use_tqdm = self._checked_alike(check)
             seeds = self.requests.seed_draws
-            requests = self._queue(checked)
+            requests: list[Request] = []
             ready = self.requests.ready
             try:
+                self._queue(checked, requests)
                 self._step_until(lambda: sum(r.request_id in ready for r in requests),
                                  len(requests), use_tqdm, "prompt")
                 return [self._output(ready.pop(r.request_id)) for r in requests]
@@ -338,7 +339,8 @@ class Engine(ColocationCalls):
             # Enforced at each update, and again here: an update whose restarts failed (rolled
             # back) still counted, and its stale groups must not be stepped or handed out.
             self._enforce_staleness()
-            self._queue(checked, from_rollout=True, request_ids=ids)
+            # (no list of them kept: a failed call keeps its groups carried, abandons none)
+            self._queue(checked, [], from_rollout=True, request_ids=ids)
             self._step_until(self.carry.num_complete, groups, use_tqdm, "group")
             handed = self.carry.complete()[:groups]
             outs = [self._output(r) for r in handed]
@@ -386,17 +388,18 @@ class Engine(ColocationCalls):
         check_same_requests(checked, self.tp, self.device, ints)
         return checked, rest
 
-    def _queue(self, checked: list, from_rollout: bool = False,
-               request_ids: list[str | None] | None = None) -> list[Request]:
-        """Checked requests (_check_all) queued."""
+    def _queue(self, checked: list, requests: list[Request], from_rollout: bool = False,
+               request_ids: list[str | None] | None = None) -> None:
+        """Checked requests (_check_all) queued, each appended to `requests` as it is: a
+        failure after any is queued (at this call's return too) finds them to abandon."""
         ids = request_ids or [None] * len(checked)
         given = frozenset(rid for rid in ids if rid is not None)
         with self.journal.unit():
-            requests = [self.requests.make(*c, rid, self.eos_ids, from_rollout, given)
-                        for c, rid in zip(checked, ids)]
-            for r in requests:
+            made = [self.requests.make(*c, rid, self.eos_ids, from_rollout, given)
+                    for c, rid in zip(checked, ids)]
+            for r in made:
                 self._enqueue(r)
-        return requests
+                requests.append(r)
 
     def _step_until(self, done, total: int, use_tqdm: bool, unit: str) -> None:
         """Steps until `done()` reaches `total` (a step that cannot run raises), the progress

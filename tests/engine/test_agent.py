@@ -5,6 +5,7 @@ failing and slow environments, budgets, chat-message observations."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import os
 import random
@@ -248,12 +249,12 @@ def reference_episodes():
 
 # Points on the way from an environment's answer to the next turn's request (the 4th call of
 # each is the first environment turn's; calls 1-3 are the prompts' first turns), and whether a
-# fault after the call is one the run can clean up: not after add_request returned, whose
-# request is queued under an id the run never learnt.
+# fault after the call is meaningful.
 BETWEEN_TURNS = {
     "seed": (lambda: (rollout.agent._Runner, "_seed"), True),
     "budget": (lambda: (rollout.agent._Runner, "_budget"), True),
-    "add_request": (lambda: (Engine, "add_request"), False),
+    # after it returned: the request queued, as for an interrupt before the run took its id
+    "add_request": (lambda: (Engine, "add_request"), True),
     # inside add_request, before and in its unit (which queues nothing then)
     "check_request": (lambda: (rollout.engine.engine, "check_request"), True),
     "make": (lambda: (RequestTable, "make"), True),
@@ -278,6 +279,27 @@ def test_a_run_that_fails_between_turns_leaves_no_kv_held(point, after, kind, mo
     monkeypatch.undo()
     assert_no_kv_held(eng)
     assert summary(run_episodes(eng, PROMPTS, Echo, PARAMS)) == reference_episodes()
+    assert_no_kv_held(eng)
+
+
+@pytest.mark.parametrize("kind", [RuntimeError, KeyboardInterrupt], ids=["error", "interrupt"])
+def test_a_run_failing_as_its_first_turn_is_queued_leaves_nothing_running(kind, monkeypatch):
+    """add_request raising after it queued a prompt's first turn (all of its episodes' samples):
+    the run's cleanup had not known that request, which ran on in the engine (not idle, its
+    KV in use) until the caller called abort_all(). An unseeded run gives its seed back too."""
+    unseeded = dataclasses.replace(PARAMS, seed=None)
+    eng, fresh = engine(seed=3), engine(seed=3)
+    free = eng.kv.available
+    fault = Fault(kind, at=2, after=True)
+    fault.install(monkeypatch, Engine, "add_request")
+    with pytest.raises(kind, match="injected"):
+        run_episodes(eng, PROMPTS, Echo, unseeded)
+    assert fault.fired
+    monkeypatch.undo()
+    assert_no_kv_held(eng)
+    assert eng.kv.available == free
+    assert summary(run_episodes(eng, PROMPTS, Echo, unseeded)) == \
+        summary(run_episodes(fresh, PROMPTS, Echo, unseeded))
     assert_no_kv_held(eng)
 
 

@@ -231,6 +231,33 @@ def test_a_failed_generate_gives_its_unseeded_requests_seeds_back(kind, monkeypa
     assert view(engine.generate(PROMPTS[:4], unseeded)) == view(fresh)
 
 
+# Where generate() queues its requests: the call queueing them all, and each one's (a fault
+# after the second rolls back the queueing unit, the first request included).
+QUEUE_POINTS = {"queue": lambda e: (e, "_queue"), "enqueue": lambda e: (e, "_enqueue")}
+
+
+@pytest.mark.parametrize("kind", [RuntimeError, KeyboardInterrupt], ids=["error", "interrupt"])
+@pytest.mark.parametrize("point", QUEUE_POINTS)
+def test_a_generate_failing_as_it_queues_leaves_nothing_queued(point, kind, monkeypatch):
+    """A fault at _queue's return found its requests queued and generate()'s cleanup not
+    knowing them: they stayed queued, a later step() ran and handed them out, and their seeds
+    were spent (a retry sampled other tokens than a fresh engine)."""
+    unseeded = [dataclasses.replace(p, seed=None) for p in PARAMS[:4]]
+    engine = make("plain", True, seed=5)
+    free = engine.inspect().kv_available
+    fault = Fault(kind, at=1 if point == "queue" else 2, after=True)
+    fault.install(monkeypatch, *QUEUE_POINTS[point](engine))
+    with pytest.raises(kind, match="injected"):
+        engine.generate(PROMPTS[:4], unseeded)
+    assert fault.fired
+    monkeypatch.undo()
+    assert_clean(engine)
+    assert engine.inspect().kv_available == free
+    fresh = make("plain", True, seed=5).generate(PROMPTS[:4], unseeded)
+    assert view(engine.generate(PROMPTS[:4], unseeded)) == view(fresh)
+    assert_exact(engine, "plain", True)
+
+
 @pytest.mark.parametrize("kind", [RuntimeError, KeyboardInterrupt], ids=["error", "interrupt"])
 def test_failed_step_after_drafting_for_a_cached_prompt(kind, monkeypatch):
     """A request whose prompt the prefix cache holds all but the last token of decodes from
