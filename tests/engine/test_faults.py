@@ -14,6 +14,8 @@ import dataclasses
 import functools
 
 import pytest
+import torch
+from floors import TAIL_MULTIPLE, tolerance
 from models import char_tokenizer, tiny_model
 
 import rollout.engine.engine as engine_module
@@ -80,11 +82,33 @@ def reference(spec: str, caching: bool):
     return view(outs), logprobs(outs)
 
 
+@functools.cache
+def batch_spread(spec: str, caching: bool) -> float:
+    """The engine's own largest logprob gap between batch compositions: each request alone
+    against all together. A run on a warm cache, or chunked otherwise after a fault, moves
+    them as much (1.4e-6 to 2.3e-6 here, on an Intel Xeon, AVX-512; AVX2: not measured)."""
+    engine = make(spec, caching)
+    alone = [o for prompt, params in zip(PROMPTS, PARAMS)
+             for o in engine.generate([prompt], [params])]
+    want, want_lps = reference(spec, caching)
+    assert view(alone) == want  # each sample's tokens are its seed's, whatever its batch
+    return max(abs(a - b) for a, b in zip(logprobs(alone), want_lps, strict=True))
+
+
+def assert_logprobs_agree(got: list[float], want: list[float], spec: str = "plain",
+                          caching: bool = True) -> None:
+    """Another run's logprobs `got` as near `want` as the engine's own batch spread allows
+    (floors.tolerance; TAIL_MULTIPLE: the largest gap of many tokens)."""
+    bound = tolerance(batch_spread(spec, caching), torch.tensor(want, dtype=torch.float64),
+                      TAIL_MULTIPLE)
+    assert got == pytest.approx(want, abs=bound)
+
+
 def assert_exact(engine: Engine, spec: str, caching: bool) -> None:
     outs = engine.generate(PROMPTS, PARAMS)
     want, want_lps = reference(spec, caching)
     assert view(outs) == want
-    assert logprobs(outs) == pytest.approx(want_lps, abs=1e-5)
+    assert_logprobs_agree(logprobs(outs), want_lps, spec, caching)
 
 
 def assert_clean(engine: Engine) -> None:
@@ -318,7 +342,7 @@ def test_failed_decode_step_changes_nothing_and_streams_go_on(point, kind, monke
         engine.check_invariants()
     fresh = make("plain", True).generate(PROMPTS[:2], params)
     assert view([done[i] for i in ids]) == view(fresh)
-    assert logprobs([done[i] for i in ids]) == pytest.approx(logprobs(fresh), abs=1e-5)
+    assert_logprobs_agree(logprobs([done[i] for i in ids]), logprobs(fresh))
 
 
 # --- colocation calls --------------------------------------------------------------------------
@@ -422,7 +446,7 @@ def test_update_weights_interrupted_while_packing_generates_from_the_new_weights
     outs, want = engine.generate(PROMPTS, PARAMS), make("plain", True, other).generate(PROMPTS,
                                                                                         PARAMS)
     assert view(outs) == view(want)
-    assert logprobs(outs) == pytest.approx(logprobs(want), abs=1e-5)
+    assert_logprobs_agree(logprobs(outs), logprobs(want))  # the same arithmetic, other weights
 
 
 def test_rollback_of_a_step_that_preempted_keeps_the_preemption_only():
@@ -557,7 +581,7 @@ def test_fault_beside_kv_holds_leaves_holds_exact(point, spec, after, moment, ki
     assert fault.fired
     want = held_reference()
     assert samples[0] == want[0]
-    assert samples[1] == pytest.approx(want[1], abs=1e-5)
+    assert_logprobs_agree(samples[1], want[1])
     engine.check_invariants()
     # Every turn-1 hold was resumed (released) or dropped; what is held is turn 2's, and
     # releasing it leaves no lock behind.

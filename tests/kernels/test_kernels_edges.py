@@ -9,8 +9,8 @@ All against the torch references; shapes stay tiny for the CPU interpreter.
 import pytest
 import torch
 from floors import assert_as_exact_as
-from kernels_env import DEVICE, indptr, poison_unused_slots, scattered_slots
-from test_kernels_shared_prefix import assert_attention_as_exact
+from kernels_env import (DEVICE, assert_attention_as_exact, indptr, poison_unused_slots,
+                         scattered_slots)
 from test_kernels_shared_prefix import run_case as run_shared_prefix
 
 from rollout_kernels.triton import (

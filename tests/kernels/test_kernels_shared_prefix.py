@@ -2,31 +2,13 @@
 
 import pytest
 import torch
-from floors import assert_as_exact_as
-from kernels_env import DEVICE, DTYPES, indptr, poison_unused_slots, scattered_slots
+from kernels_env import (DEVICE, DTYPES, assert_attention_as_exact, indptr,
+                         poison_unused_slots, scattered_slots)
 
 from rollout_kernels.triton import paged_attention_ref, shared_prefix_attention
 from rollout_kernels.triton.shared_prefix import shared_prefix_kv_bytes
 
 pytestmark = pytest.mark.interpreter
-
-
-def attention_in(dtype, q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, scale,
-                 causal=True):
-    """paged_attention_ref with every step in `dtype`, on the CPU: in float64 the exact
-    answer; in fp16/bf16 torch's own rounding of it in the kernel's low dtype."""
-    return paged_attention_ref(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, scale,
-                               causal, dtype=dtype).cpu()
-
-
-def assert_attention_as_exact(out, ref, *args):
-    """The kernel's `out` as near the float64 answer as torch's own computation in its dtype:
-    `ref` (paged_attention_ref) in fp32; in fp16/bf16 attention_in(dtype), as ref computes in
-    fp32 and rounds once where the kernel multiplies P in the low dtype. `args`: attention_in's
-    after the dtype."""
-    floor = ref.cpu() if out.dtype == torch.float32 else attention_in(out.dtype, *args)
-    assert_as_exact_as(out.cpu(), attention_in(torch.float64, *args), floor,
-                       "attention output")
 
 
 def run_case(group_sizes, prefix_lens, suffix_lens, q_heads, kv_heads, head_dim, dtype,

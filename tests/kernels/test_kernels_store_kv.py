@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-from kernels_env import DEVICE, DTYPES, ON_GPU, scattered_slots
-from test_kernels_shared_prefix import assert_attention_as_exact
+from kernels_env import DEVICE, DTYPES, ON_GPU, assert_attention_as_exact, scattered_slots
 
 from rollout_kernels.triton import store_kv, store_kv_ref
 

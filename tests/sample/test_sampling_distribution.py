@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from filter_reference import reference
+from floors import assert_as_exact_as
 from kernels_env import device_for
 from models import tiny_model
 from scipy import stats
@@ -221,12 +222,17 @@ def test_logprobs_on_support_and_its_gradient_are_the_masked_log_softmax():
     mask = torch.zeros(6, VOCAB, dtype=torch.bool)
     for r, s in enumerate(support):
         mask[r, s.long()] = True
-    naive = torch.where(mask, logits / 0.7, torch.tensor(float("-inf"), dtype=torch.float64))
-    want = naive.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
-    torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=0)
-    (g_got,) = torch.autograd.grad(got.sum(), logits)
-    (g_want,) = torch.autograd.grad(want.sum(), logits)
-    torch.testing.assert_close(g_got, g_want, atol=1e-6, rtol=0)
+
+    def masked(x):  # the naive masked log_softmax, in x's dtype
+        naive = torch.where(mask, x / 0.7, torch.tensor(float("-inf"), dtype=x.dtype))
+        return naive.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+
+    # got is float32: held to the float64 answer as torch's own float32 is
+    want, own = masked(logits), masked(logits.float())
+    assert_as_exact_as(got, want.detach(), own.detach(), "logprob on the support")
+    grads = [torch.autograd.grad(x.sum(), logits)[0] for x in (got, want, own)]
+    assert_as_exact_as(*grads, "its gradient")
+    g_got = grads[0]
     assert torch.all(g_got[~mask] == 0)  # tokens outside the support get no gradient
     full = logprobs_on_support(logits, support)
     assert torch.isinf(full[~mask]).all() and full.shape == (6, VOCAB)

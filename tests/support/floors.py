@@ -29,8 +29,12 @@ FLOOR_MULTIPLE = 2.0
 # different tokens' largest errors. Measured on 10 seeded tiny LoRA models, ~100 sampled tokens
 # each (Intel Xeon, AVX-512): the engine's mean error 0.84-1.20x transformers' own, its
 # largest 0.61-2.77x transformers' largest (the torch backend, rounding as transformers does:
-# 0.71-1.29x). So the mean is held to FLOOR_MULTIPLE, the largest to TAIL_MULTIPLE.
-TAIL_MULTIPLE = 4.0
+# 0.71-1.29x); again (6 families x 8 seeds, both backends, greedy and sampled): mean 0.70-1.43x,
+# largest 0.47-1.88x. AVX2: not measured. So the mean is held to FLOOR_MULTIPLE, the largest to
+# TAIL_MULTIPLE: 2.2x the worst largest seen (2.77; 3.2x the second sample's 1.88), where 4 left
+# 1.4x. One logprob 1e-4 off still fails by 2.4x or more: transformers' largest error is 3.8e-6
+# to 6.8e-6 on the tiny LoRA models.
+TAIL_MULTIPLE = 6.0
 # A spread below a few float32 ulps of the values compared is no floor (the reference happened to
 # round the same way in both shapes): the floor is then that many ulps.
 MIN_ULPS = 8
