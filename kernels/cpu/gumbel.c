@@ -1,6 +1,6 @@
 /* Gumbel-max sampling over [rows, vocab] candidates with the counter noise of
  * rollout/sample/noise.py: the token of row r is the first argmax over t of
- *     s[t] = cand[t] + G(u[t]),   G(u) = -log(-log(u)),   u[t] from hash(key[r] ^ t),
+ *     s[t] = cand[t] + G(u[t]),   G(u) = -log(-log(u)),   u[t] from hash(key[r] ^ hash(t)),
  * the same tokens as the torch path bit for bit, at a fraction of its twenty-odd passes over
  * [rows, vocab].
  *
@@ -77,6 +77,12 @@ static inline __m256i tokens_8(int64_t t) {
                                                                                6, 7));
 }
 
+/* The hash bits of tokens t .. t + 7 of the row with this key: the token mixed before the key
+ * (noise.token_bits says why). */
+static inline __m256i token_bits_8(uint32_t key, int64_t t) {
+    return mix32_8(_mm256_xor_si256(_mm256_set1_epi32((int32_t)key), mix32_8(tokens_8(t))));
+}
+
 /* Vectors of tokens whose noise is computed side by side: one vector's noise is a chain of some
  * 150 cycles of dependent operations (the hash's multiplies, two divisions, two polynomials),
  * longer than the out-of-order window overlaps with the next vectors', so one vector at a time
@@ -91,8 +97,7 @@ static inline void approx_scores(const float *c, uint32_t key, int64_t t0, int n
     for (; i + 8 * UNROLL <= n; i += 8 * UNROLL) {
         __m256 g[UNROLL];
         for (int u = 0; u < UNROLL; u++)
-            g[u] = uniform_8(mix32_8(_mm256_xor_si256(_mm256_set1_epi32((int32_t)key),
-                                                      tokens_8(t0 + i + 8 * u))));
+            g[u] = uniform_8(token_bits_8(key, t0 + i + 8 * u));
         for (int u = 0; u < UNROLL; u++)
             g[u] = _mm256_xor_ps(approx_log_8(g[u]), _mm256_set1_ps(-0.0f));
         for (int u = 0; u < UNROLL; u++)
@@ -110,8 +115,8 @@ static inline void approx_scores(const float *c, uint32_t key, int64_t t0, int n
             for (int j = 0; j < 8; j++) tail[j] = i + j < n ? c[t0 + i + j] : -INFINITY;
             cv = _mm256_loadu_ps(tail);
         }
-        __m256i h = mix32_8(_mm256_xor_si256(_mm256_set1_epi32((int32_t)key), tokens_8(t0 + i)));
-        _mm256_storeu_ps(s + i, _mm256_add_ps(cv, approx_gumbel_8(uniform_8(h))));
+        _mm256_storeu_ps(s + i, _mm256_add_ps(cv, approx_gumbel_8(uniform_8(token_bits_8(
+            key, t0 + i)))));
     }
 }
 
@@ -125,7 +130,7 @@ static inline uint32_t mix32(uint32_t x) {
 
 /* The exact noise of one token, as torch computes it. */
 static inline float exact_gumbel(uint32_t key, int64_t t, vlog_fn vlog, int64_t mode) {
-    uint32_t h = mix32(key ^ (uint32_t)t);
+    uint32_t h = mix32(key ^ mix32((uint32_t)t));
     float u = ((float)((h >> 9) & 0x7FFFFFu) + 0.5f) * (1.0f / 8388608.0f), l, x;
     vlog(1, &u, &l, mode);
     x = -l;

@@ -1,6 +1,7 @@
 """Counter-based sampling noise in Triton, bit-identical to `rollout.sampler`.
 
-The noise of token t in a row is mix32(row_key ^ t) with row_key = mix32(seed ^ mix32(position)):
+The noise of token t in a row is mix32(row_key ^ mix32(t)) with row_key = mix32(seed ^
+mix32(position)) (rollout/sample/noise.py's token_bits says why t is mixed first):
 a pure function of (seed, position, t). The hash runs on int32 holding uint32 bit patterns, the
 same way as the torch version: right shifts are masked to make them logical, multiplications
 wrap modulo 2**32 (Triton's integer multiply wraps; the constants are the torch ones, the second
@@ -40,7 +41,7 @@ def row_key(seed, position):
 
 @triton.jit
 def token_bits(key, tok):
-    return mix32(key ^ tok.to(tl.int32))
+    return mix32(key ^ mix32(tok.to(tl.int32)))
 
 
 @triton.jit

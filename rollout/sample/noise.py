@@ -1,7 +1,7 @@
 """Counter-based sampling noise: the noise added to token t of a row is a pure function of
 (sample seed, position, t), so a sample does not depend on which other requests share its
-batch, on preemption, or on speculative decoding; `kernels/triton/counter_noise.py` reproduces it bit
-for bit.
+batch, on preemption, or on speculative decoding; `kernels/triton/counter_noise.py` and
+`kernels/cpu/gumbel.c` reproduce it bit for bit.
 
 The hash works on int32 tensors holding uint32 bit patterns: shifts are masked to make them
 logical, and multiplications wrap modulo 2**32 on every backend (int64 arithmetic would be exact
@@ -71,12 +71,20 @@ RESIDUAL_STREAM = 2  # the token resampled from max(0, p - q) after a rejection
 DRAFT_STREAM = 3  # the draft model's own proposals
 
 
+def token_bits(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, V] int32 hashes mix32(keys[b] ^ mix32(t)). The token is mixed before it meets the
+    key: with keys[b] ^ t, two rows whose keys differ in their low bits only (keys a ^ b = d
+    < V: about V / 2^32 of all pairs, some 3 % of the 64-sample groups over a 49K vocabulary)
+    drew the same noise permuted (row b's at t was row a's at t ^ d), and their tokens were
+    coupled; mixed, two rows share a value only where two hashes collide."""
+    tokens = mix32(torch.arange(vocab_size, dtype=torch.int32, device=keys.device))
+    return mix32(keys[:, None] ^ tokens[None, :])
+
+
 def uniform_noise(seed: torch.Tensor, position: torch.Tensor, vocab_size: int,
                   stream: int = TOKEN_STREAM) -> torch.Tensor:
     """[B, V] uniforms, element (b, t) a function of (seed[b], position[b], t, stream) only."""
-    keys = row_keys(seed, position, stream)
-    tokens = torch.arange(vocab_size, dtype=torch.int32, device=seed.device)
-    return bits_to_uniform(mix32(keys[:, None] ^ tokens[None, :]))
+    return bits_to_uniform(token_bits(row_keys(seed, position, stream), vocab_size))
 
 
 def gumbel_noise(seed: torch.Tensor, position: torch.Tensor, vocab_size: int,

@@ -94,15 +94,17 @@ def test_vllm_style_logprobs_k(model):
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_speculation_changes_no_alternative(model, method):
     """A draft model equal to the target accepts every draft: tokens from verify rows carry the
-    same alternatives as plain decoding."""
-    params = SamplingParams(n=2, max_tokens=20, temperature=0.9, seed=5, top_logprobs=3)
+    same alternatives as plain decoding. (At 0.3 the tiny model repeats itself enough for the
+    n-gram drafter to be accepted whatever the seed: 2-13 drafts over seeds 0-7, where at 0.9
+    some seeds' samples never are.)"""
+    params = SamplingParams(n=2, max_tokens=20, temperature=0.3, seed=5, top_logprobs=3)
     plain = engine(model).generate(PROMPTS, params)
     spec = engine(model, speculative=SpeculativeConfig(
         method, num_speculative_tokens=4, draft_model=model if method == "draft" else None))
     outs = spec.generate(PROMPTS, params)
     assert spec.stats.spec_accepted > 0
     assert tokens(outs) == tokens(plain)
-    check(model, outs, 0.9, 3)
+    check(model, outs, 0.3, 3)
 
 
 def test_preemption_keeps_the_alternatives(model):
