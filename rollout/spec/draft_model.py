@@ -135,11 +135,13 @@ class DraftModelDrafter(Drafter):
         active: list[tuple[Sequence, Sequence, int]] = []
         with self.journal.unit():
             self._forget_retired()
+            # A group's first shadow computes its prompt into the draft tree; its siblings
+            # wait for that round, then all join at once (waiting on each other, one joined a
+            # round: the last of 64 samples drafted from its 64th round).
+            drafting = {shadow.group for _, shadow, _ in self.shadows.values()}
             new_groups: set[str] = set()
             for target, k in wanted:
-                if target.seq_id not in self.shadows:
-                    # Siblings wait a round so the first one's prompt is cached in the draft
-                    # tree.
+                if target.seq_id not in self.shadows and target.group not in drafting:
                     if target.group in new_groups:
                         continue
                     new_groups.add(target.group)

@@ -50,6 +50,20 @@ def test_draft_model_greedy_equals_plain_greedy(target, k):
     assert spec.stats.spec_proposed > 0
 
 
+def test_a_group_drafts_whole_from_its_second_round(target):
+    """The first sample of a group computes its prompt in the draft; every sibling joins the
+    round after, not one a round (n = 8 samples had drafted from rounds 1, 2, ..., 8)."""
+    draft = tiny_model("qwen2", seed=3, num_hidden_layers=1)
+    spec = engine(target, SpeculativeConfig("draft", num_speculative_tokens=2, draft_model=draft))
+    spec.add_request(PROMPTS[1], SamplingParams(n=8, temperature=1.0, max_tokens=40, seed=0))
+    drafter = spec.speculator.drafter
+    joined = []
+    for _ in range(4):
+        spec.step()
+        joined.append(len(drafter.shadows))
+    assert joined[:3] == [0, 1, 8], joined  # (step 1 prefills the target: nothing drafts)
+
+
 def test_a_draft_model_of_a_shorter_context_drafts_past_it(target):
     """A draft whose context (max_position_embeddings) is shorter than the target's
     max_model_len is served (TinyLlama's 2048 for a 4096 target): only the target's context
