@@ -30,8 +30,8 @@ def generate_on_both_backends(prompts, params, **overrides):
         outs[backend] = engine.generate(prompts, params)
         engine.check_invariants()
     # On the CPU each path to the float64 floor; a GPU forward is no float32 CPU reference, so
-    # there a fixed bound (reference.py), not measured here: this machine (AMD EPYC Zen 3,
-    # AVX2) has no GPU.
+    # there a fixed bound (reference.py), not measured here: the machines measured on (AMD
+    # EPYC Zen 3, AVX2; Intel Xeon, AVX-512) have no GPU.
     assert_paths_agree(tiny_model("qwen3").to(DEVICE), prompts, params, outs["torch"],
                        outs["triton"], atol=1e-4 if ON_GPU else None)
 

@@ -195,10 +195,13 @@ def test_copy_failing_midway_leaves_the_engine_needing_a_full_update(kind, monke
         engine.generate(PROMPT, GREEDY)
     monkeypatch.undo()
     engine.update_weights(new)
-    # Approximately: every read of a DoRA model merges and unmerges, which moves its weights.
     [(ids, lps)] = outputs(engine.generate(PROMPT, GREEDY))
     [(want_ids, want_lps)] = fresh(new)
-    assert ids == want_ids and lps == pytest.approx(want_lps, abs=1e-5)
+    assert ids == want_ids
+    if kind == "model":  # the new weights bit for bit, on an engine that has served nothing
+        assert lps == want_lps
+    else:  # every read of a DoRA model merges and unmerges, which moves its weights
+        assert lps == pytest.approx(want_lps, abs=1e-5)
 
 
 # --- DTensor shards: checked without gathering, gathered while copying -----------------------

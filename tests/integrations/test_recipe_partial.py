@@ -76,14 +76,17 @@ def test_partial_rollouts_carry_groups_into_later_steps(tmp_path, algo, monkeypa
     assert stale and fresh
     for row in fresh:
         # fp32 forwards, the engine's and the trainer's: worst seen 0 from 1 for the weight, a gap
-        # of 8.3e-8 (AMD EPYC Zen 3, AVX2); the bounds leave >1000x for other ISAs.
+        # of 8.3e-8 (AMD EPYC Zen 3, AVX2), 0 and 6.5e-8 (Intel Xeon, AVX-512); the bounds leave
+        # >1000x for other ISAs.
         assert row["is/weight_mean"] == pytest.approx(1.0, abs=1e-4)
         assert row["mismatch/logprob_gap_mean"] < 1e-4
     for row in stale:
-        assert abs(row["is/weight_mean"] - 1) > 1e-3
+        # its tokens' weights pi_prox / mu move from 1 (their mean may not: both ways cancel)
+        assert max(row["mismatch/ratio_max"] - 1, 1 - row["mismatch/ratio_min"]) > 1e-3
         assert row["mismatch/logprob_gap_mean"] > 1e-3
     for row in history:
-        # one minibatch: the ratio to the proximal policy is 1.0 exactly (AMD EPYC Zen 3, AVX2)
+        # one minibatch: the ratio to the proximal policy is 1.0 exactly (AMD EPYC Zen 3, AVX2;
+        # Intel Xeon, AVX-512)
         assert row["loss/ratio"] == pytest.approx(1.0, abs=1e-5)
         assert 0 < row["is/weight_mean"] <= 2.0 and 0 <= row["is/capped_frac"] <= 1
         assert row["partial/generated_per_trained_token"] > 0
@@ -131,8 +134,9 @@ def test_dynamic_sampling_trains_on_groups_with_signal(tmp_path, monkeypatch):
     monkeypatch.setitem(REWARDS, "exact", reward)
     out = main(["--config", write_config(tmp_path), "--dynamic_sampling", "true",
                 "--dynamic_sampling_draws", "8", "--num_generations", "8"])
+    # (a step whose draws held no even answer drops nothing: counted over the run)
+    assert sum(row["dynamic/dropped_groups"] for row in out["history"]) >= 1
     for row in out["history"]:
-        assert row["dynamic/dropped_groups"] >= 1
         assert row["reward/groups_with_signal"] == 1.0
 
 
