@@ -253,7 +253,7 @@ class Engine(ColocationCalls):
     def step(self) -> list[RolloutOutput]:
         """Run one scheduler step; returns the requests that finished in it, preceded by the
         streaming requests (add_request) that finished while generate() was stepping."""
-        with self._entered("step"):
+        with self._handing_over("step") as handed:
             # As in rollout(): an update whose restarts failed still counted, and a caller who
             # only streams must not be handed its stale groups either.
             self._enforce_staleness()
@@ -261,14 +261,29 @@ class Engine(ColocationCalls):
                 self.colocation.check_ready()  # asleep, carried requests wait for wake_up
                 self._step_or_raise()
             # rollout()'s groups wait for a rollout() call.
-            handed = [r for r in self.requests.ready.values() if not r.from_rollout]
-            outs = [self._output(r) for r in handed]
+            done = [r for r in self.requests.ready.values() if not r.from_rollout]
+            outs = [self._output(r) for r in done]
             # An interrupt held through the step raises while the outputs are still kept
             # for the next step(), not after they were handed over.
             self._guard.deliver_held()
-            for r in handed:
+            for r in done:
                 del self.requests.ready[r.request_id]
+            handed += done
             return outs
+
+    @contextlib.contextmanager
+    def _handing_over(self, call: str) -> Iterator[list[Request]]:
+        """_entered, for a call that hands outputs over (the requests it lists): an interrupt
+        held through its last bytecodes, after the hand-over, is delivered as the call ends
+        and the outputs never reach the caller, so they go back for the next call."""
+        handed: list[Request] = []
+        try:
+            with self._entered(call):
+                yield handed
+        except KeyboardInterrupt:
+            for r in handed:
+                self.requests.ready.setdefault(r.request_id, r)
+            raise
 
     def _step_or_raise(self) -> None:
         if not self._stepper.run():
@@ -326,7 +341,7 @@ class Engine(ColocationCalls):
         every group, carried and new. An interrupted call keeps its groups carried.
         `request_ids`: one per prompt, the ids their outputs will carry (default: drawn), so
         a caller can pair an output that comes back calls later with what it asked for."""
-        with self._entered("rollout"):
+        with self._handing_over("rollout") as given:
             def check():
                 self.colocation.check_ready()
                 pairs = check_requests(prompts, params)
@@ -348,6 +363,7 @@ class Engine(ColocationCalls):
                 self.carry.hand_out(handed, abort_rest)
                 # As in step(): an interrupt held meanwhile raises with the outputs still kept.
                 self._guard.deliver_held()
+            given += handed
             return outs
 
     def _check_new_ids(self, request_ids, n: int) -> list[str | None]:

@@ -506,6 +506,63 @@ def test_streaming_output_survives_ctrl_c_held_through_its_last_commit():
     assert_clean(engine)
 
 
+class InterruptingDeletes(dict):
+    """A dict whose first deletion is met by a Ctrl-C (the handler runs at once)."""
+
+    fired = False
+
+    def __delitem__(self, key):
+        if not self.fired:
+            self.fired = True
+            _thread.interrupt_main()
+        super().__delitem__(key)
+
+
+def test_streaming_output_survives_ctrl_c_held_through_its_hand_over():
+    """A Ctrl-C as step() hands its outputs over (after it delivered what it held): held and
+    delivered as the call ends, step() raises, and the next step() returns the outputs.
+    They had been lost: out of `ready`, never returned."""
+    engine = make("plain", True)
+    rid = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=1, temperature=0))
+    engine.requests.ready = InterruptingDeletes()
+    with default_sigint(), pytest.raises(KeyboardInterrupt) as e:
+        engine.step()
+    assert engine.requests.ready.fired and was_held(e.value)
+    del e
+    assert [o.request_id for o in engine.step()] == [rid]
+    assert_clean(engine)
+
+
+def test_rollout_groups_survive_ctrl_c_held_through_their_hand_over(monkeypatch):
+    """The same for rollout(): a Ctrl-C right after its hand-over committed is delivered as the
+    call ends; the groups had left the engine unreturned, and now the next rollout() returns
+    them, as a fresh engine's rollout() would."""
+    engine = make("plain", True)
+    hand_out, deliver = engine.carry.hand_out, engine._guard.deliver_held
+    armed: list[str] = []
+
+    def handing_out(*args):
+        hand_out(*args)
+        armed.append("handed")
+
+    def delivering():
+        deliver()
+        if armed == ["handed"]:  # the unit's own delivery, after the hand-over
+            armed.append("fired")
+            _thread.interrupt_main()
+
+    monkeypatch.setattr(engine.carry, "hand_out", handing_out)
+    monkeypatch.setattr(engine._guard, "deliver_held", delivering)
+    with default_sigint(), pytest.raises(KeyboardInterrupt) as e:
+        engine.rollout(PROMPTS, PARAMS)
+    assert armed == ["handed", "fired"] and was_held(e.value)
+    del e
+    monkeypatch.undo()
+    assert sorted(view(engine.rollout())) == sorted(view(make("plain", True).rollout(PROMPTS,
+                                                                                     PARAMS)))
+    assert_clean(engine)
+
+
 def test_add_request_interrupted_queues_nothing():
     """A Ctrl-C while add_request tokenizes its prompt: the call raises and queues nothing.
     On 91177df the held interrupt was delivered after the request was queued: it ran with
