@@ -1,5 +1,5 @@
 """Llama and Mistral: pre-norm decoder layers (RMSNorm, attention, RMSNorm, gated MLP), the
-base that Qwen2, Qwen3 and Phi-3 change a few options of.
+base that Mistral, Qwen2, Qwen3 and Phi-3 change a few options of.
 
 Mistral's sliding window (all layers) and Qwen's per-layer windows come from the config
 through `sliding_windows` and each family's `window_rule` (Llama's reference ignores the
@@ -47,7 +47,7 @@ class DecoderLayer(nn.Module):
         return x, (self.mlp(h, ctx) if self.mlp_takes_ctx else self.mlp(h))
 
 
-@register("llama", "mistral")
+@register("llama")
 class LlamaForCausalLM(CausalLM):
     WEIGHTS = WeightTable(fused=(SPLIT_QKV, SPLIT_GATE_UP))
 
@@ -97,3 +97,17 @@ class LlamaForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head.logits(hidden)
+
+
+@register("mistral")
+class MistralForCausalLM(LlamaForCausalLM):
+    """Llama's layers; transformers' Mistral builds no bias whatever `attention_bias` and
+    `mlp_bias` say, so neither is read."""
+
+    @classmethod
+    def attention_options(cls, config) -> AttentionOptions:
+        return AttentionOptions()
+
+    @classmethod
+    def mlp_bias(cls, config) -> bool:
+        return False

@@ -14,7 +14,7 @@ from ..config import DEFAULT_MAX_MODEL_LEN, EngineConfig, as_dtype
 from ..parallel import SINGLE, TensorParallel, building_for
 from . import model_class
 from .base import CausalLM
-from .layers.rotary import adopt_rounded_frequencies, context_length
+from .layers.rotary import adopt_rounded_frequencies, context_length, context_limit
 
 
 def checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -45,19 +45,19 @@ def fit_max_model_len(config: EngineConfig, hf_config) -> EngineConfig:
 def check_context(config, max_model_len: int) -> None:
     """ValueError for a max_model_len past the context `config` declares (as vLLM refuses it):
     positions beyond it are ones the model's RoPE was neither trained nor scaled for, and its
-    outputs there would be garbage, silently. The target's only: a draft model of a shorter
-    context (TinyLlama's 2048 for a 4096 target) drafts worse past it, and verification keeps
-    every output the target's."""
-    limit = context_length(config)
-    if limit is None or max_model_len <= limit:
+    outputs there would be garbage, silently. Past the length up to which a length-dependent
+    scaling (dynamic NTK, LongRoPE) is one set of frequencies, the engine's table, built once,
+    would differ from the reference for the sequences on the other side (rotary.py). The
+    target's only: a draft model of a shorter context (TinyLlama's 2048 for a 4096 target)
+    drafts worse past it, and verification keeps every output the target's."""
+    limit = context_limit(config)
+    if limit is None or max_model_len <= limit[0]:
         return
-    positions = config.max_position_embeddings
+    length, reason = limit
     raise ValueError(
-        f"max_model_len: {max_model_len} is more than the model's context, {limit} tokens "
-        f"(max_position_embeddings={positions}"
-        + (", as its RoPE scaling extends it" if limit != positions else "")
-        + "); lower max_model_len, or give the model a config whose RoPE scaling reaches it "
-          "(rope_parameters: linear, dynamic or yarn with a factor)")
+        f"max_model_len: {max_model_len} is more than the model's context, {length} tokens "
+        f"({reason}); lower max_model_len to {length} at most, or give the model a config "
+        "whose RoPE scaling reaches it (rope_parameters: linear or yarn with a factor)")
 
 
 def build_model(config, max_model_len: int, dtype: torch.dtype, device: torch.device,

@@ -76,6 +76,26 @@ def test_partial_rotary_factor_is_honoured_where_the_reference_honours_it(family
     assert engine.model.rope.rotary_dim == rotated
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_partial_rotary_with_a_scaling_is_refused_where_the_reference_rotates_whole_heads(
+        family):
+    """A scaled RoPE (linear here) with partial_rotary_factor 0.5 in a family whose reference
+    rotates whole heads: transformers builds half the frequencies and fails on the heads; the
+    engine served a half rotation that no reference computes. (Phi-3 rotates part of each head
+    with its LongRoPE: test_phi3_longrope_short_factors.)"""
+    model = tiny_model(family, head_dim=16, rope_parameters={
+        "rope_type": "linear", "factor": 2.0, "rope_theta": 1e4, "partial_rotary_factor": 0.5})
+    with pytest.raises(ValueError, match=r"^partial_rotary_factor: 0\.5 .*rope_type 'linear'"):
+        Engine(model, EngineConfig(kv_cache_tokens=1024, max_model_len=128))
+
+
+@pytest.mark.parametrize("flag", ["attention_bias", "mlp_bias"])
+def test_mistral_has_no_biases_whatever_its_config_says(flag):
+    """transformers' Mistral builds no bias whatever attention_bias and mlp_bias hold; the
+    engine built them and refused the model ("the checkpoint lacks ... o_proj.bias")."""
+    generate(tiny_model("mistral", **{flag: True}))
+
+
 def test_qwen2_sliding_layers_from_max_window_layers():
     """Qwen2 with use_sliding_window: layers from max_window_layers on slide, the others not."""
     model = tiny_model("qwen2", num_hidden_layers=3, use_sliding_window=True, sliding_window=6,
@@ -101,13 +121,29 @@ def test_phi3_longrope_short_factors(factor):
     generate(model, prompts, max_tokens=12, max_model_len=32)
 
 
-def test_phi3_longrope_long_factors():
-    """max_model_len beyond 32: the long factors, as the reference uses once a sequence is
-    longer than 32 (every prompt here is)."""
-    model = tiny_model("phi3", rope_parameters=longrope(),
-                       original_max_position_embeddings=32, max_position_embeddings=128)
-    prompts = [list(range(3, 43)), [42] * 35]
-    generate(model, prompts, max_tokens=12, max_model_len=128)
+# Both follow each forward's length in the reference (LongRoPE's long factors past
+# original_max_position_embeddings, dynamic NTK's base past max_position_embeddings); the
+# engine's table, built once for max_model_len, held the long (rescaled) frequencies for every
+# sequence: short prompts' greedy tokens differed from their first ones.
+@pytest.mark.parametrize("family, config, field", [
+    ("phi3", {"rope_parameters": longrope(), "original_max_position_embeddings": 32,
+              "max_position_embeddings": 128}, "original_max_position_embeddings=32"),
+    ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4},
+               "max_position_embeddings": 32}, "max_position_embeddings=32"),
+])
+def test_a_length_dependent_rope_is_served_only_as_far_as_one_table_matches(family, config,
+                                                                            field):
+    """One token past the length up to which the reference uses one set of frequencies for
+    every sequence: a ValueError naming max_model_len, the field and the rope_type; up to it
+    (the default max_model_len too), parity."""
+    model = tiny_model(family, **config)
+    rope_type = config["rope_parameters"]["rope_type"]
+    with pytest.raises(ValueError, match=rf"^max_model_len: 33 .*{field}\b.*"
+                                         rf"rope_type '{rope_type}'"):
+        Engine(model, EngineConfig(kv_cache_tokens=1024, max_model_len=33))
+    assert Engine(model, EngineConfig(kv_cache_tokens=1024)).config.max_model_len == 32
+    generate(model, [list(range(3, 15)), [9, 8, 7], [42] * 10], max_tokens=12,
+             max_model_len=32)
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
@@ -125,13 +161,12 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
 
 @pytest.mark.parametrize("family, config, length", [
     ("llama", {}, 64),
-    # linear and dynamic NTK stretch max_position_embeddings by their factor, YaRN the original
-    # length by its factor; Llama 3's and LongRoPE's max_position_embeddings is the extended one
+    # linear scaling stretches max_position_embeddings by its factor, YaRN the original length
+    # by its factor; Llama 3's max_position_embeddings is the extended one. (Dynamic NTK and
+    # LongRoPE: the test above.)
     ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, 128),
-    ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, 128),
     ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, 256),  # (Qwen2.5's)
     ("llama", {"rope_parameters": LLAMA3}, 64),
-    ("phi3", {"rope_parameters": longrope(), "original_max_position_embeddings": 32}, 64),
     # per layer type: the shortest (Gemma 3's global layers scaled linearly, local ones not)
     ("gemma3_text", {}, 64),
 ])

@@ -2,18 +2,17 @@
 
 Inverse frequencies come from transformers' own RoPE initialisers, so every scaling type it
 knows (default, linear, llama3, yarn, longrope, ...) matches the reference. Two kinds depend on
-the sequence length, which a table built once cannot follow; both are evaluated for
-max_model_len:
-- `dynamic` NTK: positions within the original context are unaffected only when max_model_len
-  does not exceed it.
-- `longrope` (Phi-3): the reference uses the short factors while a sequence is at most
-  `original_max_position_embeddings` long and the long factors (for every position) beyond. With
-  max_model_len <= that length the table holds the short factors, otherwise the long ones, so it
-  matches the reference for every sequence on the same side of the boundary as max_model_len.
+the length of each forward, which a table built once cannot follow, so the engine serves them
+only as far as the reference uses one set of frequencies for every sequence (context_length):
+- `dynamic` NTK: plain RoPE up to max_position_embeddings, rescaled by the length beyond.
+- `longrope` (Phi-3): the short factors up to `original_max_position_embeddings`, the long ones
+  (for every position) beyond.
+Their table is evaluated at max_model_len, which is within that length for the target model
+(a draft model may run past its own: docs of loader.check_context).
 Partial rotary (`partial_rotary_factor` < 1, e.g. Phi-4-mini) rotates the first dimensions of
-each head only, in the families whose reference reads it (Phi-3; the others ignore it). Models
-with RoPE parameters per layer type (Gemma 3: local and global bases) build one table per type
-(`layer_type`).
+each head only, in the families whose reference reads it (Phi-3; the others ignore it with the
+default RoPE and fail with a scaled one). Models with RoPE parameters per layer type (Gemma 3:
+local and global bases) build one table per type (`layer_type`).
 """
 
 from __future__ import annotations
@@ -26,7 +25,8 @@ from rollout_kernels.cpu import norm_rope
 
 from ...ops.op import Dispatched, always
 
-# Scalings whose frequencies depend on the sequence length: evaluated at max_model_len.
+# Scalings whose frequencies depend on the sequence length: evaluated at max_model_len (within
+# context_length for the target model).
 _LENGTH_DEPENDENT = ("dynamic", "longrope")
 
 
@@ -38,30 +38,52 @@ def rope_parameters(config, layer_type: str | None = None) -> dict:
 
 
 def context_length(config) -> int | None:
-    """The longest sequence `config` declares its model serves: max_position_embeddings, as its
-    RoPE scaling extends it (vLLM's reading): linear and dynamic NTK by their factor, YaRN its
-    original length by its factor; Llama 3's and LongRoPE's max_position_embeddings is the
-    extended length already. With RoPE per layer type, the shortest: every layer sees every
-    position. None where the config states no length."""
+    """The longest sequence the engine serves `config`'s model: max_position_embeddings, as its
+    RoPE scaling extends it (vLLM's reading): linear by its factor, YaRN its original length by
+    its factor; Llama 3's max_position_embeddings is the extended length already. The
+    length-dependent scalings only as far as their frequencies are one set (module docstring).
+    With RoPE per layer type, the shortest: every layer sees every position. None where the
+    config states no length."""
+    limit = context_limit(config)
+    return None if limit is None else limit[0]
+
+
+def context_limit(config) -> tuple[int, str] | None:
+    """(context_length, what sets it: for a refusal's message)."""
     positions = getattr(config, "max_position_embeddings", None)
     if not isinstance(positions, int):
         return None
     params = rope_parameters(config)
     scalings = [params] if "rope_type" in params else [
         p for p in params.values() if isinstance(p, dict)]
-    return min((_extended(positions, p) for p in scalings), default=positions)
+    return min((_served(positions, p) for p in scalings),
+               default=(positions, f"max_position_embeddings={positions}"))
 
 
-def _extended(positions: int, params: dict) -> int:
+def _served(positions: int, params: dict) -> tuple[int, str]:
     # YaRN's factor may be None: transformers then takes max_position_embeddings as extended
     factor = params.get("factor") or 1.0
     rope_type = params.get("rope_type")
-    if rope_type in ("linear", "dynamic"):
-        return int(positions * factor)
-    if rope_type == "yarn":
-        return max(positions,
-                   int(params.get("original_max_position_embeddings", positions) * factor))
-    return positions
+    declared = f"max_position_embeddings={positions}"
+    if rope_type in ("linear", "yarn"):
+        length = (int(positions * factor) if rope_type == "linear" else max(
+            positions, int(params.get("original_max_position_embeddings", positions) * factor)))
+        return length, (declared if length == positions
+                        else f"{declared}, as its RoPE scaling extends it")
+    if rope_type == "dynamic":
+        return positions, (f"{declared}; rope_type 'dynamic' rescales its frequencies by the "
+                           "length of each longer sequence, which one table cannot follow")
+    if rope_type == "longrope":
+        original = params.get("original_max_position_embeddings", positions)
+        return original, (f"original_max_position_embeddings={original}; rope_type 'longrope' "
+                          "switches to its long factors for longer sequences, which one table "
+                          "cannot follow")
+    return positions, declared
+
+
+def _partial_rotary_factor(config, params: dict) -> float:
+    return params.get("partial_rotary_factor",
+                      getattr(config, "partial_rotary_factor", None) or 1.0)
 
 
 def _inv_freq(config, head_dim: int, max_model_len: int, layer_type: str | None,
@@ -70,9 +92,7 @@ def _inv_freq(config, head_dim: int, max_model_len: int, layer_type: str | None,
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        factor = (params.get("partial_rotary_factor",
-                             getattr(config, "partial_rotary_factor", None) or 1.0)
-                  if partial_rotary else 1.0)
+        factor = _partial_rotary_factor(config, params) if partial_rotary else 1.0
         dim = int(head_dim * factor)
         # On the CPU explicitly: built under the engine's device context, it would otherwise
         # stay on the GPU through sleep (or hold no values on meta: loader.py).
@@ -80,6 +100,15 @@ def _inv_freq(config, head_dim: int, max_model_len: int, layer_type: str | None,
         return 1.0 / (theta ** (exponents / dim)), 1.0
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"rope_parameters.rope_type={rope_type!r} is not supported")
+    # transformers' scaled initialisers all read the factor; the families that rotate whole
+    # heads then fail on the shorter frequencies, so no reference computes such a model.
+    factor = _partial_rotary_factor(config, params)
+    if factor < 1 and not partial_rotary:
+        raise ValueError(
+            f"partial_rotary_factor: {factor} is less than 1 with rope_type {rope_type!r}, in "
+            f"model_type {config.model_type!r}, whose transformers reference rotates whole "
+            "heads (and fails on this config); set partial_rotary_factor to 1 or use the "
+            "default rope_type")
     kwargs = {"seq_len": max_model_len} if rope_type in _LENGTH_DEPENDENT else {}
     if layer_type is not None:
         kwargs["layer_type"] = layer_type
