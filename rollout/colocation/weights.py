@@ -4,14 +4,16 @@ Names come out in Hugging Face form (`model.layers.0.self_attn.q_proj.weight`): 
 (DDP, torch.compile, PEFT's PeftModel and its tuner model) are peeled, prefixes (`module.`,
 `_orig_mod.`, `base_model.model.`, `.base_layer.`) stripped, and PEFT LoRA adapters are folded
 into the base weights. Adapters are found layer by layer, wherever they were put: by
-get_peft_model, or by peft.inject_adapter_in_model into a plain transformers model. Plain LoRA
-(on linears and embeddings) is added out of place (base + delta, one layer at a time), so the
-trainer's frozen base weights are never written: an in-place merge + unmerge is not exact in
-floating point and would drift them a little on every sync. Other adapter kinds (DoRA, LoRA
-bias) fall back to PEFT's per-layer merge / unmerge for the duration of the read. What is read
-follows PEFT's current selection: the active adapter(s), none inside `disable_adapter()`, and
-of a `modules_to_save` wrapper the copy its forward uses. Other PEFT adapters (IA3, LoHa,
-trainable_token_indices, ...) are refused by name (check_adapter_kinds), never dropped.
+get_peft_model, or by peft.inject_adapter_in_model into a plain transformers model. LoRA on
+linears and embeddings, its variants (DoRA, ...) and LoRA biases are added out of place (base +
+delta, one layer at a time), so the trainer's frozen base weights are never written: an
+in-place merge + unmerge is not exact in floating point and would drift them a little on every
+sync. LoRA on a parameter (the MoE experts' stacks), and a layer with several adapters in use of
+which one is a variant, fall back to PEFT's per-layer merge / unmerge for the duration of the
+read (lora_layers). What is read follows PEFT's current selection: the active adapter(s), none
+inside `disable_adapter()`, and of a `modules_to_save` wrapper the copy its forward uses. Other
+PEFT adapters (IA3, LoHa, trainable_token_indices, ...) and LoRA ones that no weight holds
+(aLoRA, Arrow, a non-finite scale) are refused by name (check_adapter_kinds), never dropped.
 
 Every tensor is checked from its metadata before any is read or copied (`check_tensor`), so a
 bad source raises ValueError and leaves the engine's weights as they were.
@@ -21,10 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import re
 import sys
 import weakref
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -146,17 +149,41 @@ def is_tuner_layer(module: nn.Module) -> bool:
     return hasattr(type(module), "adapter_layer_names")
 
 
+# LoRA variants no weight holds: aLoRA adds its delta only to the tokens after its invocation
+# sequence, Arrow's router to each token the task adapters it picks (PEFT's merge raises for
+# both); by class name, with the LoraConfig field that asks for each.
+_UNMERGEABLE = {"ALoraLinearVariant": "alora_invocation_tokens",
+                "ArrowLinearVariant": "arrow_config"}
+
+
 def check_adapter_kinds(model: nn.Module) -> None:
     """ValueError naming the first PEFT adapter layer that is served in no lora mode: only LoRA
     layers (folded in, or served unmerged) and modules_to_save copies are; anything else
     (trainable_token_indices' TrainableTokensWrapper, IA3, LoHa, ...) would otherwise be
-    dropped or named as an unknown weight."""
+    dropped or named as an unknown weight. Of a LoRA layer, an active adapter that is a
+    variant acting per token (aLoRA, Arrow) or whose scale is not finite (lora_alpha / r, or
+    set_scale: every logit would be NaN) is refused too."""
     for name, module in model.named_modules():
-        if is_tuner_layer(module) and not (is_lora_layer(module) or is_modules_to_save(module)):
+        if not is_tuner_layer(module):
+            continue
+        if not (is_lora_layer(module) or is_modules_to_save(module)):
             kind = f"{type(module).__module__}.{type(module).__qualname__}"  # ia3's Linear
             raise ValueError(f"{hf_name(name)}: a {kind} adapter is served in no lora mode: "
                              f"the engine serves PEFT's LoRA adapters and modules_to_save "
                              f"copies only")
+        if is_modules_to_save(module):
+            continue
+        for adapter in active_adapters(module):
+            variant = getattr(module, "lora_variant", {}).get(adapter)
+            field = _UNMERGEABLE.get(type(variant).__name__)
+            if field:
+                raise ValueError(f"{hf_name(name)}: adapter {adapter!r} ({field}) acts on some "
+                                 f"tokens only, which no weight holds: it is served in no lora "
+                                 f"mode")
+            scale = getattr(module, "scaling", {}).get(adapter)
+            if scale is not None and not math.isfinite(scale):
+                raise ValueError(f"{hf_name(name)}: scaling[{adapter!r}] is {scale} (lora_alpha "
+                                 f"/ r, or set_scale); it must be finite")
 
 
 def is_modules_to_save(module: nn.Module) -> bool:
@@ -186,31 +213,73 @@ def merged_adapters(layers: list[nn.Module]):
                 layer.unmerge()
 
 
-def lora_layers(model: nn.Module) -> tuple[dict[str, nn.Module], list[nn.Module] | None]:
-    """(base-weight parameter name -> its LoRA layer, for adding deltas out of place; None),
-    or ({}, every LoRA layer) where some adapter in use is not a plain `weight + delta` (a
-    variant such as DoRA, a bias, LoRA on a parameter) and PEFT's merge folds them in place.
+Adding = Callable[[torch.Tensor], torch.Tensor]  # a base tensor -> it with a layer's deltas
+
+
+def lora_layers(model: nn.Module) -> tuple[dict[str, Adding], list[nn.Module]]:
+    """(parameter name -> what adds its LoRA layer's deltas to it out of place: to the base
+    weight, and to the base bias where an adapter has a LoRA bias), and the LoRA layers whose
+    adapters PEFT's merge folds in place while the weights are read: LoRA on a parameter
+    (PEFT's ParamWrapper: the MoE experts' stacked 3-D weights, whose delta has the
+    parameter's layout), and a layer with several adapters in use, one of them a variant
+    (DoRA's merge_safe reads the layer's base weight, not the sum so far).
     ValueError for adapters served in no mode, and for an in-place merge into a weight that
     several adapted layers share (PEFT's layer_replication: each layer's delta would land in
     every one)."""
     check_adapter_kinds(model)
-    named = [(name, m) for name, m in model.named_modules() if is_lora_layer(m)]
-    # LoRA on a parameter (PEFT's ParamWrapper: MoE experts' stacked 3-D weights): its delta
-    # has the parameter's layout, not a linear's; PEFT's own merge folds it in.
-    if not any(hasattr(m, "parameter_name") or any(
-            a in getattr(m, "lora_variant", {}) or getattr(m, "lora_bias", {}).get(a)
-            for a in unmerged_adapters(m)) for _, m in named):
-        return {f"{name}.base_layer.weight": m for name, m in named}, None
-    adapted: dict[int, str] = {}
-    for name, m in named:
-        weight = m.get_param() if hasattr(m, "parameter_name") else m.get_base_layer().weight
-        other = adapted.setdefault(id(weight), name)
-        if other != name:
-            raise ValueError(f"{hf_name(name)}: its base weight is {hf_name(other)}'s too "
-                             f"(PEFT's layer_replication), and its adapter is merged in place "
-                             f"(a LoRA variant, a bias or LoRA on a parameter): each layer's "
-                             f"delta would land in both; use plain LoRA")
-    return {}, [m for _, m in named]
+    adding: dict[str, Adding] = {}
+    in_place, adapted = [], {}
+    for name, m in model.named_modules():
+        if not is_lora_layer(m):
+            continue
+        adapters = unmerged_adapters(m)
+        variants = getattr(m, "lora_variant", {})
+        merged = hasattr(m, "parameter_name") or (
+            len(adapters) > 1 and any(a in variants for a in adapters))
+        weight = (m.get_param() if hasattr(m, "parameter_name")
+                  else getattr(m.get_base_layer(), "weight", None))
+        other = adapted.setdefault(id(weight), (name, merged))
+        if weight is not None and other[0] != name and (merged or other[1]):
+            raise ValueError(f"{hf_name(name)}: its base weight is {hf_name(other[0])}'s too "
+                             f"(PEFT's layer_replication), and an adapter of one is merged in "
+                             f"place (LoRA on a parameter, or several adapters in use with a "
+                             f"variant): each layer's delta would land in both; one adapter "
+                             f"in use per layer is added out of place")
+        if merged:
+            in_place.append(m)
+            continue
+        adding[f"{name}.base_layer.weight"] = functools.partial(_with_deltas, m)
+        if any(getattr(m, "lora_bias", {}).get(a) for a in adapters):
+            adding[f"{name}.base_layer.bias"] = functools.partial(_with_bias_deltas, m)
+    return adding, in_place
+
+
+def _with_deltas(layer: nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """The base weight with the layer's adapters in use added; a variant's by its merge_safe
+    (DoRA: the sum scaled by its magnitude over its norm), which keeps what an unmerge would
+    need (DoRA's norm) in the layer's caches: left as they were, nothing being merged."""
+    for adapter in unmerged_adapters(layer):
+        variant = getattr(layer, "lora_variant", {}).get(adapter)
+        if variant is None:
+            weight = weight + layer.get_delta_weight(adapter).to(weight.dtype)
+            continue
+        caches = dict(layer._caches)
+        try:
+            weight = variant.merge_safe(layer, adapter, weight)
+        finally:
+            layer._caches.clear()
+            layer._caches.update(caches)
+    return weight
+
+
+def _with_bias_deltas(layer: nn.Module, bias: torch.Tensor) -> torch.Tensor:
+    """The base bias with the LoRA biases in use added (lora_B's, scaled, as its forward
+    adds it)."""
+    for adapter in unmerged_adapters(layer):
+        if layer.lora_bias.get(adapter):
+            delta = layer.lora_B[adapter].bias * layer.scaling[adapter]
+            bias = bias + delta.to(bias.dtype)
+    return bias
 
 
 def active_adapters(module: nn.Module) -> list[str]:
@@ -236,32 +305,28 @@ def model_tensors(model: nn.Module, gather: bool = True
 
     Consume it to the end or close() it: it may hold PEFT's merge open while it yields."""
     model = unwrap(model)
-    layers, in_place = lora_layers(model)
-    return _model_tensors(model, layers, in_place, gather)
+    adding, in_place = lora_layers(model)
+    return _model_tensors(model, adding, in_place, gather)
 
 
-def _model_tensors(model: nn.Module, layers: dict[str, nn.Module],
-                   in_place: list[nn.Module] | None, gather: bool):
-    with contextlib.nullcontext() if in_place is None else merged_adapters(in_place):
+def _model_tensors(model: nn.Module, adding: dict[str, Adding], in_place: list[nn.Module],
+                   gather: bool):
+    with merged_adapters(in_place):
         for name, param in weight_params(model):
-            yield hf_name(name), _read(param, layers.get(name), gather)
+            yield hf_name(name), _read(param, adding.get(name), gather)
 
 
 @torch.no_grad()  # per tensor: a no_grad held across the yields would disable grad in the caller
-def _read(tensor: torch.Tensor, lora: nn.Module | None = None,
-          gather: bool = True) -> torch.Tensor:
-    """A weight, whole, with its LoRA layer's deltas added; with `gather` False a DTensor
-    stays one (update_weights re-shards it to its ranks' parts, rollout/parallel/reshard.py)
-    unless LoRA deltas are added to it."""
+def _read(tensor: torch.Tensor, add: Adding | None = None, gather: bool = True) -> torch.Tensor:
+    """A weight, whole, with its LoRA layer's deltas added (`add`); with `gather` False a
+    DTensor stays one (update_weights re-shards it to its ranks' parts,
+    rollout/parallel/reshard.py) unless LoRA deltas are added to it."""
     tensor = tensor.detach()
-    if hasattr(tensor, "full_tensor") and (gather or lora is not None):
+    if hasattr(tensor, "full_tensor") and (gather or add is not None):
         # FSDP2 / tensor-parallel DTensor shard: gather the whole weight (a collective: every
         # rank syncs its own engine at the same point of the step).
         tensor = tensor.full_tensor()
-    if lora is not None:
-        for adapter in unmerged_adapters(lora):
-            tensor = tensor + lora.get_delta_weight(adapter).to(tensor.dtype)
-    return tensor
+    return tensor if add is None else add(tensor)
 
 
 def weight_params(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
@@ -276,13 +341,14 @@ def weight_params(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     unused += tuple(f"{name}.{other}." for name, module in model.named_modules()
                     if is_tuner_layer(module)
                     for other in getattr(module, "other_param_names", ()))
+    adapters = {name for name, *_ in _adapter_params(model)}
     tied, listed = _tied_weight(model), False
     for name, param in model.named_parameters(remove_duplicate=False):
         if param is tied:
             if listed:
                 continue
             listed = True
-        if "lora_" not in name and not name.startswith(unused):
+        if name not in adapters and not name.startswith(unused):
             yield name, param
 
 
@@ -297,18 +363,28 @@ def unused_copies(wrapper: nn.Module) -> list[str]:
     return [c for c in copies if c != used]
 
 
+def _adapter_params(model: nn.Module
+                    ) -> Iterator[tuple[str, nn.Module, str, nn.Parameter]]:
+    """(name, its LoRA layer, adapter, parameter) of each LoRA layer's own parameters: PEFT
+    names them all lora_* (lora_A.<adapter>.weight, lora_magnitude_vector.<adapter>.weight,
+    ...), as an adapter's name may be too (lm_head.modules_to_save.lora_ft.weight is a weight,
+    not an adapter's)."""
+    for name, module in model.named_modules(remove_duplicate=False):
+        if not is_lora_layer(module):
+            continue
+        for local, param in module.named_parameters(remove_duplicate=False):
+            kind, _, rest = local.partition(".")
+            if kind.startswith("lora_"):
+                yield f"{name}.{local}", module, rest.split(".")[0], param
+
+
 def _read_params(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     """Every parameter that reading the weights touches: the weights and the LoRA adapters
     folded into them."""
     yield from weight_params(model)
-    for name, module in model.named_modules():
-        if not is_lora_layer(module):
-            continue
-        folded = set(unmerged_adapters(module))
-        for local, param in module.named_parameters():
-            kind, _, rest = local.partition(".")  # e.g. lora_A.<adapter>.weight
-            if kind.startswith("lora_") and rest.split(".")[0] in folded:
-                yield f"{name}.{local}", param
+    for name, layer, adapter, param in _adapter_params(model):
+        if adapter in unmerged_adapters(layer):
+            yield name, param
 
 
 def check_tensor(name: str, tensor) -> None:

@@ -164,9 +164,17 @@ def test_copy_failing_midway_leaves_the_callers_grad_mode_alone(monkeypatch):
 
 
 def dora(model):
+    """Two DoRA adapters active on a layer: read through PEFT's in-place merge (one alone is
+    added out of place)."""
     peft = pytest.importorskip("peft")
-    model = peft.get_peft_model(model, peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, use_dora=True))
+
+    def config():
+        return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                               lora_dropout=0.0, use_dora=True)
+
+    model = peft.get_peft_model(model, config())
+    model.add_adapter("other", config())
+    model.base_model.set_adapter(["default", "other"])
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:

@@ -151,24 +151,30 @@ def test_batched_verification_names_the_bad_copy_and_clears_large_values():
         case([1.0, 2.0], garbage=True)
 
 
+def two_dora():
+    """Two DoRA adapters active on each layer: PEFT's merge folds them in place (lora_layers),
+    layer by layer, while the weights are read."""
+    model = peft_model("qwen2", use_dora=True)
+    model.add_adapter("b", lora_config("qwen2", use_dora=True))
+    randomise_b(model, 2, 0.3)
+    model.base_model.set_adapter(["default", "b"])
+    return model
+
+
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
 @pytest.mark.parametrize("where", ["second_layer", "second_adapter_of_a_layer"])
 def test_a_failed_in_place_merge_unmerges_the_layers_it_merged(where, error, monkeypatch):
-    """DoRA is merged in place, layer by layer, while the weights are read: a fault at the second
-    layer's merge, or inside a layer after its first adapter merged (two active: PEFT counts
-    each as merged as it goes), leaves no layer merged and the trainer's base weights as they
-    were, the engine's weights untouched (every layer merges before the first weight is read),
-    and the next sync serving PEFT's adapters."""
-    model = peft_model("qwen2", use_dora=True)
+    """A fault at the second layer's merge, or inside a layer after its first adapter merged
+    (PEFT counts each as merged as it goes), leaves no layer merged and the trainer's base
+    weights as they were, the engine's weights untouched (every layer merges before the first
+    weight is read), and the next sync serving PEFT's adapters."""
+    model = two_dora()
     linear = peft.tuners.lora.layer.Linear
     engine = None
     if where == "second_layer":  # at an update
         engine = Engine(model, EngineConfig(**CONFIG))
         monkeypatch.setattr(linear, "merge", fail_at(2, error)(linear.merge))
     else:  # at the engine's construction
-        model.add_adapter("b", lora_config("qwen2", use_dora=True))
-        randomise_b(model, 2, 0.3)
-        model.base_model.set_adapter(["default", "b"])
         delta = linear.get_delta_weight
         monkeypatch.setattr(linear, "get_delta_weight", lambda self, adapter: (
             fail_at(1, error)(delta) if adapter == "b" else delta)(self, adapter))
@@ -196,12 +202,12 @@ def test_a_failed_in_place_merge_unmerges_the_layers_it_merged(where, error, mon
 @pytest.mark.parametrize("written", [False, True])
 def test_a_failed_read_of_the_source_says_whether_weights_were_written(written, error,
                                                                        monkeypatch):
-    """A PEFT model read merged fails part way: DoRA merges every layer in place before the
-    first weight is read, so nothing is written and the engine keeps its weights, version and
-    outputs (and says so); plain LoRA adds each delta as its weight is read, after the
-    embedding went in (on the CPU each tensor is copied as it comes), so the engine needs a
-    complete update (and says that)."""
-    model = peft_model("qwen2", use_dora=not written)
+    """A PEFT model read merged fails part way: two DoRA adapters on a layer merge every layer
+    in place before the first weight is read, so nothing is written and the engine keeps its
+    weights, version and outputs (and says so); LoRA adds each delta as its weight is read,
+    after the embedding went in (on the CPU each tensor is copied as it comes), so the engine
+    needs a complete update (and says that)."""
+    model = peft_model("qwen2") if written else two_dora()
     engine = Engine(model, EngineConfig(lora="merged", **CONFIG))
     want = outputs(engine)
     step(model)

@@ -77,8 +77,8 @@ CASES = {
 def test_auto_merges_what_unmerged_cannot_serve(case):
     make, reason = CASES[case]
     model = make()
-    # PEFT's in-place merge (DoRA, a LoRA bias) drifts the base by an ulp per read: each engine
-    # reads a copy of the model as it was.
+    # PEFT's in-place merge (LoRA on a parameter: the router) drifts the base by an ulp per
+    # read: each engine reads a copy of the model as it was.
     auto = Engine(copy.deepcopy(model), EngineConfig(**CONFIG))
     assert auto.lora_status.startswith("merged: ") and reason in auto.lora_status
     merged = Engine(copy.deepcopy(model), EngineConfig(lora="merged", **CONFIG))
@@ -87,6 +87,20 @@ def test_auto_merges_what_unmerged_cannot_serve(case):
     assert_matches_reference(model, PROMPT, outs)  # what is merged is PEFT's adapter
     with pytest.raises(ValueError, match=f"lora='unmerged': .*{reason}"):
         Engine(model, EngineConfig(lora="unmerged", **CONFIG))
+
+
+@pytest.mark.parametrize("case", ["dora", "bias"])
+def test_reading_such_an_adapter_leaves_the_trainers_weights_exact(case):
+    """DoRA and a LoRA bias are added out of place, as plain LoRA is: PEFT's merge and unmerge
+    in place would round the trainer's frozen base a little at every sync."""
+    model = CASES[case][0]()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine = Engine(model, EngineConfig(**CONFIG))
+    for _ in range(3):
+        engine.update_weights(model)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert not any(getattr(m, "_caches", None) for m in model.modules())  # (DoRA's norms)
+    assert_matches_reference(model, PROMPT, engine.generate(PROMPT, GREEDY))
 
 
 def test_an_unmerged_engine_refuses_such_a_sync_and_keeps_serving():
@@ -218,19 +232,73 @@ def test_a_tied_head_adapted_alone_is_refused(adapt, mode):
             assert_matches_reference(model, PROMPT, engine.generate(PROMPT, GREEDY))
 
 
+def arrow_router():
+    """PEFT's Arrow: a router adapter active over two task adapters, chosen per token."""
+    model = peft.get_peft_model(tiny_model("llama"), lora_config("llama", target_modules=[
+        "q_proj"]), adapter_name="task_0")
+    model.add_adapter("task_1", lora_config("llama", target_modules=["q_proj"]))
+    arrow = peft.ArrowConfig(top_k=1)
+    arrow.task_adapter_names, arrow.gks_adapter_names = ["task_0", "task_1"], []
+    model.add_adapter("arrow_router", lora_config("llama", target_modules=["q_proj"],
+                                                  arrow_config=arrow))
+    randomise_b(model, seed=1)
+    model.set_adapter("arrow_router")
+    return model.eval()
+
+
+Q_PROJ = r"model\.layers\.0\.self_attn\.q_proj"
+SERVED_IN_NO_MODE = {
+    # (a TrainableTokensWrapper on the embedding)
+    "trainable-tokens": (lambda: peft_model("llama", target_modules=["q_proj"],
+                                            trainable_token_indices=[1, 2, 3]),
+                         r"model\.embed_tokens: a peft\.\S+\.TrainableTokensWrapper adapter "
+                         r".* in no lora mode"),
+    # aLoRA adds its delta only after the invocation tokens, Arrow per token to the task
+    # adapters it routes to: no weight holds either, and PEFT's merge raises.
+    "alora": (lambda: peft_model("llama", target_modules=["q_proj", "v_proj"],
+                                 alora_invocation_tokens=[5, 9]),
+              rf"{Q_PROJ}: adapter 'default' \(alora_invocation_tokens\) .* in no lora mode"),
+    "arrow": (arrow_router,
+              rf"{Q_PROJ}: adapter 'arrow_router' \(arrow_config\) .* in no lora mode"),
+}
+
+
 @pytest.mark.parametrize("mode", ["auto", "unmerged", "merged"])
-def test_trainable_tokens_are_refused_in_every_mode(mode):
-    """PEFT's trainable_token_indices (a TrainableTokensWrapper on the embedding) is served in
-    no mode: refused by name, at build and at a sync, the engine serving on."""
-    model = peft_model("llama", target_modules=["q_proj"], trainable_token_indices=[1, 2, 3])
-    why = r"model\.embed_tokens: a peft\.\S+\.TrainableTokensWrapper adapter .* in no lora mode"
+@pytest.mark.parametrize("kind", SERVED_IN_NO_MODE)
+def test_adapters_served_in_no_mode_are_refused_in_every_mode(kind, mode):
+    """Refused by name from their metadata, at build and at a sync, the engine serving on."""
+    make, why = SERVED_IN_NO_MODE[kind]
     with pytest.raises(ValueError, match=why):
-        Engine(model, EngineConfig(lora=mode, **CONFIG))
+        Engine(make(), EngineConfig(lora=mode, **CONFIG))
     engine = Engine(peft_model("llama", target_modules=["q_proj"]),
                     EngineConfig(lora=mode, **CONFIG))
     before = outputs(engine)
     with pytest.raises(ValueError, match=why):
-        engine.update_weights(model)
+        engine.update_weights(make())
+    assert not engine.needs_weights and outputs(engine) == before
+
+
+def infinite_scale():
+    model = peft_model("llama")
+    model.get_submodule("base_model.model.model.layers.0.self_attn.q_proj").scaling["default"] = (
+        float("inf"))
+    return model
+
+
+@pytest.mark.parametrize("mode", ["auto", "unmerged", "merged"])
+@pytest.mark.parametrize("make, value", [(infinite_scale, "inf"),
+                                         (lambda: peft_model("llama", lora_alpha=float("nan")),
+                                          "nan")], ids=["scaling", "lora_alpha"])
+def test_a_non_finite_scale_is_refused_in_every_mode(make, value, mode):
+    """A LoRA layer's scale (lora_alpha / r, or set by set_scale) that is not finite makes every
+    logit NaN: refused from the metadata, at build and at a sync, the engine serving on."""
+    why = rf"{Q_PROJ}: scaling\['default'\] is {value}"
+    with pytest.raises(ValueError, match=why):
+        Engine(make(), EngineConfig(lora=mode, **CONFIG))
+    engine = Engine(peft_model("llama"), EngineConfig(lora=mode, **CONFIG))
+    before = outputs(engine)
+    with pytest.raises(ValueError, match=why):
+        engine.update_weights(make())
     assert not engine.needs_weights and outputs(engine) == before
 
 
@@ -255,16 +323,29 @@ def test_adalora_is_merged_not_crashed():
     assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, greedy))
 
 
-@pytest.mark.parametrize("mode", ["auto", "merged"])
-def test_an_in_place_merge_into_replicated_layers_is_refused(mode):
-    """PEFT's layer_replication shares a base weight between layers, each with its adapter:
-    DoRA (merged in place, layer by layer) would put every layer's delta into the one tensor.
-    Refused by name before anything changes (PEFT's merge_adapter refuses it too)."""
+def replicated(second_adapter: bool):
+    """PEFT's layer_replication shares layer 0's and 1's base weights with layer 2, each with its
+    own DoRA adapter (and a second one active)."""
     model = peft.get_peft_model(tiny_model("llama"), lora_config(
         "llama", use_dora=True, layer_replication=[[0, 2], [1, 2]]))
+    if second_adapter:
+        model.add_adapter("other", lora_config("llama", use_dora=True))
+        model.base_model.set_adapter(["default", "other"])
     randomise_b(model, seed=1)
+    return model.eval()
+
+
+@pytest.mark.parametrize("mode", ["auto", "merged"])
+def test_replicated_layers_are_read_out_of_place_and_an_in_place_merge_is_refused(mode):
+    """One DoRA adapter per layer is added out of place: each replicated layer reads the shared
+    base weight with its own delta. Two active (merged in place, layer by layer) would put
+    every layer's delta into the one tensor: refused by name before anything changes (PEFT's
+    merge_adapter refuses it too)."""
     engine = Engine(tiny_model("llama", num_hidden_layers=3), EngineConfig(lora=mode, **CONFIG))
     want = outputs(engine)
     with pytest.raises(ValueError, match=r"model\.layers\.2\..*layer_replication"):
-        engine.update_weights(model.eval())
+        engine.update_weights(replicated(second_adapter=True))
     assert not engine.needs_weights and outputs(engine) == want
+    model = replicated(second_adapter=False)
+    engine.update_weights(model)
+    assert_matches_reference(model, PROMPT, engine.generate(PROMPT, GREEDY))

@@ -74,6 +74,19 @@ def test_trainable_weights_and_modules_to_save_are_sent_every_sync():
         assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, GREEDY))
 
 
+@pytest.mark.parametrize("mode", ["auto", "merged"])
+def test_an_adapter_named_lora_something_keeps_its_modules_to_save(mode):
+    """PEFT names a saved copy after its adapter (lm_head.modules_to_save.lora_ft.weight): a
+    weight, not one of the LoRA layers' own lora_A / lora_B."""
+    model = peft.get_peft_model(tiny_model("llama"), lora_config(
+        "llama", modules_to_save=["lm_head"]), adapter_name="lora_ft")
+    randomise_b(model, seed=1)
+    with torch.no_grad():
+        model.base_model.model.lm_head.modules_to_save["lora_ft"].weight.normal_(0, 0.3)
+    engine = Engine(model.eval(), EngineConfig(lora=mode, **CONFIG))
+    assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, GREEDY))
+
+
 def test_a_frozen_weight_written_since_the_last_sync_is_sent_again():
     model = peft_model("qwen2")
     engine = Engine(model, EngineConfig(**CONFIG))
