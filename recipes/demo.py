@@ -13,17 +13,16 @@ offline W&B directory.
 from __future__ import annotations
 
 import os
-import sys
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "demo.yaml")
 
 
 def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("WANDB_SILENT", "true")
-    from rollout_recipes.run.config_file import load_config, parse_overrides
+    from rollout_recipes.run.config_file import command_line_overrides, load_config
     from rollout_recipes.run.session import train
 
-    cfg = load_config(CONFIG, parse_overrides(sys.argv[1:] if argv is None else argv))
+    cfg = load_config(CONFIG, command_line_overrides(__doc__, argv))
     result = train(cfg)
     print(report(result))
     return result

@@ -14,7 +14,6 @@ import dataclasses
 import json
 import os
 import random
-import sys
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "smollm2_arith.yaml")
 ROWS = 4000
@@ -33,10 +32,10 @@ def write_sums(path: str, rows: int, seed: int) -> str:
 def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("WANDB_SILENT", "true")
     from rollout_recipes.demo import report
-    from rollout_recipes.run.config_file import load_config, parse_overrides
+    from rollout_recipes.run.config_file import command_line_overrides, load_config
     from rollout_recipes.run.session import train
 
-    cfg = load_config(CONFIG, parse_overrides(sys.argv[1:] if argv is None else argv))
+    cfg = load_config(CONFIG, command_line_overrides(__doc__, argv))
     if cfg.dataset is None:
         data = write_sums(os.path.join(cfg.output_dir, "sums.jsonl"), ROWS, cfg.split_seed)
         cfg = dataclasses.replace(cfg, dataset=data)  # re-validated: the file exists now

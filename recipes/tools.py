@@ -21,7 +21,6 @@ offline W&B run; outputs/tools/comparison.png holds both held-out curves.
 from __future__ import annotations
 
 import os
-import sys
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tools.yaml")
 RUNS = {True: "tool", False: "no_tool"}
@@ -30,11 +29,11 @@ LABELS = {"tool": "with the tool (multi-turn)", "no_tool": "without it (single-t
 
 def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("WANDB_SILENT", "true")
-    from rollout_recipes.run.config_file import load_config, parse_overrides
+    from rollout_recipes.run.config_file import command_line_overrides, load_config
     from rollout_recipes.run.plot import accuracy_curves
     from rollout_recipes.run.session import train
 
-    overrides = parse_overrides(sys.argv[1:] if argv is None else argv)
+    overrides = command_line_overrides(__doc__, argv)
     base = load_config(CONFIG, overrides)  # checks every key before anything is built
     variants = [base.tools] if "tools" in overrides else [True, False]
     results: dict[str, dict] = {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import sys
 
 import yaml
 
@@ -55,6 +56,18 @@ def load_config(path: str | None = None, overrides: dict | None = None) -> Recip
 
 
 _NULLS = ("", "~", "null", "Null", "NULL")  # YAML's nulls
+
+
+def command_line_overrides(doc: str, argv: list[str] | None = None) -> dict:
+    """parse_overrides of a recipe's command line (sys.argv's when `argv` is None); -h or
+    --help prints the recipe's docstring `doc` and exits, as argparse does (it had been read
+    as a key missing its value)."""
+    args = sys.argv[1:] if argv is None else argv
+    if "-h" in args or "--help" in args:
+        print(f"{doc.strip()}\n\nAny --key value overrides that key of the config (every key: "
+              f"recipes/run/config.py).")
+        raise SystemExit(0)
+    return parse_overrides(args)
 
 
 def parse_overrides(args: list[str]) -> dict:

@@ -1,6 +1,7 @@
 """The training recipes (recipes/): each trainer path for 2 steps on the built-in task, a
 2-process launch, config validation, and (slow) the demo's learning claim."""
 
+import importlib
 import json
 import math
 import os
@@ -284,6 +285,19 @@ def test_unknown_key_in_file_is_named(tmp_path):
 def test_unknown_override_is_named(tmp_path):
     with pytest.raises(ValueError, match="num_generation"):
         main(["--config", write_config(tmp_path), "--num_generation", "4"])
+
+
+@pytest.mark.parametrize("recipe", ["demo", "smollm2_arith", "tools"])
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_recipes_print_their_help(recipe, flag, capsys):
+    """The recipes without argparse (overrides only) answer --help as argparse would: their
+    docstring, exit 0 (it had been read as a key missing its value: a ValueError)."""
+    module = importlib.import_module(f"rollout_recipes.{recipe}")
+    with pytest.raises(SystemExit) as e:
+        module.main(["--steps", "1", flag])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(module.__doc__.strip().splitlines()[0]) and "recipes/run/config.py" in out
 
 
 def test_missing_config_file(tmp_path):
