@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -28,12 +28,17 @@ from ..journal import RollbackFailed
 from ..parallel.reshard import ReshardStats, rank_parts
 from . import host_heap
 from .checksum import Checked, CopyMismatch
-from .device_memory import release_cuda_cache, tensor_bytes
+from .device_memory import release_cuda_cache
 from .weights import buckets, check_tied_embeddings, named_shapes_and_tensors, unwrap
+
+if TYPE_CHECKING:  # executor/ builds on colocation/ (the stack parks through it)
+    from ..executor.stack import ModelStack
 
 
 class Sleeper(Protocol):
     """Something else that sleeps and wakes with the engine (the draft model's stack)."""
+
+    stack: ModelStack  # whose memory the engine's memory_held counts
 
     def sleep(self) -> None: ...
 
@@ -250,13 +255,7 @@ class Colocation:
                 "adapter_only": plan is not None and plan.adapter_only}
 
     def memory_held(self) -> int:
-        stack = self.stack
-        pool = stack.pool
-        tensors = [*stack.model.parameters(), *stack.model.buffers(), pool.buffer,
-                   *pool.extras.values(), pool.free_slots() if pool.is_allocated else None,
-                   stack.table.table]
-        return (tensor_bytes(t for t in tensors if t is not None and t.device == self.device)
-                + stack.model.derived_bytes())
+        return self.stack.memory_held() + sum(s.stack.memory_held() for s in self._sleepers())
 
 
 def _drain(parts) -> None:

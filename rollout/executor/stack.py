@@ -10,6 +10,7 @@ import torch
 
 from ..attention.registry import attention_name, make_attention
 from ..colocation import host_heap
+from ..colocation.device_memory import tensor_bytes
 from ..colocation.parking import WeightParking, separate_host_memory
 from ..config import EngineConfig
 from ..journal import Journal
@@ -104,6 +105,17 @@ class ModelStack:
         self.table.release()
         self.model.drop_tables()
         self.parking.park(level)
+
+    def memory_held(self) -> int:
+        """Bytes of tensors this stack holds on its device: the weights and their packed
+        copies, the KV pool with its per-slot extras and free list, and the slot table (the
+        weights parked in host memory are not on the device)."""
+        pool = self.pool
+        tensors = [*self.model.parameters(), *self.model.buffers(), pool.buffer,
+                   *pool.extras.values(), pool.free_slots() if pool.is_allocated else None,
+                   self.table.table]
+        return (tensor_bytes(t for t in tensors if t is not None and t.device == self.device)
+                + self.model.derived_bytes())
 
     @plain_tensors
     def wake_up(self) -> None:

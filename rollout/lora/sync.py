@@ -31,7 +31,7 @@ from torch.multiprocessing.reductions import StorageWeakRef  # imported by torch
 from ..colocation.checksum import bit_sum, copy_all_verified
 from ..colocation.weights import check_tensor
 from ..models.layers.moe import StackedExperts
-from .layout import Layout, attach, copies, held, place
+from .layout import Layout, Placed, attach, copies, held, place
 from .source import SourceLora, Unsupported, is_peft_lora, read_source
 
 
@@ -82,7 +82,9 @@ class LoraSync:
         self.status: str | None = None
         self._next_status: str | None = None  # the planned sync's, until it attaches
         self._copied: dict[str, tuple] = {}  # HF name -> _key of the frozen tensor copied
-        self._placed: tuple[tuple, Layout] | None = None  # _place's last (key, layout)
+        # _place's last key, and its layout as (HF name of the source's weight, Placed less
+        # its source) pairs
+        self._placed: tuple[tuple, dict[str, tuple[tuple[str, Placed], ...]]] | None = None
 
     def plan(self, source) -> SyncPlan | None:
         """What a sync from `source` copies, checked from metadata; None when it is not
@@ -121,10 +123,14 @@ class LoraSync:
         computed for (every sync of a training run): only the source tensors are new."""
         key = tuple((x.weight, x.base_shape, x.a.shape, x.b.shape, x.scale) for x in layers)
         if self._placed is None or self._placed[0] != key:
-            self._placed = key, place(self.model, layers)
+            # Kept, the sources would pin the first PeftModel's adapter (and its gradients) for
+            # the engine's life once the trainer syncs from another one and drops it.
+            self._placed = key, {path: tuple((p.source.weight, dataclasses.replace(p, source=None))
+                                             for p in placed)
+                                 for path, placed in place(self.model, layers).items()}
         by_weight = {x.weight: x for x in layers}
-        return {path: tuple(dataclasses.replace(p, source=by_weight[p.source.weight])
-                            for p in placed)
+        return {path: tuple(dataclasses.replace(p, source=by_weight[weight])
+                            for weight, p in placed)
                 for path, placed in self._placed[1].items()}
 
     def attach(self, plan: SyncPlan | None, backend) -> bool:

@@ -3,6 +3,8 @@ what is trainable) is copied, and the engine follows PEFT's own forward through 
 modules_to_save, in-place writes to the base, set_adapter and disable_adapter, sleep and wake."""
 
 import copy
+import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -167,6 +169,24 @@ def test_a_plain_engine_takes_the_adapter_at_its_first_peft_sync():
     engine.update_weights(base)  # a plain model again: no adapter served
     assert active_blocks(engine) == {} and engine.lora_status is None
     assert outputs(engine) == outputs(Engine(base, EngineConfig(**CONFIG)))
+
+
+
+def test_a_sync_from_another_peft_model_lets_the_first_ones_adapter_go():
+    """The placement is reused across syncs of the same adapter layout, not the tensors it was
+    first computed from: a trainer that builds a new PeftModel (a resumed run, another
+    policy) gets the old one's adapter (and its gradients) back once it drops it."""
+    first = peft_model("llama")
+    engine = Engine(first, EngineConfig(**CONFIG))
+    second = peft_model("llama", seed=2)
+    assert engine.update_weights(second)["adapter_only"] is False
+    adapter = [weakref.ref(p) for n, p in first.named_parameters() if "lora_" in n]
+    assert adapter
+    del first
+    gc.collect()
+    assert [r for r in adapter if r() is not None] == []
+    assert_matches_reference(second, PROMPTS, engine.generate(PROMPTS, GREEDY))
+    assert engine.update_weights(second)["adapter_only"]  # the placement still reused
 
 
 @pytest.mark.parametrize("family, separate", [("llama", False), ("llama", True),

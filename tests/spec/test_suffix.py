@@ -3,6 +3,7 @@ brute-force search under random insertions and evictions; drafts only continue w
 the budget holds; outputs unchanged (greedy, seeded under coupled acceptance, distribution
 under rejection); kept across sleep, cleared on request; per-source stats."""
 
+import tracemalloc
 from collections import Counter
 
 import numpy as np
@@ -267,6 +268,29 @@ def test_history_max_match_is_bounded_and_reserves_nothing_up_front():
     length, positions = history.matches(context, prompt)
     assert length == MAX_HISTORY_MATCH and len(positions) == 1
     assert history.continuation(positions, 4, 1.0) == completion[2 * MAX_HISTORY_MATCH:][:4]
+
+
+def test_the_history_holds_at_most_the_documented_bytes_a_token():
+    """docs/speculation.md states the history's host bytes a held token; uniformly random
+    tokens in a small history are the worst case (every token a gram of its own under its
+    prompt, the global index's grams over few tokens), measured as the docs say, past the
+    budget so that evictions and compactions run."""
+    budget = 10_000
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, 49152, (16, 200)).tolist()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        history = DraftHistory(budget, 1, 32)
+        worst = 0.0
+        for i in range(3 * budget // 150):
+            completion = rng.integers(0, 49152, int(rng.integers(20, 280))).tolist()
+            history.add(prompts[i % 16], completion)
+            worst = max(worst, (tracemalloc.get_traced_memory()[0] - base) / history.tokens)
+    finally:
+        tracemalloc.stop()
+    assert history.evicted > 0
+    assert worst <= 1000  # ~650 measured (Python 3.11): room for allocator details, not a 2x
 
 
 def test_carried_groups_keep_drafting_from_history_across_an_update(target):
