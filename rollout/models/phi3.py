@@ -6,19 +6,10 @@ partial rotary come through layers/rotary.py; `sliding_window` applies to every 
 from __future__ import annotations
 
 from .base import WeightTable, register
-from .layers import AttentionOptions
-from .llama import LlamaForCausalLM
+from .llama import MistralForCausalLM
 
 
 @register("phi3")
-class Phi3ForCausalLM(LlamaForCausalLM):
+class Phi3ForCausalLM(MistralForCausalLM):  # Mistral's: Llama's layers without biases
     WEIGHTS = WeightTable()  # no split projections to fuse: every name maps to itself
     PARTIAL_ROTARY = True
-
-    @classmethod
-    def attention_options(cls, config) -> AttentionOptions:
-        return AttentionOptions()
-
-    @classmethod
-    def mlp_bias(cls, config) -> bool:
-        return False
