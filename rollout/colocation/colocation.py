@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -31,14 +31,11 @@ from .checksum import Checked, CopyMismatch
 from .device_memory import release_cuda_cache
 from .weights import buckets, check_tied_embeddings, named_shapes_and_tensors, unwrap
 
-if TYPE_CHECKING:  # executor/ builds on colocation/ (the stack parks through it)
-    from ..executor.stack import ModelStack
-
 
 class Sleeper(Protocol):
-    """Something else that sleeps and wakes with the engine (the draft model's stack)."""
+    """Something else that sleeps and wakes with the engine: its drafter (a draft model)."""
 
-    stack: ModelStack  # whose memory the engine's memory_held counts
+    def memory_held(self) -> int: ...  # its device bytes, counted in the engine's
 
     def sleep(self) -> None: ...
 
@@ -255,7 +252,7 @@ class Colocation:
                 "adapter_only": plan is not None and plan.adapter_only}
 
     def memory_held(self) -> int:
-        return self.stack.memory_held() + sum(s.stack.memory_held() for s in self._sleepers())
+        return self.stack.memory_held() + sum(s.memory_held() for s in self._sleepers())
 
 
 def _drain(parts) -> None:

@@ -117,6 +117,9 @@ class DraftModelDrafter(Drafter):
     def wake_up(self) -> None:
         self.stack.wake_up()
 
+    def memory_held(self) -> int:
+        return self.stack.memory_held()  # its weights parked at level 2 too (sleep)
+
     def check_invariants(self) -> None:
         self.kv.check()
         assert set(self.shadows) == set(self.kv.attached), "draft shadows differ from its KV"

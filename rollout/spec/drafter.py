@@ -40,5 +40,9 @@ class Drafter(ABC):
     def wake_up(self) -> None:
         pass
 
+    def memory_held(self) -> int:
+        """Device bytes it holds (the engine's memory_held counts them): none but a model's."""
+        return 0
+
     def check_invariants(self) -> None:
         pass

@@ -169,6 +169,21 @@ def _tensor_storages() -> dict[int, torch.Tensor]:
             if issubclass(type(o), torch.Tensor) and o.device.type == "cpu" and o.numel()}
 
 
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_memory_held_of_a_model_free_drafter_is_the_targets(method):
+    """A drafter without a model holds no device memory (it had no stack to count: every
+    memory_held() of such an engine raised AttributeError)."""
+    model = tiny_model("qwen2")
+    spec = SpeculativeConfig(method, num_speculative_tokens=3)
+    engine = Engine(model, dataclasses.replace(CONFIG, speculative=spec))
+    plain = Engine(model, CONFIG)
+    for level in (0, 1, 2):
+        if level:
+            engine.sleep(level)
+            plain.sleep(level)
+        assert engine.memory_held() == plain.memory_held()
+
+
 def test_memory_held_counts_the_draft_models_stack():
     model = tiny_model("qwen2")
     draft = tiny_model("qwen2", seed=3, num_hidden_layers=1)
