@@ -320,6 +320,11 @@ def check_generation_args(args) -> None:
         raise ValueError("vllm_structured_outputs_regex: the engine has no structured outputs")
 
 
+def end_ids(trainer: GRPOTrainer) -> list[int]:
+    """The ids TRL ends a completion on (its eos_token_ids, unset ones dropped)."""
+    return [t for t in trainer.eos_token_ids if t is not None]
+
+
 def sampling_params(trainer: GRPOTrainer, engine: Engine) -> SamplingParams:
     """GRPOConfig's generation settings as engine SamplingParams (n is set per prompt group)."""
     args = trainer.args
@@ -331,7 +336,7 @@ def sampling_params(trainer: GRPOTrainer, engine: Engine) -> SamplingParams:
         # TRL's end ids exactly (ignore_eos: not the engine's too, which may hold another the
         # model's config names): a sample TRL would go on with, or count as ended, must be one
         # the engine goes on with or ends
-        stop_token_ids=[t for t in trainer.eos_token_ids if t is not None], ignore_eos=True,
+        stop_token_ids=end_ids(trainer), ignore_eos=True,
         logprobs=True)
 
 

@@ -13,7 +13,6 @@ import time
 
 from transformers import PrinterCallback, TrainerCallback
 
-
 from ..run.build import engine_config, frozen_copy
 from ..run.config import RecipeConfig
 from ..run.evaluate import held_out_accuracy
@@ -117,6 +116,7 @@ class _ToTracker(TrainerCallback):
 def train_trl(cfg: RecipeConfig, accelerator, policy, tokenizer, task, tracker) -> dict:
     from trainer_hooks.colocate import ColocatedRollout
     from trainer_hooks.trl import RolloutGRPOTrainer
+    from trainer_hooks.trl_rollout import end_ids
 
     from .warmstart import warm_start
 
@@ -143,7 +143,7 @@ def train_trl(cfg: RecipeConfig, accelerator, policy, tokenizer, task, tracker) 
         # A PEFT policy's is TRL's own frozen copy of its (warm-started) adapter, "ref";
         # RolloutGRPOTrainer refuses a reference model beside it.
         ref_model=frozen_copy(policy) if cfg.beta > 0 and cfg.lora is None else None)
-    ends.update(t for t in trainer.eos_token_ids if t is not None)
+    ends.update(end_ids(trainer))
     engine = trainer.engine
     engine.wake_up()  # one measured wake: what the engine holds while it generates
     awake_bytes = engine.memory_held()

@@ -101,8 +101,10 @@ class Carry:
                 self.kept_now = kept
                 return
             except BaseException:
+                # What every rank does when any rank lost it (drop_kept_kv): tags an earlier
+                # update set go too, their K/V cleared with the cache
                 self.kept_lost = True
-                self.kv.clear_cache()
+                self.drop_kept_kv()
                 raise
         self.kv.clear_cache()
 

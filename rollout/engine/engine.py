@@ -267,7 +267,7 @@ class Engine(ColocationCalls):
             # for the next step(), not after they were handed over.
             self._guard.deliver_held()
             for r in done:
-                del self.requests.ready[r.request_id]
+                self.requests.take_ready(r.request_id)
             handed += done
             return outs
 
@@ -280,7 +280,7 @@ class Engine(ColocationCalls):
         try:
             with self._entered(call):
                 yield handed
-        except KeyboardInterrupt:
+        except BaseException:  # (a SIGINT handler of the caller's own may raise another)
             for r in handed:
                 self.requests.ready.setdefault(r.request_id, r)
             raise

@@ -10,6 +10,8 @@ too, but torch does not vectorise it on the CPU).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 _M1 = 0x7FEB352D
@@ -77,8 +79,15 @@ def token_bits(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     < V: about V / 2^32 of all pairs, some 3 % of the 64-sample groups over a 49K vocabulary)
     drew the same noise permuted (row b's at t was row a's at t ^ d), and their tokens were
     coupled; mixed, two rows share a value only where two hashes collide."""
-    tokens = mix32(torch.arange(vocab_size, dtype=torch.int32, device=keys.device))
-    return mix32(keys[:, None] ^ tokens[None, :])
+    return mix32(keys[:, None] ^ _token_hashes(vocab_size, keys.device)[None, :])
+
+
+@functools.lru_cache(maxsize=4)
+def _token_hashes(vocab_size: int, device: torch.device) -> torch.Tensor:
+    """mix32 of every token id: the same for every row and step (the sampler draws in blocks of
+    rows, several a step), so made once per vocabulary and device. Never written to."""
+    with torch.inference_mode(False):  # a plain tensor, usable inside and outside the mode
+        return mix32(torch.arange(vocab_size, dtype=torch.int32, device=device))
 
 
 def uniform_noise(seed: torch.Tensor, position: torch.Tensor, vocab_size: int,

@@ -220,7 +220,7 @@ def carried_state(engine):
 
 @pytest.mark.parametrize("kind", [RuntimeError, KeyboardInterrupt], ids=["error", "interrupt"])
 @pytest.mark.parametrize("point", ["park", "unpark-insert", "unpark-alloc", "keep-stale",
-                                   "keep-stale-tag", "resume-labelled"])
+                                   "keep-stale-again", "keep-stale-tag", "resume-labelled"])
 def test_fault_at_a_park_point_leaves_the_engine_exact(point, kind, monkeypatch):
     """A fault while parking (sleep stays awake), writing parked K/V back (wake-up stays
     asleep, the K/V still parked), keeping stale K/V at an update (its cache cleared, the
@@ -263,8 +263,11 @@ def test_fault_at_a_park_point_leaves_the_engine_exact(point, kind, monkeypatch)
         engine.check_invariants()
         engine.wake_up()
     else:
-        where = (engine.kv, "keep_stale") if point == "keep-stale" else (engine.cache,
-                                                                          "tag_branches")
+        if point == "keep-stale-again":  # tags an earlier update set, whose K/V the cache
+            engine.update_weights(target())  # then loses too
+            assert any(tag is not None for *_, tag, _ in carried_state(engine))
+        where = ((engine.cache, "tag_branches") if point == "keep-stale-tag"
+                 else (engine.kv, "keep_stale"))
         fault.install(monkeypatch, *where)
         with pytest.raises(kind):
             engine.update_weights(target())
