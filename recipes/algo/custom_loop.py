@@ -18,7 +18,8 @@ within a prompt's n episodes, PPO runs GAE over model tokens with the environmen
 Partial rollouts and dynamic sampling (partial.py) draw a step's groups with Engine.rollout;
 the loss is then decoupled (losses.py): clipped against the policy at the start of the step,
 recomputed here, each token weighted by it over the engine's logprob from the weights that
-sampled the token.
+sampled the token. So is the loss of tokens drawn from a truncated distribution that the
+trainer's untruncated policy is compared with (importance_ratio "full_policy", episodes).
 """
 
 from __future__ import annotations
@@ -78,6 +79,14 @@ class CustomTrainer:
             on_support = cfg.importance_ratio == "on_support" and not self.episodic
             self.behaviour = "on_support" if on_support else "sampling"
             self.params = dataclasses.replace(self.params, return_support=on_support)
+        # The decoupled objective (partial.py) where the engine's logprobs are not the trainer's
+        # policy at the step's start: tokens sampled by older weights (partial rollouts), or
+        # drawn from a truncated distribution the trainer's untruncated side is compared with
+        # (full_policy, episodes). Clipped against mu, pi / mu would start below 1 by the mass
+        # the filter cut, and a negative-advantage token whose cut passes clip_eps would get no
+        # gradient at all; clipped against the trainer's own policy, with pi_prox / mu as each
+        # token's weight, both signs are weighed alike.
+        self.decoupled = cfg.partial_rollouts or self.behaviour == "sampling"
         if self.episodic:
             # Turns end at the task's stop strings (a tool call's end tag). run_episodes seeds
             # each turn from params.seed, so draw one per step, per engine: left to
@@ -152,7 +161,7 @@ class CustomTrainer:
             if self.params.return_routed_experts:
                 self.routes = routed_expert_batch(outs, batch.input_ids.shape[1], self.acc.device)
         t1 = time.perf_counter()
-        if self.cfg.partial_rollouts:
+        if self.decoupled:
             self._decouple(batch)
         self.module.train()
         update = self.grpo_update(batch) if self.cfg.algo == "grpo" else self.ppo_update(batch)
@@ -281,7 +290,8 @@ class CustomTrainer:
             # tensor_split: exactly `minibatches` parts (chunk gives fewer when they do not
             # divide the batch: 6 in 4 -> 3); the config keeps each non-empty.
             for mini in order.tensor_split(self.cfg.minibatches):
-                num_tokens = batch.mask[mini].sum()
+                local = batch.mask[mini].sum()
+                num_tokens = self._tokens_per_rank(local)
                 micro = mini.split(self.cfg.micro_batch_size)
                 minibatch_loss = 0.0
                 for k, index in enumerate(micro):
@@ -295,13 +305,23 @@ class CustomTrainer:
                     for key, value in stats.items():
                         totals[key] = reduce_stat(key, totals.get(key), float(value.detach()))
                 if self._first_minibatch:
-                    totals["mismatch/tokens"] = num_tokens.item()
+                    totals["mismatch/tokens"] = local.item()
                 losses.append(minibatch_loss)
-                seen += num_tokens.item()
+                seen += local.item()
                 self._optimizer_step()
                 self._first_minibatch = False
         totals["loss"] = sum(losses) / len(losses)
         return seen
+
+    def _tokens_per_rank(self, local: torch.Tensor) -> torch.Tensor:
+        """What each rank divides its token sum by: the mean over ranks of their minibatch's
+        tokens. DDP averages the ranks' gradients, so the update is then the per-token mean over
+        every engine's samples (a rank's own count would weigh a token on a rank of short
+        completions above one on a rank of long ones). The k ranks of a tensor-parallel engine
+        hold the same samples and count k times, in the numerator as here."""
+        if self.acc.num_processes == 1:
+            return local
+        return self.acc.reduce(local.to(torch.float64), reduction="mean").to(local.dtype)
 
     def _optimizer_step(self) -> None:
         # Colocation's promise: the engine's KV pool is freed before the optimizer allocates.
@@ -376,10 +396,12 @@ class CustomTrainer:
         keys = sorted(metrics)
         values = torch.tensor([float(metrics[k]) for k in keys], device=self.acc.device,
                               dtype=torch.float64)
-        values = self.acc.reduce(values, reduction="mean")
-        out = dict(zip(keys, values.tolist()))
-        # A step counts as asleep only if every rank was asleep.
-        flags = torch.tensor([metrics["engine/asleep_at_optimizer_step"]],
-                             device=self.acc.device)
-        out["engine/asleep_at_optimizer_step"] = float(self.acc.gather(flags).min())
-        return out
+        # Extremes stay extremes (a broken sync on one rank must not be halved in the log); a
+        # step counts as asleep only if every rank was asleep.
+        lowest = [k.endswith("_min") or k == "engine/asleep_at_optimizer_step" for k in keys]
+        highest = [k.endswith(("_max", "/max_length")) for k in keys]
+        per_rank = self.acc.gather(values.unsqueeze(0))  # [ranks, keys]
+        out = per_rank.mean(0)
+        out = torch.where(torch.tensor(lowest, device=out.device), per_rank.min(0).values, out)
+        out = torch.where(torch.tensor(highest, device=out.device), per_rank.max(0).values, out)
+        return dict(zip(keys, out.tolist()))

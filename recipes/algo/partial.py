@@ -38,6 +38,9 @@ class GroupDrawer:
         # Over the run so far: a step may generate nothing (its groups completed while carried)
         # or much (it finishes carried groups of later steps), so the ratio is a running one.
         self.generated = self.trained = 0
+        # The engine's restart count when the last step's draw ended: an update restarts stale
+        # groups as the next step's rollout block opens, before its draw begins.
+        self._restarts = rollout.engine.stats.stale_restarts
 
     def draw(self):
         """(outputs, their samples' rewards flat, metrics) of prompts_per_step groups."""
@@ -45,7 +48,7 @@ class GroupDrawer:
         wanted = cfg.prompts_per_step
         in_flight = math.ceil(cfg.over_sample * wanted) if cfg.partial_rollouts else wanted
         draws = cfg.dynamic_sampling_draws if cfg.dynamic_sampling else 1
-        generated, restarts = engine.stats.generated_tokens, engine.stats.stale_restarts
+        generated = engine.stats.generated_tokens
         kept: list = []
         dropped = calls = 0
         while len(kept) < wanted and calls < draws:
@@ -77,8 +80,10 @@ class GroupDrawer:
         outs = [out for out, _ in kept]
         self.generated += engine.stats.generated_tokens - generated
         self.trained += sum(len(s.token_ids) for out in outs for s in out.samples)
+        restarts, self._restarts = engine.stats.stale_restarts - self._restarts, \
+            engine.stats.stale_restarts
         return outs, [r for _, rewards in kept for r in rewards], self._metrics(
-            outs, engine.stats.stale_restarts - restarts, dropped, calls)
+            outs, restarts, dropped, calls)
 
     def _keep_carried(self) -> None:
         """The answers of the groups the engine still carries, no others: it ends groups

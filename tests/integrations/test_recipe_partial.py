@@ -96,6 +96,17 @@ def test_partial_rollouts_carry_groups_into_later_steps(tmp_path, algo, monkeypa
         assert row["engine/asleep_at_optimizer_step"] == 1.0
 
 
+def test_stale_restarts_are_logged_in_the_step_whose_update_made_them(tmp_path):
+    """max_staleness 0: every group still in flight at an update restarts from its prompt.
+    The update runs as the step's rollout block opens, before its groups are drawn, so the
+    step's count must span it: over the run the logged counts add up to the engine's."""
+    out = main(["--config", write_config(tmp_path, eval_size=0, steps=4), "--partial_rollouts",
+                "true", "--over_sample", "3", "--max_staleness", "0"])
+    logged = [row["partial/stale_restarts"] for row in out["history"]]
+    assert logged[0] == 0  # no update before the first draw
+    assert sum(logged) == out["engine_stats"]["stale_restarts"] > 0
+
+
 def test_carried_kv_reaches_the_engine_with_partial_rollouts():
     """--carried_kv park sets EngineConfig.carried_kv for partial rollouts (the engine's tests
     hold what it does: tests/engine/test_carry_park.py)."""

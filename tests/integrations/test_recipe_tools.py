@@ -219,8 +219,10 @@ TINY = ["--tiny_model", "{hidden_size: 32, num_hidden_layers: 1, num_attention_h
         "--plot", "false", "--progress", "false"]
 
 
-# grpo: both runs, the tool's and the baseline's (single-turn, no tool); ppo: the tool's.
-@pytest.mark.parametrize("args", [["--algo", "grpo"], ["--algo", "ppo", "--tools", "true"]])
+# grpo: both runs, the tool's and the baseline's (single-turn, no tool); ppo: the tool's; a
+# truncating sampler: episodes train on the decoupled loss (custom_loop.py).
+@pytest.mark.parametrize("args", [["--algo", "grpo"], ["--algo", "ppo", "--tools", "true"],
+                                  ["--algo", "grpo", "--tools", "true", "--top_p", "0.7"]])
 def test_tools_recipe_two_steps(tmp_path, monkeypatch, args):
     monkeypatch.setenv("WANDB_MODE", "offline")
     threads = torch.get_num_threads()
@@ -242,8 +244,12 @@ def test_tools_recipe_two_steps(tmp_path, monkeypatch, args):
         assert row["episode/env_tokens"] > 0 and row["episode/turns"] > 1
         assert row["episode/aborted"] == 0
         # One optimizer step per rollout, so the trainer's logprobs at model tokens are the
-        # engine's: the mask lines up with the tokens the engine sampled.
+        # engine's: the mask lines up with the tokens the engine sampled. Under top_p the
+        # ratio is the trainer's to its own policy at the step's start, and pi_prox / mu (the
+        # kept mass) each model token's weight.
         assert row["loss/ratio"] == pytest.approx(1.0, abs=1e-4)
+        if "--top_p" in args:
+            assert row["loss/clip_frac"] == 0 and row["is/weight_mean"] < 0.999
         assert row["completion/mean_length"] < row["episode/length"]  # env tokens not counted
     assert 0 <= run["accuracy_before"] <= 1 and 0 <= run["accuracy_after"] <= 1
     later = run["later_turn_cache"]

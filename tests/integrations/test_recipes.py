@@ -125,8 +125,10 @@ def test_custom_grpo_trains_a_lora_adapter_served_unmerged(tmp_path):
 def test_truncated_sampling_on_the_samplers_support_keeps_the_ratio_at_one(tmp_path, algo):
     """top_p = 0.8, one optimizer step per rollout (on-policy): renormalised over the tokens the
     sampler kept, the trainer's logprobs are the engine's sampling logprobs, and every token's
-    ratio is 1; against the untruncated policy ("full_policy") the ratio is pi / mu, below 1
-    by the mass the filter cut."""
+    ratio is 1. Against the untruncated policy ("full_policy") pi / mu lies below 1 by the mass
+    the filter cut: the loss is decoupled, its ratio to the trainer's own policy at the step's
+    start 1 and pi_prox / mu each token's weight. (Clipped against mu, every token with a
+    negative advantage and a cut past clip_eps had been clipped, so got no gradient.)"""
     ratios = {}
     for mode in ("on_support", "full_policy"):
         (tmp_path / mode).mkdir()
@@ -140,7 +142,9 @@ def test_truncated_sampling_on_the_samplers_support_keeps_the_ratio_at_one(tmp_p
     assert on["loss/ratio"] == pytest.approx(1.0, abs=1e-5)
     assert on["loss/ratio_abs_dev"] < 1e-5 and on["loss/ratio_outside"] == 0
     full = ratios["full_policy"]
-    assert full["loss/ratio"] < 0.99 and full["loss/ratio_outside"] > 0.01
+    assert full["loss/ratio"] == pytest.approx(1.0, abs=1e-5)
+    assert full["loss/clip_frac"] == 0 and full["loss/ratio_outside"] == 0
+    assert full["is/weight_mean"] < 0.99  # the kept mass, pi_prox / mu
 
 
 @pytest.mark.parametrize("mode", ["on_support", "full_policy"])
