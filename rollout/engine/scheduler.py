@@ -30,8 +30,8 @@ from ..requests.batch import Batch, ScheduledSeq
 from ..requests.sequence import SeqStatus, Sequence
 
 # lpm admits the longest cached prefix first: a waiting sequence that shares none would wait as
-# long as sequences that do keep coming. Passed over by this many admissions, the head of
-# the queue (the oldest waiting) goes first.
+# long as sequences that do keep coming. Passed over by this many admissions, the oldest
+# waiting request goes first.
 LPM_PATIENCE = 16
 
 
@@ -41,8 +41,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        # (the head of the waiting queue's seq_id, how many admissions passed it over)
-        self._passed: tuple[int, int] = (-1, 0)
+        # (the oldest waiting request, how many admissions passed it over)
+        self._passed: tuple[str | None, int] = (None, 0)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -119,36 +119,42 @@ class Scheduler:
         raise RuntimeError("KV pool exhausted by sequences already scheduled this step")
 
     # --- admission --------------------------------------------------------------------------
-    def _admission_order(self) -> list[Sequence]:
+    def _oldest(self) -> str:
+        """The request that has waited longest: seq ids are drawn in arrival order and kept
+        through preemption and restarts, while the queue's order is not its age (preempted
+        sequences rejoin its front)."""
+        return min(self.waiting, key=lambda s: s.seq_id).group
+
+    def _admission_order(self, oldest: str) -> list[Sequence]:
         waiting = list(self.waiting)
         if (self.config.schedule_policy == "lpm" and self.kv.shares_prefixes
                 and len(waiting) <= self.config.lpm_max_waiting):
-            head = waiting[0]
             waiting.sort(key=lambda s: -self.kv.prefix_len(s.reusable_tokens()))
-            if self._passed == (head.seq_id, LPM_PATIENCE):  # it waited long enough
-                waiting.remove(head)
-                waiting.insert(0, head)
+            if self._passed == (oldest, LPM_PATIENCE):  # it waited long enough
+                waiting.sort(key=lambda s: s.group != oldest)
         return waiting
 
-    def _count_passed(self, admitted: set[int]) -> None:
-        """The head of the waiting queue passed over by this admission (others admitted, not
-        it): one more time (up to LPM_PATIENCE). Journaled."""
-        head = self.waiting[0] if self.waiting else None
-        if head is None or head.seq_id in admitted or not admitted:
+    def _count_passed(self, oldest: str, admitted: set[Sequence]) -> None:
+        """The `oldest` waiting request passed over by this admission (others admitted, none
+        of its samples): one more time (up to LPM_PATIENCE). Counted per request: samples
+        still waiting after a sibling's admission keep its count and go first too (they wait
+        for its prefill, and then would wait LPM_PATIENCE admissions each). Journaled."""
+        if not admitted or any(s.group == oldest for s in admitted):
             return
-        seq_id, times = self._passed
-        passed = (head.seq_id, min(times + 1, LPM_PATIENCE) if seq_id == head.seq_id else 1)
+        group, times = self._passed
+        passed = (oldest, min(times + 1, LPM_PATIENCE) if group == oldest else 1)
         before, self._passed = self._passed, passed
         self.journal.record(lambda: setattr(self, "_passed", before))
 
     def _admit(self, budget: int, items: list[ScheduledSeq]) -> int:
-        admitted: set[int] = set()
+        admitted: set[Sequence] = set()
         # Prompts being prefilled now, by group; their prefixes are cached once computed. A
         # sample that only computes its last prompt token (the rest matched) shares nothing.
         in_flight = {s.group: s for s in self.running if s.num_computed < s.num_prompt - 1}
         decode_reserve = len(self.running)
         sharing = self.kv.shares_prefixes
-        for seq in self._admission_order():
+        oldest = self._oldest()
+        for seq in self._admission_order(oldest):
             if not self._room(budget):
                 break
             if sharing and seq.group in in_flight:
@@ -171,16 +177,16 @@ class Scheduler:
             new = self.kv.alloc(n)
             self.kv.attach(seq, slots, node)
             self._run(seq)
-            admitted.add(seq.seq_id)
+            admitted.add(seq)
             self._schedule_seq(seq, new, items)
             budget -= n
             decode_reserve += 1
             if seq.num_computed < seq.num_prompt - 1:
                 in_flight.setdefault(seq.group, seq)
-        self._count_passed(admitted)
+        self._count_passed(oldest, admitted)
         if admitted:
             before = self.waiting
-            self.waiting = deque(s for s in before if s.seq_id not in admitted)
+            self.waiting = deque(s for s in before if s not in admitted)
             self.journal.record(lambda: setattr(self, "waiting", before))
         return budget
 

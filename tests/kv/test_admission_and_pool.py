@@ -12,6 +12,7 @@ it refuses to start when one max_model_len request cannot fit. The free-memory r
 replaced here, so the sizes are exact.
 """
 
+import random
 import time
 
 import pytest
@@ -83,6 +84,38 @@ def test_lpm_admits_a_cold_request_after_bounded_passing():
             engine.add_request(CACHED + [40 + k % 50], PARAMS, request_id=f"warm{k}")
         done += [o.request_id for o in engine.step()]
     assert done.index("cold") == LPM_PATIENCE
+    engine.check_invariants()
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_lpm_admits_a_cold_request_passed_over_behind_preempted_ones(n):
+    """A short pool preempts all the time, and the preempted rejoin the front of the queue
+    (their tokens cached: lpm admits them first). A cold request that arrived after them is
+    the oldest waiting once they are gone: the admissions that pass it over count wherever it
+    sits in the queue, and after LPM_PATIENCE of them it goes first (it used to wait 2307
+    steps, behind 460 other requests). With n=4 its samples, admitted a round apart (siblings
+    wait for the first one's prefill), come through as one request."""
+    from rollout.engine.scheduler import LPM_PATIENCE
+
+    rng = random.Random(0)
+    shared = [rng.randrange(128) for _ in range(40)]
+    cold = [rng.randrange(128) for _ in range(30)]
+    engine = Engine(tiny_model("qwen2"), EngineConfig(kv_cache_tokens=120, max_model_len=100,
+                                                      seed=1, max_num_batched_tokens=64))
+    params = SamplingParams(temperature=1.0, max_tokens=25, ignore_eos=True)
+    waiting = 6  # warm requests always waiting: at most that many admitted a round
+    done, step = [], 0
+    while "cold" not in done and len(done) < LPM_PATIENCE * waiting:
+        while engine.inspect().waiting < waiting:
+            engine.add_request(shared + [rng.randrange(128) for _ in range(rng.randrange(1, 6))],
+                               params)
+        if step == 30:  # 21 requests came before it
+            engine.add_request(cold, SamplingParams(n=n, temperature=1.0, max_tokens=5),
+                               request_id="cold")
+        done += [o.request_id for o in engine.step()]
+        step += 1
+    assert engine.stats.preemptions > 0
+    assert "cold" in done, f"passed over by {len(done)} requests"
     engine.check_invariants()
 
 
