@@ -30,7 +30,6 @@ class RolloutBatch:
     old_logprobs: torch.Tensor  # [N, L-1] behaviour-policy logprobs (from the engine)
     rewards: torch.Tensor  # [N]
     group: torch.Tensor  # [N] index of the prompt each sample answers
-    completions: list[str]
     episodic: bool = False  # built from multi-turn episodes: `mask` has environment gaps
     # Per sample: (target position of its first completion token, its Support), where the
     # sampler truncated and the trainer renormalises over the kept tokens; None: it does not.
@@ -92,19 +91,17 @@ def build_batch(outputs: list[RolloutOutput], rewards: list[float], pad_id: int,
     rows = [(out.prompt_token_ids, s.token_ids, [1] * len(s.token_ids),
              s.sampling_logprobs if sampling else s.logprobs) for out, s in samples]
     groups = [g for g, out in enumerate(outputs) for _ in out.samples]
-    texts = [s.text or "" for out in outputs for s in out.samples]
     untruncated = [s.logprobs for _, s in samples] if behaviour == "sampling" else None
-    batch = _pack(rows, rewards, groups, texts, pad_id, device, untruncated=untruncated)
+    batch = _pack(rows, rewards, groups, pad_id, device, untruncated=untruncated)
     if behaviour == "on_support":
         batch.supports = [(len(out.prompt_token_ids) - 1, s.support) for out, s in samples]
     return batch
 
 
 def build_episode_batch(episodes: list[list[Episode]], rewards: list[float], pad_id: int,
-                        device: torch.device, completions: list[str],
-                        behaviour: str = "logprobs") -> RolloutBatch:
-    """`episodes[i]`: the n episodes of prompt i (one GRPO group); `rewards` and `completions`
-    (their texts): one per episode, in that order. Targets are masked by each episode's mask,
+                        device: torch.device, behaviour: str = "logprobs") -> RolloutBatch:
+    """`episodes[i]`: the n episodes of prompt i (one GRPO group); `rewards`: one per episode,
+    in that order. Targets are masked by each episode's mask,
     and `old_logprobs` holds the engine's logprobs at model tokens only (0 at environment
     tokens, whatever the episode says there); `behaviour` "sampling": its sampling logprobs
     (what a truncating sampler drew from; episodes carry no supports), its logprobs kept as
@@ -115,11 +112,11 @@ def build_episode_batch(episodes: list[list[Episode]], rewards: list[float], pad
              ep.sampling_logprobs if sampling else ep.logprobs) for ep in flat]
     groups = [g for g, row in enumerate(episodes) for _ in row]
     untruncated = [ep.logprobs for ep in flat] if sampling else None
-    return _pack(rows, rewards, groups, completions, pad_id, device, episodic=True,
+    return _pack(rows, rewards, groups, pad_id, device, episodic=True,
                  untruncated=untruncated)
 
 
-def _pack(rows, rewards, groups, texts, pad_id, device, episodic: bool = False,
+def _pack(rows, rewards, groups, pad_id, device, episodic: bool = False,
           untruncated: list | None = None) -> RolloutBatch:
     """(prompt ids, ids after it, their mask, their logprobs) per sample -> right-padded tensors
     in target space: the first token after the prompt is predicted from its last position.
@@ -142,7 +139,7 @@ def _pack(rows, rewards, groups, texts, pad_id, device, episodic: bool = False,
             full[i, targets] = _at_trained(trained, untruncated[i])
     batch = RolloutBatch(input_ids.to(device), attention.to(device), mask.to(device),
                          old.to(device), torch.tensor(rewards, device=device),
-                         torch.tensor(groups, device=device), texts, episodic)
+                         torch.tensor(groups, device=device), episodic)
     if full is not None:
         batch.untruncated_logprobs = full.to(device)
     return batch
@@ -153,7 +150,3 @@ def _at_trained(trained: torch.Tensor, logprobs: list[float]) -> torch.Tensor:
     says nothing)."""
     return torch.where(trained, torch.tensor(logprobs, dtype=torch.float32), 0.0)
 
-
-def episode_text(tokenizer, episode: Episode) -> str:
-    """An episode's text after the prompt, model and environment tokens (specials skipped)."""
-    return tokenizer.decode(episode.token_ids, skip_special_tokens=True)

@@ -40,7 +40,7 @@ from ..run.config import RecipeConfig
 from ..run.rollout_metrics import EngineMeter
 from ..run.shard import PromptSampler, engine_slot
 from .advantages import episode_gae, gae, group_advantages, whiten
-from .batch import RolloutBatch, build_batch, build_episode_batch, episode_text
+from .batch import RolloutBatch, build_batch, build_episode_batch
 from .logprobs import policy_logprobs, token_logprobs
 from .losses import grpo_loss, mismatch_stats, ppo_loss
 from .partial import GroupDrawer, behaviour_weight_stats, decouple
@@ -205,11 +205,10 @@ class CustomTrainer:
     def _episode_batch(self, episodes, answers) -> tuple[RolloutBatch, dict]:
         """Each episode scored by the task on its tokens after the prompt; the batch's mask is
         the episodes' own (model tokens 1, environment tokens 0)."""
-        texts = [episode_text(self.tokenizer, ep) for row in episodes for ep in row]
         rewards = [self.task.score(self.tokenizer, ep.token_ids, answer, self.engine.eos_ids)
                    for row, answer in zip(episodes, answers) for ep in row]
         batch = build_episode_batch(episodes, rewards, self.tokenizer.pad_token_id,
-                                    self.acc.device, texts, self.behaviour)
+                                    self.acc.device, self.behaviour)
         flat = [ep for row in episodes for ep in row]
         count = len(flat)
         return batch, {

@@ -80,7 +80,7 @@ def correctness_reward(task, tokenizer, eos_ids):
 class _ToTracker(TrainerCallback):
     """Forwards each step's logs, and whether the engine was asleep at every optimizer step."""
 
-    def __init__(self, tracker, engine, awake_bytes: int, steps_per_rollout: int = 1) -> None:
+    def __init__(self, tracker, engine, awake_bytes: int, steps_per_rollout: int) -> None:
         self.tracker, self.engine, self.awake_bytes = tracker, engine, awake_bytes
         self.steps_per_rollout = steps_per_rollout
         self.asleep: list[bool] = []

@@ -44,4 +44,4 @@ def exact_reward(completion: str, answer: str) -> float:
 
 def load(cfg, reward) -> Task:
     train, held_out = addition(cfg.train_size, cfg.eval_size, cfg.split_seed)
-    return Task(train, held_out if cfg.eval_size else None, reward, ALPHABET)
+    return Task(train, held_out if cfg.eval_size else None, reward)

@@ -47,7 +47,6 @@ class Task:
     train: Dataset
     eval: Dataset | None
     reward: Reward
-    alphabet: str | None = None  # characters of the built-in tokenizer; None for real models
     chat: bool = False  # prompts are conversations, rendered through the chat template
     environment: Callable[[], object] | None = None  # env factory: episodes instead of samples
     stop: Sequence[str] | None = None  # strings that end a model turn (e.g. a call's end tag)

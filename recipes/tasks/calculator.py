@@ -99,7 +99,7 @@ def load(cfg, reward) -> Task:
         return reward(final_answer(completion), answer)
 
     tools = cfg.tools
-    return Task(train, held_out if cfg.eval_size else None, scored, ALPHABET,
+    return Task(train, held_out if cfg.eval_size else None, scored,
                 environment=Calculator if tools else None,
                 stop=[END_CALL] if tools else None,
                 demonstration=lambda p, a: demonstration(p, a, tools))

@@ -43,4 +43,4 @@ def longest_turn(cfg) -> int:
 
 def load(cfg, reward) -> Task:
     train, held_out = strings(cfg.train_size, cfg.eval_size, cfg.split_seed)
-    return Task(train, held_out if cfg.eval_size else None, reward, ALPHABET)
+    return Task(train, held_out if cfg.eval_size else None, reward)

@@ -167,7 +167,7 @@ class Colocation:
             self.lora.forget()  # sleep(2), a failed copy or asked: the base is copied again
         plan = None if self.lora is None else self.lora.plan(source)
         if plan is None:
-            shapes, named = named_shapes_and_tensors(source, gather=False)
+            shapes, named = named_shapes_and_tensors(source)
         else:
             shapes, named = plan.shapes, plan.tensors()
         written = model.check_weights(shapes)

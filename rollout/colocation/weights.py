@@ -410,19 +410,17 @@ def check_tensor(name: str, tensor) -> None:
                          f"weights must be a floating dtype (cast to the engine's)")
 
 
-def named_shapes_and_tensors(source, gather: bool = True
-                             ) -> tuple[list[tuple[str, torch.Size]],
-                                        Generator[tuple[str, torch.Tensor], None, None]]:
+def named_shapes_and_tensors(source) -> tuple[list[tuple[str, torch.Size]],
+                                              Generator[tuple[str, torch.Tensor], None, None]]:
     """(HF name, shape) of every tensor `source` gives, each passed through check_tensor
     before any is read, and a generator of the tensors themselves (close() it when copying
     stops early: reading a model may hold PEFT's merge open). A model is checked from its
     parameters (reading its weights may merge adapters or gather shards, so that happens once,
     while copying); other sources, generators included, are collected as references (no
-    copies), and DTensor shards among them are gathered one at a time while copying (left
-    as they are with `gather` False)."""
+    copies). DTensor shards are left as they are: the engine's copy reshards them."""
     if isinstance(source, nn.Module):
         model = unwrap(source)
-        tensors = model_tensors(model, gather)  # its adapters checked first
+        tensors = model_tensors(model, gather=False)  # its adapters checked first
         for name, param in _read_params(model):
             check_tensor(hf_name(name), param)
         return [(hf_name(n), p.shape) for n, p in weight_params(model)], tensors
@@ -430,7 +428,7 @@ def named_shapes_and_tensors(source, gather: bool = True
     for name, tensor in named:
         check_tensor(name, tensor)
     return ([(name, tensor.shape) for name, tensor in named],
-            ((name, _read(tensor, gather=gather)) for name, tensor in named))
+            ((name, _read(tensor, gather=False)) for name, tensor in named))
 
 
 def _pairs(source) -> list[tuple[str, torch.Tensor]]:

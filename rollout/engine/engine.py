@@ -197,7 +197,7 @@ class Engine(ColocationCalls):
         output of a finished one that step() has not returned yet (and its KV holds)."""
         with self._entered("abort"), self.journal.unit():
             if not self._drop_ready(str(request_id)):
-                self._abort(request_id, keep_kv=True)
+                self._abort(request_id)
 
     def _drop_ready(self, request_id: str) -> bool:
         """A finished request's output leaves unreturned, and its KV holds with it (no one
@@ -209,12 +209,12 @@ class Engine(ColocationCalls):
             self.kv.unhold(seq.hold_key)
         return True
 
-    def _abort(self, request_id: str, keep_kv: bool) -> None:
-        """keep_kv: the computed K/V goes to the prefix cache (a plain abort) or is dropped."""
+    def _abort(self, request_id: str) -> None:
+        """A running request stopped, its computed K/V kept in the prefix cache."""
         request = self.requests.running.get(str(request_id))
         if request is None:
             raise ValueError(f"request_id: {request_id!r} is not running")
-        self.carry.abort(request, keep_kv)
+        self.carry.abort(request, keep_kv=True)
 
     def release_hold(self, key: tuple[str, int]) -> bool:
         """Unlock the KV kept for a finished sample of a `hold_kv` request (the episode ended);
@@ -228,7 +228,7 @@ class Engine(ColocationCalls):
         their KV holds)."""
         with self._entered("abort_all"), self.journal.unit():
             for request_id in list(self.requests.running):
-                self._abort(request_id, keep_kv=True)
+                self._abort(request_id)
             for request_id in list(self.requests.ready):
                 self._drop_ready(request_id)
 

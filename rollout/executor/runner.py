@@ -60,7 +60,7 @@ class ModelRunner:
             # tagged branch of its own (KVManager.keep_stale), not its fresh siblings' slots.
             groups=[it.seq.group if (kv := it.seq.prompt_kv) is None else (it.seq.group, kv)
                     for it in items],
-            # Once the prompt is cached, Scheduler.cache_computed points the first num_prompt
+            # Once the prompt is cached, KVManager.cache_computed points the first num_prompt
             # slots of the row at the tree's, which are the same for every sample of the prompt
             # (and tag).
             shared_lens=[it.seq.num_prompt if it.seq.cached_len >= it.seq.num_prompt else 0

@@ -23,7 +23,7 @@ from .log_softmax import as_batch
 # excludes. Each cut keeps every token tied with the last one it keeps (`_cut_at`): which of
 # the tied tokens an unstable sort puts first is unspecified, and the Triton sampler, which
 # never sorts, keeps them all. A full sort with
-# indices costs several times the rest of a sampling step on the CPU, so `filter_logprobs`
+# indices costs several times the rest of a sampling step on the CPU, so `filter_by_threshold`
 # computes the same result from less:
 #
 # - The kept tokens of the top-k / top-p stage are the first r of the sorted row and those tied
@@ -385,14 +385,3 @@ def filter_by_threshold(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
         out[rows] = filter_by_sort(logp[rows], top_k[rows], top_p[rows], min_p[rows],
                                    log_min_p[rows])
     return out
-
-
-def filter_logprobs(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                    min_p: torch.Tensor) -> torch.Tensor:
-    """Mask (-inf) the tokens that top-k, then top-p (on the top-k survivors, renormalised),
-    then min-p (relative to the most likely token) exclude. `logp` is log_softmax(logits / T).
-    The result is `filter_by_sort`'s bit for bit; on the CPU it is computed without a sort
-    of the indices (see the notes above)."""
-    if logp.device.type != "cpu" or logp.dim() != 2 or logp.dtype != torch.float32:
-        return filter_by_sort(logp, top_k, top_p, min_p)
-    return filter_by_threshold(logp, top_k, top_p, min_p)

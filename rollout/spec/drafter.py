@@ -1,7 +1,9 @@
 """What a drafter provides. The n-gram drafter holds no device state, so only `propose_batch`
-is its own; the draft-model drafter overrides the rest (its pool sleeps with the engine, its
-K/V rolls back after verification and after a failed step, its bookkeeping is checked with the
-engine's)."""
+is its own. The draft-model drafter adds what its device state needs (its pool sleeps with the
+engine, its K/V rolls back after verification and after a failed step, its memory is counted,
+its bookkeeping is checked with the engine's); the suffix drafter (an n-gram drafter) what its
+history of earlier samples needs (taking finished samples, forgetting them on request, its
+bookkeeping checked likewise)."""
 
 from __future__ import annotations
 

@@ -232,8 +232,7 @@ class DraftHistory:
         return np.frombuffer(held[first:], dtype=np.int64)
 
     # --- matching -----------------------------------------------------------------------------
-    def matches(self, context: list[int], prompt: list[int] | None = None
-                ) -> tuple[int, np.ndarray]:
+    def matches(self, context: list[int], prompt: list[int]) -> tuple[int, np.ndarray]:
         """(length, positions) of the longest suffix of `context` (min_match .. max_match
         tokens) that occurs in the history followed by something: in the entries of `prompt`
         when it has any match there, else in all. Positions, newest first: offsets of the
@@ -243,7 +242,7 @@ class DraftHistory:
             return 0, none
         gram = tuple(context[-self.min_match:])
         indexes = [self.global_index]
-        own = None if prompt is None else self.prompt_index.get(hash(tuple(prompt)))
+        own = self.prompt_index.get(hash(tuple(prompt)))
         if own is not None:
             indexes.insert(0, own)
         span = min(self.max_match, len(context))

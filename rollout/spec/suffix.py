@@ -19,9 +19,6 @@ from ..requests.sequence import Sequence
 from .history import DraftHistory
 from .ngram import NgramDrafter
 
-# The sources a draft came from, for stats (Speculator.record).
-SOURCES = ("self", "siblings", "history")
-
 
 class SuffixDrafter(NgramDrafter):
     def __init__(self, config, journal: Journal) -> None:

@@ -32,8 +32,6 @@ from ..sample.sampler import Emitted, SamplingBatch, pick, target_logprobs
 from ..sample.support import sampled_at
 from .accept import accept_drafts_ref
 
-RULES = ("coupled", "rejection")
-
 
 class Verdict(Emitted):
     """Emitted: the accepted drafts, then the correction or bonus token, with the target's

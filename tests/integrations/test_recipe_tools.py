@@ -71,7 +71,7 @@ def two_episodes():
 
 def test_episode_batch_positions_by_hand():
     batch = build_episode_batch(two_episodes(), [1.0, 0.0], pad_id=0,
-                                device=torch.device("cpu"), completions=["x", "y"])
+                                device=torch.device("cpu"))
     assert batch.input_ids.tolist() == [[5, 6, 7, 10, 11, 15, 16, 12], [5, 6, 13, 0, 0, 0, 0, 0]]
     assert batch.attention_mask.tolist() == [[1] * 8, [1, 1, 1, 0, 0, 0, 0, 0]]
     # Column j scores input j + 1: 10 is predicted at column 2 (from 7), 12 at column 6.
@@ -90,14 +90,14 @@ def test_truncated_episode_batch_keeps_the_untruncated_logprobs_for_the_kl():
     a.sampling_logprobs = [-0.05, -0.1, 3.0, -4.0, -0.2]  # env entries: garbage, never read
     b.sampling_logprobs = [-0.25]
     batch = build_episode_batch([[a], [b]], [1.0, 0.0], pad_id=0, device=torch.device("cpu"),
-                                completions=["x", "y"], behaviour="sampling")
+                                behaviour="sampling")
     # Column j scores input j + 1 (test_episode_batch_positions_by_hand)
     torch.testing.assert_close(batch.old_logprobs, torch.tensor(
         [[0, 0, -0.05, -0.1, 0, 0, -0.2], [0, -0.25, 0, 0, 0, 0, 0]]))
     torch.testing.assert_close(batch.kl_logprobs, torch.tensor(
         [[0, 0, -0.1, -0.2, 0, 0, -0.3], [0, -0.5, 0, 0, 0, 0, 0]]))
     untruncated = build_episode_batch([[a], [b]], [1.0, 0.0], pad_id=0,
-                                      device=torch.device("cpu"), completions=["x", "y"])
+                                      device=torch.device("cpu"))
     assert untruncated.kl_logprobs is untruncated.old_logprobs
 
 
@@ -105,7 +105,7 @@ def test_loss_gradient_is_zero_at_environment_tokens():
     """Through a real model: no logit that predicts an environment token (nor padding) gets
     gradient, from the GRPO loss or from PPO's policy and value losses; model tokens do."""
     batch = build_episode_batch(two_episodes(), [1.0, 0.0], pad_id=0,
-                                device=torch.device("cpu"), completions=["x", "y"])
+                                device=torch.device("cpu"))
     model = tiny_llama(TOK, seed=0, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                        num_key_value_heads=1)
     num_tokens = batch.mask.sum()

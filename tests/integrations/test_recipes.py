@@ -597,11 +597,12 @@ def test_exact_match_scores_every_token_the_model_wrote(tmp_path):
     skipped): a stray special token or an answer without EOS (cut at max_tokens) is wrong, on
     every exact-match task; math stays lenient about both by design."""
     from rollout_recipes.run.tiny import char_tokenizer
-    from rollout_recipes.tasks import load_task
+    from rollout_recipes.tasks import builtin_alphabet, load_task
 
     for name in ("addition", "reverse", "calculator"):
-        task = load_task(RecipeConfig(task=name, train_size=20, eval_size=5))
-        tok = char_tokenizer(task.alphabet)
+        cfg = RecipeConfig(task=name, train_size=20, eval_size=5)
+        task = load_task(cfg)
+        tok = char_tokenizer(builtin_alphabet(cfg))
         eos = frozenset({tok.eos_token_id})
         for answer in task.eval["answer"]:
             lead = "<c>1+1</c><r>2</r>" if name == "calculator" else ""  # an episode's turns
@@ -633,10 +634,11 @@ def test_held_out_accuracy_and_trl_rewards_score_the_tokens():
     from rollout_recipes.algo.trl_loop import correctness_reward
     from rollout_recipes.run.evaluate import held_out_accuracy
     from rollout_recipes.run.tiny import char_tokenizer
-    from rollout_recipes.tasks import load_task
+    from rollout_recipes.tasks import builtin_alphabet, load_task
 
-    task = load_task(RecipeConfig(train_size=10, eval_size=2))
-    tok = char_tokenizer(task.alphabet)
+    cfg = RecipeConfig(train_size=10, eval_size=2)
+    task = load_task(cfg)
+    tok = char_tokenizer(builtin_alphabet(cfg))
     answers = list(task.eval["answer"])
     written = [tok.encode(answers[0][:1] + "<bos>" + answers[0][1:] + "<pad><pad>"),
                tok.encode(answers[1]) + [tok.eos_token_id]]
@@ -704,11 +706,11 @@ def test_builtin_max_new_tokens_fits_the_tasks_longest_turn(name):
     """Left unset, max_new_tokens fits every answer and EOS of the built-in task's data (and
     the calculator's longest tool call), counted with the built-in tokenizer."""
     from rollout_recipes.run.tiny import char_tokenizer
-    from rollout_recipes.tasks import load_task
+    from rollout_recipes.tasks import builtin_alphabet, load_task
 
     cfg = RecipeConfig(task=name)
     task = load_task(cfg)
-    tok = char_tokenizer(task.alphabet)
+    tok = char_tokenizer(builtin_alphabet(cfg))
     rows = [(r["prompt"], r["answer"]) for split in (task.train, task.eval) for r in split]
     need = max(len(tok.encode(a)) + 1 for _, a in rows)
     if name == "calculator":

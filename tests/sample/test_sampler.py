@@ -25,7 +25,6 @@ from rollout.sample.filters import (
     _top_values,
     filter_by_sort,
     filter_by_threshold,
-    filter_logprobs,
 )
 from rollout.sample.log_softmax import log_softmax
 from rollout.sample.noise import (
@@ -285,7 +284,7 @@ def test_a_row_without_filters_is_unchanged_when_another_row_filters():
     filtering request shares its batch."""
     logits = torch.tensor([[0.0] + [-17.5] * 15, [0.0] + [-17.5] * 15])
     logp = logits.log_softmax(-1)
-    out = filter_logprobs(logp, torch.tensor([0, 3], dtype=torch.int32),
+    out = filter_by_threshold(logp, torch.tensor([0, 3], dtype=torch.int32),
                           torch.tensor([1.0, 1.0]), torch.tensor([0.0, 0.0]))
     assert torch.equal(out[0], logp[0]), \
         f"filters off, yet tokens {torch.isinf(out[0]).nonzero().flatten().tolist()} were masked"
@@ -416,7 +415,7 @@ def check_filter(logp, top_k, top_p, min_p, stats=None, normalized=True):
                      f"{top_p[bad[:8]].tolist()} min_p {min_p[bad[:8]].tolist()}, kept "
                      f"{[int(torch.isfinite(got[i]).sum()) for i in bad[:8]]} instead of "
                      f"{[int(torch.isfinite(want[i]).sum()) for i in bad[:8]]}")
-    assert same_bits(filter_logprobs(logp, top_k, top_p, min_p), want)
+    assert same_bits(filter_by_threshold(logp, top_k, top_p, min_p), want)
 
 
 @pytest.mark.parametrize("vocab", [12, 1001, 8195])
@@ -497,7 +496,7 @@ def test_filter_keeps_every_token_tied_at_the_boundary():
     min_p = torch.tensor([0.0] * 6 + [0.3])
     stats: dict[str, int] = {}
     check_filter(logp, top_k, top_p, min_p, stats)
-    got = filter_logprobs(logp, top_k, top_p, min_p)
+    got = filter_by_threshold(logp, top_k, top_p, min_p)
     kept = [set(torch.isfinite(row).nonzero().flatten().tolist()) for row in got]
     for i in range(7):
         want, _ = reference(logp[i], 1.0, int(top_k[i]), float(top_p[i]), float(min_p[i]))
@@ -518,7 +517,7 @@ def test_top_p_renormalises_over_every_tied_top_k_survivor():
     top_p = torch.tensor([0.1] * 3 + [0.06] * 3)
     stats: dict[str, int] = {}
     check_filter(logp, top_k, top_p, torch.zeros(6), stats)
-    got = filter_logprobs(logp, top_k, top_p, torch.zeros(6))
+    got = filter_by_threshold(logp, top_k, top_p, torch.zeros(6))
     assert torch.isfinite(got).sum(dim=-1).tolist() == [2001] * 3 + [1] * 3
     for i in range(6):
         kept = set(torch.isfinite(got[i]).nonzero().flatten().tolist())
@@ -538,18 +537,18 @@ def test_filter_follows_the_tokens_whatever_their_order(kind):
     top_k = torch.tensor(params["top_k"], dtype=torch.int32)
     top_p, min_p = torch.tensor(params["top_p"]), torch.tensor(params["min_p"])
     perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(7))
-    for fn in (filter_logprobs, filter_by_sort):
+    for fn in (filter_by_threshold, filter_by_sort):
         assert same_bits(fn(logp[:, perm], top_k, top_p, min_p),
                          fn(logp, top_k, top_p, min_p)[:, perm]), fn.__name__
     if kind == "integers":  # six values: every decision far from rounding
-        got = filter_logprobs(logp, top_k, top_p, min_p)
+        got = filter_by_threshold(logp, top_k, top_p, min_p)
         for i in range(rows):
             want, _ = reference(logp[i], 1.0, int(top_k[i]), float(top_p[i]), float(min_p[i]))
             assert set(torch.isfinite(got[i]).nonzero().flatten().tolist()) == want, i
 
 
 def test_filter_input_that_is_not_log_probabilities():
-    """filter_logprobs accepts any float32 rows (positive values, NaN)."""
+    """filter_by_threshold accepts any float32 rows (positive values, NaN)."""
     logits = torch.randn(12, 500, generator=torch.Generator().manual_seed(3)) * 4 + 2
     logits[5, 7] = float("nan")
     top_k = torch.tensor([0, 3, 0, 600] * 3, dtype=torch.int32)
@@ -635,9 +634,9 @@ def test_filter_rows_do_not_depend_on_their_batch():
     params = mixed_params(rows, 2000, seed=9)
     top_k = torch.tensor(params["top_k"], dtype=torch.int32)
     top_p, min_p = torch.tensor(params["top_p"]), torch.tensor(params["min_p"])
-    whole = filter_logprobs(logp, top_k, top_p, min_p)
+    whole = filter_by_threshold(logp, top_k, top_p, min_p)
     for part in (torch.arange(0, rows, 3), torch.arange(rows - 1, -1, -5), torch.tensor([17])):
-        assert same_bits(filter_logprobs(logp[part], top_k[part], top_p[part], min_p[part]),
+        assert same_bits(filter_by_threshold(logp[part], top_k[part], top_p[part], min_p[part]),
                          whole[part])
 
 
