@@ -35,10 +35,12 @@ def gumbel_argmax(candidates: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """argmax(candidates + the counter noise of each row's key) per row, int64 [B]:
     `candidates` [B, V] fp32 with unit stride along V, `keys` int32 [B] (rollout.sample.noise
     row_keys of the row's seed, position and stream)."""
+    # V 0: the C's row scan has no first candidate (a zero-length array; torch's argmax raises)
     if not (candidates.dim() == 2 and candidates.stride(-1) == 1 and fp32_cpu(candidates)
-            and keys.dtype == torch.int32 and keys.numel() == candidates.shape[0]):
+            and candidates.shape[1] >= 1 and keys.dtype == torch.int32
+            and keys.numel() == candidates.shape[0]):
         raise ValueError(f"gumbel_argmax: candidates {candidates.dtype} "
-                         f"{tuple(candidates.shape)} must be fp32 [B, V] on the CPU (unit "
+                         f"{tuple(candidates.shape)} must be fp32 [B, V >= 1] on the CPU (unit "
                          f"stride along V), keys {keys.dtype} {tuple(keys.shape)} int32 [B]")
     rows, vocab = candidates.shape
     keys = keys.contiguous()

@@ -40,13 +40,17 @@ def pack_panels(weight: torch.Tensor, out: torch.Tensor | None = None,
                 threads: int | None = None) -> torch.Tensor:
     """`weight` [n, k] (fp32, CPU) in panels of PANEL rows, k-major, the last padded; into
     `out` when given (of panels_numel elements), on `threads` threads (None: torch's)."""
+    if not (fp32_cpu(weight) and weight.dim() == 2):
+        raise ValueError(f"pack_panels: weight {weight.dtype} {tuple(weight.shape)} on "
+                         f"{weight.device} must be an fp32 matrix on the CPU")
     n, k = weight.shape
     w = weight.contiguous()
     size = panels_numel(weight.shape)
     packed = torch.empty(size, dtype=torch.float32) if out is None else out
-    if packed.numel() != size or packed.dtype != torch.float32:
-        raise ValueError(f"pack_panels: out holds {packed.numel()} {packed.dtype}, needs {size} "
-                         f"float32")
+    # The C writes `size` values from out's first: a view with gaps would get them past its end.
+    if not (packed.numel() == size and fp32_cpu(packed) and packed.is_contiguous()):
+        raise ValueError(f"pack_panels: out holds {packed.numel()} {packed.dtype} on "
+                         f"{packed.device}, needs {size} float32 on the CPU, contiguous")
     library().pack_panels_f32(w.data_ptr(), n, k, packed.data_ptr(),
                               threads or torch.get_num_threads())
     return packed
@@ -59,10 +63,11 @@ def panels_numel(shape) -> int:
 
 def _check_packed(name: str, x: torch.Tensor, packed: torch.Tensor, n: int) -> None:
     """x of the packed weight's in-features (its panels hold n rows of k each)."""
-    if not (fp32_cpu(x, packed) and packed.numel() == panels_numel((n, x.shape[-1]))):
+    if not (fp32_cpu(x, packed) and packed.numel() == panels_numel((n, x.shape[-1]))
+            and packed.is_contiguous()):
         raise ValueError(f"{name}: x {x.dtype} {tuple(x.shape)} must be fp32 on the CPU with "
                          f"the in-features of the packed [{n}, k] weight ({packed.numel()} "
-                         f"packed values)")
+                         f"packed values {packed.dtype}, contiguous: the C reads them in a run)")
 
 
 @operator("linear(Tensor x, Tensor packed, int n) -> Tensor",
@@ -86,9 +91,9 @@ def linear_add(x: torch.Tensor, packed: torch.Tensor, y: torch.Tensor, alpha: fl
     alpha * x [m, k] times the packed [n, k] weight's transpose, in place."""
     rows = as_rows(x)
     m, n = y.shape
-    if y.stride(1) != 1 or rows.shape[0] != m or y.dtype != torch.float32:
-        raise ValueError(f"linear_add: y {tuple(y.shape)} strides {y.stride()} {y.dtype} does "
-                         f"not fit x {tuple(rows.shape)}")
+    if y.stride(1) != 1 or rows.shape[0] != m or not fp32_cpu(y):
+        raise ValueError(f"linear_add: y {tuple(y.shape)} strides {y.stride()} {y.dtype} on "
+                         f"{y.device} does not fit x {tuple(rows.shape)} (fp32 on the CPU)")
     _check_packed("linear_add", x, packed, n)
     if m:
         library().linear_add_f32(rows.data_ptr(), rows.stride(0), m, rows.shape[1],

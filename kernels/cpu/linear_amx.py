@@ -49,11 +49,14 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, k: int) -> torch.Tenso
     The weight's shape is asked for whole: its padded panels hold as many values for every k
     of one tile's depth."""
     pairs, panels = layout((n, k))
-    bf16 = x.dtype == packed.dtype == torch.bfloat16 and x.device.type == "cpu"
-    if not (bf16 and x.shape[-1] == k and packed.numel() == panels * pairs * PANEL * 2):
+    bf16 = (x.dtype == packed.dtype == torch.bfloat16
+            and x.device.type == packed.device.type == "cpu")
+    if not (bf16 and x.shape[-1] == k and packed.numel() == panels * pairs * PANEL * 2
+            and packed.is_contiguous()):
         raise ValueError(f"linear_amx: x {x.dtype} {tuple(x.shape)} must be bf16 on the CPU "
                          f"with the in-features of the packed [{n}, {k}] weight "
-                         f"({packed.numel()} packed values)")
+                         f"({packed.numel()} packed values {packed.dtype} on {packed.device}, "
+                         f"contiguous: the tiles load them in a run)")
     rows = as_rows(x)
     m = rows.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)

@@ -53,15 +53,18 @@ def _check_norm(name: str, x: torch.Tensor, delta: torch.Tensor, weight: torch.T
 @operator("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()", returns_nothing)
 def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate q [T, Hq, D] and k [T, Hk, D] (heads contiguous, any token stride) in place by
-    cos/sin [T, 1, rot] (contiguous, rot <= D)."""
+    cos/sin [T, 1, rot] (contiguous, rot <= D and even)."""
     t, _, d = q.shape
+    # An odd rot: the C rotates rot // 2 pairs and leaves the last dimension, which the torch
+    # path's halves rotate (no model has one; refused rather than computed apart).
     if not (fp32_cpu(q, k, cos, sin) and k.shape[::2] == (t, d)
             and all(x.stride(2) == 1 and x.stride(1) == d for x in (q, k))
             and cos.shape == sin.shape and cos.shape[:2] == (t, 1) and cos.shape[2] <= d
-            and cos.is_contiguous() and sin.is_contiguous()):
+            and cos.shape[2] % 2 == 0 and cos.is_contiguous() and sin.is_contiguous()):
         raise ValueError(f"rotary_: q {q.dtype} {tuple(q.shape)}, k {k.dtype} "
                          f"{tuple(k.shape)} (heads contiguous) and cos/sin {cos.dtype} "
-                         f"{tuple(cos.shape)} [T, 1, <= D] (contiguous) must be fp32 on the CPU")
+                         f"{tuple(cos.shape)} [T, 1, even <= D] (contiguous) must be fp32 on the "
+                         f"CPU")
     library().rotary_f32(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0),
                          k.shape[1], q.shape[2], cos.data_ptr(), sin.data_ptr(), q.shape[0],
                          cos.shape[-1], torch.get_num_threads())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from . import has, library
+from . import fp32_cpu, has, library
 from .ops import operator
 
 
@@ -21,7 +21,20 @@ def prefix_lengths(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
     `probs` float32 [rows, vocab] on the CPU with unit stride along vocab, `k` int64 [rows],
     `top_p` float32 [rows], positions < `length` examined. On the calling thread (the GIL
     released: callers split rows over their threads)."""
-    assert probs.dim() == 2 and probs.dtype == torch.float32 and probs.stride(1) == 1
+    if not (probs.dim() == 2 and fp32_cpu(probs) and probs.stride(1) == 1):
+        raise ValueError(f"top_p_prefix: probs {probs.dtype} {tuple(probs.shape)} strides "
+                         f"{probs.stride()} on {probs.device} must be float32 [rows, vocab] on "
+                         f"the CPU (unit stride along vocab)")
+    rows, vocab = probs.shape
+    # The C reads each row's first `length` values (its first one whatever the length) and
+    # one k and top_p a row.
+    if not 1 <= length <= vocab:
+        raise ValueError(f"top_p_prefix: length {length} must be within 1 and the "
+                         f"vocabulary's {vocab}")
+    for name, x in (("k", k), ("top_p", top_p)):
+        if x.numel() != rows or x.device.type != "cpu":
+            raise ValueError(f"top_p_prefix: {name} {tuple(x.shape)} on {x.device} must have "
+                             f"the probs' {rows} rows, on the CPU")
     k = k.to(torch.int64).contiguous()
     top_p = top_p.to(torch.float32).contiguous()
     out = torch.empty(probs.shape[0], dtype=torch.int64)
