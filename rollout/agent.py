@@ -29,7 +29,7 @@ import dataclasses
 import itertools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
@@ -60,9 +60,13 @@ class Step:
 
     def __post_init__(self) -> None:
         # An environment's mistakes are refused where it makes them (the episode then ends as
-        # "abort" with the error): bytes are not token ids, NaN is no reward, "no" is not False.
+        # "abort" with the error): bytes are not token ids, a set's ids have no order to append
+        # them in, NaN is no reward, "no" is not False.
         if isinstance(self.observation, (bytes, bytearray)):
             raise ValueError("observation: bytes; give text (str), token ids or a chat message")
+        if isinstance(self.observation, Set):  # (a dict's keys too)
+            raise ValueError(f"observation: a {type(self.observation).__name__} is unordered; "
+                             "give the token ids in order (a list)")
         self.reward = as_float("reward", self.reward)
         self.done = as_bool("done", self.done)
 
@@ -139,7 +143,7 @@ class _Runner:
         self.engine, self.env_factory, self.params = engine, env_factory, params
         self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
         self.env_timeout = env_timeout
-        self.deadlines: dict[Future, float] = {}  # steps under way -> when they time out
+        self.deadlines: dict[Future, float] = {}  # env calls under way -> when they time out
         # An episode's tokens end where a sequence's do; each later turn's prompt leaves the
         # model a token (_env_turn ends the episode when an observation would not).
         self.limit = engine.config.max_model_len
@@ -171,9 +175,16 @@ class _Runner:
         self.envs = EnvCalls(self.workers)
         failed = True
         try:
-            for i, ids in enumerate(checked):
-                lives = [self._start(Episode(list(ids)), (i, j))
-                         for j in range(self.params.n)]
+            # Every environment made and its reset under way before any is waited on: the
+            # resets run together (synchronous ones env_workers at a time), and so do the
+            # env_timeouts of hung ones.
+            resets: dict[Future, _Live] = {}
+            started = [[self._start(Episode(list(ids)), (i, j), resets)
+                        for j in range(self.params.n)] for i, ids in enumerate(checked)]
+            while resets:
+                for future, live in self._answered(resets, block=True):
+                    self._reset(live, future)
+            for i, (ids, lives) in enumerate(zip(checked, started)):
                 result.append([live.episode for live in lives])
                 first = dataclasses.replace(
                     self.params, logprobs=True, seed=self._seed(i, 0, 0),
@@ -194,32 +205,61 @@ class _Runner:
             self.envs.close(wait=not failed and not self.abandoned)
         return result
 
-    def _start(self, episode: Episode, index: tuple[int, int]) -> _Live:
+    def _start(self, episode: Episode, index: tuple[int, int],
+               resets: dict[Future, _Live]) -> _Live:
+        """The episode with its environment, whose reset (if it has one) is put in `resets`."""
         live = _Live(episode, None, index)
         self.lives.append(live)
         try:
             live.env = self.env_factory()
             reset = getattr(live.env, "reset", None)
             if reset is not None:
-                future = self.envs.call(self._slot(live), reset, list(episode.prompt_ids))
-                try:
-                    future.result(timeout=self.env_timeout)
-                except TimeoutError:
-                    self._give_up(future)
-                    raise TimeoutError(f"took over env_timeout={self.env_timeout:g} s") from None
+                resets[self._call(live, reset, list(episode.prompt_ids))] = live
         except Exception as e:
             self._end(live, "abort", f"environment reset: {type(e).__name__}: {e}")
         return live
+
+    def _reset(self, live: _Live, future: Future) -> None:
+        """The episode after its reset answered or outlived env_timeout."""
+        if not future.done():
+            return self._give_up(live, future, "reset")
+        try:
+            future.result()
+        except Exception as e:
+            self._end(live, "abort", f"environment reset: {type(e).__name__}: {e}")
 
     def _slot(self, live: _Live) -> int:
         """The episode's number: which of the run's event loops its coroutines run on."""
         return live.index[0] * self.params.n + live.index[1]
 
-    def _give_up(self, future: Future) -> None:
-        """A call that outlived env_timeout: a coroutine is cancelled; a thread cannot be, and
-        finishes on its own (the run then does not wait for it at the end)."""
+    def _call(self, live: _Live, method, *args) -> Future:
+        """The environment's `method(*args)` under way, timed from now (a wait for a free
+        worker counts)."""
+        future = self.envs.call(self._slot(live), method, *args)
+        if self.env_timeout is not None:
+            self.deadlines[future] = time.monotonic() + self.env_timeout
+        return future
+
+    def _answered(self, calls: dict[Future, _Live], block: bool):
+        """The calls that answered or outlived env_timeout, each taken out of `calls` as it is
+        handed over; with `block`, once there is one."""
+        if block and calls:
+            timeout = None if not self.deadlines else \
+                max(0.0, min(self.deadlines.values()) - time.monotonic())
+            wait(list(calls), timeout, return_when=FIRST_COMPLETED)
+        now = time.monotonic()
+        for future in [f for f in calls if f.done() or self.deadlines.get(f, now) < now]:
+            self.deadlines.pop(future, None)
+            yield future, calls.pop(future)
+
+    def _give_up(self, live: _Live, future: Future, call: str) -> None:
+        """A call that outlived env_timeout ends its episode: a coroutine is cancelled; a
+        thread cannot be, and finishes on its own (the run then does not wait for it at the
+        end)."""
         if not future.cancel():
             self.abandoned = True
+        self._end(live, "abort", f"environment {call}: took over "
+                                 f"env_timeout={self.env_timeout:g} s")
 
     def _submit(self, prompt_ids: list[int], params: SamplingParams,
                 lives: list[_Live | None], resume) -> None:
@@ -235,7 +275,8 @@ class _Runner:
 
     def _advance(self) -> None:
         """One engine step, or, with nothing to compute, a wait for an environment."""
-        if self.engine.has_unfinished:
+        stepping = self.engine.has_unfinished
+        if stepping:
             for out in self.engine.step():
                 lives = self.requests.get(out.request_id)
                 if lives is None:
@@ -248,20 +289,11 @@ class _Runner:
                 # Listed until its samples are taken: should this fail, _abandon releases
                 # their holds.
                 del self.requests[out.request_id]
-        elif self.waiting:
-            timeout = None if not self.deadlines else \
-                max(0.0, min(self.deadlines.values()) - time.monotonic())
-            wait(list(self.waiting), timeout, return_when=FIRST_COMPLETED)
-        now = time.monotonic()
-        for future in [f for f in self.waiting if f.done() or self.deadlines.get(f, now) < now]:
-            self.deadlines.pop(future, None)
-            live = self.waiting.pop(future)
+        for future, live in self._answered(self.waiting, block=not stepping):
             if future.done():
                 self._env_turn(live, future)
             else:
-                self._give_up(future)
-                self._end(live, "abort", f"environment step: took over "
-                                         f"env_timeout={self.env_timeout:g} s")
+                self._give_up(live, future, "step")
 
     def _model_turn(self, live: _Live, request_id: str, sample: Sample, error: str | None):
         ep = live.episode
@@ -273,11 +305,7 @@ class _Runner:
         ep.sampling_logprobs += sample.sampling_logprobs
         if sample.finish_reason == "abort":
             return self._end(live, "abort", error or "aborted by the engine")
-        future = self.envs.call(self._slot(live), live.env.step, list(sample.token_ids),
-                                sample.text)
-        self.waiting[future] = live
-        if self.env_timeout is not None:
-            self.deadlines[future] = time.monotonic() + self.env_timeout
+        self.waiting[self._call(live, live.env.step, list(sample.token_ids), sample.text)] = live
 
     def _env_turn(self, live: _Live, future: Future) -> None:
         ep = live.episode

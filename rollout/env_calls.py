@@ -108,9 +108,24 @@ class _Loop:
 
     def __init__(self, index: int) -> None:
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever,
-                                       name=f"rollout-env-loop-{index}", daemon=True)
+        self.closing = False
+        self.thread = threading.Thread(target=self._run, name=f"rollout-env-loop-{index}",
+                                       daemon=True)
         self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.loop.run_forever()
+                return
+            except (KeyboardInterrupt, SystemExit):
+                # A coroutine raised it: asyncio sets it on the task and raises it out of the
+                # loop too. Ended here, the loop would never hand it to the caller's future (a
+                # callback of the next iteration does), nor serve its other environments: run
+                # on, and the caller raises it. (Unless close() stopped the loop meanwhile:
+                # the stop is lost with the iteration.)
+                if self.closing:
+                    return
 
     def submit(self, coroutine) -> Future:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
@@ -132,6 +147,7 @@ class _Loop:
             self.submit(cancel_rest()).result(timeout=CLOSE_WAIT)
         except TimeoutError:  # a coroutine that will not stop: its daemon thread keeps it
             pass
+        self.closing = True
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=CLOSE_WAIT)
         if not self.thread.is_alive():

@@ -22,6 +22,7 @@ import rollout.agent
 import rollout.engine.engine
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.agent import Step, message_tokens, run_episodes
+from rollout.env_calls import EnvCalls
 from rollout.engine.requests import RequestTable
 
 TOK = char_tokenizer()
@@ -201,9 +202,13 @@ def test_a_failed_reset_releases_its_first_turn_kv():
     made = []
 
     class BadReset(Echo):
-        def reset(self, prompt_ids):
+        def __init__(self):  # (made in episode order; resets run concurrently)
+            super().__init__()
             made.append(self)
-            if len(made) == 2:
+            self.fail = len(made) == 2
+
+        def reset(self, prompt_ids):
+            if self.fail:
                 raise RuntimeError("bad reset")
     eng = engine()
     episodes = run_episodes(eng, PROMPTS[:1], BadReset, PARAMS)[0]
@@ -348,6 +353,137 @@ def test_an_async_reset_inside_a_running_event_loop():
         return run_episodes(engine(), PROMPTS[:1], AsyncEcho, PARAMS)
     episodes = asyncio.run(main())[0]
     assert [ep.finish_reason for ep in episodes] == ["done"] * 3
+
+
+def run_or_hang(eng, *args, **kwargs):
+    """What run_episodes raised (None: it returned), run on a thread so that a hang fails the
+    test instead of stalling the suite."""
+    raised = []
+
+    def run():
+        try:
+            run_episodes(eng, *args, **kwargs)
+            raised.append(None)
+        except BaseException as e:
+            raised.append(e)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "run_episodes hung"
+    return raised[0]
+
+
+def raising_async(kind, where: str, form: str):
+    """An Echo whose second reset or step (`where`) raises `kind`, as a coroutine function or
+    as a synchronous method returning a coroutine."""
+    calls = []
+
+    async def answer(env, call, *args):
+        if call == where:
+            calls.append(call)
+            if len(calls) == 2:
+                raise kind("injected")
+        return getattr(Echo, call)(env, *args)
+
+    class Raising(Echo):
+        if form == "coroutine function":
+            async def reset(self, prompt_ids):
+                return await answer(self, "reset", prompt_ids)
+
+            async def step(self, turn_ids, text):
+                return await answer(self, "step", turn_ids, text)
+        else:
+            def reset(self, prompt_ids):
+                return answer(self, "reset", prompt_ids)
+
+            def step(self, turn_ids, text):
+                return answer(self, "step", turn_ids, text)
+    return Raising
+
+
+@pytest.mark.parametrize("env_timeout", [None, 2.0], ids=["no-timeout", "timeout"])
+@pytest.mark.parametrize("form", ["coroutine function", "method returning a coroutine"])
+@pytest.mark.parametrize("kind", [KeyboardInterrupt, SystemExit])
+@pytest.mark.parametrize("where", ["reset", "step"])
+def test_an_async_environment_raising_an_interrupt_fails_the_run(where, kind, form,
+                                                                 env_timeout):
+    """asyncio raises a task's KeyboardInterrupt or SystemExit out of its loop as well: the
+    loop's thread had ended before the run's future got it, and the run waited for ever (with
+    env_timeout, the interrupt was lost and every episode on that loop ended as timed out).
+    The run raises it, as for a synchronous environment, with nothing held; a rerun gives a
+    fresh engine's episodes."""
+    eng = engine()
+    raised = run_or_hang(eng, PROMPTS, raising_async(kind, where, form), PARAMS,
+                         env_timeout=env_timeout)
+    assert type(raised) is kind and str(raised) == "injected", raised
+    assert_no_kv_held(eng)
+    assert summary(run_episodes(eng, PROMPTS, Echo, PARAMS)) == reference_episodes()
+    assert_no_kv_held(eng)
+
+
+def test_an_event_loop_goes_on_after_a_coroutine_raised_an_interrupt():
+    """The other environments on that loop are still served."""
+    calls = EnvCalls(1)
+
+    async def interrupt():
+        raise KeyboardInterrupt("injected")
+
+    async def answer():
+        return 7
+    try:
+        with pytest.raises(KeyboardInterrupt, match="injected"):
+            calls.call(0, interrupt).result(timeout=30)
+        assert calls.call(0, answer).result(timeout=30) == 7
+    finally:
+        calls.close(wait=True)
+
+
+@pytest.mark.parametrize("coroutine", [False, True], ids=["sync", "async"])
+def test_resets_run_concurrently(coroutine):
+    """Every reset is under way before any is waited on (the run's thread had waited for each
+    before making the next environment): synchronous ones up to env_workers at a time; the
+    episodes are the same."""
+    lock, running, most = threading.Lock(), [0], [0]
+
+    def count(change):
+        with lock:
+            running[0] += change
+            most[0] = max(most[0], running[0])
+
+    class SlowReset(Echo):
+        def sync_reset(self, prompt_ids):
+            count(1)
+            time.sleep(0.2)
+            count(-1)
+            return Echo.reset(self, prompt_ids)
+
+        async def async_reset(self, prompt_ids):
+            count(1)
+            await asyncio.sleep(0.2)
+            count(-1)
+            return Echo.reset(self, prompt_ids)
+
+        reset = async_reset if coroutine else sync_reset
+
+    episodes = run_episodes(engine(), PROMPTS, SlowReset, PARAMS, env_workers=4)
+    assert summary(episodes) == reference_episodes()
+    assert most[0] > 1
+    if not coroutine:
+        assert most[0] <= 4
+
+
+@pytest.mark.parametrize("env_timeout", [None, 30.0], ids=["no-timeout", "timeout"])
+def test_a_reset_raising_timeouterror_ends_its_episode_with_that_error(env_timeout):
+    """A reset's own TimeoutError (a client's) is its error, not env_timeout's: it had been
+    taken for one (and without env_timeout its message failed to format)."""
+    class OwnTimeout(Echo):
+        def reset(self, prompt_ids):
+            raise TimeoutError("tool server")
+
+    eng = engine()
+    episodes = run_episodes(eng, PROMPTS[:1], OwnTimeout, PARAMS, env_timeout=env_timeout)[0]
+    assert [ep.error for ep in episodes] == ["environment reset: TimeoutError: tool server"] * 3
+    assert_no_kv_held(eng)
 
 
 def test_a_prompt_of_max_model_len_minus_one_gets_its_one_token():
@@ -554,6 +690,20 @@ def test_observation_as_ids_and_bad_observations():
     bad = run_episodes(engine(), PROMPTS[:1], functools.partial(Echo, 2, [10 ** 6]), PARAMS)
     assert all(ep.finish_reason == "abort" and "vocabulary" in ep.error for ep in bad[0])
 
+
+
+@pytest.mark.parametrize("unordered", [set, frozenset, lambda ids: dict.fromkeys(ids).keys()],
+                         ids=["set", "frozenset", "dict keys"])
+def test_an_unordered_observation_is_refused(unordered):
+    """Token ids in an unordered collection have no order to append them in (they were taken
+    in the set's iteration order)."""
+    ids = unordered(TOK.encode("=7", add_special_tokens=False))
+    with pytest.raises(ValueError, match="^observation: .* unordered"):
+        Step(observation=ids)
+    eng = engine()
+    episodes = run_episodes(eng, PROMPTS[:1], functools.partial(Echo, 2, ids), PARAMS)[0]
+    assert all(ep.finish_reason == "abort" and "unordered" in ep.error for ep in episodes)
+    assert_no_kv_held(eng)
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
             "{% if m['role'] == 'assistant' %}<eos>{% endif %}{{ '\\n' }}{% endfor %}"
