@@ -4,8 +4,10 @@ the engine, in the trainer's process.
 TRL's own worker drives a vLLM server over HTTP and syncs weights over NCCL. Here a thread owns
 the engine: it keeps `groups_in_flight` prompt groups in the engine and calls
 `Engine.rollout(groups=1)` over and over (partial rollouts: a group is handed out as soon as it
-is complete, the others stay), scores each group with the trainer's reward functions, computes
-GRPO's group-normalised advantages and pushes one `RolloutSample` per completion, its
+is complete, the others stay), scores each group with the trainer's reward functions
+(synchronous or asynchronous: the coroutines of a group are awaited together, on one event loop
+for the thread's life, as TRL's worker does), computes GRPO's group-normalised advantages and
+pushes one `RolloutSample` per completion, its
 `old_log_probs` the engine's logprobs (untruncated, or with `importance_ratio="full_policy"`
 the truncated distribution's each token was drawn from: trl_rollout.EngineRollout's). Weights
 come in through `EngineWeightTransfer`: pause (the thread finishes its current call and waits),
@@ -15,7 +17,20 @@ Each sample is tagged with the trainer's model version of its *oldest* token, so
 `max_staleness` drops what is too old; the engine gets the same bound (EngineConfig.
 max_staleness, set by `engine_async_grpo`), so a carried group past it is restarted from its
 prompt instead of being finished and then dropped, which would bias training toward short
-answers.
+answers. With TRL's fixed-count batches (`token_budget <= 0`) the worker keeps at most
+max_staleness steps' samples ahead of the trainer (`max_pending`: queued, or of groups in the
+engine; one group at least): TRL takes a step's samples one step early (below), so what is
+queued behind them would be taken past max_staleness and dropped. Under a token budget a step's
+count is known only once it is packed: the worker keeps to groups_in_flight and queue_maxsize,
+as TRL's own worker does.
+
+TRL checks staleness when it takes a sample from the queue, not when it trains on it: accelerate's
+dispatcher takes the next micro-batch before the current one trains, so the first micro-batch of
+each step is taken before the previous step's sync and trained one version older (max_staleness
++ 1 at most; with max_staleness 0 and one micro-batch a step, 20 of the 24 samples of 6 steps
+while TRL logs sample/staleness_max 0), and TokenBudgetBatcher holds the sample that closed a
+micro-batch over into the next one (max_staleness + 2). The worker cannot narrow this: those
+samples are taken before the sync that makes them older.
 
     trainer = engine_async_grpo(engine, model, reward_funcs, args, train_dataset, tokenizer)
     trainer.train()
@@ -26,7 +41,9 @@ tool loop), `repetition_penalty`, a PEFT model's adapter-only sync (its merged w
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import inspect
 import itertools
 import queue
 import threading
@@ -39,11 +56,13 @@ import numpy as np
 from rollout import Engine, SamplingParams
 from rollout.engine.chat import render_conversations
 from rollout.fields import as_choice, as_int, show
+from rollout.requests.intake import prompt_ids
 from rollout.sample.params import MAX_N
 
 from .trl_rollout import IMPORTANCE_RATIOS as SYNC_RATIOS, behaviour_logprobs
 
-STOP_WAIT = 60.0  # seconds stop() waits for the thread's current call before it says so
+STOP_WAIT = 60.0  # seconds stop() waits for the thread before it says where it is
+TAKE_WAIT = 0.01  # seconds between looks at the queue while the trainer has all it can use
 # trl_rollout's but "on_support", which needs TRL's side renormalised: AsyncGRPOTrainer's
 # forward takes the whole vocabulary.
 IMPORTANCE_RATIOS = tuple(r for r in SYNC_RATIOS if r != "on_support")
@@ -55,8 +74,11 @@ class EngineRolloutWorker:
     def __init__(self, engine: Engine, dataset, reward_funcs, tokenizer, num_generations: int,
                  params: SamplingParams, groups_in_flight: int = 4, queue_maxsize: int = 0,
                  chat_template_kwargs: dict | None = None,
-                 importance_ratio: str = "untruncated") -> None:
-        """`importance_ratio`: which engine logprobs are TRL's `old_log_probs`, the sampling
+                 importance_ratio: str = "untruncated", max_pending: int | None = None) -> None:
+        """`max_pending`: the most samples produced and not yet taken by the trainer (queued,
+        or of the groups in the engine) the thread keeps; it starts no group beyond them (None:
+        no bound but groups_in_flight and queue_maxsize).
+        `importance_ratio`: which engine logprobs are TRL's `old_log_probs`, the sampling
         logprobs its ratio divides by: "untruncated", log_softmax(logits / T), what TRL's
         forward recomputes (the ratio then measures the engine-trainer mismatch and the
         staleness alone); "full_policy", Sample.sampling_logprobs, so under top-k/top-p/min-p
@@ -76,6 +98,9 @@ class EngineRolloutWorker:
         self.params = dataclasses.replace(params, logprobs=params.logprobs or True,  # k: kept
                                           n=as_int("num_generations", num_generations, 1, MAX_N))
         self.groups_in_flight = as_int("groups_in_flight", groups_in_flight, 1)
+        # At least one group, or the thread could start none.
+        self.max_pending = None if max_pending is None else as_int("max_pending", max_pending,
+                                                                   self.params.n)
         self.importance_ratio = as_choice("importance_ratio", importance_ratio,
                                           IMPORTANCE_RATIOS)
         self.chat_template_kwargs = {} if chat_template_kwargs is None else chat_template_kwargs
@@ -98,6 +123,7 @@ class EngineRolloutWorker:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._last_push = time.time()
+        self._aio: asyncio.AbstractEventLoop | None = None  # the thread's, for reward coroutines
 
     # --- the protocol -----------------------------------------------------------------------
     def start(self) -> None:
@@ -111,19 +137,28 @@ class EngineRolloutWorker:
         self._thread.start()
 
     def stop(self) -> None:
-        """Returns once the thread has ended, after its current engine call (one group's
-        completion at most), having aborted what the engine still holds: only then is the
-        engine free for the caller (one thread at a time may call it)."""
+        """Returns once the thread is out of the engine for good, having aborted what the
+        engine still holds: only then is the engine free for the caller (one thread at a time
+        may call it). A thread in an engine call is waited for (one group's completion at
+        most); one stuck outside the engine (a reward function that does not return) is left
+        behind after STOP_WAIT, with a warning: it calls the engine no more."""
         self._stop.set()
         self._run.set()
-        if self._thread is not None:
-            self._thread.join(timeout=STOP_WAIT)
-            if self._thread.is_alive():
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout=STOP_WAIT)
+            if thread.is_alive() and not self._idle.is_set():
                 warnings.warn(f"stop: the engine's rollout thread is still in an engine call "
                               f"after {STOP_WAIT:g} s; waiting for it to return",
                               RuntimeWarning, stacklevel=2)
-                self._thread.join()
-        self.engine.abort_all()  # the thread has ended: the engine is this caller's
+                self._idle.wait()
+                thread.join(timeout=STOP_WAIT)
+            if thread.is_alive():
+                warnings.warn(f"stop: the engine's rollout thread is still running outside the "
+                              f"engine after {STOP_WAIT:g} s (in a reward function, or pushing "
+                              f"a sample); left behind: it calls the engine no more",
+                              RuntimeWarning, stacklevel=2)
+        self.engine.abort_all()  # the thread is out of the engine for good
         self._rows.clear()  # their groups are gone
 
     def update_model_version(self, model_version: int) -> None:
@@ -156,30 +191,52 @@ class EngineRolloutWorker:
     # --- the thread -------------------------------------------------------------------------
     def _loop(self) -> None:
         rows = itertools.cycle(range(len(self.dataset)))
+        self._aio = asyncio.new_event_loop()
         try:
             while not self._stop.is_set():
                 self._run.wait()
-                if self._stop.is_set():
-                    break
+                outs = None
                 self._idle.clear()
                 try:
-                    if not self._run.is_set():  # a pause came in between
+                    # Checked once marked inside: stop() aborts the engine's groups as soon as
+                    # it sees the thread outside, and a pause waits for it the same way.
+                    if self._stop.is_set() or not self._run.is_set():
                         continue
-                    new = self.groups_in_flight - len(self.engine.carried)
-                    prompts, ids = [], []
-                    for _ in range(max(new, 0)):
-                        row = self.dataset[next(rows)]
-                        prompts.append(self._prompt_ids(row))
-                        ids.append(next(self._request_ids))
-                        self._rows[ids[-1]] = row
-                    outs = self.engine.rollout(prompts, self.params, groups=1,
-                                               request_ids=ids)
+                    new = self._groups_to_start()
+                    if new or self.engine.carried:
+                        prompts, ids = [], []
+                        for _ in range(new):
+                            index = next(rows)
+                            row = self.dataset[index]
+                            prompts.append(self._prompt_ids(row, index))
+                            ids.append(next(self._request_ids))
+                            self._rows[ids[-1]] = row
+                        outs = self.engine.rollout(prompts, self.params, groups=1,
+                                                   request_ids=ids)
                 finally:
                     self._idle.set()
+                if outs is None:  # the trainer has all it can use before it is stale
+                    self._last_push = time.time()  # waiting for it is not a stall
+                    self._stop.wait(TAKE_WAIT)
+                    continue
                 for out in outs:
+                    if self._stop.is_set():  # stop() may have dropped their rows already
+                        break
                     self._push(out)
         except BaseException as e:  # check_health raises it in the trainer
             self._error = e
+        finally:
+            self._aio.close()
+
+    def _groups_to_start(self) -> int:
+        """New groups for the engine: up to groups_in_flight, and within max_pending with what
+        the trainer has yet to take (the queue, the groups in the engine)."""
+        carried = len(self.engine.carried)
+        new = self.groups_in_flight - carried
+        if self.max_pending is not None:
+            room = (self.max_pending - self.rollout_buffer.qsize()) // self.params.n - carried
+            new = min(new, room)
+        return max(new, 0)
 
     def _check_rows(self) -> None:
         """The first row read as the thread reads every row (its prompt rendered)."""
@@ -193,13 +250,22 @@ class EngineRolloutWorker:
             raise ValueError("dataset: empty; the worker needs prompts to roll out")
         if not isinstance(row, Mapping) or "prompt" not in row:
             raise ValueError(f"dataset: rows must be dicts with a 'prompt', got {show(row)}")
-        self._prompt_ids(row)
+        self._prompt_ids(row, 0)
 
-    def _prompt_ids(self, row: dict) -> list[int]:
+    def _prompt_ids(self, row: dict, index: int) -> list[int]:
+        """Row `index`'s prompt as the engine takes it, checked as the engine checks it: the
+        engine refuses the thread's whole call, naming no row. (Not every row up front: that
+        would tokenize the whole dataset before the first step.)"""
         prompt = row["prompt"]
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)  # as the engine's intake encodes a string
-        return render_conversations(self.tokenizer, [prompt], self.chat_template_kwargs)[0][1]
+            ids = self.tokenizer.encode(prompt)  # as the engine's intake encodes a string
+        else:
+            ids = render_conversations(self.tokenizer, [prompt], self.chat_template_kwargs)[0][1]
+        try:
+            return prompt_ids(ids, self.engine.vocab_size, self.engine.config.max_model_len,
+                              self.tokenizer)[1]
+        except ValueError as e:
+            raise ValueError(f"dataset row {index}: {e}") from e
 
     def _push(self, out) -> None:
         row = self._rows.pop(out.request_id)
@@ -215,6 +281,11 @@ class EngineRolloutWorker:
         columns = [func(prompts=[row["prompt"]] * n, completions=completions,
                         completion_ids=[s.token_ids for s in out.samples], **extra)
                    for func in self.reward_funcs]
+        waiting = [i for i, c in enumerate(columns) if inspect.isawaitable(c)]
+        if waiting:  # asynchronous reward functions: their coroutines run together
+            for i, column in zip(waiting, self._aio.run_until_complete(
+                    _gather([columns[i] for i in waiting]))):
+                columns[i] = column
         rewards, advantages, spread = group_advantages(columns)
         group_id = next(self._group_ids)
         prompt_ids = list(out.prompt_token_ids)
@@ -236,6 +307,10 @@ class EngineRolloutWorker:
                 return
             except queue.Full:  # the trainer is behind: waiting is not a stall
                 self._last_push = time.time()
+
+
+async def _gather(awaitables: list) -> list:
+    return await asyncio.gather(*awaitables)
 
 
 def group_advantages(columns: list[list]) -> tuple[np.ndarray, np.ndarray, float]:
@@ -303,7 +378,12 @@ def engine_async_grpo(engine: Engine, model, reward_funcs, args, train_dataset,
                       processing_class, groups_in_flight: int | None = None,
                       importance_ratio: str = "untruncated", **kwargs):
     """An AsyncGRPOTrainer whose rollouts and weight syncs are the engine's (this module's
-    docstring); `groups_in_flight` defaults to twice the groups of one optimizer step;
+    docstring); `groups_in_flight` defaults to TRL's max_inflight_tasks generations (its own
+    default: max(max_staleness, 1) steps' samples, a step per_device_train_batch_size x
+    gradient_accumulation_steps). That is a step's count with `token_budget <= 0` (TRL's
+    fixed-count batches), and the worker then keeps max_staleness steps' samples ahead of the
+    trainer at most; `token_budget` None is the engine's max_model_len, as TRL's is the
+    server's, and under a token budget a micro-batch takes what fits, whatever the batch size.
     `importance_ratio`: EngineRolloutWorker's."""
     from trl.experimental.async_grpo import AsyncGRPOTrainer
 
@@ -317,22 +397,33 @@ def engine_async_grpo(engine: Engine, model, reward_funcs, args, train_dataset,
         raise ValueError("stale_groups='drop': the worker pairs each group with its dataset row "
                          "when the group comes back, and a dropped group never does; use "
                          "'restart' (the default) or 'keep' (TRL then drops what is too old)")
-    if args.token_budget is None:  # TRL would ask the vLLM server for its max_model_len
-        args.token_budget = engine.config.max_model_len
-    # The engine restarts what TRL would drop (rebinding its config: the caller's object stays).
-    engine.config = dataclasses.replace(engine.config, max_staleness=args.max_staleness)
+    # The engine restarts what TRL would drop (a new config: the caller's object stays).
+    config = dataclasses.replace(engine.config, max_staleness=args.max_staleness)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k or 0, min_p=args.min_p or 0.0,
                             max_tokens=args.max_completion_length)
+    per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
     if groups_in_flight is None:
-        per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
-        groups_in_flight = max(2, 2 * -(-per_step // args.num_generations))
+        # TRL sets its default in the trainer's constructor, after the worker is built.
+        inflight = (max(config.max_staleness, 1) * per_step if args.max_inflight_tasks < 0
+                    else as_int("max_inflight_tasks", args.max_inflight_tasks, 1))
+        groups_in_flight = -(-inflight // args.num_generations)
+    token_budget = config.max_model_len if args.token_budget is None else args.token_budget
+    pending = None  # under a token budget a step's count is known only once it is packed
+    if token_budget <= 0:
+        # TRL takes the next step's samples before this step's sync (accelerate's prefetch):
+        # what is queued behind max_staleness steps' is taken past max_staleness, dropped.
+        pending = max(config.max_staleness * per_step, args.num_generations)  # a group at least
     worker = EngineRolloutWorker(engine, train_dataset,
                                  reward_funcs if isinstance(reward_funcs, list)
                                  else [reward_funcs], processing_class, args.num_generations,
                                  params, groups_in_flight, args.queue_maxsize,
-                                 args.chat_template_kwargs, importance_ratio)
-    return AsyncGRPOTrainer(model=model, reward_funcs=reward_funcs, args=args,
-                            train_dataset=train_dataset, processing_class=processing_class,
-                            rollout_worker=worker, weight_transfer=EngineWeightTransfer(worker),
-                            **kwargs)
+                                 args.chat_template_kwargs, importance_ratio, pending)
+    trainer = AsyncGRPOTrainer(model=model, reward_funcs=reward_funcs, args=args,
+                               train_dataset=train_dataset, processing_class=processing_class,
+                               rollout_worker=worker,
+                               weight_transfer=EngineWeightTransfer(worker), **kwargs)
+    # Only now, nothing left to refuse the call: a refused or failed one changes neither.
+    engine.config = config
+    args.token_budget = token_budget  # TRL would ask the vLLM server for its max_model_len
+    return trainer

@@ -26,8 +26,10 @@ def async_args(cfg: RecipeConfig, accelerator):
         output_dir=f"{cfg.output_dir}/trl_async", run_name=cfg.run_name, seed=cfg.seed,
         use_cpu=accelerator.device.type == "cpu", bf16=False,
         max_steps=cfg.steps, num_generations=cfg.num_generations,
-        # One optimizer step trains prompts_per_step groups, as one step of the other loops.
-        per_device_train_batch_size=cfg.prompts_per_step * cfg.num_generations,
+        # One optimizer step trains prompts_per_step groups, as one step of the other loops:
+        # TRL's fixed-count batches (token_budget <= 0); under a token budget a micro-batch
+        # takes what fits and the batch size is ignored.
+        per_device_train_batch_size=cfg.prompts_per_step * cfg.num_generations, token_budget=-1,
         max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature,
         top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p or None,
         learning_rate=cfg.learning_rate, lr_scheduler_type="constant",

@@ -103,6 +103,8 @@ CALLS = {
                                                       queue_maxsize=v),
     "chat_template_kwargs ": lambda e, v: EngineRolloutWorker(
         e, CHAT_ROWS, [len], TOK, 2, GREEDY, chat_template_kwargs=v),
+    "max_pending": lambda e, v: EngineRolloutWorker(e, ROWS, [len], TOK, 2, GREEDY,
+                                                    max_pending=v),
 }
 
 

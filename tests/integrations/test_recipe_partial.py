@@ -325,7 +325,9 @@ def test_trl_async_recipe_trains_on_the_engine(tmp_path, monkeypatch, flags, imp
     built-in task (TRL's GPU-only attention kernel stood in for by a torch reference, as in
     test_trl_async.py), the held-out set scored before and after. `--importance_ratio
     full_policy` reaches the worker (it had been ignored); without truncation the sampling
-    logprobs are the untruncated ones, which the worker sends."""
+    logprobs are the untruncated ones, which the worker sends. A step trains prompts_per_step
+    groups' samples (TRL's fixed-count batches: under its default token budget the count had
+    followed max_model_len, 4-6 samples here, a group split across steps)."""
     pytest.importorskip("trl.experimental.async_grpo")
     import flash_varlen
 
@@ -342,6 +344,8 @@ def test_trl_async_recipe_trains_on_the_engine(tmp_path, monkeypatch, flags, imp
     assert [row["step"] for row in out["history"]] == [1, 2]
     for row in out["history"]:
         assert 0 <= row["reward/mean"] <= 1 and row["sample/staleness_max"] <= 1
+        assert row["batch/samples_per_step"] == pytest.approx(  # (TRL sums it in floats)
+            TINY["prompts_per_step"] * TINY["num_generations"])
     assert 0 <= out["accuracy_before"] <= 1 and 0 <= out["accuracy_after"] <= 1
     assert out["engine_stats"]["generated_tokens"] > 0
     with pytest.raises(ValueError, match="trl_async"):

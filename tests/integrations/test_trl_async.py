@@ -7,10 +7,12 @@ around the engine's worker and transfer."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import queue
 import threading
 import time
+import warnings
 
 import flash_varlen
 import numpy as np
@@ -61,21 +63,46 @@ def async_args(tmp_path, **overrides):
     return AsyncGRPOConfig(**kwargs)
 
 
-def test_async_grpo_trains_on_the_engine(tmp_path, checkpoint):
+@pytest.mark.parametrize("token_budget, past", [(-1, 1), (None, 2)],
+                         ids=["fixed_count", "token_budget"])
+def test_async_grpo_trains_on_the_engine(tmp_path, checkpoint, monkeypatch, token_budget, past):
     """3 optimizer steps: every sync goes through the engine (cold sync + one a step), samples
     are tagged with the trainer's model version of their oldest token, none older than
-    max_staleness is trained on, and on the first (on-policy) step TRL's ratio against the
-    engine's logprobs is 1 up to fp32 rounding."""
+    max_staleness is taken from the queue, and on the first (on-policy) step TRL's ratio
+    against the engine's logprobs is 1 up to fp32 rounding. What is *trained* can be older,
+    by TRL 1.16's own pipeline: accelerate's dispatcher pulls the next micro-batch before the
+    current one trains (so across the step's sync: 1 version past), and TokenBudgetBatcher
+    holds the sample that closed a micro-batch over into the one after (2 past); the default
+    token_budget (None) is the engine's max_model_len, as TRL's is the server's."""
+    from trl.experimental.async_grpo import async_grpo_trainer
+
     path, tok = checkpoint
     engine = Engine(path, EngineConfig(kv_cache_tokens=1024, max_model_len=64, max_num_seqs=32),
                     tokenizer=tok)
-    trainer = engine_async_grpo(engine, path, length_reward, async_args(tmp_path),
+    trainer = engine_async_grpo(engine, path, length_reward,
+                                async_args(tmp_path, token_budget=token_budget),
                                 Dataset.from_dict({"prompt": PROMPTS}), tok)
     worker = trainer.rollout_worker
     pushed = []
     put = worker.rollout_buffer.put
     worker.rollout_buffer.put = lambda sample, *a, **k: (pushed.append(sample),
                                                          put(sample, *a, **k))[1]
+    # Each micro-batch's samples when collated (at the pull), then the trainer's version when
+    # it trains them; a sample's metrics dict is the one its RolloutSample carries.
+    collated, trained = [], []
+    collate = async_grpo_trainer.DataCollatorForRollout.torch_call
+    monkeypatch.setattr(async_grpo_trainer.DataCollatorForRollout, "torch_call",
+                        lambda self, examples: (collated.append(
+                            [id(e["metrics"]) for row in examples[0] for e in row.samples]),
+                            collate(self, examples))[1])
+    compute_loss = trainer.compute_loss
+
+    def training_version(model, inputs, *args, **kwargs):
+        version = {id(s.metrics): s.model_version for s in pushed}
+        trained.extend(trainer.model_version - version[i] for i in collated.pop(0))
+        return compute_loss(model, inputs, *args, **kwargs)
+
+    trainer.compute_loss = training_version
     trainer.train()
     steps = [h for h in trainer.state.log_history if "loss" in h]
     assert len(steps) == 3
@@ -84,7 +111,8 @@ def test_async_grpo_trains_on_the_engine(tmp_path, checkpoint):
     # fp32 rounding: worst seen 1.2e-7 from 1, kl -1.1e-9 (AMD EPYC Zen 3, AVX2), 6.0e-8 and
     # -6.1e-10 (Intel Xeon, AVX-512); the bounds leave >800x for other ISAs
     assert abs(steps[0]["ratio"] - 1) < 1e-4 and steps[0]["kl"] < 1e-6
-    assert all(h["sample/staleness_max"] <= 1 for h in steps)
+    assert all(h["sample/staleness_max"] <= 1 for h in steps)  # at the pull
+    assert trained and max(trained) <= 1 + past
     # The worker starts after the cold sync, which made the trainer's version 1: the first
     # samples are version 1's. The third step (version 3, max_staleness 1) trains on none of
     # version 1, so newer ones came; none is newer than the last sync.
@@ -234,7 +262,7 @@ def test_a_group_the_engine_aborted_is_not_pushed(checkpoint):
                                  [length_reward], tok, num_generations=2,
                                  params=SamplingParams(max_tokens=6))
     row = {"prompt": PROMPTS[0]}
-    ids = worker._prompt_ids(row)
+    ids = worker._prompt_ids(row, 0)
     worker._rows["0"] = row
     aborted = [Sample(index=i, token_ids=[], logprobs=[], finish_reason="abort", text="")
                for i in range(2)]
@@ -318,7 +346,7 @@ def test_old_log_probs_are_the_importance_ratios_behaviour_logprobs(checkpoint,
                                  importance_ratio=importance_ratio)
     row = {"prompt": PROMPTS[0]}
     worker._rows["0"] = row
-    out, = engine.rollout([worker._prompt_ids(row)], worker.params, request_ids=["0"])
+    out, = engine.rollout([worker._prompt_ids(row, 0)], worker.params, request_ids=["0"])
     worker._push(out)
     pushed = [worker.rollout_buffer.get_nowait() for _ in out.samples]
     for s, sample in zip(out.samples, pushed):
@@ -330,3 +358,219 @@ def test_old_log_probs_are_the_importance_ratios_behaviour_logprobs(checkpoint,
     with pytest.raises(ValueError, match="importance_ratio"):
         EngineRolloutWorker(engine, Dataset.from_dict({"prompt": PROMPTS}), [length_reward],
                             tok, 2, SamplingParams(), importance_ratio="on_support")
+
+
+def run_stop(worker) -> tuple[bool, list]:
+    """stop() in a thread: (whether it returned within 30 s, the warnings it gave)."""
+    done, caught = threading.Event(), []
+
+    def stop():
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            worker.stop()
+        caught.extend(str(w.message) for w in seen)
+        done.set()
+
+    threading.Thread(target=stop, daemon=True).start()
+    return done.wait(30), caught
+
+
+def test_stop_returns_while_a_reward_function_hangs(checkpoint, monkeypatch):
+    """A reward function that never returns (a remote judge gone silent): check_health says
+    so, and stop() (TRL's cleanup) returns after STOP_WAIT, saying the thread is outside the
+    engine, with the engine's groups aborted; it had said "still in an engine call" and joined
+    forever. Released later, the thread ends without calling the engine again."""
+    path, tok = checkpoint
+    engine = Engine(path, EngineConfig(kv_cache_tokens=1024, max_model_len=64), tokenizer=tok)
+    hang, release = threading.Event(), threading.Event()
+
+    def reward(prompts, completions, completion_ids, **kwargs):
+        if hang.is_set():
+            release.wait(60)
+        return [1.0] * len(completions)
+
+    monkeypatch.setattr(trl_async, "STOP_WAIT", 0.2)
+    worker = EngineRolloutWorker(engine, Dataset.from_dict({"prompt": PROMPTS}), [reward], tok,
+                                 num_generations=2, params=SamplingParams(max_tokens=4),
+                                 groups_in_flight=3)
+    rollout = engine.rollout
+    calls = []
+    monkeypatch.setattr(engine, "rollout", lambda *a, **k: (calls.append(1), rollout(*a, **k))[1])
+    worker.start()
+    worker.rollout_buffer.get(timeout=60)
+    hang.set()
+    deadline = time.time() + 60
+    with pytest.raises(RuntimeError, match="pushed nothing"):
+        while time.time() < deadline:  # the trainer's wait: taking what comes, till a stall
+            with contextlib.suppress(queue.Empty):
+                worker.rollout_buffer.get(timeout=0.1)
+            worker.check_health(0.5)
+    returned, caught = run_stop(worker)
+    try:
+        assert returned, "stop() did not return with the thread in a reward function"
+        assert any("outside the engine" in w for w in caught), caught
+        assert not any("engine call" in w for w in caught), caught
+        assert worker._thread.is_alive() and not engine.carried and not worker._rows
+        engine.check_invariants()
+        called = len(calls)
+    finally:
+        release.set()
+    worker._thread.join(30)
+    assert not worker._thread.is_alive() and worker._error is None and len(calls) == called
+    engine.check_invariants()
+
+
+def test_a_stop_between_the_threads_checks_keeps_it_out_of_the_engine(checkpoint, monkeypatch):
+    """stop() may abort the engine's groups as soon as the thread is outside the engine: one
+    that comes just as the thread marks itself inside must keep it out (it had gone on into
+    one more engine call, with stop() aborting beside it)."""
+    path, tok = checkpoint
+    engine = Engine(path, EngineConfig(kv_cache_tokens=1024, max_model_len=64), tokenizer=tok)
+    worker = EngineRolloutWorker(engine, Dataset.from_dict({"prompt": PROMPTS}),
+                                 [length_reward], tok, num_generations=2,
+                                 params=SamplingParams(max_tokens=4))
+    calls = []
+    monkeypatch.setattr(engine, "rollout", lambda *a, **k: calls.append(1) or [])
+    idle = worker._idle
+    inside = idle.clear
+
+    def clear():  # stop() lands between the thread's last check and its engine call
+        worker._stop.set()
+        inside()
+    monkeypatch.setattr(idle, "clear", clear)
+    worker.start()
+    worker._thread.join(30)
+    assert not worker._thread.is_alive() and not calls and idle.is_set()
+    assert worker._error is None
+
+
+@pytest.mark.parametrize("form", ["function", "partial", "callable_object"])
+def test_async_reward_functions_are_awaited(checkpoint, form):
+    """AsyncGRPOTrainer takes reward functions "synchronous or asynchronous" (TRL's worker
+    awaits the latter): a coroutine function, a partial of one or an object whose __call__ is
+    one is awaited, beside a synchronous one (the thread had died on the coroutine, TypeError:
+    'coroutine' object is not iterable)."""
+    import functools
+
+    path, tok = checkpoint
+    engine = Engine(path, EngineConfig(kv_cache_tokens=1024, max_model_len=64), tokenizer=tok)
+
+    async def bonus(prompts, completions, completion_ids, weight=1.0, **kwargs):
+        await asyncio.sleep(0)
+        return [weight * 100.0] * len(completions)
+
+    class Judge:
+        async def __call__(self, prompts, completions, completion_ids, **kwargs):
+            return await bonus(prompts, completions, completion_ids)
+
+    reward = {"function": bonus, "partial": functools.partial(bonus, weight=1.0),
+              "callable_object": Judge()}[form]
+    worker = EngineRolloutWorker(engine, Dataset.from_dict({"prompt": PROMPTS}),
+                                 [length_reward, reward], tok, num_generations=2,
+                                 params=SamplingParams(max_tokens=4), groups_in_flight=2)
+    worker.start()
+    try:
+        samples = [worker.rollout_buffer.get(timeout=60) for _ in range(4)]
+        worker.check_health(60)
+    finally:
+        worker.stop()
+    for s in samples:
+        assert s.metrics["reward"] == 100.0 + len(s.completion)
+
+
+def test_a_prompt_past_max_model_len_names_its_row(checkpoint):
+    """Row 0 is checked when the worker is built (a prompt past max_model_len is refused
+    there); a later row too long fails the thread when it is read, the error naming the row
+    (it had named max_model_len alone, the thread's batch refused by the engine)."""
+    path, tok = checkpoint
+    engine = Engine(path, EngineConfig(kv_cache_tokens=1024, max_model_len=64), tokenizer=tok)
+    prompts = list(PROMPTS)
+    prompts[2] = "a" * 80
+    with pytest.raises(ValueError, match=r"dataset row 0: prompt: 80 tokens, more than "
+                                         r"max_model_len - 1 = 63"):
+        EngineRolloutWorker(engine, Dataset.from_dict({"prompt": prompts[2:]}),
+                            [length_reward], tok, 2, SamplingParams(max_tokens=4))
+    worker = EngineRolloutWorker(engine, Dataset.from_dict({"prompt": prompts}),
+                                 [length_reward], tok, num_generations=2,
+                                 params=SamplingParams(max_tokens=4), groups_in_flight=3)
+    worker.start()
+    worker._thread.join(60)
+    with pytest.raises(RuntimeError, match="rollout thread failed") as info:
+        worker.check_health(60)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert "dataset row 2: prompt: 80 tokens, more than max_model_len - 1 = 63" in str(
+        info.value.__cause__)
+    worker.stop()
+    assert not engine.carried and not worker._rows
+    engine.check_invariants()
+
+
+def test_a_refused_call_leaves_the_engine_and_args_as_they_were(tmp_path, checkpoint,
+                                                                monkeypatch):
+    """engine_async_grpo rebinds the engine's config (max_staleness) and args.token_budget
+    only once the trainer is built: a call refused by the worker's checks, or failing in
+    TRL's constructor, leaves both as they were (max_staleness had gone None -> 0 after a
+    refused call)."""
+    from trl.experimental import async_grpo
+
+    path, tok = checkpoint
+    engine = Engine(path, EngineConfig(kv_cache_tokens=1024, max_model_len=64), tokenizer=tok)
+    config = engine.config
+    args = async_args(tmp_path, max_staleness=0)
+    with pytest.raises(ValueError, match="reward_funcs"):
+        engine_async_grpo(engine, path, None, args, Dataset.from_dict({"prompt": PROMPTS}), tok)
+    with pytest.raises(ValueError, match="dataset: empty"):
+        engine_async_grpo(engine, path, length_reward, args, Dataset.from_dict({"prompt": []}),
+                          tok)
+
+    def fail(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(async_grpo, "AsyncGRPOTrainer", fail)
+    with pytest.raises(KeyboardInterrupt):
+        engine_async_grpo(engine, path, length_reward, args,
+                          Dataset.from_dict({"prompt": PROMPTS}), tok)
+    assert engine.config is config and config.max_staleness is None
+    assert args.token_budget is None
+
+
+def test_the_worker_keeps_what_the_trainer_can_take_within_max_staleness(tmp_path, checkpoint,
+                                                                         monkeypatch):
+    """With fixed-count batches the worker keeps at most max_staleness steps' samples produced
+    and not yet taken by the trainer (queued, or of groups in the engine; TRL takes a step's
+    one step early): whenever it calls the engine, and when training ends. It had filled TRL's
+    queue far ahead (queue_maxsize 64: two thirds of the samples produced were dropped as
+    stale). An explicit max_inflight_tasks (TRL's concurrent generations) sets the groups kept
+    in the engine; under a token budget only they and queue_maxsize bound the worker."""
+    path, tok = checkpoint
+    engine = Engine(path, EngineConfig(kv_cache_tokens=1024, max_model_len=64, max_num_seqs=32),
+                    tokenizer=tok)
+    args = async_args(tmp_path, max_staleness=1, per_device_train_batch_size=8, queue_maxsize=64,
+                      token_budget=-1, max_steps=4)
+    trainer = engine_async_grpo(engine, path, length_reward, args,
+                                Dataset.from_dict({"prompt": PROMPTS}), tok)
+    worker, bound = trainer.rollout_worker, 8  # 1 step of 8 samples
+    q = worker.rollout_buffer
+    produced, taken, ahead = [0], [0], []
+    put, get = q.put, q.get
+    q.put = lambda *a, **k: (produced.__setitem__(0, produced[0] + 1), put(*a, **k))[1]
+    q.get = lambda *a, **k: (taken.__setitem__(0, taken[0] + 1), get(*a, **k))[1]
+    rollout = engine.rollout
+
+    def counted(prompts, params, **kwargs):  # the trainer only takes meanwhile
+        ahead.append(q.qsize() + (len(engine.carried) + len(prompts)) * params.n)
+        return rollout(prompts, params, **kwargs)
+
+    monkeypatch.setattr(engine, "rollout", counted)
+    trainer.train()
+    assert len([h for h in trainer.state.log_history if "loss" in h]) == 4
+    assert ahead and max(ahead) <= bound
+    assert produced[0] - taken[0] <= bound
+    built = engine_async_grpo(engine, path, length_reward,
+                              async_args(tmp_path, max_inflight_tasks=8),
+                              Dataset.from_dict({"prompt": PROMPTS}), tok)
+    assert built.rollout_worker.groups_in_flight == 2  # 8 generations, 4 a group
+    assert built.rollout_worker.max_pending is None and built.args.token_budget == 64
+    with pytest.raises(ValueError, match="max_pending"):
+        EngineRolloutWorker(engine, Dataset.from_dict({"prompt": PROMPTS}), [length_reward],
+                            tok, 4, SamplingParams(), max_pending=3)
