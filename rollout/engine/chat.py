@@ -34,7 +34,11 @@ def render_conversations(tokenizer, conversations, chat_template_kwargs: dict | 
     message dicts) counts as a list of one."""
     if tokenizer is None:
         raise ValueError("conversations: chat needs a tokenizer; pass tokenizer= to the Engine")
-    kwargs = {"add_generation_prompt": True, **_check_kwargs(chat_template_kwargs)}
+    given = _check_kwargs(chat_template_kwargs)
+    # continue_final_message extends the last (assistant) message, where a generation prompt
+    # would open a new turn: transformers refuses the two together, which is no fault of the
+    # conversation's, so the default gives way.
+    kwargs = {"add_generation_prompt": not given.get("continue_final_message", False), **given}
     if getattr(tokenizer, "chat_template", None) is None and kwargs.get("chat_template") is None:
         raise ValueError("conversations: the tokenizer has no chat template; set "
                          "tokenizer.chat_template, pass chat_template_kwargs={'chat_template': "

@@ -84,6 +84,18 @@ def test_rollout_generate_takes_conversations(tok, model):
                          chat_template_kwargs={"x": 1}, **CONFIG)
 
 
+def test_continuing_the_final_message_needs_no_generation_prompt_override(tok, model):
+    """chat_template_kwargs={"continue_final_message": True} continues a conversation's last
+    (assistant) message: the ids are transformers' for that option alone (the engine's default
+    generation prompt gives way; it had made the template fail, blamed on the conversation)."""
+    chat = CHATS[1][:3]  # ... ending with the assistant's "hi"
+    engine = Engine(model, EngineConfig(**CONFIG), tokenizer=tok)
+    (out,) = engine.chat([chat], GREEDY, chat_template_kwargs={"continue_final_message": True})
+    assert out.prompt_token_ids == tok.apply_chat_template(
+        chat, continue_final_message=True, tokenize=True)["input_ids"]
+    assert out.prompt.endswith("hi")
+
+
 def test_which_prompts_are_conversations():
     message = {"role": "user", "content": "x"}
     assert is_conversations([message]) and is_conversations([[message]])
