@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence, Set
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
-from .engine.chat import is_conversations, render_conversations
+from .engine.chat import check_template_kwargs, is_conversations, render_conversations
 from .engine.engine import Engine
 from .engine.progress import progress
 from .env_calls import EnvCalls
@@ -88,8 +88,8 @@ class Episode:
 def run_episodes(engine: Engine, prompts, env_factory: Callable[[], object],
                  params: SamplingParams | None = None, max_turns: int = 8,
                  max_episode_tokens: int | None = None, use_tqdm: bool = False,
-                 env_workers: int = 8, env_timeout: float | None = None
-                 ) -> list[list[Episode]]:
+                 env_workers: int = 8, env_timeout: float | None = None,
+                 chat_template_kwargs: dict | None = None) -> list[list[Episode]]:
     """`params.n` episodes per prompt (prompt i, sample j: `episodes[i][j]`). `max_turns`:
     model turns per episode; `max_episode_tokens`: model + env tokens after the prompt (the
     episode ends with "length"; capped by the engine's max_model_len); `params.max_tokens`
@@ -97,7 +97,9 @@ def run_episodes(engine: Engine, prompts, env_factory: Callable[[], object],
     lists or 1-D tensors, or chat conversations (lists of {"role", "content"} messages,
     rendered by the tokenizer's chat template with the generation prompt, as Engine.chat).
     `env_timeout`: seconds an environment's reset or step may take; one that takes longer
-    ends its episode ("abort", its KV released) and, if it is a coroutine, is cancelled."""
+    ends its episode ("abort", its KV released) and, if it is a coroutine, is cancelled.
+    `chat_template_kwargs`: the template's options (Qwen3's enable_thinking, say) for the
+    prompts and for the chat-message observations alike, as Engine.chat takes them."""
     if params is not None and not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams or None, got {type(params).__name__}")
     if not callable(env_factory):
@@ -116,13 +118,15 @@ def run_episodes(engine: Engine, prompts, env_factory: Callable[[], object],
         env_timeout = min(env_timeout, threading.TIMEOUT_MAX)  # what waits can take
     if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
         raise ValueError("prompts must be a list of strings or of token-id lists")
+    template_kwargs = check_template_kwargs(chat_template_kwargs)
     if is_conversations(prompts):
-        prompts = [ids for _, ids in render_conversations(engine.tokenizer, prompts)]
+        prompts = [ids for _, ids in render_conversations(engine.tokenizer, prompts,
+                                                          template_kwargs)]
     if engine.has_unfinished:
         raise ValueError("engine: run_episodes steps the engine itself and needs it idle; "
                          f"{len(engine.running_requests)} requests are running")
     runner = _Runner(engine, env_factory, params, max_turns, max_episode_tokens, env_workers,
-                     env_timeout)
+                     env_timeout, template_kwargs)
     return runner.run(list(prompts), use_tqdm)
 
 
@@ -139,10 +143,10 @@ class _Live:
 class _Runner:
     def __init__(self, engine: Engine, env_factory, params: SamplingParams, max_turns: int,
                  max_episode_tokens: int | None, env_workers: int,
-                 env_timeout: float | None) -> None:
+                 env_timeout: float | None, template_kwargs: dict) -> None:
         self.engine, self.env_factory, self.params = engine, env_factory, params
         self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
-        self.env_timeout = env_timeout
+        self.env_timeout, self.template_kwargs = env_timeout, template_kwargs
         self.deadlines: dict[Future, float] = {}  # env calls under way -> when they time out
         # An episode's tokens end where a sequence's do; each later turn's prompt leaves the
         # model a token (_env_turn ends the episode when an observation would not).
@@ -361,7 +365,8 @@ class _Runner:
             # the tokenizer's eos_token), it is in the episode.
             ended = last_token is not None and last_token in self.end_ids
             return message_tokens(tok, observation,
-                                  ended_with=token_text(tok, last_token) if ended else None)
+                                  token_text(tok, last_token) if ended else None,
+                                  self.template_kwargs)
         if isinstance(observation, str):
             if tok is None:
                 raise ValueError("a text observation needs the engine's tokenizer")
@@ -403,19 +408,23 @@ def token_text(tokenizer, token: int) -> str:
     return tokenizer.decode([token])
 
 
-def message_tokens(tokenizer, message: dict, ended_with: str | None) -> list[int]:
+def message_tokens(tokenizer, message: dict, ended_with: str | None,
+                   template_kwargs: dict | None = None) -> list[int]:
     """The tokens a chat template puts after an assistant turn for `message` (a tool or user
     message), generation prompt included; `ended_with`: the text of the end token the model's
     turn ended with (None: it ended otherwise), which the template renders as the end of the
-    assistant turn, so it is not put there twice. Refused when the
+    assistant turn, so it is not put there twice; `template_kwargs`: the template's options
+    (checked: check_template_kwargs), the generation prompt this function's to set. Refused when the
     template is not prefix-preserving (rendering one more message changes what came before),
     since the episode's tokens could then not be what a trainer's template would give."""
     if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("a chat-message observation needs a tokenizer with a chat template")
+    options = {k: v for k, v in (template_kwargs or {}).items()
+               if k not in ("add_generation_prompt", "continue_final_message")}
     base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARK}]
-    prefix = tokenizer.apply_chat_template(base, tokenize=False)
+    prefix = tokenizer.apply_chat_template(base, tokenize=False, **options)
     full = tokenizer.apply_chat_template(base + [message], tokenize=False,
-                                         add_generation_prompt=True)
+                                         add_generation_prompt=True, **options)
     if not full.startswith(prefix):
         raise ValueError("the chat template is not prefix-preserving: appending a message "
                          "changes the rendering of the turns before it")

@@ -34,7 +34,7 @@ def render_conversations(tokenizer, conversations, chat_template_kwargs: dict | 
     message dicts) counts as a list of one."""
     if tokenizer is None:
         raise ValueError("conversations: chat needs a tokenizer; pass tokenizer= to the Engine")
-    given = _check_kwargs(chat_template_kwargs)
+    given = check_template_kwargs(chat_template_kwargs)
     # continue_final_message extends the last (assistant) message, where a generation prompt
     # would open a new turn: transformers refuses the two together, which is no fault of the
     # conversation's, so the default gives way.
@@ -84,7 +84,7 @@ def _as_conversations(conversations) -> list[Sequence[Mapping]]:
 ENGINE_KWARGS = ("conversation", "messages", "tokenize")
 
 
-def _check_kwargs(kwargs) -> dict:
+def check_template_kwargs(kwargs) -> dict:
     if kwargs is None:
         return {}
     if not isinstance(kwargs, Mapping):

@@ -763,6 +763,37 @@ def test_a_turn_ended_by_an_end_of_turn_id_is_not_ended_twice(stops_on):
     assert tok.decode(ep.prompt_ids + ep.token_ids) + "\n" == want
 
 
+def test_template_options_reach_the_prompts_and_the_observations():
+    """chat_template_kwargs (Qwen3's enable_thinking, say) render the prompt and every
+    chat-message observation's generation prompt alike: the episode is the template's rendering
+    of the conversation with those options. A bad one is refused before anything runs."""
+    tok = char_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<u>", "<a>", "<eot>", "<quiet>"]})
+    tok.chat_template = ("{% for m in messages %}{% if m.role == 'user' %}<u>{% else %}<a>"
+                         "{% endif %}{{ m.content }}<eot>\n{% endfor %}{% if "
+                         "add_generation_prompt %}<a>{% if not think %}<quiet>{% endif %}"
+                         "{% endif %}")
+    eot = tok.convert_tokens_to_ids("<eot>")
+    model = always_picks(tiny_model("llama", vocab_size=len(tok)), eot)  # each turn empty
+    eng = Engine(model, EngineConfig(kv_cache_tokens=512, max_model_len=64), tokenizer=tok)
+
+    class User:
+        def step(self, turn_ids, text):
+            return Step(observation={"role": "user", "content": "hi"})
+
+    conv = [{"role": "user", "content": "ab"}]
+    params = SamplingParams(temperature=0, max_tokens=4, stop_token_ids=[eot])
+    ep = run_episodes(eng, [conv], User, params, max_turns=2,
+                      chat_template_kwargs={"think": False})[0][0]
+    want = tok.apply_chat_template(conv + [{"role": "assistant", "content": "<quiet>"},
+                                           {"role": "user", "content": "hi"}],
+                                   tokenize=False, add_generation_prompt=True, think=False)
+    assert tok.decode(ep.prompt_ids + ep.token_ids) == want + "<eot>"  # the second turn's
+    with pytest.raises(ValueError, match="^chat_template_kwargs: 'tokenize'"):
+        run_episodes(eng, [conv], User, params, chat_template_kwargs={"tokenize": True})
+    assert_no_kv_held(eng)
+
+
 def test_run_episodes_needs_an_idle_engine():
     eng = engine()
     eng.add_request([1, 2, 3], SamplingParams(max_tokens=2))
