@@ -228,10 +228,18 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
     num_tokens, hidden = x.shape
     num_experts, inter = w_down.shape[0], w_down.shape[2]
     top_k = topk_ids.shape[1]
-    assert w_gate_up.shape == (num_experts, 2 * inter, hidden), w_gate_up.shape
-    assert w_down.shape == (num_experts, hidden, inter), w_down.shape
-    assert topk_weights.shape == topk_ids.shape and topk_ids.shape[0] == num_tokens
-    assert x.dtype == w_gate_up.dtype == w_down.dtype
+    if w_gate_up.shape != (num_experts, 2 * inter, hidden):
+        raise ValueError(f"fused_moe: w_gate_up {tuple(w_gate_up.shape)} must be [E, 2I, H] = "
+                         f"{(num_experts, 2 * inter, hidden)}")
+    if w_down.shape != (num_experts, hidden, inter):
+        raise ValueError(f"fused_moe: w_down {tuple(w_down.shape)} must be [E, H, I] = "
+                         f"{(num_experts, hidden, inter)}")
+    if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != num_tokens:
+        raise ValueError(f"fused_moe: topk_weights {tuple(topk_weights.shape)} and topk_ids "
+                         f"{tuple(topk_ids.shape)} must be one [{num_tokens}, k] shape")
+    if not x.dtype == w_gate_up.dtype == w_down.dtype:
+        raise ValueError(f"fused_moe: x {x.dtype}, w_gate_up {w_gate_up.dtype} and w_down "
+                         f"{w_down.dtype} must be one dtype")
     if num_tokens == 0:
         return torch.zeros_like(x)
     x = x.contiguous()

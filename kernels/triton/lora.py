@@ -74,7 +74,11 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, precision: str = "ieee") -> to
     batch-invariant mode passes "rows": row_invariant.dot_precision)."""
     num_tokens, k = x.shape
     rank = a.shape[0]
-    assert a.shape[1] == k and x.stride(1) == 1 and a.is_contiguous() and a.dtype == torch.float32
+    if a.shape[1] != k or not a.is_contiguous() or a.dtype != torch.float32:
+        raise ValueError(f"lora_shrink: a {tuple(a.shape)} {a.dtype} must be [R, {k}] float32, "
+                         f"contiguous")
+    if x.stride(1) != 1:
+        raise ValueError(f"lora_shrink: x's rows must be unit-stride, got stride {x.stride(1)}")
     s = torch.empty(num_tokens, rank, dtype=torch.float32, device=x.device)
     if num_tokens:
         block_r = min(_tile(rank), 64)
@@ -92,7 +96,8 @@ def lora_expand_add(s: torch.Tensor, b: torch.Tensor, y: torch.Tensor, rows: tor
     and `max_rank`: the largest block's, which size the grid and the rank tile; `precision`:
     as lora_shrink's."""
     num_tokens = s.shape[0]
-    assert s.is_contiguous() and b.is_contiguous() and y.stride(1) == 1
+    if not (s.is_contiguous() and b.is_contiguous() and y.stride(1) == 1):
+        raise ValueError("lora_expand_add: s, b must be contiguous and y's rows unit-stride")
     if num_tokens == 0 or rows.shape[0] == 0:
         return
     grid = (triton.cdiv(num_tokens, 16), triton.cdiv(max_rows, 64), rows.shape[0])

@@ -40,8 +40,16 @@ def _merge_states_kernel(
 def merge_states(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """part_out: [T, H, S, D] fp32; part_lse: [T, H, S] fp32 (base 2); out: [T, H, D]."""
     num_tokens, num_heads, num_splits, head_dim = part_out.shape
-    assert part_lse.shape == (num_tokens, num_heads, num_splits)
-    assert part_out.stride(-1) == 1 and part_lse.stride(-1) == 1 and out.stride(-1) == 1
+    if part_lse.shape != part_out.shape[:3]:
+        raise ValueError(f"merge_states: part_lse {tuple(part_lse.shape)} must be "
+                         f"{tuple(part_out.shape[:3])}, part_out's [T, H, S]")
+    if out.shape != (num_tokens, num_heads, head_dim):
+        raise ValueError(f"merge_states: out {tuple(out.shape)} must be "
+                         f"{(num_tokens, num_heads, head_dim)}, part_out's [T, H, D]")
+    for name, t in (("part_out", part_out), ("part_lse", part_lse), ("out", out)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"merge_states: the last dimension of {name} must be contiguous "
+                             f"(stride 1), got stride {t.stride(-1)}")
     if num_tokens == 0:
         return out
     _merge_states_kernel[(num_tokens, num_heads)](

@@ -29,6 +29,7 @@ T // BLOCK_Q + B blocks that each find their request by binary search over qo_in
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -45,12 +46,23 @@ MIN_KV_PER_SPLIT = 256
 MAX_KV_SPLITS = 64
 # The batch-invariant mode sizes every tile as for queries this long: the widest tile.
 INVARIANT_Q_LEN = 1 << 16
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @triton.jit
 def _tanh(x):
-    # exp-based: libdevice's tanh does not exist under the interpreter. Saturates to +-1.
-    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+    """tanh in float32 within 2 ulps, the same code compiled and interpreted (libdevice's tanh
+    does not exist under the interpreter), as Cephes' tanhf: 1 - 2 / (e^2|x| + 1) cancels
+    for small |x| (1.3e-5 relative at 1e-3: ~cap * eps on every score at Gemma 2's cap of
+    50, where scores / cap are small), so below 0.625 the odd minimax polynomial
+    x + x^3 P(x^2) (Cephes' coefficients). Saturates to +-1."""
+    z = x * x
+    p = (((-5.70498872745e-3 * z + 2.06390887954e-2) * z - 5.37397155531e-2) * z
+         + 1.33314422036e-1) * z - 3.33332819422e-1
+    a = tl.abs(x)
+    t = 1.0 - 2.0 / (tl.exp2(a * (2.0 * 1.4426950408889634)) + 1.0)
+    return tl.where(a < 0.625, x + x * z * p, tl.where(x < 0.0, -t, t))
 
 
 @triton.jit
@@ -272,6 +284,101 @@ def choose_num_kv_splits(programs: int, max_q_len: int, max_kv_len: int, num_sms
     return max(1, min(want, by_len, MAX_KV_SPLITS))
 
 
+def _check_args(q, k_pool, v_pool, out, qo_indptr, kv_indptr, kv_indices, *, max_q_len: int,
+                max_kv_len: int, causal: bool, window: int | None,
+                softcap: float | None) -> None:
+    """ValueError for what the kernel would read or write past, leave unwritten or compute
+    wrong, from the shapes alone: no device read and no allocation, so it may run on every
+    layer and inside a CUDA graph's capture. The metadata's values are read only under Triton's
+    CPU interpreter (`_check_rows_in_interpreter`)."""
+    if k_pool.dim() != 3 or v_pool.shape != k_pool.shape:
+        raise ValueError(f"paged_attention: k_pool {tuple(k_pool.shape)} and v_pool "
+                         f"{tuple(v_pool.shape)} must be one [S, Hkv, D] shape")
+    if q.dim() != 3:
+        raise ValueError(f"paged_attention: q {tuple(q.shape)} must be [T, Hq, D]")
+    if q.shape[2] != k_pool.shape[2]:
+        raise ValueError(f"paged_attention: q's head size {q.shape[2]} differs from the pools' "
+                         f"{k_pool.shape[2]}")
+    if q.shape[1] % k_pool.shape[1]:
+        raise ValueError(f"paged_attention: q's {q.shape[1]} heads are not a multiple of the "
+                         f"pools' {k_pool.shape[1]} KV heads")
+    if out.shape != q.shape:
+        raise ValueError(f"paged_attention: out {tuple(out.shape)} must have q's shape "
+                         f"{tuple(q.shape)}")
+    if not q.dtype == k_pool.dtype == v_pool.dtype or q.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"paged_attention: q {q.dtype} and the pools {k_pool.dtype} / "
+                         f"{v_pool.dtype} must be one dtype: float32, float16 or bfloat16")
+    for name, t in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool), ("out", out)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"paged_attention: the head dimension of {name} must be "
+                             f"contiguous (stride 1), got stride {t.stride(-1)}")
+    for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr),
+                    ("kv_indices", kv_indices)):
+        if t.dtype not in INDEX_DTYPES or t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(f"paged_attention: {name} must hold int32 or int64 in one "
+                             f"contiguous dimension, got {t.dtype} {tuple(t.shape)} with "
+                             f"stride {t.stride()}")
+    if kv_indptr.shape != qo_indptr.shape or not qo_indptr.numel():
+        raise ValueError(f"paged_attention: kv_indptr {tuple(kv_indptr.shape)} must be as long "
+                         f"as qo_indptr {tuple(qo_indptr.shape)}, B + 1 >= 1 entries")
+    num_tokens, batch = q.shape[0], qo_indptr.shape[0] - 1
+    # Every query row belongs to a request: rows past max_q_len are never computed.
+    if num_tokens > batch * max(max_q_len, 0):
+        raise ValueError(f"paged_attention: {num_tokens} query rows, past {batch} requests of "
+                         f"at most max_q_len {max_q_len}")
+    if window is not None and window < 1:
+        raise ValueError(f"paged_attention: window must be >= 1, got {window}")
+    if softcap is not None and not 0 < softcap < math.inf:
+        raise ValueError(f"paged_attention: softcap must be finite and > 0, got {softcap}")
+    if num_tokens and _interpreting():
+        _check_rows_in_interpreter(num_tokens, k_pool.shape[0], qo_indptr, kv_indptr,
+                                   kv_indices, max_q_len, max_kv_len, causal)
+
+
+def _check_rows_in_interpreter(num_tokens: int, num_slots: int, qo_indptr: torch.Tensor,
+                               kv_indptr: torch.Tensor, kv_indices: torch.Tensor, max_q_len: int,
+                               max_kv_len: int, causal: bool) -> None:
+    """The per-request bounds the kernel trusts, checked where the kernel runs on the CPU
+    (Triton's interpreter), so reading the metadata waits for no device: rows past max_q_len
+    would be left unwritten, a context past max_kv_len cut short by split-KV, kv_indptr past
+    kv_indices and slots outside the pool read out of bounds (a crash or another process's
+    memory). Compiled, they are the caller's to keep (paged_attention's contract)."""
+    qo, kv = qo_indptr.long(), kv_indptr.long()
+    if int(qo[0]) != 0 or int(qo[-1]) != num_tokens:
+        raise ValueError(f"paged_attention: qo_indptr must run from 0 to q's {num_tokens} rows, "
+                         f"got {int(qo[0])} to {int(qo[-1])}")
+    q_lens, kv_lens = qo.diff(), kv.diff()
+    for name, lens in (("qo_indptr", q_lens), ("kv_indptr", kv_lens)):
+        if int(lens.min()) < 0:
+            raise ValueError(f"paged_attention: {name} must not decrease, got {lens.tolist()} "
+                             f"as lengths")
+    if int(q_lens.max()) > max_q_len:
+        raise ValueError(f"paged_attention: a request has {int(q_lens.max())} queries, past "
+                         f"max_q_len {max_q_len}")
+    if int(kv_lens.max()) > max_kv_len:
+        raise ValueError(f"paged_attention: a context of {int(kv_lens.max())} tokens, past "
+                         f"max_kv_len {max_kv_len}")
+    if causal:
+        short = int((kv_lens - q_lens).argmin())
+        if kv_lens[short] < q_lens[short]:
+            raise ValueError(f"paged_attention: a request has {int(q_lens[short])} queries over "
+                             f"a context of {int(kv_lens[short])}: causal queries are its last "
+                             f"tokens")
+    start, end = int(kv[0]), int(kv[-1])
+    if start < 0:
+        raise ValueError(f"paged_attention: kv_indptr starts at {start}, below 0")
+    if end > kv_indices.numel():
+        raise ValueError(f"paged_attention: kv_indptr reaches {end}, past kv_indices' "
+                         f"{kv_indices.numel()} entries")
+    if end > start:
+        low, high = (int(x) for x in torch.aminmax(kv_indices[start:end]))
+        if low < 0:
+            raise IndexError(f"paged_attention: kv_indices hold slot {low}, below 0")
+        if high >= num_slots:
+            raise IndexError(f"paged_attention: kv_indices hold slot {high}, past the pool's "
+                             f"{num_slots} slots")
+
+
 def launch_paged_attention(q, k_pool, v_pool, out, qo_indptr, kv_indptr, kv_indices, *,
                            sm_scale: float, max_q_len: int, max_kv_len: int, causal: bool,
                            num_kv_splits: int, part_out=None, part_lse=None, split_base: int = 0,
@@ -283,16 +390,28 @@ def launch_paged_attention(q, k_pool, v_pool, out, qo_indptr, kv_indptr, kv_indi
     num_stages) overrides the heuristic (benchmark sweeps). `window`: sliding window (keys a
     query sees, itself included; None: all); `softcap`: score soft-capping (None: off).
     `invariant`: the tile's shape is the widest, whatever max_q_len, and window blocks start
-    at multiples of BLOCK_N (see paged_attention)."""
+    at multiples of BLOCK_N (see paged_attention, and its contract on the metadata)."""
+    _check_args(q, k_pool, v_pool, out, qo_indptr, kv_indptr, kv_indices,
+                          max_q_len=max_q_len, max_kv_len=max_kv_len, causal=causal,
+                          window=window, softcap=softcap)
+    _launch(q, k_pool, v_pool, out, qo_indptr, kv_indptr, kv_indices, sm_scale=sm_scale,
+            max_q_len=max_q_len, max_kv_len=max_kv_len, causal=causal,
+            num_kv_splits=num_kv_splits, part_out=part_out, part_lse=part_lse,
+            split_base=split_base, tile=tile, window=window, softcap=softcap,
+            invariant=invariant)
+
+
+def _launch(q, k_pool, v_pool, out, qo_indptr, kv_indptr, kv_indices, *, sm_scale: float,
+            max_q_len: int, max_kv_len: int, causal: bool, num_kv_splits: int, part_out=None,
+            part_lse=None, split_base: int = 0, tile: tuple[int, int, int] | None = None,
+            window: int | None = None, softcap: float | None = None, invariant: bool = False):
+    """launch_paged_attention on checked arguments: paged_attention checks them once."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
-    assert num_q_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
     group = num_q_heads // num_kv_heads
     batch = qo_indptr.shape[0] - 1
-    if num_tokens == 0 or batch == 0 or max_q_len <= 0:
+    if num_tokens == 0:
         return
-    for t in (q, k_pool, v_pool, out):
-        assert t.stride(-1) == 1, "the head dimension must be contiguous"
     block_q, block_m, block_n, num_warps, num_stages = _tile_config(
         group, INVARIANT_Q_LEN if invariant else max_q_len, head_dim, q.dtype, _interpreting())
     if tile is not None:
@@ -360,7 +479,18 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     of a tile each get their own dot products; a tile's other rows, masked or not, change
     none of a row's bits), key blocks at multiples of the tile's width for every row, sliding
     windows included.
+
+    Shapes, dtypes, strides, window and softcap are checked (ValueError). The metadata's
+    values are the caller's contract, read and checked only under Triton's CPU interpreter,
+    since on a GPU that would wait for the device on every layer: qo_indptr runs from 0 to T
+    without decreasing, every q_len <= max_q_len (rows past it are never written), kv_indptr
+    does not decrease and ends within kv_indices, every kv_len <= max_kv_len (split-KV drops
+    keys past it) and, causal, >= its q_len, and the slots it covers lie in [0, S) (others
+    are read out of bounds).
     """
+    _check_args(q, k_pool, v_pool, out, qo_indptr, kv_indptr, kv_indices,
+                          max_q_len=max_q_len, max_kv_len=max_kv_len, causal=causal,
+                          window=window, softcap=softcap)
     num_tokens, num_q_heads, head_dim = q.shape
     batch = qo_indptr.shape[0] - 1
     if invariant:
@@ -370,19 +500,18 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         num_kv_splits = choose_num_kv_splits(programs, max_q_len, max_kv_len, _num_sms(q.device))
     num_kv_splits = max(1, min(num_kv_splits, triton.cdiv(max(max_kv_len, 1), 16)))
     if num_kv_splits == 1:
-        launch_paged_attention(q, k_pool, v_pool, out, qo_indptr, kv_indptr, kv_indices,
-                               sm_scale=sm_scale, max_q_len=max_q_len, max_kv_len=max_kv_len,
-                               causal=causal, num_kv_splits=1, window=window, softcap=softcap,
-                               invariant=invariant)
+        _launch(q, k_pool, v_pool, out, qo_indptr, kv_indptr, kv_indices, sm_scale=sm_scale,
+                max_q_len=max_q_len, max_kv_len=max_kv_len, causal=causal, num_kv_splits=1,
+                window=window, softcap=softcap, invariant=invariant)
         return out
     part_out = torch.empty(num_tokens, num_q_heads, num_kv_splits, head_dim,
                            dtype=torch.float32, device=q.device)
     part_lse = torch.empty(num_tokens, num_q_heads, num_kv_splits,
                            dtype=torch.float32, device=q.device)
-    launch_paged_attention(q, k_pool, v_pool, out, qo_indptr, kv_indptr, kv_indices,
-                           sm_scale=sm_scale, max_q_len=max_q_len, max_kv_len=max_kv_len,
-                           causal=causal, num_kv_splits=num_kv_splits,
-                           part_out=part_out, part_lse=part_lse, window=window, softcap=softcap)
+    _launch(q, k_pool, v_pool, out, qo_indptr, kv_indptr, kv_indices, sm_scale=sm_scale,
+            max_q_len=max_q_len, max_kv_len=max_kv_len, causal=causal,
+            num_kv_splits=num_kv_splits, part_out=part_out, part_lse=part_lse, window=window,
+            softcap=softcap)
     return merge_states(part_out, part_lse, out)
 
 

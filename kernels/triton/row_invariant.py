@@ -79,6 +79,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if weight.shape[1] != k or weight.dtype != x.dtype:
         raise ValueError(f"linear: weight {tuple(weight.shape)} {weight.dtype} does not fit "
                          f"x [..., {k}] {x.dtype}")
+    if bias is not None:
+        if bias.shape != (n,):
+            raise ValueError(f"linear: bias {tuple(bias.shape)} must be ({n},): one per output")
+        bias = bias.contiguous()  # the kernel reads output j's bias at offset j
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -116,6 +120,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) ->
     Gemma's), one program a row: the sum of squares in one fixed order. Out: x's dtype with
     `offset`, else the dtype of weight times x."""
     dim = x.shape[-1]
+    if weight.shape != (dim,):
+        raise ValueError(f"rms_norm: weight {tuple(weight.shape)} must be ({dim},): one per "
+                         f"feature of x")
     rows = x.reshape(-1, dim)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()

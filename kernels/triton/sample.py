@@ -191,7 +191,19 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     top_k i32 [B] (<= 0 off); top_p f32 [B] (1 off); min_p f32 [B] (0 off); seed i32 [B];
     position i32 [B]. Returns (tokens int64 [B], logprobs f32 [B]) as `rollout.sampler.sample`.
     """
+    if logits.dim() != 2:
+        raise ValueError(f"sample: logits {tuple(logits.shape)} must be [B, V]")
     batch, vocab_size = logits.shape
+    if vocab_size == 0 and batch:
+        raise ValueError(f"sample: logits {tuple(logits.shape)} have an empty vocabulary")
+    # In the kernel's argument order and dtypes.
+    rows = {"temperature": temperature.to(torch.float32), "top_k": top_k.to(torch.int32),
+            "top_p": top_p.to(torch.float32), "min_p": min_p.to(torch.float32),
+            "seed": seed.to(torch.int32), "position": position.to(torch.int32)}
+    for name, t in rows.items():
+        if t.shape != (batch,):
+            raise ValueError(f"sample: {name} {tuple(t.shape)} must be ({batch},): one per row "
+                             f"of logits")
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     device = logits.device
@@ -199,10 +211,10 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     logprobs = torch.empty(batch, dtype=torch.float32, device=device)
     if batch == 0:
         return tokens, logprobs
+    # The kernel reads row b's parameters at offset b: a strided view is copied.
     _sample_kernel[(batch,)](
         logits, logits.stride(0),
-        temperature.to(torch.float32), top_k.to(torch.int32), top_p.to(torch.float32),
-        min_p.to(torch.float32), seed.to(torch.int32), position.to(torch.int32),
+        *(t.contiguous() for t in rows.values()),
         tokens, logprobs, vocab_size,
         BLOCK_V=1024, RADIX=RADIX, USE_LIBDEVICE=use_libdevice(device),
         num_warps=8,

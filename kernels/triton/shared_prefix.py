@@ -30,10 +30,15 @@ def shared_prefix_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     [G+1]; prefix_indices: slots of each group's shared prefix; suffix_indptr: int32 [B+1];
     suffix_indices: slots of each request's private tokens (the new one included). softcap:
     score soft-capping as in paged_attention. There is no sliding window here: the query sees
-    its whole context, so a caller with a window uses this path only when it cuts nothing."""
+    its whole context, so a caller with a window uses this path only when it cuts nothing.
+    Both launches check their arguments as paged_attention does, under its contract on the
+    metadata (group_indptr running from 0 to B; each group within max_group_size, each prefix
+    within max_prefix_len, each suffix within max_suffix_len; slots in the pool)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_groups = group_indptr.shape[0] - 1
-    assert suffix_indptr.shape[0] == num_tokens + 1, "one decode query per request"
+    if suffix_indptr.shape != (num_tokens + 1,):
+        raise ValueError(f"shared_prefix_attention: suffix_indptr {tuple(suffix_indptr.shape)} "
+                         f"must have one entry per query row + 1: {num_tokens + 1}")
     if num_prefix_splits is None:
         num_prefix_splits = choose_num_kv_splits(num_groups * k_pool.shape[1], 1, max_prefix_len,
                                                  _num_sms(q.device))

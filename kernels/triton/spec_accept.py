@@ -61,16 +61,37 @@ def accept_drafts(row_indptr: torch.Tensor, target: torch.Tensor, draft: torch.T
                   residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(num_accepted int32 [B], last_token int64 [B]). row_indptr: int32 [B+1]; target, draft,
     residual: int64 [R]; greedy: bool [R]; p_draft, q_draft, coin: float32 [R]. The "rejection"
-    rule applies when p_draft is given (then q_draft, coin, residual too), else "coupled"."""
+    rule applies when p_draft is given (then q_draft, coin, residual too), else "coupled".
+    Shapes are checked (ValueError); row_indptr's values are the caller's contract (from 0,
+    each request at least its bonus row, ending within R): reading them would wait for the
+    device."""
+    if (row_indptr.dtype not in (torch.int32, torch.int64) or row_indptr.dim() != 1
+            or not row_indptr.numel()):
+        raise ValueError(f"accept_drafts: row_indptr must hold int32 or int64, B + 1 >= 1 "
+                         f"entries, got {row_indptr.dtype} {tuple(row_indptr.shape)}")
+    rows = {"target": target, "draft": draft, "greedy": greedy}
+    rejection = p_draft is not None
+    if rejection:
+        extra = {"p_draft": p_draft, "q_draft": q_draft, "coin": coin, "residual": residual}
+        missing = [name for name, t in extra.items() if t is None]
+        if missing:
+            raise ValueError(f"accept_drafts: p_draft given without {', '.join(missing)}: the "
+                             f"rejection rule needs them")
+        rows |= extra
+    for name, t in rows.items():
+        if t.dim() != 1 or t.shape != target.shape:
+            raise ValueError(f"accept_drafts: {name} {tuple(t.shape)} must be target's "
+                             f"{tuple(target.shape)}, one entry per row")
+    # The kernel reads row r at offset r: strided views (a column of a wider tensor) are copied.
+    rows = {name: t.contiguous() for name, t in rows.items()}
     num_req = row_indptr.shape[0] - 1
     num_accepted = torch.empty(num_req, dtype=torch.int32, device=target.device)
     last_token = torch.empty(num_req, dtype=torch.int64, device=target.device)
     if num_req == 0:
         return num_accepted, last_token
-    rejection = p_draft is not None
     if not rejection:  # placeholders, never read: REJECTION is a compile-time False
-        p_draft = q_draft = coin = residual = target
-    _accept_drafts_kernel[(num_req,)](row_indptr, target, draft, greedy, p_draft, q_draft, coin,
-                                      residual, num_accepted, last_token, REJECTION=rejection,
-                                      Q_FLOOR=Q_FLOOR, num_warps=1)
+        rows |= dict.fromkeys(("p_draft", "q_draft", "coin", "residual"), rows["target"])
+    _accept_drafts_kernel[(num_req,)](row_indptr.contiguous(), *rows.values(), num_accepted,
+                                      last_token, REJECTION=rejection, Q_FLOOR=Q_FLOOR,
+                                      num_warps=1)
     return num_accepted, last_token

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .paged_attention import INDEX_DTYPES, _interpreting
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -37,19 +39,44 @@ def _store_kv_kernel(
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
              out_slots: torch.Tensor) -> None:
-    """k, v: [T, Hkv, D]; k_pool, v_pool: [S, Hkv, D]; out_slots: [T] int (negative = skip).
+    """k, v: [T, Hkv, D]; k_pool, v_pool: [S, Hkv, D]; out_slots: [T] int32/int64 (negative =
+    skip).
 
     k and v may be strided views (e.g. slices of a fused QKV output) as long as the head
     dimension is contiguous. No host synchronisation, so it can sit inside a CUDA graph.
+    Shapes, dtypes and strides are checked (ValueError); slots below S are the caller's
+    contract, checked (IndexError) only under Triton's CPU interpreter: on a GPU reading them
+    would wait for the device on every layer.
     """
+    if k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(f"store_kv: k {tuple(k.shape)} and v {tuple(v.shape)} must be one "
+                         f"[T, Hkv, D] shape")
+    if k_pool.dim() != 3 or v_pool.shape != k_pool.shape:
+        raise ValueError(f"store_kv: k_pool {tuple(k_pool.shape)} and v_pool "
+                         f"{tuple(v_pool.shape)} must be one [S, Hkv, D] shape")
     num_tokens, num_heads, head_dim = k.shape
-    assert v.shape == k.shape and out_slots.shape == (num_tokens,)
-    assert k_pool.shape[1:] == (num_heads, head_dim) and v_pool.shape == k_pool.shape
-    for t in (k, v, k_pool, v_pool):
-        assert t.stride(-1) == 1, "the head dimension must be contiguous"
-    assert k.dtype == k_pool.dtype and v.dtype == v_pool.dtype
+    if k_pool.shape[1:] != k.shape[1:]:
+        raise ValueError(f"store_kv: k {tuple(k.shape)} does not fit the pools' rows "
+                         f"{tuple(k_pool.shape[1:])}")
+    if not k.dtype == v.dtype == k_pool.dtype == v_pool.dtype:
+        raise ValueError(f"store_kv: k and v {k.dtype} / {v.dtype} must be the pools' "
+                         f"{k_pool.dtype} / {v_pool.dtype}")
+    for name, t in (("k", k), ("v", v), ("k_pool", k_pool), ("v_pool", v_pool)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"store_kv: the head dimension of {name} must be contiguous "
+                             f"(stride 1), got stride {t.stride(-1)}")
+    if out_slots.dtype not in INDEX_DTYPES:
+        raise ValueError(f"store_kv: out_slots must hold int32 or int64, got {out_slots.dtype}")
+    if out_slots.shape != (num_tokens,) or not out_slots.is_contiguous():
+        raise ValueError(f"store_kv: out_slots {tuple(out_slots.shape)} must be "
+                         f"({num_tokens},), contiguous: one per token")
     if num_tokens == 0:
         return
+    if _interpreting():
+        last = int(out_slots.argmax())
+        if out_slots[last] >= k_pool.shape[0]:
+            raise IndexError(f"store_kv: slot {int(out_slots[last])} of token {last}, past the "
+                             f"pool's {k_pool.shape[0]} slots")
     _store_kv_kernel[(num_tokens,)](
         k, v, k_pool, v_pool, out_slots,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),

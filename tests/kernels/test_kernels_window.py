@@ -4,10 +4,11 @@ split-KV, verify, windows shorter and longer than the contexts, a tile wider tha
 
 import pytest
 import torch
-from floors import assert_as_exact_as
-from kernels_env import DEVICE, DTYPES, indptr, paged_case
+from floors import FLOOR_MULTIPLE, assert_as_exact_as
+from kernels_env import (DEVICE, DTYPES, attention_in, indptr, paged_case, poison_unused_slots,
+                         scattered_slots)
 
-from rollout_kernels.triton import paged_attention_ref, shared_prefix_attention
+from rollout_kernels.triton import paged_attention, paged_attention_ref, shared_prefix_attention
 
 pytestmark = pytest.mark.interpreter
 
@@ -45,6 +46,39 @@ def test_softcap_with_and_without_window(dtype):
     plain = run_case(q_lens, kv_lens, 4, 2, 64, dtype, seed=6)
     assert (capped - plain).abs().max() > 1e-2  # the cap changes the result
     run_case(q_lens, kv_lens, 4, 2, 64, dtype, softcap=2.0, window=6, splits=3, seed=6)
+
+
+@pytest.mark.parametrize("cap", [30.0, 50.0])
+@pytest.mark.parametrize("q_lens, kv_lens, splits, invariant", [
+    ([24], [48], 1, False), ([1, 1, 1], [40, 70, 17], 3, False), ([9, 1, 4], [9, 33, 20], 1, True)],
+    ids=["prefill", "split-decode", "invariant"])
+def test_softcap_at_gemma_caps_is_as_exact_as_torch(cap, q_lens, kv_lens, splits, invariant):
+    """At Gemma 2's cap (50) scores / cap are small, where tanh as 1 - 2 / (e^2x + 1) cancels:
+    every score ~cap * eps off. The output is held to torch fp32's own error against float64,
+    measured here: assert_as_exact_as's 8-ulp floor let that loss pass (mean error 11-24x
+    torch's, largest 6-21x, with the cancelling tanh; 0.9-1.3x and 0.5-1.4x since)."""
+    gen = torch.Generator().manual_seed(9)
+    num_slots, head_dim = sum(kv_lens) + 13, 64
+    k_pool = torch.randn(num_slots, 2, head_dim, generator=gen).to(DEVICE)
+    v_pool = torch.randn(num_slots, 2, head_dim, generator=gen).to(DEVICE)
+    kv_indices = scattered_slots(num_slots, sum(kv_lens), gen)
+    poison_unused_slots(k_pool, v_pool, kv_indices)
+    q = (0.3 * torch.randn(sum(q_lens), 4, head_dim, generator=gen)).to(DEVICE)
+    qo_indptr, kv_indptr = indptr(q_lens), indptr(kv_lens)
+    out = torch.full_like(q, float("nan"))
+    scale = head_dim ** -0.5
+    paged_attention(q, k_pool, v_pool, out, qo_indptr, kv_indptr, kv_indices, sm_scale=scale,
+                    max_q_len=max(q_lens), max_kv_len=max(kv_lens), num_kv_splits=splits,
+                    softcap=cap, invariant=invariant)
+    args = (q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, scale)
+    exact = attention_in(torch.float64, *args, softcap=cap)
+    errors = (out.cpu().double() - exact).abs()
+    floor = (paged_attention_ref(*args, softcap=cap).cpu().double() - exact).abs()
+    gaps = (f"error {errors.mean():.3g} mean, {errors.max():.3g} max; torch fp32's "
+            f"{floor.mean():.3g}, {floor.max():.3g}")
+    assert errors.mean() <= FLOOR_MULTIPLE * floor.mean(), gaps
+    # One element's error varies more than the mean of hundreds: 1.5x seen over 6 seeds.
+    assert errors.max() <= 3 * floor.max(), gaps
 
 
 def test_window_longer_than_every_context_changes_nothing():
