@@ -44,6 +44,9 @@ from .sample.params import SamplingParams
 
 # Threads (and event loops) a run may take for its environments' calls.
 MAX_ENV_WORKERS = 1024
+# Seconds between looks at a call waiting for a free pool thread: its env_timeout starts when
+# a thread takes it, which wakes no wait.
+QUEUED_POLL = 0.05
 # Marks the assistant's content when a chat template renders an observation (message_tokens).
 _MARK = "\x00rollout-assistant\x00"
 
@@ -147,7 +150,6 @@ class _Runner:
         self.engine, self.env_factory, self.params = engine, env_factory, params
         self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
         self.env_timeout, self.template_kwargs = env_timeout, template_kwargs
-        self.deadlines: dict[Future, float] = {}  # env calls under way -> when they time out
         # An episode's tokens end where a sequence's do; each later turn's prompt leaves the
         # model a token (_env_turn ends the episode when an observation would not).
         self.limit = engine.config.max_model_len
@@ -237,31 +239,42 @@ class _Runner:
         return live.index[0] * self.params.n + live.index[1]
 
     def _call(self, live: _Live, method, *args) -> Future:
-        """The environment's `method(*args)` under way, timed from now (a wait for a free
-        worker counts)."""
-        future = self.envs.call(self._slot(live), method, *args)
-        if self.env_timeout is not None:
-            self.deadlines[future] = time.monotonic() + self.env_timeout
-        return future
+        """The environment's `method(*args)` under way (EnvCalls.call: timed from when it
+        starts running, not from a wait for a free worker)."""
+        return self.envs.call(self._slot(live), method, *args)
 
     def _answered(self, calls: dict[Future, _Live], block: bool):
         """The calls that answered or outlived env_timeout, each taken out of `calls` as it is
         handed over; with `block`, once there is one."""
         if block and calls:
-            timeout = None if not self.deadlines else \
-                max(0.0, min(self.deadlines.values()) - time.monotonic())
-            wait(list(calls), timeout, return_when=FIRST_COMPLETED)
+            wait(list(calls), self._until_a_deadline(calls), return_when=FIRST_COMPLETED)
         now = time.monotonic()
-        for future in [f for f in calls if f.done() or self.deadlines.get(f, now) < now]:
-            self.deadlines.pop(future, None)
+        for future in [f for f in calls if f.done() or self._expired(f, now)]:
             yield future, calls.pop(future)
+
+    def _expired(self, future: Future, now: float) -> bool:
+        return (self.env_timeout is not None and future.started is not None
+                and future.started + self.env_timeout < now)
+
+    def _until_a_deadline(self, calls) -> float | None:
+        """How long a wait for `calls` may last before one of them outlives env_timeout; while
+        one waits for a worker, at most QUEUED_POLL (nothing wakes this wait when it starts)."""
+        if self.env_timeout is None:
+            return None
+        now = time.monotonic()
+        started = [f.started for f in calls if f.started is not None]
+        until = max(0.0, min(started) + self.env_timeout - now) if started else None
+        if len(started) < len(calls):
+            until = QUEUED_POLL if until is None else min(until, QUEUED_POLL)
+        return until
 
     def _give_up(self, live: _Live, future: Future, call: str) -> None:
         """A call that outlived env_timeout ends its episode: a coroutine is cancelled; a
         thread cannot be, and finishes on its own (the run then does not wait for it at the
-        end)."""
+        end), with a thread more in the pool for the calls queued behind it."""
         if not future.cancel():
             self.abandoned = True
+            self.envs.abandoned()
         self._end(live, "abort", f"environment {call}: took over "
                                  f"env_timeout={self.env_timeout:g} s")
 

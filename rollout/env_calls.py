@@ -19,6 +19,7 @@ import asyncio
 import inspect
 import queue
 import threading
+import time
 from concurrent.futures import Future
 
 # Seconds the end of a run waits for cancelled coroutines to unwind (a coroutine that catches
@@ -33,11 +34,19 @@ class EnvCalls:
 
     def call(self, slot: int, method, *args) -> Future:
         """`method(*args)` under way for the environment of `slot` (any int: its loop is slot
-        modulo the loops)."""
+        modulo the loops). The future's `started` is when the call began running (None while
+        a synchronous one waits for a free pool thread): env_timeout counts from there."""
         loop = self._loop(slot)
         if inspect.iscoroutinefunction(method):
-            return loop.submit(method(*args))
+            future = loop.submit(method(*args))
+            future.started = time.monotonic()
+            return future
         return self.pool.submit(loop.call, method, *args)
+
+    def abandoned(self) -> None:
+        """A synchronous call given up on runs on in its thread: the pool gets a thread more,
+        so that calls queued behind it still run (and can time out)."""
+        self.pool.grow()
 
     def _loop(self, slot: int) -> _Loop:
         i = slot % len(self.loops)
@@ -66,20 +75,33 @@ class _DaemonPool:
 
     def submit(self, fn, *args) -> Future:
         future: Future = Future()
+        future.started = None  # (set when a thread takes it)
         self.queue.put((future, fn, args))
         with self.lock:  # an idle thread takes it, else a new one while there is room
             if self.idle:
                 self.idle -= 1
-            elif len(self.threads) < self.workers:
-                thread = threading.Thread(target=self._work, daemon=True,
-                                          name=f"rollout-env-{len(self.threads)}")
-                self.threads.append(thread)
-                thread.start()
+            else:
+                self._start_thread()
         return future
+
+    def grow(self) -> None:
+        """One thread more allowed (one is stuck in a call given up on), started at once."""
+        with self.lock:
+            self.workers += 1
+            self._start_thread()
+
+    def _start_thread(self) -> None:
+        """(under the lock) A thread more while there is room."""
+        if len(self.threads) < self.workers:
+            thread = threading.Thread(target=self._work, daemon=True,
+                                      name=f"rollout-env-{len(self.threads)}")
+            self.threads.append(thread)
+            thread.start()
 
     def _work(self) -> None:
         while (item := self.queue.get()) is not None:
             future, fn, args = item
+            future.started = time.monotonic()
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn(*args))

@@ -472,6 +472,44 @@ def test_resets_run_concurrently(coroutine):
         assert most[0] <= 4
 
 
+def test_env_timeout_counts_from_when_a_call_starts_running():
+    """9 synchronous resets of 0.2 s on 2 workers, env_timeout 0.5 s: the later ones wait for
+    a worker longer than that, and none may time out for it (timed from the queue, the last
+    ones had been aborted)."""
+    class SlowReset(Echo):
+        def reset(self, prompt_ids):
+            time.sleep(0.2)
+            return Echo.reset(self, prompt_ids)
+
+    episodes = run_episodes(engine(), PROMPTS, SlowReset, PARAMS, env_workers=2,
+                            env_timeout=0.5)
+    assert summary(episodes) == reference_episodes()
+
+
+def test_calls_queued_behind_hung_ones_still_run():
+    """One worker, the first two resets hang for good: each is given up on at env_timeout and
+    its thread replaced, so the resets queued behind them run (timed from their start, they
+    would otherwise wait for ever, and the run with them)."""
+    release = threading.Event()
+    made = []
+
+    class Hangs(Echo):
+        def reset(self, prompt_ids):
+            if len(made) < 2:
+                made.append(self)
+                release.wait(60)
+            return Echo.reset(self, prompt_ids)
+
+    eng = engine()
+    try:
+        raised = run_or_hang(eng, PROMPTS[:2], Hangs, PARAMS, env_workers=1,
+                             env_timeout=0.3)
+    finally:
+        release.set()
+    assert raised is None
+    assert_no_kv_held(eng)
+
+
 @pytest.mark.parametrize("env_timeout", [None, 30.0], ids=["no-timeout", "timeout"])
 def test_a_reset_raising_timeouterror_ends_its_episode_with_that_error(env_timeout):
     """A reset's own TimeoutError (a client's) is its error, not env_timeout's: it had been
