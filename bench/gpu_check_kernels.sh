@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device check of the Triton kernels, meant for one short GPU session (~4-6 min on an H200):
-#   1. the kernel tests compiled on the GPU (bf16 added, the > 2**31-offset test enabled), in six
+#   1. the kernel tests compiled on the GPU (bf16 added, the > 2**31-offset test enabled), in seven
 #      parallel pytest processes: almost all of their time is Triton compilation, which is
 #      single-threaded per process, so spreading it over the CPU cores divides the wall time;
 #   2. bench/triton_kernels.py (ratios against copy bandwidth and matmul throughput; ~1-2 min).
@@ -33,6 +33,8 @@ if [ "$what" != bench ]; then
     run attn_prefill $A -k "prefill or extend" &
     run attn_decode $A -k "decode" &
     run attn_rest $A -k "not prefill and not extend and not decode" &
+    run rest tests/kernels/test_kernels_{edges,lora,window}.py \
+      tests/kernels/test_{row_invariant,triton_refusals}.py &
     wait
     echo "tests: $(( $(date +%s) - start )) s wall"
     grep -h -E "^(FAILED|ERROR)|Error" "$LOGS"/*.log | head -40

@@ -95,7 +95,8 @@ def main() -> None:
     ngram = SpeculativeConfig("ngram", num_speculative_tokens=args.k, max_batch_size=256)
     drafted = SpeculativeConfig("draft", num_speculative_tokens=args.k, draft_model=draft,
                                 max_batch_size=256)
-    print(f"Qwen2-style {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M, {args.dtype} "
+    print(f"{model.config.model_type} {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M, "
+          f"{args.model_shape} shapes, {args.dtype} "
           f"on {args.device}, k={args.k}, {args.max_new} new tokens")
     for batch in [int(b) for b in args.batches.split(",")]:
         block = [[rng.randrange(vocab) for _ in range(24)] for _ in range(batch)]
