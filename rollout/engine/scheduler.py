@@ -125,21 +125,25 @@ class Scheduler:
         sequences rejoin its front)."""
         return min(self.waiting, key=lambda s: s.seq_id).group
 
-    def _admission_order(self, oldest: str) -> list[Sequence]:
+    def _admission_order(self) -> tuple[list[Sequence], str | None]:
+        """(the waiting sequences in admission order, the oldest waiting request where lpm
+        orders them: fcfs keeps arrival order, and so no count of who was passed over)."""
         waiting = list(self.waiting)
-        if (self.config.schedule_policy == "lpm" and self.kv.shares_prefixes
+        if not (self.config.schedule_policy == "lpm" and self.kv.shares_prefixes
                 and len(waiting) <= self.config.lpm_max_waiting):
-            waiting.sort(key=lambda s: -self.kv.prefix_len(s.reusable_tokens()))
-            if self._passed == (oldest, LPM_PATIENCE):  # it waited long enough
-                waiting.sort(key=lambda s: s.group != oldest)
-        return waiting
+            return waiting, None
+        oldest = self._oldest()
+        waiting.sort(key=lambda s: -self.kv.prefix_len(s.reusable_tokens()))
+        if self._passed == (oldest, LPM_PATIENCE):  # it waited long enough
+            waiting.sort(key=lambda s: s.group != oldest)
+        return waiting, oldest
 
-    def _count_passed(self, oldest: str, admitted: set[Sequence]) -> None:
+    def _count_passed(self, oldest: str | None, admitted: set[Sequence]) -> None:
         """The `oldest` waiting request passed over by this admission (others admitted, none
         of its samples): one more time (up to LPM_PATIENCE). Counted per request: samples
         still waiting after a sibling's admission keep its count and go first too (they wait
         for its prefill, and then would wait LPM_PATIENCE admissions each). Journaled."""
-        if not admitted or any(s.group == oldest for s in admitted):
+        if oldest is None or not admitted or any(s.group == oldest for s in admitted):
             return
         group, times = self._passed
         passed = (oldest, min(times + 1, LPM_PATIENCE) if group == oldest else 1)
@@ -153,8 +157,8 @@ class Scheduler:
         in_flight = {s.group: s for s in self.running if s.num_computed < s.num_prompt - 1}
         decode_reserve = len(self.running)
         sharing = self.kv.shares_prefixes
-        oldest = self._oldest()
-        for seq in self._admission_order(oldest):
+        order, oldest = self._admission_order()
+        for seq in order:
             if not self._room(budget):
                 break
             if sharing and seq.group in in_flight:
