@@ -380,7 +380,7 @@ def engine_async_grpo(engine: Engine, model, reward_funcs, args, train_dataset,
     """An AsyncGRPOTrainer whose rollouts and weight syncs are the engine's (this module's
     docstring); `groups_in_flight` defaults to TRL's max_inflight_tasks generations (its own
     default: max(max_staleness, 1) steps' samples, a step per_device_train_batch_size x
-    gradient_accumulation_steps). That is a step's count with `token_budget <= 0` (TRL's
+    gradient_accumulation_steps x the processes). That is a step's count with `token_budget <= 0` (TRL's
     fixed-count batches), and the worker then keeps max_staleness steps' samples ahead of the
     trainer at most; `token_budget` None is the engine's max_model_len, as TRL's is the
     server's, and under a token budget a micro-batch takes what fits, whatever the batch size.
@@ -402,7 +402,10 @@ def engine_async_grpo(engine: Engine, model, reward_funcs, args, train_dataset,
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k or 0, min_p=args.min_p or 0.0,
                             max_tokens=args.max_completion_length)
-    per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    # A step's samples over every process (TRL's samples_per_step): the worker, on the main
+    # process only, feeds them all through accelerate's dispatcher.
+    per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * \
+        args.world_size
     if groups_in_flight is None:
         # TRL sets its default in the trainer's constructor, after the worker is built.
         inflight = (max(config.max_staleness, 1) * per_step if args.max_inflight_tasks < 0

@@ -571,6 +571,12 @@ def test_the_worker_keeps_what_the_trainer_can_take_within_max_staleness(tmp_pat
                               Dataset.from_dict({"prompt": PROMPTS}), tok)
     assert built.rollout_worker.groups_in_flight == 2  # 8 generations, 4 a group
     assert built.rollout_worker.max_pending is None and built.args.token_budget == 64
+    # Over two processes a step is both ranks' samples: the worker, on the main one, feeds
+    # them all (it had bounded itself by one rank's, halving what TRL could train on).
+    monkeypatch.setattr(type(args), "world_size", property(lambda self: 2))
+    two = engine_async_grpo(engine, path, length_reward, args,
+                            Dataset.from_dict({"prompt": PROMPTS}), tok)
+    assert two.rollout_worker.max_pending == 16  # 1 step of 8 samples on each of 2
     with pytest.raises(ValueError, match="max_pending"):
         EngineRolloutWorker(engine, Dataset.from_dict({"prompt": PROMPTS}), [length_reward],
                             tok, 4, SamplingParams(), max_pending=3)
