@@ -38,11 +38,6 @@ class RolloutBatch:
     # weights sampled each token, move here, and `old_logprobs` becomes the proximal policy's
     # (the trainer's at the start of the step). None: old_logprobs is the behaviour policy.
     behaviour_logprobs: torch.Tensor | None = None
-    # Where old_logprobs are the truncated distribution's and the trainer does not renormalise
-    # (behaviour "sampling"): the engine's untruncated logprobs (Sample.logprobs), the policy's
-    # side of PPO's KL penalty, whose reference is untruncated too; old_logprobs would put
-    # log(1 / kept mass) into every token's KL. None: old_logprobs are on the reference's support.
-    untruncated_logprobs: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -51,14 +46,6 @@ class RolloutBatch:
     @property
     def completion_lengths(self) -> torch.Tensor:
         return self.mask.sum(1)
-
-    @property
-    def kl_logprobs(self) -> torch.Tensor:
-        """The policy's logprobs at the batch's tokens on the support the reference's are
-        computed on (renormalised over the kept tokens where the batch has supports, else
-        untruncated): the policy side of a KL to the reference."""
-        return self.old_logprobs if self.untruncated_logprobs is None \
-            else self.untruncated_logprobs
 
     def rows(self, index: torch.Tensor) -> dict[str, torch.Tensor]:
         """The tensors of some samples, for a minibatch or micro-batch; "keep" (bool
@@ -91,8 +78,7 @@ def build_batch(outputs: list[RolloutOutput], rewards: list[float], pad_id: int,
     rows = [(out.prompt_token_ids, s.token_ids, [1] * len(s.token_ids),
              s.sampling_logprobs if sampling else s.logprobs) for out, s in samples]
     groups = [g for g, out in enumerate(outputs) for _ in out.samples]
-    untruncated = [s.logprobs for _, s in samples] if behaviour == "sampling" else None
-    batch = _pack(rows, rewards, groups, pad_id, device, untruncated=untruncated)
+    batch = _pack(rows, rewards, groups, pad_id, device)
     if behaviour == "on_support":
         batch.supports = [(len(out.prompt_token_ids) - 1, s.support) for out, s in samples]
     return batch
@@ -104,29 +90,23 @@ def build_episode_batch(episodes: list[list[Episode]], rewards: list[float], pad
     in that order. Targets are masked by each episode's mask,
     and `old_logprobs` holds the engine's logprobs at model tokens only (0 at environment
     tokens, whatever the episode says there); `behaviour` "sampling": its sampling logprobs
-    (what a truncating sampler drew from; episodes carry no supports), its logprobs kept as
-    `untruncated_logprobs`."""
+    (what a truncating sampler drew from; episodes carry no supports)."""
     sampling = behaviour != "logprobs"
     flat = [ep for row in episodes for ep in row]
     rows = [(ep.prompt_ids, ep.token_ids, ep.mask,
              ep.sampling_logprobs if sampling else ep.logprobs) for ep in flat]
     groups = [g for g, row in enumerate(episodes) for _ in row]
-    untruncated = [ep.logprobs for ep in flat] if sampling else None
-    return _pack(rows, rewards, groups, pad_id, device, episodic=True,
-                 untruncated=untruncated)
+    return _pack(rows, rewards, groups, pad_id, device, episodic=True)
 
 
-def _pack(rows, rewards, groups, pad_id, device, episodic: bool = False,
-          untruncated: list | None = None) -> RolloutBatch:
+def _pack(rows, rewards, groups, pad_id, device, episodic: bool = False) -> RolloutBatch:
     """(prompt ids, ids after it, their mask, their logprobs) per sample -> right-padded tensors
-    in target space: the first token after the prompt is predicted from its last position.
-    `untruncated`: each sample's untruncated logprobs, laid out alike (untruncated_logprobs)."""
+    in target space: the first token after the prompt is predicted from its last position."""
     n, length = len(rows), max(len(p) + len(t) for p, t, _, _ in rows)
     input_ids = torch.full((n, length), pad_id, dtype=torch.long)
     attention = torch.zeros(n, length, dtype=torch.long)
     mask = torch.zeros(n, length - 1)
     old = torch.zeros(n, length - 1)
-    full = None if untruncated is None else torch.zeros(n, length - 1)
     for i, (prompt, tokens, m, lp) in enumerate(rows):
         ids = list(prompt) + list(tokens)
         input_ids[i, :len(ids)] = torch.tensor(ids)
@@ -135,14 +115,9 @@ def _pack(rows, rewards, groups, pad_id, device, episodic: bool = False,
         mask[i, targets] = torch.tensor(m, dtype=torch.float32)
         trained = mask[i, targets] > 0
         old[i, targets] = _at_trained(trained, lp)
-        if full is not None:
-            full[i, targets] = _at_trained(trained, untruncated[i])
-    batch = RolloutBatch(input_ids.to(device), attention.to(device), mask.to(device),
-                         old.to(device), torch.tensor(rewards, device=device),
-                         torch.tensor(groups, device=device), episodic)
-    if full is not None:
-        batch.untruncated_logprobs = full.to(device)
-    return batch
+    return RolloutBatch(input_ids.to(device), attention.to(device), mask.to(device),
+                        old.to(device), torch.tensor(rewards, device=device),
+                        torch.tensor(groups, device=device), episodic)
 
 
 def _at_trained(trained: torch.Tensor, logprobs: list[float]) -> torch.Tensor:

@@ -252,7 +252,10 @@ class CustomTrainer:
         token_rewards[torch.arange(batch.size), last] = batch.rewards
         out: dict[str, float] = {}
         if self.cfg.beta > 0:  # per-token KL penalty folded into the reward, as in RLHF PPO
-            kl = (batch.kl_logprobs - self._reference_logprobs(batch)) * batch.mask
+            # old_logprobs are on the reference's support: untruncated, renormalised over the
+            # kept tokens as the reference's are (on_support), or the proximal policy's (a
+            # decoupled batch: a truncated mu would add log(1 / kept mass) to every token's KL)
+            kl = (batch.old_logprobs - self._reference_logprobs(batch)) * batch.mask
             token_rewards = token_rewards - self.cfg.beta * kl
             out["kl"] = (kl.sum() / batch.mask.sum()).item()
         # Episodes: GAE over model tokens, the environment's skipped (not time steps).

@@ -124,7 +124,6 @@ def decouple(batch: RolloutBatch, proximal: torch.Tensor) -> None:
     trainer's own forward), so it is the KL's policy side too."""
     batch.behaviour_logprobs = batch.old_logprobs
     batch.old_logprobs = proximal * batch.mask
-    batch.untruncated_logprobs = None
 
 
 def behaviour_weight_stats(rows: dict, cap: float) -> tuple:

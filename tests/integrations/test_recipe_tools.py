@@ -82,10 +82,9 @@ def test_episode_batch_positions_by_hand():
     assert batch.completion_lengths.tolist() == [3, 1]  # model tokens only
 
 
-def test_truncated_episode_batch_keeps_the_untruncated_logprobs_for_the_kl():
+def test_truncated_episode_batch_holds_the_sampling_logprobs_at_model_tokens():
     """Under a truncating sampler an episode batch's behaviour logprobs are the sampled
-    distribution's; PPO's KL penalty compares the policy with the untruncated reference, so
-    its policy side (kl_logprobs) is the episode's untruncated logprobs, at model tokens."""
+    distribution's, at model tokens only (the trainer then decouples: custom_loop.py)."""
     (a,), (b,) = two_episodes()
     a.sampling_logprobs = [-0.05, -0.1, 3.0, -4.0, -0.2]  # env entries: garbage, never read
     b.sampling_logprobs = [-0.25]
@@ -94,11 +93,6 @@ def test_truncated_episode_batch_keeps_the_untruncated_logprobs_for_the_kl():
     # Column j scores input j + 1 (test_episode_batch_positions_by_hand)
     torch.testing.assert_close(batch.old_logprobs, torch.tensor(
         [[0, 0, -0.05, -0.1, 0, 0, -0.2], [0, -0.25, 0, 0, 0, 0, 0]]))
-    torch.testing.assert_close(batch.kl_logprobs, torch.tensor(
-        [[0, 0, -0.1, -0.2, 0, 0, -0.3], [0, -0.5, 0, 0, 0, 0, 0]]))
-    untruncated = build_episode_batch([[a], [b]], [1.0, 0.0], pad_id=0,
-                                      device=torch.device("cpu"))
-    assert untruncated.kl_logprobs is untruncated.old_logprobs
 
 
 def test_loss_gradient_is_zero_at_environment_tokens():
