@@ -284,6 +284,15 @@ def choose_num_kv_splits(programs: int, max_q_len: int, max_kv_len: int, num_sms
     return max(1, min(want, by_len, MAX_KV_SPLITS))
 
 
+def check_heads_contiguous(op: str, **tensors: torch.Tensor) -> None:
+    """ValueError naming the first tensor whose head dimension (the last) is strided: the
+    kernels read a head's values as one contiguous run."""
+    for name, t in tensors.items():
+        if t.stride(-1) != 1:
+            raise ValueError(f"{op}: the head dimension of {name} must be contiguous (stride "
+                             f"1), got stride {t.stride(-1)}")
+
+
 def _check_args(q, k_pool, v_pool, out, qo_indptr, kv_indptr, kv_indices, *, max_q_len: int,
                 max_kv_len: int, causal: bool, window: int | None,
                 softcap: float | None) -> None:
@@ -308,10 +317,7 @@ def _check_args(q, k_pool, v_pool, out, qo_indptr, kv_indptr, kv_indices, *, max
     if not q.dtype == k_pool.dtype == v_pool.dtype or q.dtype not in FLOAT_DTYPES:
         raise ValueError(f"paged_attention: q {q.dtype} and the pools {k_pool.dtype} / "
                          f"{v_pool.dtype} must be one dtype: float32, float16 or bfloat16")
-    for name, t in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool), ("out", out)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"paged_attention: the head dimension of {name} must be "
-                             f"contiguous (stride 1), got stride {t.stride(-1)}")
+    check_heads_contiguous("paged_attention", q=q, k_pool=k_pool, v_pool=v_pool, out=out)
     for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr),
                     ("kv_indices", kv_indices)):
         if t.dtype not in INDEX_DTYPES or t.dim() != 1 or not t.is_contiguous():

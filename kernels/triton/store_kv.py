@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .paged_attention import INDEX_DTYPES, _interpreting
+from .paged_attention import INDEX_DTYPES, _interpreting, check_heads_contiguous
 
 
 @triton.jit
@@ -61,10 +61,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
     if not k.dtype == v.dtype == k_pool.dtype == v_pool.dtype:
         raise ValueError(f"store_kv: k and v {k.dtype} / {v.dtype} must be the pools' "
                          f"{k_pool.dtype} / {v_pool.dtype}")
-    for name, t in (("k", k), ("v", v), ("k_pool", k_pool), ("v_pool", v_pool)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"store_kv: the head dimension of {name} must be contiguous "
-                             f"(stride 1), got stride {t.stride(-1)}")
+    check_heads_contiguous("store_kv", k=k, v=v, k_pool=k_pool, v_pool=v_pool)
     if out_slots.dtype not in INDEX_DTYPES:
         raise ValueError(f"store_kv: out_slots must hold int32 or int64, got {out_slots.dtype}")
     if out_slots.shape != (num_tokens,) or not out_slots.is_contiguous():
