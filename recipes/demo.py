@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> dict:
 def report(result: dict) -> str:
     before, after = result.get("accuracy_before"), result.get("accuracy_after")
     stats = result.get("engine_stats") or {}
-    hit = stats.get("cache_hit_tokens", 0) / max(stats.get("prompt_tokens", 0), 1)
+    hit = stats.get("prompt_hit_tokens", 0) / max(stats.get("prompt_tokens", 0), 1)
     lines = ["", "=" * 64]
     if before is not None and after is not None:
         lines.append(f"held-out greedy accuracy: {before:.1%} before GRPO -> {after:.1%} after "

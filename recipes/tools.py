@@ -65,7 +65,7 @@ def report(results: dict) -> str:
     tool = results.get("tool")
     if tool:
         stats = tool.get("engine_stats") or {}
-        hit = stats.get("cache_hit_tokens", 0) / max(stats.get("prompt_tokens", 0), 1)
+        hit = stats.get("prompt_hit_tokens", 0) / max(stats.get("prompt_tokens", 0), 1)
         lines.append(f"tool run's engine: {hit:.0%} of all prompt tokens (every turn, n per "
                      f"prompt) served from the radix cache, {stats.get('holds_dropped', 0)} "
                      f"held episodes dropped, {stats.get('preemptions', 0)} preemptions")

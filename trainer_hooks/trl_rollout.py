@@ -254,7 +254,7 @@ class EngineRollout:
         m = {
             "rollout/tokens_per_second": generated / seconds if seconds else 0.0,
             "rollout/prefix_cache_hit_rate":
-                (after.cache_hit_tokens - before.cache_hit_tokens) / prompt if prompt else 0.0,
+                (after.prompt_hit_tokens - before.prompt_hit_tokens) / prompt if prompt else 0.0,
             "rollout/generate_seconds": seconds,
             "rollout/generate_calls": float(session.generate_calls),  # turns
             "rollout/wake_seconds": session.wake,

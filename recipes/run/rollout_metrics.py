@@ -25,7 +25,7 @@ class EngineMeter:
             "rollout/tokens_per_second": delta.get("generated_tokens", 0) / seconds
             if seconds > 0 else 0.0,
             # Share of prompt tokens (n per prompt counted) served from the radix tree.
-            "rollout/prefix_cache_hit_rate": delta.get("cache_hit_tokens", 0) / prompt
+            "rollout/prefix_cache_hit_rate": delta.get("prompt_hit_tokens", 0) / prompt
             if prompt else 0.0,
             "rollout/prompt_tokens_computed": delta.get("prompt_tokens_computed", 0),
             "rollout/preemptions": delta.get("preemptions", 0),

@@ -41,6 +41,7 @@ def current_stats(engine):
     s.prompt_tokens_computed = engine.committer.prompt_tokens_computed
     s.score_tokens_computed = engine.committer.score_tokens_computed
     s.cache_hit_tokens = engine.kv.cache_hit_tokens
+    s.prompt_hit_tokens = engine.kv.prompt_hit_tokens
     s.preemptions = engine.scheduler.num_preemptions
     s.holds_dropped = engine.kv.holds_dropped
     s.parked_bytes = engine.carry.parked_bytes

@@ -13,7 +13,12 @@ STEP_PHASES = ("schedule_seconds", "draft_seconds", "prepare_seconds", "forward_
 class EngineStats:
     prompt_tokens: int = 0  # prompt tokens of every sample (n per prompt)
     prompt_tokens_computed: int = 0  # prompt positions actually run through the model
-    cache_hit_tokens: int = 0  # tokens matched in the radix tree at admission
+    # Tokens matched in the radix tree at admission: every admission's, a preempted or carried
+    # sample's own tokens when it comes back included; prompt_hit_tokens: a sample's prompt
+    # tokens matched at its first admission, what a prompt-cache hit rate divides by
+    # prompt_tokens (score()'s sequences in neither this nor prompt_tokens).
+    cache_hit_tokens: int = 0
+    prompt_hit_tokens: int = 0
     generated_tokens: int = 0
     # Engine.score: tokens whose logprob it returned, and positions it ran through the model
     # (fewer when sequences share prefixes).

@@ -90,7 +90,8 @@ class StepRunner:
         if speculating:
             self.stats.spec_steps += 1
             self.stats.record_verified(verified)
-        self.stats.record_step(batch, sum(len(e.tokens) for e in emitted), tuple(marks))
+        # What the samples kept: accepted drafts past a stop or the length were never theirs.
+        self.stats.record_step(batch, sum(kept), tuple(marks))
         if self.speculator is not None and self.tp is None:
             # Forward and sampling: what a verified position adds to, against the positions
             # run. Not under tensor parallelism: the ranks' clocks differ and their drafts must

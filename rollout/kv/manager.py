@@ -42,6 +42,7 @@ class KVManager:
         # runs), oldest first; released when memory runs short.
         self.holds: dict[object, object] = {}  # key -> radix node
         self.cache_hit_tokens = 0  # tokens matched in the tree at attach
+        self.prompt_hit_tokens = 0  # of them, a sample's prompt at its first attach
         self.holds_dropped = 0  # holds released under memory pressure
         self.stale_tags = 0  # keep_stale calls so far: each tags its K/V with a new number
         # alloc_decodes' arrangement: (sequences, free slots left by the last allocation,
@@ -240,6 +241,10 @@ class KVManager:
         self.attached[seq.seq_id] = seq
         self.journal.record(lambda: self.attached.pop(seq.seq_id))
         self.journal.add(self, "cache_hit_tokens", matched)
+        if not seq.admitted and seq.score is None:  # (score()'s sequences are no samples)
+            seq.admitted = True
+            self.journal.record(lambda: setattr(seq, "admitted", False))
+            self.journal.add(self, "prompt_hit_tokens", min(matched, seq.num_prompt))
 
     def place(self, seq: Sequence, start: int, slots: torch.Tensor) -> None:
         """Slots for positions start.. of `seq`, not computed yet. (What they overwrite needs

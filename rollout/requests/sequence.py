@@ -71,6 +71,9 @@ class Sequence:
     # the same weights (a sample one token behind an identical sibling at an update computes
     # that token's K/V under the new weights, the sibling had it from the old ones).
     kv_bounds: tuple[tuple[int, int], ...] = ()
+    # Admitted once: its prompt's match in the radix tree is counted then only as a prompt hit
+    # (a re-admission after a preemption, retraction or restart matches its own tokens again).
+    admitted: bool = False
 
     def __post_init__(self) -> None:
         if not self.token_ids:

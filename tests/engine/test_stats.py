@@ -1,6 +1,7 @@
-"""EngineStats accounts for a step's time by phase: the parts never exceed the whole."""
+"""EngineStats accounts for a step's time by phase (the parts never exceed the whole) and counts
+tokens as the docs define them, against counts taken from the outputs."""
 
-from models import tiny_model
+from models import char_tokenizer, tiny_model
 
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.engine.stats import STEP_PHASES as PHASES
@@ -19,3 +20,49 @@ def test_step_time_splits_into_phases():
         assert stats["forward_seconds"] > 0 and stats["commit_seconds"] > 0
         assert sum(parts) <= stats["step_seconds"] + 1e-9
         assert stats["steps"] > 10
+
+
+PROMPTS = ["the cat sat on", "zz top", "a b c d e f", "ab 1+2=3 and 4"]
+
+
+def returned_tokens(outs) -> int:
+    return sum(len(s.token_ids) for out in outs for s in out.samples)
+
+
+def test_cache_hits_count_each_samples_prompt_once_under_preemption():
+    """prompt_hit_tokens counts prompt tokens matched at a sample's first admission: a sample
+    re-admitted after a preemption matches its own output again, which cache_hit_tokens counts
+    (217 of 90 prompt tokens here) and the recipes' prefix_cache_hit_rate had divided by the
+    prompt tokens (2.4). Each sample computes its last prompt token, so prompt hits stay below
+    prompt_tokens by one a sample."""
+    tok = char_tokenizer()
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=40, ignore_eos=True)
+    counts = {}
+    for pool in (512, 64):
+        engine = Engine(tiny_model("qwen2", vocab_size=len(tok)),
+                        EngineConfig(kv_cache_tokens=pool, max_model_len=64, max_num_seqs=8),
+                        tokenizer=tok)
+        engine.generate(PROMPTS, params)
+        counts[pool] = engine.stats
+    big, small = counts[512], counts[64]
+    assert big.preemptions == 0 and small.preemptions > 0
+    assert small.prompt_tokens == big.prompt_tokens
+    assert small.prompt_hit_tokens <= small.prompt_tokens - 2 * len(PROMPTS)
+    assert small.cache_hit_tokens > small.prompt_tokens  # the preempted samples' own tokens
+    assert big.prompt_hit_tokens == big.cache_hit_tokens
+    assert big.prompt_hit_tokens + big.prompt_tokens_computed == big.prompt_tokens
+
+
+def test_generated_tokens_are_the_tokens_the_samples_kept():
+    """Drafts verification accepted past a stop were never the sample's: generated_tokens had
+    counted them (59 against 57 returned here), so tokens_per_second too."""
+    tok = char_tokenizer()
+    draft = tiny_model("qwen2", seed=3, num_hidden_layers=1, vocab_size=len(tok))
+    for spec in (None, SpeculativeConfig("draft", num_speculative_tokens=3, draft_model=draft),
+                 SpeculativeConfig("ngram", num_speculative_tokens=3)):
+        engine = Engine(tiny_model("qwen2", vocab_size=len(tok)),
+                        EngineConfig(kv_cache_tokens=512, max_model_len=64, speculative=spec),
+                        tokenizer=tok)
+        outs = engine.generate(PROMPTS + ["ab 1+2="], SamplingParams(
+            n=2, temperature=1.0, seed=2, max_tokens=20, stop_token_ids=[5, 7, 9]))
+        assert engine.stats.generated_tokens == returned_tokens(outs)
