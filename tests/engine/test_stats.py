@@ -1,6 +1,7 @@
 """EngineStats accounts for a step's time by phase (the parts never exceed the whole) and counts
 tokens as the docs define them, against counts taken from the outputs."""
 
+import pytest
 from models import char_tokenizer, tiny_model
 
 from rollout import Engine, EngineConfig, SamplingParams
@@ -66,3 +67,37 @@ def test_generated_tokens_are_the_tokens_the_samples_kept():
         outs = engine.generate(PROMPTS + ["ab 1+2="], SamplingParams(
             n=2, temperature=1.0, seed=2, max_tokens=20, stop_token_ids=[5, 7, 9]))
         assert engine.stats.generated_tokens == returned_tokens(outs)
+
+
+@pytest.mark.parametrize("kind", [RuntimeError, KeyboardInterrupt], ids=["error", "interrupt"])
+def test_a_failed_admission_counts_no_prompt_hits(kind, monkeypatch):
+    """A step that fails after its scheduling admitted samples rolls the admission back, the
+    samples' first-admission mark with it: streamed on, they count their prompt hits once,
+    as an engine without the fault does (not twice, nor never)."""
+    tok = char_tokenizer()
+    model = tiny_model("qwen2", vocab_size=len(tok))
+    params = SamplingParams(n=3, temperature=1.0, seed=4, max_tokens=6)
+
+    def run(fault: bool) -> tuple[int, int]:
+        engine = Engine(model, EngineConfig(kv_cache_tokens=512, max_model_len=64),
+                        tokenizer=tok)
+        engine.generate(PROMPTS[:1], params)  # a prompt in the cache to match
+        ids = [engine.add_request(p, params) for p in PROMPTS[:2]]
+        if fault:
+            schedule = engine.scheduler.schedule
+
+            def failing():
+                schedule()
+                raise kind("injected")
+            monkeypatch.setattr(engine.scheduler, "schedule", failing)
+            with pytest.raises(kind, match="injected"):
+                engine.step()
+            monkeypatch.undo()
+            engine.check_invariants()
+        done = set()
+        while engine.has_unfinished:
+            done.update(o.request_id for o in engine.step())
+        assert done == set(ids)
+        return engine.stats.prompt_hit_tokens, engine.stats.cache_hit_tokens
+
+    assert run(fault=True) == run(fault=False)
