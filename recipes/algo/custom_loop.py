@@ -45,7 +45,7 @@ from .logprobs import policy_logprobs, token_logprobs
 from .losses import grpo_loss, mismatch_stats, ppo_loss
 from .partial import GroupDrawer, behaviour_weight_stats, decouple
 from .routing_replay import FlipCount, moe_routers, routed_expert_batch, routing_replay
-from .update_metrics import groups_with_signal, ratio_metrics, reduce_stat
+from .update_metrics import extreme, groups_with_signal, ratio_metrics, reduce_stat
 
 
 class CustomTrainer:
@@ -400,8 +400,8 @@ class CustomTrainer:
                               dtype=torch.float64)
         # Extremes stay extremes (a broken sync on one rank must not be halved in the log); a
         # step counts as asleep only if every rank was asleep.
-        lowest = [k.endswith("_min") or k == "engine/asleep_at_optimizer_step" for k in keys]
-        highest = [k.endswith(("_max", "/max_length")) for k in keys]
+        lowest = [extreme(k) == "min" or k == "engine/asleep_at_optimizer_step" for k in keys]
+        highest = [extreme(k) == "max" for k in keys]
         per_rank = self.acc.gather(values.unsqueeze(0))  # [ranks, keys]
         out = per_rank.mean(0)
         out = torch.where(torch.tensor(lowest, device=out.device), per_rank.min(0).values, out)

@@ -12,14 +12,21 @@ from .batch import RolloutBatch
 _LARGEST_EXP = math.log(sys.float_info.max)  # math.exp raises OverflowError past it
 
 
+def extreme(key: str) -> str | None:
+    """"max" or "min" for a statistic that is an extreme (reduced by it over micro-batches and
+    ranks, not summed or averaged), else None."""
+    if key.endswith(("_max", "/max_length")):
+        return "max"
+    return "min" if key.endswith("_min") else None
+
+
 def reduce_stat(key: str, total: float | None, value: float) -> float:
     """Micro-batch statistics: extremes by max or min, the rest summed."""
     if total is None:
         return value
-    if key.endswith("_max"):
-        return max(total, value)
-    if key.endswith("_min"):
-        return min(total, value)
+    kind = extreme(key)
+    if kind is not None:
+        return (max if kind == "max" else min)(total, value)
     return total + value
 
 
