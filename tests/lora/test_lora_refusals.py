@@ -349,3 +349,23 @@ def test_replicated_layers_are_read_out_of_place_and_an_in_place_merge_is_refuse
     model = replicated(second_adapter=False)
     engine.update_weights(model)
     assert_matches_reference(model, PROMPT, engine.generate(PROMPT, GREEDY))
+
+
+@pytest.mark.parametrize("mode", ["auto", "unmerged"])
+@pytest.mark.parametrize("family, target", [("qwen2", "o_proj"), ("llama", "q_proj")])
+def test_a_lora_bias_on_a_layer_without_a_bias_is_refused(family, target, mode):
+    """PEFT adds lora_B's bias (scaled) to the output of a layer that has none of its own
+    (Qwen2's o_proj, Llama's q_proj): the engine's projection has no bias to fold it into,
+    and merging it dropped the delta (every logprob off by ~1). Refused by name, at build and
+    at a sync, the engine serving on."""
+    def make():
+        return peft_model(family, lora_bias=True, target_modules=[target])
+
+    why = rf"model.layers.0.\w+.{target}: adapter 'default' has a LoRA bias .* no bias"
+    with pytest.raises(ValueError, match=why):
+        Engine(make(), EngineConfig(lora=mode, **CONFIG))
+    engine = Engine(peft_model(family, target_modules=[target]), EngineConfig(lora=mode, **CONFIG))
+    before = outputs(engine)
+    with pytest.raises(ValueError, match=why):
+        engine.update_weights(make())
+    assert not engine.needs_weights and outputs(engine) == before
