@@ -211,7 +211,8 @@ class Colocation:
                 written = True
                 model.load_weights(bucket, local=True, copy=checked.copy)
                 checked.verify()
-                moved += sum(t.numel() * t.element_size() for _, t in bucket)
+                # In the engine's dtype: a tensor already on the device goes in uncast.
+                moved += sum(t.numel() for _, t in bucket) * dtype.itemsize
             if plan is not None:
                 written = True
                 moved += self.lora.copy(plan)

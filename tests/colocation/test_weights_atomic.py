@@ -15,6 +15,7 @@ from torch import nn
 
 import rollout
 from rollout import Engine, EngineConfig, SamplingParams
+from rollout.colocation.device_memory import tensor_bytes
 from trainer_hooks import ColocatedRollout
 
 CONFIG = dict(kv_cache_tokens=256, max_model_len=64)
@@ -136,6 +137,21 @@ def test_floating_sources_are_cast_to_the_engine_dtype(dtype, container):
         moved = (token_logprobs(rounded, prompt, ids) - token_logprobs(new, prompt, ids)).abs()
         gap = (torch.tensor(lps, dtype=torch.float64) - torch.tensor(ref)).abs()
         assert gap.max().item() <= FLOOR_MULTIPLE * moved.max().item(), (gap.max(), moved.max())
+
+
+@pytest.mark.parametrize("separate_host", [False, True], ids=["device", "bucketed"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_bytes_are_those_written_into_the_weights_whatever_the_source_dtype(dtype,
+                                                                             separate_host):
+    """`bytes` (and stats.weight_sync_bytes) is what the copy wrote into the engine's weights:
+    a source tensor already on the device went in uncast, and had counted in its own dtype
+    (twice the weights for a float64 source, half for a bf16 one), where a bucketed one
+    counted as cast."""
+    engine = Engine(tiny_model("qwen2", seed=0),
+                    EngineConfig(**CONFIG, extra={"separate_host_memory": separate_host}))
+    weights = tensor_bytes(engine.model.parameters())  # the tied head counted once
+    info = engine.update_weights(tiny_model("qwen2", seed=7).to(dtype))
+    assert info["bytes"] == engine.stats.weight_sync_bytes == weights
 
 
 # --- a copy that fails midway ----------------------------------------------------------------
