@@ -18,6 +18,19 @@ def test_every_package_folder_is_installed_and_nothing_else():
     assert set(SETUPTOOLS["packages"]) == expected
 
 
+def test_every_folder_is_a_package_and_the_configs_ship():
+    """A folder without __init__.py (recipes/configs once) is a namespace package setuptools
+    warns it will stop shipping; the recipes' YAML configs are their package's data."""
+    folders = [d for top in ("rollout", "kernels", "recipes", "trainer_hooks")
+               for d in [ROOT / top, *(ROOT / top).rglob("*")]
+               if d.is_dir() and d.name != "__pycache__"]
+    assert [d for d in folders if not (d / "__init__.py").exists()] == []
+    configs = ROOT / "recipes" / "configs"
+    shipped = {p for g in SETUPTOOLS["package-data"]["rollout_recipes.configs"]
+               for p in configs.glob(g)}
+    assert shipped == set(configs.glob("*.yaml")) and shipped
+
+
 def test_no_top_level_name_that_other_distributions_install():
     top = {name.split(".")[0] for name in SETUPTOOLS["packages"]}
     assert top == {"rollout", "rollout_kernels", "rollout_recipes", "trainer_hooks"}
