@@ -9,6 +9,12 @@ STEP_PHASES = ("schedule_seconds", "draft_seconds", "prepare_seconds", "forward_
                "sample_seconds", "commit_seconds")
 
 
+def is_decode(item) -> bool:
+    """A batch item (requests/batch.py ScheduledSeq) that feeds its sample's last token after
+    its prompt: one position of its own, and the drafts it verifies."""
+    return item.num_new - len(item.draft) == 1 and item.start >= item.seq.num_prompt
+
+
 @dataclass
 class EngineStats:
     prompt_tokens: int = 0  # prompt tokens of every sample (n per prompt)
@@ -34,7 +40,8 @@ class EngineStats:
     weight_sync_bytes: int = 0
     weight_sync_seconds: float = 0.0
     steps: int = 0
-    decode_steps: int = 0  # steps that advanced at least one sample by a decode token
+    # steps that advanced at least one sample by a decode token (verifying drafts or not)
+    decode_steps: int = 0
     preemptions: int = 0
     holds_dropped: int = 0  # multi-turn KV holds released under memory pressure
     # Partial rollouts (rollout/engine/carry.py): sequences running when sleep or
@@ -94,7 +101,7 @@ class EngineStats:
         self.prepare_seconds += prepared - drafted
         self.sample_seconds += sampled - forwarded
         self.commit_seconds += committed - sampled
-        if any(it.num_new == 1 and it.start >= it.seq.num_prompt for it in batch.items):
+        if any(is_decode(it) for it in batch.items):
             self.decode_steps += 1
 
     @property

@@ -69,6 +69,23 @@ def test_generated_tokens_are_the_tokens_the_samples_kept():
         assert engine.stats.generated_tokens == returned_tokens(outs)
 
 
+@pytest.mark.parametrize("method", [None, "ngram", "suffix"])
+def test_every_step_after_a_lone_samples_prefill_is_a_decode_step(method):
+    """One sample, its prompt prefilled in one step: every later step advances it by decode
+    tokens, verifying drafts or not (spec_steps are "decode steps that drafted"). A step
+    whose every sample verified drafts had not counted (35 of the 39 here)."""
+    tok = char_tokenizer()
+    spec = method and SpeculativeConfig(method, num_speculative_tokens=3)
+    engine = Engine(tiny_model("qwen2", vocab_size=len(tok)),
+                    EngineConfig(kv_cache_tokens=512, max_model_len=64, speculative=spec),
+                    tokenizer=tok)
+    engine.generate(["ab ab ab ab ab"], SamplingParams(temperature=0, max_tokens=40,
+                                                        ignore_eos=True))
+    stats = engine.stats
+    assert stats.decode_steps == stats.steps - 1
+    assert (stats.spec_steps > 0) == (method is not None)
+
+
 @pytest.mark.parametrize("kind", [RuntimeError, KeyboardInterrupt], ids=["error", "interrupt"])
 def test_a_failed_admission_counts_no_prompt_hits(kind, monkeypatch):
     """A step that fails after its scheduling admitted samples rolls the admission back, the
