@@ -6,6 +6,7 @@ import torch
 
 from rollout import Engine
 
+from ..algo.routing_replay import moe_routers
 from .config import RecipeConfig
 from .options import engine_config, lora_config
 from .smollm2 import resolve
@@ -32,6 +33,11 @@ def load_model(cfg: RecipeConfig, tokenizer, device: torch.device):
 
         model = AutoModelForCausalLM.from_pretrained(resolve(cfg.model),
                                                      dtype=getattr(torch, cfg.model_dtype))
+    if cfg.routing_replay and not moe_routers(model):
+        # Known once loaded (RecipeConfig refuses the built-in dense model before): a dense
+        # model has no routes to replay, and the flag would change nothing.
+        raise ValueError(f"routing_replay: {cfg.model!r} has no MoE router to replay (a dense "
+                         f"model); set --routing_replay false")
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False

@@ -162,6 +162,7 @@ class RecipeConfig:
     progress: bool = True  # tqdm bars and per-step lines
 
     def __post_init__(self) -> None:
+        _expand_home(self)
         for name, (builtin, named) in _AUTO.items():
             if getattr(self, name) is None:
                 value = builtin if self.model is None else named
@@ -343,6 +344,7 @@ def _check_values(cfg: RecipeConfig) -> None:
     if cfg.dynamic_sampling and cfg.algo != "grpo":
         raise ValueError("dynamic_sampling: groups without reward spread carry no GRPO signal; "
                          "it is for algo grpo")
+    _check_custom_loop_only(cfg)
     if cfg.trainer == "trl" and cfg.algo != "grpo":
         raise ValueError(f"algo: the trl trainer runs grpo only, got {cfg.algo!r}")
     if cfg.model is None and cfg.dataset is not None:
@@ -362,6 +364,12 @@ def _check_values(cfg: RecipeConfig) -> None:
     if cfg.max_new_tokens >= cfg.max_model_len:
         raise ValueError(f"max_new_tokens must be < max_model_len ({cfg.max_model_len}): a "
                          f"prompt and its completion share it, got {cfg.max_new_tokens}")
+    if cfg.cuda_graphs and not torch.cuda.is_available():
+        # The engine replays CUDA graphs with its Triton backend, which it picks on CUDA only:
+        # without a device build_engine refused the flag, after the model was built.
+        raise ValueError("cuda_graphs: needs a CUDA device (the engine's Triton backend); none "
+                         "is visible: set --cuda_graphs false")
+    _check_output_dir(cfg.output_dir)
     # What the engine refuses together (carried_kv park without prefix_caching, max_num_seqs x
     # max_model_len past int32), refused now rather than by build_engine after the model loads.
     engine_config(cfg)
@@ -401,6 +409,47 @@ def _check_tiny_model(sizes: dict) -> None:
                          f"= {2 * heads} (each head's dimension, hidden_size / "
                          f"num_attention_heads, even for the rotary embedding), "
                          f"got {sizes['hidden_size']}")
+
+
+def _check_custom_loop_only(cfg: RecipeConfig) -> None:
+    """Keys only the custom loop acts on, refused where they would change nothing."""
+    if cfg.eval_every and cfg.trainer != "custom":
+        raise ValueError(f"eval_every: scoring between steps is the custom trainer's; trainer "
+                         f"{cfg.trainer} scores the held-out set before and after RL only, got "
+                         f"{cfg.eval_every} (set --eval_every 0 or use --trainer custom)")
+    # The custom loop records experts for single-turn rollouts of an MoE policy (an Episode
+    # keeps no routes; the built-in tiny Llama is dense; a named model is checked once loaded:
+    # build.load_model).
+    if cfg.routing_replay and (cfg.trainer != "custom" or _has_environment(cfg)
+                               or cfg.model is None):
+        raise ValueError("routing_replay: replays the experts of an MoE model's single-turn "
+                         "rollouts in the custom trainer (--trainer custom, --tools false for "
+                         "the calculator task, --model naming an MoE model)")
+
+
+def _check_output_dir(path: str) -> None:
+    """The tracker creates output_dir, parents included, before the model loads: it must be
+    a name, and no part of it that exists may be a file."""
+    if not path:
+        raise ValueError("output_dir must name a directory, got ''")
+    existing = path
+    while existing and not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if existing and not os.path.isdir(existing):
+        raise ValueError(f"output_dir: {existing!r} is a file, not a directory "
+                         f"(output_dir {path!r})")
+
+
+# Keys that name local paths: `~` is the user's home in them, as in a shell (YAML files and
+# `--key=~/x` reach the config unexpanded).
+_PATH_KEYS = ("model", "dataset", "output_dir")
+
+
+def _expand_home(cfg: RecipeConfig) -> None:
+    for name in _PATH_KEYS:
+        value = getattr(cfg, name)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(cfg, name, os.path.expanduser(value))
 
 
 def _has_environment(cfg: RecipeConfig) -> bool:

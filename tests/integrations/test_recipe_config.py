@@ -1,0 +1,89 @@
+"""RecipeConfig refuses, before any model is built, the keys a run would ignore without a word
+or only refuse once the model is loaded: recipes/run/config.py, recipes/run/build.py."""
+
+import os
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from rollout_recipes.run.build import load_model
+from rollout_recipes.run.config import RecipeConfig
+
+
+def test_cuda_graphs_without_a_cuda_device_is_refused_by_the_config(monkeypatch):
+    """The engine captures CUDA graphs with its Triton backend only, which it picks on CUDA;
+    without a device it refused the flag in build_engine, after the model was built."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="^cuda_graphs: .*CUDA"):
+        RecipeConfig(cuda_graphs=True)
+    assert RecipeConfig(cuda_graphs=False).cuda_graphs is False
+
+
+@pytest.mark.parametrize("trainer", ["trl", "trl_async"])
+def test_eval_every_is_refused_where_it_would_be_ignored(trainer):
+    """Only the custom loop scores the held-out set between steps; the TRL trainers score it
+    before and after RL alone, and ran with eval_every > 0 as with 0."""
+    with pytest.raises(ValueError, match="^eval_every: .*custom"):
+        RecipeConfig(eval_every=5, trainer=trainer)
+    assert RecipeConfig(eval_every=0, trainer=trainer).eval_every == 0
+    assert RecipeConfig(eval_every=5).eval_every == 5  # the custom loop's
+
+
+@pytest.mark.parametrize("overrides", [dict(trainer="trl", model="org/moe"),
+                                       dict(task="calculator", model="org/moe"),
+                                       dict()])  # the built-in tiny Llama: dense
+def test_routing_replay_is_refused_where_nothing_is_routed(overrides):
+    """The custom loop records routes for single-turn rollouts of an MoE policy only; the TRL
+    trainers, episodes and the built-in dense model ran with routing_replay set as without."""
+    with pytest.raises(ValueError, match="^routing_replay: "):
+        RecipeConfig(routing_replay=True, **overrides)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """Tiny random checkpoints, dense (Llama) and MoE (Qwen3-MoE), saved as a named model."""
+    def save(name, model):
+        path = tmp_path / name
+        model.save_pretrained(path)
+        return str(path)
+
+    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                 num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    return {"dense": save("dense", LlamaForCausalLM(LlamaConfig(**sizes))),
+            "moe": save("moe", Qwen3MoeForCausalLM(Qwen3MoeConfig(
+                **sizes, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)))}
+
+
+def test_routing_replay_on_a_dense_named_model_is_refused_when_it_loads(saved):
+    """Whether a named model routes is known once it is loaded: a dense one is refused then,
+    before the engine and any step; an MoE one loads."""
+    with pytest.raises(ValueError, match="^routing_replay: .*no MoE router"):
+        load_model(RecipeConfig(model=saved["dense"], routing_replay=True), None,
+                   torch.device("cpu"))
+    load_model(RecipeConfig(model=saved["moe"], routing_replay=True), None, torch.device("cpu"))
+
+
+def test_an_output_dir_that_cannot_be_a_directory_is_refused(tmp_path):
+    """The tracker creates output_dir before the model loads; an empty name or a path through
+    an existing file failed there with FileNotFoundError / FileExistsError / NotADirectoryError,
+    not a ValueError naming the key."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for bad in ("", str(blocker), str(blocker / "run")):
+        with pytest.raises(ValueError, match=r"^output_dir\b"):
+            RecipeConfig(output_dir=bad)
+    assert RecipeConfig(output_dir=str(tmp_path / "new" / "run")).output_dir.endswith("run")
+
+
+def test_home_in_a_path_is_the_users_home(tmp_path, monkeypatch):
+    """`~` marks a local path (docs/recipes.md) but was not expanded: a YAML `dataset:
+    ~/sums.jsonl` or `--model=~/ckpt` (no shell expands those) was refused as not found
+    although it existed; os.path.expanduser is the reference."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "sums.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    cfg = RecipeConfig(model="~/ckpt", dataset="~/sums.jsonl", output_dir="~/runs/a")
+    assert (cfg.model, cfg.dataset, cfg.output_dir) == tuple(
+        os.path.expanduser(p) for p in ("~/ckpt", "~/sums.jsonl", "~/runs/a"))
+    assert cfg.output_dir == str(tmp_path / "runs" / "a")
