@@ -354,6 +354,9 @@ def _check_values(cfg: RecipeConfig) -> None:
         speculative_config(cfg)  # raises ValueError naming the bad speculative.* key
     if cfg.lora is not None:
         lora_config(cfg)  # likewise for lora.*
+    elif cfg.lora_mode != _DEFAULTS["lora_mode"]:  # how a PEFT policy is served: none here
+        raise ValueError(f"lora_mode: takes effect with a lora adapter only, got "
+                         f"{cfg.lora_mode!r}; set --lora or leave lora_mode at auto")
     _check_tiny_model(cfg.tiny_model)
     positions = {**_TINY_DEFAULTS, **cfg.tiny_model}["max_position_embeddings"]
     if cfg.model is None and cfg.max_model_len > positions:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import typing
 
 
 def lora_config(cfg):
@@ -28,6 +29,14 @@ def lora_config(cfg):
         raise ValueError(f"lora.lora_alpha must be a number > 0 and finite, got {alpha!r}")
     if not _is_number(dropout, (int, float)) or not 0 <= dropout < 1:
         raise ValueError(f"lora.lora_dropout must be a number in [0, 1), got {dropout!r}")
+    # PEFT takes any string for these and fails in get_peft_model, or wraps the policy as
+    # another task's model (a sequence classifier) without a word.
+    biases = typing.get_args(typing.get_type_hints(peft.LoraConfig)["bias"])
+    if options.get("bias", "none") not in biases:
+        raise ValueError(f"lora.bias must be one of {biases}, got {options['bias']!r}")
+    if options["task_type"] != "CAUSAL_LM":  # peft.TaskType.CAUSAL_LM, a str enum, equals it
+        raise ValueError(f"lora.task_type must be CAUSAL_LM (the recipes train causal LMs), "
+                         f"got {options['task_type']!r}")
     targets = options.get("target_modules")
     if not (targets is None or isinstance(targets, str) or isinstance(targets, (list, tuple))
             and targets and all(isinstance(t, str) for t in targets)):

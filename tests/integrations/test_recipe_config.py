@@ -2,7 +2,9 @@
 or only refuse once the model is loaded: recipes/run/config.py, recipes/run/build.py."""
 
 import os
+import typing
 
+import peft
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -87,3 +89,28 @@ def test_home_in_a_path_is_the_users_home(tmp_path, monkeypatch):
     assert (cfg.model, cfg.dataset, cfg.output_dir) == tuple(
         os.path.expanduser(p) for p in ("~/ckpt", "~/sums.jsonl", "~/runs/a"))
     assert cfg.output_dir == str(tmp_path / "runs" / "a")
+
+
+@pytest.mark.parametrize("lora, match", [
+    # PEFT's LoraConfig takes any string and get_peft_model raised NotImplementedError after
+    # the model loaded; its annotation is the reference for the values it implements.
+    ({"r": 4, "bias": "bogus"}, "lora.bias must be one of"),
+    # A task type other than the recipe's CAUSAL_LM wrapped the policy as, e.g.,
+    # PeftModelForSequenceClassification without a word.
+    ({"r": 4, "task_type": "SEQ_CLS"}, "lora.task_type must be CAUSAL_LM"),
+])
+def test_lora_values_peft_takes_unchecked_are_refused(lora, match):
+    with pytest.raises(ValueError, match=match):
+        RecipeConfig(lora=lora)
+    for bias in typing.get_args(typing.get_type_hints(peft.LoraConfig)["bias"]):
+        assert RecipeConfig(lora={"r": 4, "bias": bias}).lora["bias"] == bias
+    assert RecipeConfig(lora={"r": 4, "task_type": "CAUSAL_LM"}).lora["task_type"] == "CAUSAL_LM"
+
+
+@pytest.mark.parametrize("mode", ["merged", "unmerged"])
+def test_lora_mode_without_an_adapter_is_refused(mode):
+    """EngineConfig.lora says how a PEFT policy is served; without `lora` the policy is a plain
+    model and the engine built as with "auto"."""
+    with pytest.raises(ValueError, match="^lora_mode: .*lora"):
+        RecipeConfig(lora_mode=mode)
+    assert RecipeConfig(lora_mode=mode, lora={"r": 4}).lora_mode == mode
