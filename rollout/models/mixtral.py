@@ -34,3 +34,4 @@ class MixtralForCausalLM(MoECausalLM):
                              normalize=True, weights_in_model_dtype=False)
 
     expert_intermediate_field = "intermediate_size"
+    experts_field = "num_local_experts"

@@ -42,3 +42,4 @@ class Qwen3MoeForCausalLM(MoECausalLM):
                              normalize=bool(config.norm_topk_prob), weights_in_model_dtype=True)
 
     expert_intermediate_field = "moe_intermediate_size"
+    experts_field = "num_experts"

@@ -6,7 +6,7 @@ save_pretrained) name them."""
 
 import pytest
 import torch
-from models import char_tokenizer, per_expert_tensors, tiny_model
+from models import char_tokenizer, per_expert_tensors, tiny_config, tiny_model
 from reference import PROMPTS, assert_matches_reference
 
 from rollout import Engine, EngineConfig, SamplingParams
@@ -128,3 +128,22 @@ def test_cpu_backend_multiplies_the_experts_by_packed_copies(family, monkeypatch
                if isinstance(b, moe.SparseMoE))
     with pytest.raises(AssertionError, match="F.linear in the MoE block"):
         plain.generate(PROMPTS[:1], GREEDY)
+
+
+@pytest.mark.parametrize("family, experts_field", [("qwen3_moe", "num_experts"),
+                                                   ("mixtral", "num_local_experts")])
+def test_router_sizes_out_of_range_are_refused_at_build(family, experts_field):
+    """top-k outside 1..experts failed the first step with torch.topk's RuntimeError (k=9 of 8:
+    'selected index k out of range'; k=0: a reduction over an empty tensor); over 2**15
+    experts the int16 routes wrapped (an expert 40000 returned as -25536, which replay reads
+    as 'not routed')."""
+    def build(**overrides):
+        build_model(tiny_config(family, **overrides), 64, torch.float32, torch.device("cpu"))
+
+    for k in (9, 0):
+        with pytest.raises(ValueError, match=f"num_experts_per_tok={k}.*1 to {experts_field}=8"):
+            build(num_experts_per_tok=k)
+    with pytest.raises(ValueError, match=f"{experts_field}=32769.*at most 32768"):
+        build(num_hidden_layers=1, hidden_size=8, num_attention_heads=1, num_key_value_heads=1,
+              head_dim=8, intermediate_size=1, moe_intermediate_size=1,
+              **{experts_field: (1 << 15) + 1})
