@@ -29,12 +29,17 @@ def rollout(request):
                            norm_topk_prob=False)
     else:
         model = tiny_model("mixtral")
+    outs = rollout_outputs(model)
+    batch = build_batch(outs, [0.0] * 2 * len(PROMPTS), 0, torch.device("cpu"))
+    return model, batch, routed_expert_batch(outs, batch.input_ids.shape[1])
+
+
+def rollout_outputs(model):
+    """n=2 seeded samples per prompt, with their routes (the same on every call)."""
     engine = Engine(model, EngineConfig(kv_cache_tokens=512, max_model_len=64))
     params = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=1, logprobs=True,
                             return_routed_experts=True)
-    outs = run_checked(engine, PROMPTS, params)
-    batch = build_batch(outs, [0.0] * 2 * len(PROMPTS), 0, torch.device("cpu"))
-    return model, batch, routed_expert_batch(outs, batch.input_ids.shape[1])
+    return run_checked(engine, PROMPTS, params)
 
 
 def forward(model, batch):
@@ -64,6 +69,19 @@ def own_routes(model, batch) -> torch.Tensor:
         for h in hooks:
             h.remove()
     return torch.stack(ids, 1).view(*batch.input_ids.shape, len(ids), -1)
+
+
+def test_the_batch_keeps_the_engines_int16_routes(rollout):
+    """The training batch's routes are as wide as the engine's (int16): they were int64, 4x
+    the memory on the trainer's device (Qwen3-30B-A3B: 48 MoE layers x top-8 = 3 KiB a token
+    padded to the batch's longest row, 6 GiB for 512 rows of 4096 tokens)."""
+    model, batch, routes = rollout
+    assert routes.dtype == torch.int16
+    outs = rollout_outputs(model)
+    samples = [s for out in outs for s in out.samples]
+    for row, sample in zip(routes, samples):
+        assert torch.equal(row[:len(sample.routed_experts)], sample.routed_experts)
+        assert (row[len(sample.routed_experts):] == -1).all()
 
 
 def test_forced_experts_are_the_rollouts(rollout):
@@ -137,6 +155,22 @@ def test_hooks_are_removed_on_exit_and_on_error(rollout):
     assert all(not r._forward_hooks for r in routers)
     with pytest.raises(ValueError, match="MoE layers"):
         routing_replay(model, routes[:, :, :1]).__enter__()
+
+
+def test_routes_of_another_router_size_are_refused_on_entry(rollout):
+    """Routes that cannot be this model's (other top-k, expert ids past its experts) are
+    refused before any forward: an id past the experts failed in the forward with gather's
+    RuntimeError (a device-side assert on CUDA), another top-k as a layout mismatch."""
+    model, batch, routes = rollout
+    experts = moe_routers(model)[0].num_experts
+    with pytest.raises(ValueError, match=f"routes: expert ids up to {experts}, the model has "
+                                         f"{experts} experts"):
+        with routing_replay(model, torch.where(routes >= 0, routes + 1, routes)):
+            forward(model, batch)
+    with pytest.raises(ValueError, match="routes: top-1 routing, the model's routers take the "
+                                         "top 2"):
+        with routing_replay(model, routes[..., :1]):
+            forward(model, batch)
 
 
 def test_custom_loop_logs_the_flip_rate_and_replays(tmp_path, monkeypatch):
