@@ -7,6 +7,7 @@ import dataclasses
 import os
 import re
 import sys
+import typing
 
 import yaml
 
@@ -15,8 +16,30 @@ from .config import RecipeConfig, field_types
 
 class _Loader(yaml.SafeLoader):
     """YAML as PyYAML reads it, but for exponent floats without a dot ("5e-2", "1E5"): floats,
-    where PyYAML (YAML 1.1) reads them as strings. At every level, a lora or speculative
+    where PyYAML (YAML 1.1) reads them as strings; and a key given twice in one mapping, which
+    PyYAML settles silently for the last, a ValueError. At every level, a lora or speculative
     dict's values included."""
+
+    def construct_mapping(self, node, deep=False):
+        _refuse_repeated_keys(self, node)
+        return super().construct_mapping(node, deep)
+
+
+def _refuse_repeated_keys(loader: yaml.SafeLoader, node: yaml.MappingNode) -> None:
+    """The mapping's own keys, each once: keys merged in (`<<: *base`) are meant to be
+    overridden by them, and are not among them."""
+    seen: set = set()
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        if not isinstance(key, typing.Hashable):
+            continue  # PyYAML refuses it itself, naming it
+        if key in seen:
+            mark = key_node.start_mark
+            raise ValueError(f"config: key {key!r} given twice in {mark.name}, line "
+                             f"{mark.line + 1} (YAML would keep the last silently)")
+        seen.add(key)
 
 
 _Loader.add_implicit_resolver("tag:yaml.org,2002:float",

@@ -114,3 +114,22 @@ def test_lora_mode_without_an_adapter_is_refused(mode):
     with pytest.raises(ValueError, match="^lora_mode: .*lora"):
         RecipeConfig(lora_mode=mode)
     assert RecipeConfig(lora_mode=mode, lora={"r": 4}).lora_mode == mode
+
+
+def test_a_key_given_twice_in_a_mapping_is_named(tmp_path):
+    """PyYAML keeps the last of two equal keys without a word (`steps: 10` ... `steps: 20` ran
+    20 steps), at every level and in `--key value` overrides alike; a merge (`<<: *base`) is
+    still overridden by the mapping's own keys, as YAML says."""
+    from rollout_recipes.run.config_file import load_config, parse_overrides, read_yaml
+
+    path = tmp_path / "twice.yaml"
+    path.write_text("steps: 10\nprompts_per_step: 4\nsteps: 20\n")
+    with pytest.raises(ValueError, match=r"key 'steps' given twice .*twice.yaml.* line 3"):
+        load_config(str(path))
+    path.write_text("tiny_model: {hidden_size: 64, hidden_size: 32}\n")
+    with pytest.raises(ValueError, match="key 'hidden_size' given twice"):
+        load_config(str(path))
+    with pytest.raises(ValueError, match="key 'r' given twice"):
+        parse_overrides(["--lora", "{r: 4, r: 8}"])
+    merged = read_yaml("base: &b {r: 4, lora_alpha: 8}\nlora: {<<: *b, r: 16}\n")
+    assert merged["lora"] == {"r": 16, "lora_alpha": 8}
