@@ -41,7 +41,7 @@ def _shrink_kernel(x, a, s, T, K, R, stride_xt, stride_ar, stride_st, PRECISION:
 @triton.jit(do_not_specialize=["T"])
 def _expand_kernel(s, b, y, rows, ranks, scales, T, stride_st, stride_br, stride_yt,
                    PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_R: tl.constexpr):
+                   BLOCK_R: tl.constexpr, RANK_TILES: tl.constexpr):
     pt, pn, blk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row0 = tl.load(rows + blk * 3)
     count = tl.load(rows + blk * 3 + 1)
@@ -51,12 +51,17 @@ def _expand_kernel(s, b, y, rows, ranks, scales, T, stride_st, stride_br, stride
     if pn * BLOCK_N < count:
         t = pt * BLOCK_T + tl.arange(0, BLOCK_T)
         n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-        r = tl.arange(0, BLOCK_R)
-        st = tl.load(s + t[:, None].to(tl.int64) * stride_st + col0 + r[None, :],
-                     mask=(t[:, None] < T) & (r[None, :] < rank), other=0.0)
-        bt = tl.load(b + (row0 + n[None, :]).to(tl.int64) * stride_br + col0 + r[:, None],
-                     mask=(n[None, :] < count) & (r[:, None] < rank), other=0.0)
-        delta = row_dot(st, bt, tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32), PRECISION)
+        delta = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+        # Over the rank a tile at a time: one tile as wide as a rank of 1024 needed 320 KiB of
+        # shared memory, over what a GPU gives a block. Unrolled: a rank within one tile runs
+        # straight-line code (a loop doubled its registers and shared memory).
+        for r0 in tl.static_range(0, RANK_TILES * BLOCK_R, BLOCK_R):
+            r = r0 + tl.arange(0, BLOCK_R)
+            st = tl.load(s + t[:, None].to(tl.int64) * stride_st + col0 + r[None, :],
+                         mask=(t[:, None] < T) & (r[None, :] < rank), other=0.0)
+            bt = tl.load(b + (row0 + n[None, :]).to(tl.int64) * stride_br + col0 + r[:, None],
+                         mask=(n[None, :] < count) & (r[:, None] < rank), other=0.0)
+            delta += row_dot(st, bt, tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32), PRECISION)
         out = y + t[:, None].to(tl.int64) * stride_yt + row0 + n[None, :]
         keep = (t[:, None] < T) & (n[None, :] < count)
         base = tl.load(out, mask=keep, other=0.0).to(tl.float32)
@@ -65,6 +70,11 @@ def _expand_kernel(s, b, y, rows, ranks, scales, T, stride_st, stride_br, stride
 
 def _tile(n: int) -> int:
     return max(16, triton.next_power_of_2(n))  # tl.dot wants every dimension >= 16
+
+
+# The expand's widest rank tile (80 KiB of shared memory at BLOCK_T 16, BLOCK_N 64): larger
+# ranks are covered by several.
+MAX_RANK_TILE = 256
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, precision: str = "ieee") -> torch.Tensor:
@@ -101,9 +111,10 @@ def lora_expand_add(s: torch.Tensor, b: torch.Tensor, y: torch.Tensor, rows: tor
     if num_tokens == 0 or rows.shape[0] == 0:
         return
     grid = (triton.cdiv(num_tokens, 16), triton.cdiv(max_rows, 64), rows.shape[0])
+    block_r = min(_tile(max_rank), MAX_RANK_TILE)
     _expand_kernel[grid](s, b, y, rows, ranks, scales, num_tokens, s.stride(0), b.stride(0),
                          y.stride(0), PRECISION=precision, BLOCK_T=16, BLOCK_N=64,
-                         BLOCK_R=_tile(max_rank))
+                         BLOCK_R=block_r, RANK_TILES=triton.cdiv(max_rank, block_r))
 
 
 def lora_add_ref(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, y: torch.Tensor,
