@@ -261,7 +261,7 @@ def _with_deltas(layer: nn.Module, weight: torch.Tensor) -> torch.Tensor:
     for adapter in unmerged_adapters(layer):
         variant = getattr(layer, "lora_variant", {}).get(adapter)
         if variant is None:
-            weight = weight + layer.get_delta_weight(adapter).to(weight.dtype)
+            weight = weight + whole(layer.get_delta_weight(adapter)).to(weight.dtype)
             continue
         caches = dict(layer._caches)
         try:
@@ -277,7 +277,7 @@ def _with_bias_deltas(layer: nn.Module, bias: torch.Tensor) -> torch.Tensor:
     adds it)."""
     for adapter in unmerged_adapters(layer):
         if layer.lora_bias.get(adapter):
-            delta = layer.lora_B[adapter].bias * layer.scaling[adapter]
+            delta = whole(layer.lora_B[adapter].bias) * layer.scaling[adapter]
             bias = bias + delta.to(bias.dtype)
     return bias
 
@@ -322,11 +322,16 @@ def _read(tensor: torch.Tensor, add: Adding | None = None, gather: bool = True) 
     DTensor stays one (update_weights re-shards it to its ranks' parts,
     rollout/parallel/reshard.py) unless LoRA deltas are added to it."""
     tensor = tensor.detach()
-    if hasattr(tensor, "full_tensor") and (gather or add is not None):
-        # FSDP2 / tensor-parallel DTensor shard: gather the whole weight (a collective: every
-        # rank syncs its own engine at the same point of the step).
-        tensor = tensor.full_tensor()
+    if gather or add is not None:
+        tensor = whole(tensor)
     return tensor if add is None else add(tensor)
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor, gathered whole where it is an FSDP2 / tensor-parallel DTensor shard (a
+    collective: every rank syncs its own engine at the same point of the step). FSDP2 shards
+    a PEFT model's adapters as it shards its base, so their deltas are DTensors too."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def weight_params(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:

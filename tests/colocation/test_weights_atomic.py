@@ -269,6 +269,24 @@ def test_named_dtensor_shards_are_gathered_while_copying(one_rank_group):
     assert outputs(engine.generate(PROMPT, GREEDY)) == want
 
 
+@pytest.mark.parametrize("lora_bias", [False, True], ids=["lora", "lora_bias"])
+def test_lora_on_dtensor_shards_is_folded_in(lora_bias, one_rank_group):
+    """FSDP2 shards a PEFT model's adapters as it shards its base: merged, each LoRA delta
+    (B @ A, and B's bias) is a DTensor too, and adding it to the gathered base weight raised
+    ("got mixed torch.Tensor and DTensor"), the whole update refused. Exactly what an engine
+    built on PEFT's own merge of the unsharded model gives."""
+    peft = pytest.importorskip("peft")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                             lora_bias=lora_bias, init_lora_weights=False)  # (biased in qwen2)
+    model = peft.get_peft_model(tiny_model("qwen2", seed=7), config)
+    engine = Engine(tiny_model("qwen2", seed=0), EngineConfig(**CONFIG, lora="merged"))
+    want = fresh(merged(model, "default"))
+    engine.update_weights(shard(model, init_device_mesh("cpu", (1,))))
+    assert outputs(engine.generate(PROMPT, GREEDY)) == want
+
+
 # --- PEFT: the active adapter, or none inside disable_adapter() -----------------------------
 def two_adapter_model(family="qwen2", **lora):
     """(base, PEFT model with adapters 'default' and 'other' whose deltas differ)."""
