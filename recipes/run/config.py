@@ -378,9 +378,11 @@ def _check_values(cfg: RecipeConfig) -> None:
     engine_config(cfg)
     if cfg.model == smollm2.NAME and smollm2.missing():  # the packaged real model
         raise ValueError(f"model: {smollm2.missing()}")
-    if cfg.model not in (None, smollm2.NAME) and not _looks_like_hub_id(cfg.model) and \
-            not os.path.exists(cfg.model):
-        raise ValueError(f"model: {cfg.model!r} is neither an existing path nor a hub id")
+    if cfg.model not in (None, smollm2.NAME):
+        _check_checkpoint_name("model", cfg.model)
+    draft = (cfg.speculative or {}).get("draft_model")
+    if isinstance(draft, str):  # a checkpoint too, loaded when the engine is built
+        _check_checkpoint_name("speculative.draft_model", draft)
     if cfg.dataset is not None and is_data_file(cfg.dataset) and not os.path.isfile(cfg.dataset):
         raise ValueError(f"dataset: file not found: {cfg.dataset!r}")
     if cfg.dataset is not None and _looks_like_local_path(cfg.dataset) and \
@@ -474,6 +476,11 @@ _TINY_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_ke
 _TINY_DEFAULTS = {name: parameter.default
                   for name, parameter in inspect.signature(tiny_llama).parameters.items()
                   if name in _TINY_KEYS}
+
+
+def _check_checkpoint_name(key: str, name: str) -> None:
+    if not _looks_like_hub_id(name) and not os.path.exists(os.path.expanduser(name)):
+        raise ValueError(f"{key}: {name!r} is neither an existing path nor a hub id")
 
 
 def _looks_like_hub_id(name: str) -> bool:

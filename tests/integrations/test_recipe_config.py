@@ -133,3 +133,15 @@ def test_a_key_given_twice_in_a_mapping_is_named(tmp_path):
         parse_overrides(["--lora", "{r: 4, r: 8}"])
     merged = read_yaml("base: &b {r: 4, lora_alpha: 8}\nlora: {<<: *b, r: 16}\n")
     assert merged["lora"] == {"r": 16, "lora_alpha": 8}
+
+
+def test_a_missing_draft_model_path_is_refused_before_any_model_is_built(tmp_path):
+    """speculative.draft_model names a checkpoint as `model` does; a local one that is not
+    there was refused by the engine (rollout/models/loader.py) only once the policy was
+    loaded."""
+    missing = str(tmp_path / "no-draft")
+    with pytest.raises(ValueError, match="^speculative.draft_model: .*no-draft"):
+        RecipeConfig(speculative={"method": "draft", "draft_model": missing})
+    (tmp_path / "no-draft").mkdir()
+    assert RecipeConfig(speculative={"method": "draft", "draft_model": missing}).speculative
+    assert RecipeConfig(speculative={"method": "draft", "draft_model": "org/draft"}).speculative
