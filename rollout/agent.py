@@ -127,7 +127,9 @@ def run_episodes(engine: Engine, prompts, env_factory: Callable[[], object],
                                                           template_kwargs)]
     if engine.has_unfinished:
         raise ValueError("engine: run_episodes steps the engine itself and needs it idle; "
-                         f"{len(engine.running_requests)} requests are running")
+                         f"{len(engine.running_requests)} requests are running and "
+                         f"{engine.unreturned_outputs} finished ones wait for step() to "
+                         f"return them")
     runner = _Runner(engine, env_factory, params, max_turns, max_episode_tokens, env_workers,
                      env_timeout, template_kwargs)
     return runner.run(list(prompts), use_tqdm)

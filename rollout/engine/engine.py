@@ -240,8 +240,13 @@ class Engine(ColocationCalls):
     @property
     def has_unfinished(self) -> bool:
         """Requests are running, or finished with outputs step() has yet to return."""
-        return bool(self.requests.running) or any(
-            not r.from_rollout for r in self.requests.ready.values())
+        return bool(self.requests.running) or bool(self.unreturned_outputs)
+
+    @property
+    def unreturned_outputs(self) -> int:
+        """Finished requests whose outputs step() has yet to return (rollout()'s groups are
+        rollout()'s to hand out)."""
+        return sum(not r.from_rollout for r in self.requests.ready.values())
 
     @property
     def carried(self) -> list[str]:

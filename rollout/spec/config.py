@@ -31,14 +31,14 @@ class SpeculativeConfig:
     # acceptance for draft models, whose outputs then depend on the drafts (n-gram and suffix
     # drafts are verified coupled under either: see spec/verify.py).
     acceptance: str = "coupled"
-    # "suffix" (spec/suffix.py, spec/history.py): the finished samples of earlier calls, kept
-    # in host memory up to this many tokens (oldest evicted first), matched on suffixes of up
-    # to history_max_match tokens (ngram_min at least); a drafted token must continue at least
-    # history_min_share of the matched positions.
     # Per sample, draft only as far as its running acceptance makes pay against the machine's
     # measured step cost at this batch size (Speculator._paying, spec/cost.py; the batch's
     # share of max_batch_size where the drafts shape the outputs).
     adaptive: bool = False
+    # "suffix" (spec/suffix.py, spec/history.py): the finished samples of earlier calls, kept
+    # in host memory up to this many tokens (oldest evicted first), matched on suffixes of up
+    # to history_max_match tokens (ngram_min at least); a drafted token must continue at least
+    # history_min_share of the matched positions.
     history_tokens: int = 1 << 20
     history_max_match: int = 32
     history_min_share: float = 0.3

@@ -837,3 +837,17 @@ def test_run_episodes_needs_an_idle_engine():
     eng.add_request([1, 2, 3], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="idle"):
         run_episodes(eng, PROMPTS, Echo, PARAMS)
+
+
+def test_an_engine_with_an_unreturned_output_is_refused_naming_it():
+    """run_episodes needs the engine idle: a streaming request that finished inside another
+    call's steps waits for step() to return it. The refusal counts it, not only what runs."""
+    eng = engine()
+    eng.add_request(PROMPTS[0], PARAMS)
+    eng.generate(PROMPTS[1:], PARAMS)
+    assert eng.running_requests == [] and eng.unreturned_outputs == 1
+    with pytest.raises(ValueError, match="0 requests are running and 1 finished ones wait"):
+        run_episodes(eng, PROMPTS, Echo, PARAMS, max_turns=2)
+    [out] = eng.step()  # nothing was lost: the output is still there to return
+    assert out.prompt == PROMPTS[0] and eng.unreturned_outputs == 0
+    assert len(run_episodes(eng, PROMPTS, Echo, PARAMS, max_turns=2)) == len(PROMPTS)
