@@ -1,7 +1,7 @@
 """The Triton LoRA expand at large ranks (PEFT allows any r; r=1024 adapters exist): its rank
-tile is bounded (MAX_RANK_TILE) and unrolled over, so its shared memory does not grow with the rank (a rank of
-1024 needed 320 KiB, over an H200's 227 KiB per block: OutOfResources at the first forward),
-and the loop over several rank tiles adds the same delta as the torch reference."""
+tile is bounded (MAX_RANK_TILE) and unrolled over, so its shared memory does not grow with the
+rank (a rank of 1024 needed 320 KiB, over an H200's 227 KiB per block: OutOfResources at the
+first forward), and several rank tiles add the same delta as the torch reference."""
 
 import os
 import subprocess
@@ -25,7 +25,7 @@ from bench.kernel_resources import TARGETS, Recorder, report
 from rollout_kernels.triton.lora import lora_expand_add, lora_shrink
 recorder = Recorder(TARGETS["h200"])
 for rank in (16, 1024):  # one block of a Llama-3-8B-wide q_proj
-    x, y = torch.empty(256, 4096, dtype=torch.bfloat16), torch.empty(256, 4096, dtype=torch.bfloat16)
+    x = y = torch.empty(256, 4096, dtype=torch.bfloat16)
     a, b = torch.empty(rank, 4096), torch.empty(4096, rank)
     blocks = torch.tensor([[0, 4096, 0]], dtype=torch.int32)
     recorder.case, recorder.engine = f"lora rank {rank}", True
