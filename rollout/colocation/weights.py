@@ -236,8 +236,7 @@ def lora_layers(model: nn.Module) -> tuple[dict[str, Adding], list[nn.Module]]:
         variants = getattr(m, "lora_variant", {})
         merged = hasattr(m, "parameter_name") or (
             len(adapters) > 1 and any(a in variants for a in adapters))
-        weight = (m.get_param() if hasattr(m, "parameter_name")
-                  else getattr(m.get_base_layer(), "weight", None))
+        weight = _base_weight(m)
         other = adapted.setdefault(id(weight), (name, merged))
         if weight is not None and other[0] != name and (merged or other[1]):
             raise ValueError(f"{hf_name(name)}: its base weight is {hf_name(other[0])}'s too "
@@ -252,6 +251,22 @@ def lora_layers(model: nn.Module) -> tuple[dict[str, Adding], list[nn.Module]]:
         if any(getattr(m, "lora_bias", {}).get(a) for a in adapters):
             adding[f"{name}.base_layer.bias"] = functools.partial(_with_bias_deltas, m)
     return adding, in_place
+
+
+def _base_weight(layer: nn.Module) -> torch.Tensor | None:
+    """The weight a LoRA layer's deltas go to: the parameter of a LoRA on a parameter, else its
+    base layer's weight."""
+    if hasattr(layer, "parameter_name"):
+        return layer.get_param()
+    return getattr(layer.get_base_layer(), "weight", None)
+
+
+def _merged_in_place(layers: list[nn.Module]) -> set[int]:
+    """Ids of the tensors PEFT's merge of `layers` writes: each one's base weight, and a
+    linear's base bias (LoRA biases)."""
+    return {id(t) for layer in layers
+            for t in (_base_weight(layer), getattr(layer.get_base_layer(), "bias", None))
+            if t is not None}
 
 
 def _with_deltas(layer: nn.Module, weight: torch.Tensor) -> torch.Tensor:
@@ -311,9 +326,14 @@ def model_tensors(model: nn.Module, gather: bool = True
 
 def _model_tensors(model: nn.Module, adding: dict[str, Adding], in_place: list[nn.Module],
                    gather: bool):
+    # What the in-place merge writes is yielded as a copy: a consumer may hold a tensor past
+    # the next one (update_weights' host buckets, DTensor re-sharding) and read it only after
+    # the generator's end has unmerged it.
+    merged = _merged_in_place(in_place)
     with merged_adapters(in_place):
         for name, param in weight_params(model):
-            yield hf_name(name), _read(param, adding.get(name), gather)
+            tensor = _read(param, adding.get(name), gather)
+            yield hf_name(name), tensor.clone() if id(param) in merged else tensor
 
 
 @torch.no_grad()  # per tensor: a no_grad held across the yields would disable grad in the caller

@@ -287,6 +287,26 @@ def test_lora_on_dtensor_shards_is_folded_in(lora_bias, one_rank_group):
     assert outputs(engine.generate(PROMPT, GREEDY)) == want
 
 
+@pytest.mark.parametrize("source", ["host buckets", "dtensor shards"])
+def test_weights_read_through_peft_in_place_merge_are_taken_merged(source, one_rank_group):
+    """A weight PEFT merges in place while it is read (two DoRA adapters active) is read as
+    the merge leaves it; a bucket (host tensors bound for a GPU, DTensor shards re-sharded)
+    held the weight itself and copied it only after the generator's end had unmerged it: the
+    engine served those layers without their adapters (0.5 off), every check passing.
+    Exactly what an engine built on PEFT's own merge gives (bucket_bytes=1 flushed in time)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    new = dora(tiny_model("qwen2", seed=7))
+    want = fresh(copy.deepcopy(new).merge_and_unload())
+    extra = {"separate_host_memory": source == "host buckets"}
+    engine = Engine(tiny_model("qwen2", seed=0), EngineConfig(**CONFIG, lora="merged",
+                                                              extra=extra))
+    if source == "dtensor shards":
+        new = shard(new, init_device_mesh("cpu", (1,)))
+    engine.update_weights(new)
+    assert outputs(engine.generate(PROMPT, GREEDY)) == want
+
+
 # --- PEFT: the active adapter, or none inside disable_adapter() -----------------------------
 def two_adapter_model(family="qwen2", **lora):
     """(base, PEFT model with adapters 'default' and 'other' whose deltas differ)."""
