@@ -33,6 +33,8 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef  # imported by torch itself
 
+from .checksum import bit_sum
+
 _WRAPPER_ATTRS = ("module", "_orig_mod")  # DDP / DeepSpeed engine / FSDP, torch.compile
 _NAME_PREFIXES = ("module.", "_orig_mod.", "base_model.model.")
 # The copies a PEFT `modules_to_save` wrapper keeps of its module (ModuleDict keys hold no dots).
@@ -571,14 +573,24 @@ def weights_version(model: nn.Module) -> tuple:
     `scale_layer`, `rescale_adapter_scale`) change what a read folds in without touching a
     parameter: each adapter layer's selection and scales are part of the version too.
     Inference tensors (made under torch.inference_mode) keep no counter; their addresses
-    and the optimizer steps still count.
+    and the optimizer steps still count. DTensor shards (FSDP2) count by their bits too.
     """
     model = unwrap(model)
     params = list(model.parameters())
     return (_owned_steps(model, params),
-            *(-1 if p.is_inference() else p._version for p in params),
+            *(-1 if p.is_inference() else p._version for p in params), *_shard_bits(params),
             *(StorageWeakRef(p.untyped_storage()) for p in params),
             *(p.data_ptr() for p in params), _adapter_selection(model))
+
+
+@torch.no_grad()
+def _shard_bits(params: list[nn.Parameter]) -> list[int]:
+    """The bit sum of each DTensor parameter's local shard (checksum.bit_sum: one read of
+    it, on its device): a foreach optimizer step on DTensors (FSDP2's, torch's default on
+    CUDA) writes the shards and moves no version counter, the DTensor's or its shard's. A
+    shard on the meta device holds no data to sum (update_weights refuses it)."""
+    shards = [p.to_local() for p in params if hasattr(p, "full_tensor")]
+    return [int(bit_sum(t)) for t in shards if not t.is_meta]
 
 
 def _owned_steps(model: nn.Module, params: list[nn.Parameter]) -> tuple:

@@ -48,3 +48,40 @@ def test_update_weights_gathers_dtensor_shards(one_rank_group):
     after = engine.generate(prompts, params)
     assert [o.samples[0].token_ids for o in after] == [o.samples[0].token_ids for o in expected]
     assert [o.samples[0].token_ids for o in after] != [o.samples[0].token_ids for o in before]
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
+def test_an_optimizer_step_on_dtensor_shards_is_a_weight_change(foreach, one_rank_group):
+    """FSDP2's parameters are DTensors, and a foreach optimizer step on them (torch's default
+    on CUDA) moves no version counter, the DTensor's or its shard's: weights_version stood
+    still, and ColocatedRollout served the weights of before the step. After it, the engine
+    generates what a fresh engine built from the stepped weights does."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from trainer_hooks import ColocatedRollout
+
+    model = tiny_model("llama")
+    mesh = init_device_mesh("cpu", (1,))
+    for name, p in list(model.named_parameters()):
+        module, attr = name.rsplit(".", 1)
+        setattr(model.get_submodule(module), attr,
+                torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])))
+    config = EngineConfig(kv_cache_tokens=512, max_model_len=64)
+    engine = Engine(tiny_model("llama", seed=1), config)
+    rollout = ColocatedRollout(engine, model, synced=False)
+    with rollout:
+        pass
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, foreach=foreach)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=True)
+    with rollout:
+        assert rollout.synced
+        outs = rollout.generate([[1, 2, 3]], params)
+    stepped = tiny_model("llama")
+    stepped.load_state_dict({n: p.full_tensor() for n, p in model.named_parameters()})
+    want = Engine(stepped, config).generate([[1, 2, 3]], params)
+    assert [(s.token_ids, s.logprobs) for o in outs for s in o.samples] == \
+        [(s.token_ids, s.logprobs) for o in want for s in o.samples]
