@@ -28,6 +28,7 @@ import re
 import sys
 import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator
+from itertools import groupby
 
 import torch
 from torch import nn
@@ -589,8 +590,11 @@ def _shard_bits(params: list[nn.Parameter]) -> list[int]:
     it, on its device): a foreach optimizer step on DTensors (FSDP2's, torch's default on
     CUDA) writes the shards and moves no version counter, the DTensor's or its shard's. A
     shard on the meta device holds no data to sum (update_weights refuses it)."""
-    shards = [p.to_local() for p in params if hasattr(p, "full_tensor")]
-    return [int(bit_sum(t)) for t in shards if not t.is_meta]
+    sums = [bit_sum(t).to(torch.int64) for t in (p.to_local() for p in params
+                                                  if hasattr(p, "full_tensor")) if not t.is_meta]
+    # One host read per device, not one per parameter (each would wait for the device).
+    return [v for _, run in groupby(sums, key=lambda t: t.device)
+            for v in torch.stack(list(run)).tolist()]
 
 
 def _owned_steps(model: nn.Module, params: list[nn.Parameter]) -> tuple:
