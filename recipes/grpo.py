@@ -30,13 +30,19 @@ from rollout_recipes.run.config_file import load_config, parse_overrides  # noqa
 
 
 def config_from_args(argv: list[str] | None = None) -> RecipeConfig:
+    # allow_abbrev=False: argparse would read `--con X` (a typo of any key starting so) as
+    # `--config X`; the other keys are RecipeConfig's, each spelled out.
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
         epilog="Any other --key value overrides that key of the config "
                "(see recipes/run/config.py for every key).")
-    parser.add_argument("--config", help="YAML file of RecipeConfig keys")
+    parser.add_argument("--config", action="append", help="YAML file of RecipeConfig keys")
     args, rest = parser.parse_known_args(argv)
-    return load_config(args.config, parse_overrides(rest))
+    if args.config and len(args.config) > 1:  # argparse would keep the last without a word
+        raise ValueError(f"config: given twice or more ({', '.join(args.config)}); give one "
+                         f"file and override its keys with --key value")
+    return load_config(args.config[0] if args.config else None, parse_overrides(rest))
 
 
 def main(argv: list[str] | None = None) -> dict:

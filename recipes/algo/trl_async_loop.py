@@ -14,7 +14,7 @@ import os
 from transformers import TrainerCallback
 
 from ..run.build import engine_config
-from ..run.config import RecipeConfig
+from ..run.config import RecipeConfig, forward_split
 from ..run.evaluate import held_out_accuracy
 from .trl_loop import _ALIASES, correctness_reward
 
@@ -22,14 +22,21 @@ from .trl_loop import _ALIASES, correctness_reward
 def async_args(cfg: RecipeConfig, accelerator):
     from trl.experimental.async_grpo import AsyncGRPOConfig
 
+    # One optimizer step trains prompts_per_step groups, as one step of the other loops, in
+    # forwards of at most micro_batch_size sequences: TRL's step is per_device_train_batch_size
+    # x gradient_accumulation_steps samples (its samples_per_step, one process), in TRL's
+    # fixed-count batches (token_budget <= 0; under a token budget a micro-batch takes what
+    # fits and the batch size is ignored).
+    micro, accumulate = forward_split(cfg.prompts_per_step * cfg.num_generations,
+                                      cfg.micro_batch_size)
     return AsyncGRPOConfig(
         output_dir=f"{cfg.output_dir}/trl_async", run_name=cfg.run_name, seed=cfg.seed,
         use_cpu=accelerator.device.type == "cpu", bf16=False,
         max_steps=cfg.steps, num_generations=cfg.num_generations,
-        # One optimizer step trains prompts_per_step groups, as one step of the other loops:
-        # TRL's fixed-count batches (token_budget <= 0); under a token budget a micro-batch
-        # takes what fits and the batch size is ignored.
-        per_device_train_batch_size=cfg.prompts_per_step * cfg.num_generations, token_budget=-1,
+        per_device_train_batch_size=micro, gradient_accumulation_steps=accumulate,
+        token_budget=-1,
+        # TRL's default is True; the recipe's key decides, as in the other trainers.
+        gradient_checkpointing=cfg.gradient_checkpointing,
         max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature,
         top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p or None,
         learning_rate=cfg.learning_rate, lr_scheduler_type="constant",

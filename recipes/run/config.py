@@ -22,7 +22,7 @@ from rollout.config import CARRIED_KV, LORA_MODES
 from . import smollm2
 from .data_files import is_data_file
 from .options import engine_config, lora_config, speculative_config
-from .tiny import tiny_llama
+from .tiny import char_tokenizer, tiny_llama
 
 TRAINERS = ("custom", "trl", "trl_async")
 ALGOS = ("grpo", "ppo")
@@ -337,6 +337,10 @@ def _check_values(cfg: RecipeConfig) -> None:
             not cfg.dynamic_sampling:
         raise ValueError("dynamic_sampling_draws: takes effect with dynamic sampling only; set "
                          "--dynamic_sampling true or leave it at its default")
+    if cfg.wandb_mode is not None and not cfg.wandb:  # how a W&B run logs: there is none
+        raise ValueError(f"wandb_mode: takes effect with a W&B run only, got "
+                         f"{cfg.wandb_mode!r} with wandb false; set --wandb true or leave "
+                         f"wandb_mode unset")
     for name in ("partial_rollouts", "dynamic_sampling"):
         if getattr(cfg, name) and (cfg.trainer != "custom" or _has_environment(cfg)):
             raise ValueError(f"{name}: the custom trainer's single-turn rollouts only "
@@ -367,6 +371,8 @@ def _check_values(cfg: RecipeConfig) -> None:
     if cfg.max_new_tokens >= cfg.max_model_len:
         raise ValueError(f"max_new_tokens must be < max_model_len ({cfg.max_model_len}): a "
                          f"prompt and its completion share it, got {cfg.max_new_tokens}")
+    if cfg.dataset is None:
+        _check_builtin_task(cfg)
     if cfg.cuda_graphs and not torch.cuda.is_available():
         # The engine replays CUDA graphs with its Triton backend, which it picks on CUDA only:
         # without a device build_engine refused the flag, after the model was built.
@@ -416,6 +422,22 @@ def _check_tiny_model(sizes: dict) -> None:
                          f"got {sizes['hidden_size']}")
 
 
+def _check_builtin_task(cfg: RecipeConfig) -> None:
+    """The built-in task's sizes and, under the built-in tokenizer, its longest prompt against
+    max_model_len: known before anything loads, where the task refused them once the output dir
+    and the W&B run existed (a named model's tokens are checked when the task loads:
+    tasks.load_task)."""
+    from ..tasks import BUILTIN  # here: the tasks import this module
+    from ..tasks.base import check_prompt_fits, check_rows
+
+    task = BUILTIN[cfg.task]
+    check_rows(cfg.task, cfg.train_size, cfg.eval_size, task.MOST_ROWS)
+    if cfg.model is None:
+        prompt = task.longest_prompt(cfg)
+        tokens = len(char_tokenizer(task.ALPHABET).encode(prompt))
+        check_prompt_fits(prompt, tokens, cfg.max_new_tokens, cfg.max_model_len)
+
+
 def _check_custom_loop_only(cfg: RecipeConfig) -> None:
     """Keys only the custom loop acts on, refused where they would change nothing."""
     if cfg.eval_every and cfg.trainer != "custom":
@@ -459,6 +481,15 @@ def _expand_home(cfg: RecipeConfig) -> None:
 
 def _has_environment(cfg: RecipeConfig) -> bool:
     return cfg.task == "calculator" and cfg.dataset is None and cfg.tools
+
+
+def forward_split(sequences: int, micro_batch_size: int) -> tuple[int, int]:
+    """(sequences a forward, forwards an optimizer step) for an optimizer step of `sequences`:
+    TRL's per-device batches are all of one size, so the largest that divides them and holds
+    at most micro_batch_size, the rest by gradient accumulation."""
+    most = min(micro_batch_size, sequences)
+    micro = max(d for d in range(1, most + 1) if sequences % d == 0)
+    return micro, sequences // micro
 
 
 def check_world(cfg: RecipeConfig, processes: int) -> None:

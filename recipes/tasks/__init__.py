@@ -10,7 +10,8 @@ task, each with a `load(...) -> Task` (base.py):
 A new task is a new file here with its data, its reward (and, for multi-turn episodes, its
 environment: see base.py), named in BUILTIN below and in TASKS of recipes/run/config.py; a
 built-in one also gives its `longest_turn(cfg)`, the tokens of its longest model turn (the
-built-in model's max_new_tokens).
+built-in model's max_new_tokens), its `longest_prompt(cfg)` and MOST_ROWS, the distinct prompts
+it can draw (both checked by RecipeConfig before anything loads).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from . import addition, calculator, gsm8k, reverse
 from .addition import exact_reward
-from .base import Reward, Task
+from .base import Reward, Task, check_prompt_fits
 from .gsm8k import math_reward
 
 if TYPE_CHECKING:  # the config resolves its defaults from the tasks
@@ -45,6 +46,10 @@ def load_task(cfg: RecipeConfig, tokenizer=None) -> Task:
         task = BUILTIN[cfg.task].load(cfg, reward)
     else:
         task = gsm8k.load(cfg, tokenizer, reward)
+    if cfg.model is not None and tokenizer is not None:
+        # A named model's tokens are known once its tokenizer loads (the built-in model's
+        # prompts are checked by RecipeConfig, before anything loads).
+        check_prompt_fits(*task.longest_prompt(tokenizer), cfg.max_new_tokens, cfg.max_model_len)
     return dataclasses.replace(task, needs_eos=NEEDS_EOS[cfg.reward_kind])
 
 

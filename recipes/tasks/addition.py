@@ -8,21 +8,24 @@ import random
 
 from datasets import Dataset
 
-from .base import Task
+from .base import Task, check_rows
 
 ALPHABET = "0123456789+="  # every character a prompt or an answer uses
+MOST_ROWS = 100 * 100  # distinct prompts: the pairs of 0..99
+
+
+def prompt(a: int, b: int) -> str:
+    return f"{a}+{b}="
 
 
 def addition(train_size: int, eval_size: int, seed: int) -> tuple[Dataset, Dataset]:
     """(train, held out): held-out pairs never appear in training."""
     pairs = [(a, b) for a in range(100) for b in range(100)]
     random.Random(seed).shuffle(pairs)
-    if eval_size + train_size > len(pairs):
-        raise ValueError(f"train_size + eval_size must be <= {len(pairs)} for the addition "
-                         f"task, got {train_size} + {eval_size}")
+    check_rows("addition", train_size, eval_size, MOST_ROWS)
 
     def rows(chunk):
-        return Dataset.from_dict({"prompt": [f"{a}+{b}=" for a, b in chunk],
+        return Dataset.from_dict({"prompt": [prompt(a, b) for a, b in chunk],
                                   "answer": [str(a + b) for a, b in chunk]})
 
     return rows(pairs[eval_size:eval_size + train_size]), rows(pairs[:eval_size])
@@ -32,6 +35,10 @@ def longest_turn(cfg) -> int:
     """Tokens of the longest answer, 99+99's, and EOS under the built-in tokenizer (one a
     character): the built-in model's max_new_tokens."""
     return len(str(99 + 99)) + 1
+
+
+def longest_prompt(cfg) -> str:
+    return prompt(99, 99)
 
 
 def exact_reward(completion: str, answer: str) -> float:

@@ -32,6 +32,24 @@ from rollout.engine.chat import render_conversations
 Reward = Callable[[str, str], float]
 
 
+def check_rows(task: str, train_size: int, eval_size: int, most: int) -> None:
+    """A generated task draws each prompt once, training and held-out rows together."""
+    if train_size + eval_size > most:
+        raise ValueError(f"train_size + eval_size: {train_size} + {eval_size} is more than the "
+                         f"{task} task's {most} distinct prompts")
+
+
+def check_prompt_fits(prompt, tokens: int, max_new_tokens: int, max_model_len: int) -> None:
+    """The longest prompt (`tokens` long) and max_new_tokens must fit in max_model_len: past it
+    the engine caps a completion at max_model_len minus its prompt, and an answer cut before
+    its EOS scores 0 under exact match."""
+    if tokens + max_new_tokens > max_model_len:
+        text = prompt[-1]["content"] if isinstance(prompt, list) else prompt  # a conversation
+        raise ValueError(f"max_model_len: {max_model_len} is less than the longest prompt's "
+                         f"{tokens} tokens + max_new_tokens {max_new_tokens} (the longest "
+                         f"prompt: {text!r:.80}); raise max_model_len or lower max_new_tokens")
+
+
 def completion_text(tokenizer, token_ids: Sequence[int],
                     eos_ids: Collection[int]) -> tuple[str, bool]:
     """(text, ended) of the tokens after a prompt, as a reward scores them: every token decoded,
@@ -62,6 +80,14 @@ class Task:
         if self.chat:
             return [ids for _, ids in render_conversations(tokenizer, prompts)]
         return [tokenizer.encode(p) for p in prompts]
+
+    def longest_prompt(self, tokenizer) -> tuple[object, int]:
+        """(prompt, its tokens) of the longest prompt, training and held-out, as `encode`
+        gives the engine its ids."""
+        prompts = list(self.train["prompt"]) + (list(self.eval["prompt"]) if self.eval else [])
+        lengths = [len(ids) for ids in self.encode(tokenizer, prompts)]
+        longest = max(range(len(prompts)), key=lengths.__getitem__)
+        return prompts[longest], lengths[longest]
 
     def score(self, tokenizer, token_ids: Sequence[int], answer: str,
               eos_ids: Collection[int]) -> float:

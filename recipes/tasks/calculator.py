@@ -24,19 +24,21 @@ from datasets import Dataset
 
 from rollout.agent import Step
 
-from .base import Task
+from .addition import prompt  # the same sums, larger operands
+from .base import Task, check_rows
 
 ALPHABET = "0123456789+=<>/cr"  # digits, the sum, and the tags <c> </c> <r> </r>
 CALL, END_CALL, RESULT, END_RESULT = "<c>", "</c>", "<r>", "</r>"
 LOW, HIGH = 100, 9999  # operands: 3 or 4 digits
+# Distinct prompts drawn at most: half the operand pairs, so that drawing them by rejection
+# stays quick.
+MOST_ROWS = (HIGH - LOW + 1) ** 2 // 2
 _SUM = re.compile(r"(\d{1,9})\+(\d{1,9})")
 
 
 def sums(train_size: int, eval_size: int, seed: int) -> tuple[Dataset, Dataset]:
     """(train, held out) of distinct operand pairs: held-out pairs never appear in training."""
-    if train_size + eval_size > (HIGH - LOW + 1) ** 2 // 2:
-        raise ValueError(f"train_size + eval_size is too large for the calculator task, got "
-                         f"{train_size} + {eval_size}")
+    check_rows("calculator", train_size, eval_size, MOST_ROWS)
     rng = random.Random(seed)
     seen: set[tuple[int, int]] = set()
     pairs: list[tuple[int, int]] = []
@@ -47,7 +49,7 @@ def sums(train_size: int, eval_size: int, seed: int) -> tuple[Dataset, Dataset]:
             pairs.append(pair)
 
     def rows(chunk):
-        return Dataset.from_dict({"prompt": [f"{a}+{b}=" for a, b in chunk],
+        return Dataset.from_dict({"prompt": [prompt(a, b) for a, b in chunk],
                                   "answer": [str(a + b) for a, b in chunk]})
 
     return rows(pairs[eval_size:]), rows(pairs[:eval_size])
@@ -90,6 +92,10 @@ def longest_turn(cfg) -> int:
     if cfg.tools:
         return len(f"{CALL}{HIGH}+{HIGH}{END_CALL}")
     return len(str(HIGH + HIGH)) + 1
+
+
+def longest_prompt(cfg) -> str:
+    return prompt(HIGH, HIGH)
 
 
 def load(cfg, reward) -> Task:

@@ -10,6 +10,7 @@ last `####`, else its last number) against the gold answer's, which GSM8K gives 
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import TYPE_CHECKING
 
@@ -68,6 +69,29 @@ def math_reward(completion: str, answer: str) -> float:
 
 
 def load(cfg: RecipeConfig, tokenizer, reward) -> Task:
+    with _datasets_bars_off() if not cfg.progress else contextlib.nullcontext():
+        return _load(cfg, tokenizer, reward)
+
+
+@contextlib.contextmanager
+def _datasets_bars_off():
+    """`datasets`' own bars (a split generated, the prompts mapped) off, as `progress: false`
+    asks; a process-wide setting, so turned back on after unless they were off already (e.g.
+    by $HF_DATASETS_DISABLE_PROGRESS_BARS)."""
+    from datasets.utils import (are_progress_bars_disabled, disable_progress_bars,
+                                enable_progress_bars)
+
+    if are_progress_bars_disabled():
+        yield
+        return
+    disable_progress_bars()
+    try:
+        yield
+    finally:
+        enable_progress_bars()
+
+
+def _load(cfg: RecipeConfig, tokenizer, reward) -> Task:
     if is_data_file(cfg.dataset):
         # One local file: its last eval_size rows (after a seeded shuffle) are held out.
         rows = _load_split(cfg, "train").shuffle(seed=cfg.split_seed)

@@ -145,3 +145,140 @@ def test_a_missing_draft_model_path_is_refused_before_any_model_is_built(tmp_pat
     (tmp_path / "no-draft").mkdir()
     assert RecipeConfig(speculative={"method": "draft", "draft_model": missing}).speculative
     assert RecipeConfig(speculative={"method": "draft", "draft_model": "org/draft"}).speculative
+
+
+def _sizes(args) -> tuple[int, int]:
+    return args.per_device_train_batch_size, args.gradient_accumulation_steps
+
+
+@pytest.mark.parametrize("prompts, generations, micro", [(16, 8, 8), (5, 4, 8), (24, 4, 64),
+                                                         (7, 2, 4)])
+def test_trl_async_forwards_at_most_micro_batch_size_sequences(prompts, generations, micro):
+    """TRL got prompts_per_step x num_generations sequences a forward, no gradient accumulation:
+    micro_batch_size was ignored (gsm8k_qwen.yaml's 8 ran as 128). AsyncGRPOTrainer's step is
+    per_device_train_batch_size x gradient_accumulation_steps samples (its samples_per_step, one
+    process): still prompts_per_step groups, in forwards of the largest count that divides
+    them and holds at most micro_batch_size (a naive search is the reference)."""
+    from types import SimpleNamespace
+
+    from rollout_recipes.algo.trl_async_loop import async_args
+
+    cpu = SimpleNamespace(device=torch.device("cpu"))
+    cfg = RecipeConfig(trainer="trl_async", prompts_per_step=prompts,
+                       num_generations=generations, micro_batch_size=micro)
+    per_device, accumulate = _sizes(async_args(cfg, cpu))
+    step = prompts * generations
+    assert per_device * accumulate == step
+    assert per_device == max(d for d in range(1, step + 1) if step % d == 0 and d <= micro)
+
+
+def test_trl_async_keeps_the_configs_gradient_checkpointing():
+    """AsyncGRPOConfig checkpoints by default (TRL's choice, not the recipe's): the recipe's
+    gradient_checkpointing false was ignored."""
+    from types import SimpleNamespace
+
+    from rollout_recipes.algo.trl_async_loop import async_args
+
+    cpu = SimpleNamespace(device=torch.device("cpu"))
+    for wanted in (False, True):
+        cfg = RecipeConfig(trainer="trl_async", gradient_checkpointing=wanted)
+        assert async_args(cfg, cpu).gradient_checkpointing is wanted
+
+
+def _longest_prompt_tokens(task: str, **sizes) -> int:
+    """The longest prompt of a built-in task's generated rows under the built-in tokenizer:
+    the reference for what the config computes from the task's definition."""
+    from rollout_recipes.run.tiny import char_tokenizer
+    from rollout_recipes.tasks import BUILTIN, load_task
+
+    cfg = RecipeConfig(task=task, **sizes)
+    loaded = load_task(cfg)
+    tokenizer = char_tokenizer(BUILTIN[task].ALPHABET)
+    return max(len(ids) for ids in loaded.encode(tokenizer, loaded.train["prompt"]))
+
+
+@pytest.mark.parametrize("task, extra", [("addition", {}), ("reverse", {}),
+                                         ("calculator", {"tools": False}), ("calculator", {})])
+def test_a_prompt_and_its_answer_must_fit_in_max_model_len(task, extra):
+    """`--max_model_len 8 --max_new_tokens 4` on addition was accepted: the engine gave "99+99="
+    2 of its 4 tokens ("198" and EOS) and every held-out answer scored 0. The built-in task's
+    longest prompt and max_new_tokens must fit, refused before any model loads."""
+    longest = _longest_prompt_tokens(task, train_size=2000, eval_size=0, **extra)
+    new = 4
+    with pytest.raises(ValueError, match=r"^max_model_len: .*max_new_tokens.*longest prompt"):
+        RecipeConfig(task=task, max_model_len=longest + new - 1, max_new_tokens=new, **extra)
+    assert RecipeConfig(task=task, max_model_len=longest + new, max_new_tokens=new,
+                        **extra).max_model_len == longest + new
+
+
+def test_a_dataset_prompt_past_max_model_len_is_refused_at_task_load(tmp_path):
+    """A dataset's prompts (or a named model's tokens) are known once the tokenizer and the
+    data load: refused then, naming the prompt, before the model loads."""
+    from rollout_recipes.run.tiny import char_tokenizer
+    from rollout_recipes.tasks import load_task
+
+    data = tmp_path / "sums.jsonl"
+    long = "1234567890+1234567890="
+    data.write_text("".join(f'{{"prompt": "{p}", "answer": "1"}}\n'
+                            for p in ("1+1=", long, "2+2=", "3+3=")))
+    tokenizer = char_tokenizer("0123456789+=")
+    settings = dict(model=str(tmp_path), dataset=str(data), eval_size=0, chat_template=False,
+                    max_new_tokens=4, progress=False)
+    longest = len(tokenizer.encode(long))
+    with pytest.raises(ValueError, match=r"^max_model_len: .*max_new_tokens.*1234567890\+"):
+        load_task(RecipeConfig(max_model_len=longest + 3, **settings), tokenizer)
+    assert len(load_task(RecipeConfig(max_model_len=longest + 4, **settings), tokenizer).train)
+
+
+@pytest.mark.parametrize("task, rows", [("addition", 100 * 100),
+                                        ("calculator", (9999 - 100 + 1) ** 2 // 2)])
+def test_train_and_eval_sizes_past_the_task_are_refused_by_the_config(task, rows):
+    """The task refused them when it loaded, after the output dir and the W&B run existed.
+    Addition has 100 x 100 distinct sums; the calculator takes at most half of its operand
+    pairs (drawn by rejection)."""
+    with pytest.raises(ValueError, match=rf"^train_size \+ eval_size: .*{rows}"):
+        RecipeConfig(task=task, train_size=rows - 199, eval_size=200)
+    assert RecipeConfig(task=task, train_size=rows - 200, eval_size=200).train_size
+
+
+def test_config_is_read_once_and_by_its_full_name(tmp_path):
+    """`--config A --config B` ran B without a word, and argparse took `--con A` for
+    `--config A`: a typo of another key would have been read as the config file."""
+    from rollout_recipes.grpo import config_from_args
+
+    first, second = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    first.write_text("steps: 3\n")
+    second.write_text("steps: 5\n")
+    with pytest.raises(ValueError, match="^config: given twice"):
+        config_from_args(["--config", str(first), f"--config={second}"])
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['con'\]"):
+        config_from_args(["--con", str(first)])
+    assert config_from_args(["--config", str(first)]).steps == 3
+
+
+def test_wandb_mode_without_wandb_is_refused():
+    """wandb_mode says how the W&B run logs; with `--wandb false` there is none, and the mode
+    was ignored."""
+    with pytest.raises(ValueError, match="^wandb_mode: .*wandb"):
+        RecipeConfig(wandb=False, wandb_mode="online")
+    assert RecipeConfig(wandb=True, wandb_mode="online").wandb_mode == "online"
+    assert RecipeConfig(wandb=False).wandb_mode is None
+
+
+@pytest.mark.parametrize("progress", [False, True])
+def test_progress_false_silences_the_datasets_bars(tmp_path, capfd, progress):
+    """`--progress false` left `datasets`' bars (the file's split, the prompts' map) on
+    stderr; with progress on they are there (the test sees them)."""
+    import datasets
+
+    from rollout_recipes.run.tiny import char_tokenizer
+    from rollout_recipes.tasks import load_task
+
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(f'{{"prompt": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(4)))
+    cfg = RecipeConfig(model=str(tmp_path), dataset=str(data), eval_size=1, chat_template=False,
+                       progress=progress)
+    before = datasets.utils.are_progress_bars_disabled()
+    load_task(cfg, char_tokenizer("0123456789+="))
+    assert ("prompts" in capfd.readouterr().err) is progress
+    assert datasets.utils.are_progress_bars_disabled() == before  # the caller's setting back
