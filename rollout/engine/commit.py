@@ -4,9 +4,11 @@ It runs inside one journal unit after the forward (see StepRunner.run, rollout/e
 so it happens whole or not at all. First every sampled sequence gets its verdict without
 changing anything: non-finite logprobs, or a stop check (user tokenizer code) that raises, fail
 the sequence's request alone.
-Then tokens are appended, K/V advanced, rejected drafts' slots freed, finished prompts cached
-for their siblings, and finished sequences retired (with their routed experts, when asked,
-read from the KV pool while the sequence still holds its slots).
+Then the step's slots are stamped with the weights version that computed them (MoE models:
+kv/pool.py SLOT_VERSION), tokens are appended, K/V advanced, rejected drafts' slots freed,
+finished prompts cached for their siblings, and finished sequences retired (with their routed
+experts and those versions, when asked, read from the KV pool while the sequence still holds
+its slots).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 from ..journal import Journal
 from ..kv.manager import KVManager
+from ..kv.pool import SLOT_VERSION
 from ..models.base import ROUTED_EXPERTS
 from ..requests.batch import Batch, ScheduledSeq
 from ..requests.sequence import Sequence
@@ -57,6 +60,10 @@ class Committer:
         or the length, none when its request failed: what speculation's stats count)."""
         verdicts, failed = self._verdicts(batch, emitted, scored)
         version = self.weights_version()
+        if self.kv.pool.keeps_versions:
+            # Every slot written this step, rejected drafts' and failed requests' too: those
+            # are freed, and the next forward to take a slot stamps it again.
+            self.kv.pool.stamp_version(batch.out_slots, version)
         finished, kept, prompt_tokens, score_tokens = [], [], 0, 0
         for it, verdict, rows in zip(batch.items, verdicts, scored):
             dropped = it.seq.group in failed
@@ -162,9 +169,13 @@ class Committer:
 
     def _read_routed_experts(self, seq: Sequence) -> None:
         """Every position but the newest has K/V, and its slot keeps the routing of the forward
-        that computed that K/V (models/layers/moe.py), wherever it came from: this sequence's
-        own steps, the prefix cache, a verify step's accepted drafts, a recompute after
-        preemption."""
+        that computed that K/V (models/layers/moe.py) and that forward's weights version,
+        wherever it came from: this sequence's own steps, the prefix cache, a verify step's
+        accepted drafts, a recompute after preemption or a weight update, K/V kept across an
+        update (carried_kv="park")."""
         slots = self.kv.table.read(seq.row, 0, seq.num_computed)
-        routes = self.kv.pool.read_extra(ROUTED_EXPERTS, slots).cpu()
-        seq.routed_experts = routes  # (the journal's snapshot of seq, taken in _apply, undoes it)
+        pool = self.kv.pool
+        routes = pool.read_extra(ROUTED_EXPERTS, slots).cpu()
+        versions = pool.read_extra(SLOT_VERSION, slots)[:, 0].cpu()
+        # (the journal's snapshot of seq, taken in _apply, undoes it)
+        seq.routed_experts = (routes, versions)

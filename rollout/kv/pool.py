@@ -8,7 +8,9 @@ sequences take consecutive slots (see KVManager.alloc_decodes).
 A slot may keep more than K/V: `extras` (the model's `slot_extras`, e.g. an MoE model's routed
 experts) are per-slot arrays written by the forward that writes the slot's K/V, allocated and
 dropped with the pool, so they live exactly as long as the K/V (prefix cache, preemption,
-speculation's rejected drafts).
+speculation's rejected drafts). Beside them the pool keeps the weights version of that forward
+(SLOT_VERSION, stamped at the commit): K/V that outlives a weight update (carried_kv="park")
+keeps the old weights' extras, and whoever reads them must be able to tell.
 """
 
 from __future__ import annotations
@@ -21,15 +23,26 @@ import torch
 
 from . import huge_pages
 
+# The per-slot Engine.weights_version of the forward that computed the slot, kept whenever the
+# model keeps extras (they are that forward's outputs); int32: a version per optimizer step.
+SLOT_VERSION = "weights_version"
+
+
+def with_slot_version(extras: dict[str, tuple[tuple[int, ...], torch.dtype]] | None
+                      ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The per-slot arrays a pool keeps for a model's `extras`: those and, when there are
+    any, SLOT_VERSION (a dense model's pool keeps none)."""
+    return {**extras, SLOT_VERSION: ((1,), torch.int32)} if extras else {}
+
 
 def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                        extras: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
                        ) -> int:
     """Bytes a slot costs: its K and V in every layer and its `extras` (KVPool's), so that a
-    pool sized by memory counts an MoE model's routed experts too."""
+    pool sized by memory counts an MoE model's routed experts (and their versions) too."""
     kv = 2 * num_layers * kv_heads * head_dim * dtype.itemsize
     return kv + sum(math.prod(shape) * extra_dtype.itemsize
-                    for shape, extra_dtype in (extras or {}).values())
+                    for shape, extra_dtype in with_slot_version(extras).values())
 
 
 def available_memory(device: torch.device) -> int:
@@ -115,7 +128,7 @@ class KVPool:
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.buffer: torch.Tensor | None = None
-        self.extra_layout = dict(extras or {})
+        self.extra_layout = with_slot_version(extras)
         self.extras: dict[str, torch.Tensor] = {}
         self.allocate()
 
@@ -166,6 +179,14 @@ class KVPool:
 
     def read_extra(self, name: str, slots: torch.Tensor) -> torch.Tensor:
         return self.extras[name][slots]
+
+    @property
+    def keeps_versions(self) -> bool:
+        return SLOT_VERSION in self.extra_layout
+
+    def stamp_version(self, slots: torch.Tensor, version: int) -> None:
+        """The forward under weights `version` computed `slots` (only when keeps_versions)."""
+        self.extras[SLOT_VERSION][slots, 0] = version
 
     # --- slots ------------------------------------------------------------------------------
     @property

@@ -20,9 +20,10 @@ class Sample:
     # SamplingParams.return_routed_experts (MoE models): int16 [P + N - 1, num MoE layers, k]
     # for a prompt of P tokens and N = len(token_ids): row p holds the expert ids each MoE
     # layer chose (in the router's top-k order) in the forward whose input was token p of
-    # prompt + completion, the forward that computed the K/V every later token attended to.
-    # The last completion token is never an input: it has no row (pad it when the trainer
-    # routes it). None unless asked, and for an aborted sample.
+    # prompt + completion, the forward that computed the K/V the sample held when it finished
+    # (what the tokens sampled under the last weights attended to). The last completion token
+    # is never an input: it has no row (pad it when the trainer routes it). None unless asked,
+    # and for an aborted sample.
     routed_experts: torch.Tensor | None = None
     # SamplingParams.logprobs: each token's log-probability under the distribution it was drawn
     # from (temperature, then top-k / top-p / min-p, renormalised; 0 for a greedy token): equal
@@ -36,6 +37,12 @@ class Sample:
     # SamplingParams.top_logprobs = k: each token's k most likely alternatives under the
     # distribution `logprobs` reports (top_logprobs[j]: {token id: logprob}).
     top_logprobs: TopLogprobs | None = None
+    # With routed_experts: int32 [P + N - 1], the weights version of the forward that computed
+    # each row (last field: positional fields keep their places). A sample carried across
+    # update_weights (Engine.rollout) with carried_kv="recompute" had every row recomputed under
+    # the new weights: a token j with weights_versions[j] older than routed_versions[P + j - 1]
+    # was sampled under other routes than its rows hold. docs/moe.md.
+    routed_versions: torch.Tensor | None = None
 
     @property
     def cumulative_logprob(self) -> float | None:
@@ -71,7 +78,7 @@ def build_output(group, decode, vocab_size: int, weights_version: int = 0) -> Ro
             index=seq.sample_index, token_ids=seq.output_ids,
             logprobs=list(seq.logprobs) if group.params.logprobs else None,
             finish_reason=seq.finish_reason, text=text,
-            routed_experts=seq.routed_experts if group.params.return_routed_experts else None,
+            **_routes(seq, group.params.return_routed_experts),
             sampling_logprobs=list(seq.sampling_logprobs) if group.params.logprobs else None,
             support=Support(list(seq.support), vocab_size) if group.params.return_support
             else None, weights_versions=seq.token_versions(),
@@ -79,6 +86,12 @@ def build_output(group, decode, vocab_size: int, weights_version: int = 0) -> Ro
     completed = group.completed_version
     return RolloutOutput(group.request_id, group.prompt_ids, samples, group.prompt, error,
                          weights_version if completed is None else completed)
+
+
+def _routes(seq, asked: bool) -> dict:
+    """Sample's routed_experts and routed_versions: None unless asked and finished."""
+    routes, versions = seq.routed_experts if asked and seq.routed_experts else (None, None)
+    return {"routed_experts": routes, "routed_versions": versions}
 
 
 def _tops(seq) -> TopLogprobs:

@@ -51,8 +51,9 @@ class Sequence:
     row: int = -1  # row of the slot table while running
     finish_reason: str | None = None
     stop_text_at: int | None = None  # where a matched stop string starts in the output text
-    # return_routed_experts: read from the KV pool when the sample finishes (commit.py)
-    routed_experts: torch.Tensor | None = None
+    # return_routed_experts: (routes, their rows' weights versions), read from the KV pool when
+    # the sample finishes (commit.py)
+    routed_experts: tuple[torch.Tensor, torch.Tensor] | None = None
     # Multi-turn: keep this sample's KV locked under `hold_key` when it finishes; release the
     # hold `resume_key` (the previous turn's) once this one is admitted on top of it.
     hold_key: object = None

@@ -305,28 +305,29 @@ def test_free_memory_reading_on_cuda_is_what_the_driver_reports(monkeypatch):
 
 # --- per-slot extras: an MoE model's routed experts --------------------------------------------
 def test_moe_slot_costs_its_kv_and_its_routed_experts(monkeypatch):
-    """An MoE model's slot holds its K/V and its int16 expert ids (MoE layers x k): both count
-    in the bytes per token, so a pool sized by memory holds fewer slots than K/V alone would
-    allow, and both count in pool.nbytes and memory_held."""
+    """An MoE model's slot holds its K/V, its int16 expert ids (MoE layers x k) and their int32
+    weights version: all count in the bytes per token, so a pool sized by memory holds fewer
+    slots than K/V alone would allow, and all count in pool.nbytes and memory_held."""
     from rollout.colocation.device_memory import tensor_bytes
 
     model = tiny_model("qwen3_moe")  # fp32, every layer sparse
     c = model.config
     kv = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4
-    ids = c.num_hidden_layers * c.num_experts_per_tok * 2
+    extras = c.num_hidden_layers * c.num_experts_per_tok * 2 + 4  # int16 ids, int32 version
     # Free memory worth 300 slots at half of it (and a third of a slot that must not count):
-    # K/V alone would make 302 slots of it.
-    free = 2 * 300 * (kv + ids) + (kv + ids) // 3
-    assert free // 2 // kv == 302
+    # K/V alone would make 303 slots of it.
+    free = 2 * 300 * (kv + extras) + (kv + extras) // 3
+    assert free // 2 // kv == 303
     monkeypatch.setattr(kv_pool, "available_memory", lambda device: free)
     engine = Engine(model, EngineConfig(kv_cache_tokens=None, kv_memory_fraction=0.5,
                                         max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS))
     layout = engine.model.kv_layout
     assert kv_pool.kv_bytes_per_token(layout.num_layers, layout.kv_heads, layout.head_dim,
-                                      torch.float32, engine.model.slot_extras()) == kv + ids
+                                      torch.float32, engine.model.slot_extras()) == kv + extras
     assert engine.inspect().kv_slots == 300
-    # The ids have a row more than the slots: padded CUDA-graph tokens write there.
-    assert engine.inspect().kv_bytes == 300 * kv + 301 * ids
+    # The ids and versions have a row more than the slots: padded CUDA-graph tokens write
+    # there.
+    assert engine.inspect().kv_bytes == 300 * kv + 301 * extras
 
     def model_bytes() -> int:  # weights, RoPE tables and the CPU's packed weights (awake)
         return (tensor_bytes([*engine.model.parameters(), *engine.model.buffers()])

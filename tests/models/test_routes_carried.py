@@ -1,0 +1,184 @@
+"""Routes of samples carried across update_weights (Engine.rollout): Sample.routed_versions says
+which weights computed each row of Sample.routed_experts, and each row holds what transformers'
+own routers choose under those weights, attending to what the engine's forward attended to.
+
+The reference runs the old weights' model A over the rows of version 0 and the new weights'
+model B over the rest, B's forward continuing from A's K/V cache (carried_kv="park": the sample
+goes on from the old weights' K/V) or from nothing (carried_kv="recompute": everything is
+recomputed under B). The routers of B are perturbed far from A's, so the two references route
+most rows apart and a row of the wrong weights cannot pass.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from models import tiny_model
+from test_faults import Fault
+from test_moe_routing import TIE
+
+import rollout.requests.outputs as outputs
+from rollout import Engine, EngineConfig, SamplingParams
+
+PROMPTS = [[1, 2, 3], list(range(10, 40)), [5, 99, 3, 100, 6, 7]]
+# Each call hands out the first group only; the others are carried mid-way (they need more
+# tokens), two samples each so that siblings share their prompt's K/V through the cache.
+PARAMS = [SamplingParams(n=2, temperature=1.0, seed=i, max_tokens=3 + 12 * i,
+                         return_routed_experts=True) for i in range(3)]
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
+def old_and_new(request):
+    """(A, B): a tiny MoE model and a copy whose routers moved by a unit normal each weight."""
+    if request.param == "qwen3_moe":
+        old = tiny_model("qwen3_moe", num_hidden_layers=3, mlp_only_layers=[0])
+    else:
+        old = tiny_model("mixtral")
+    new = copy.deepcopy(old)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in new.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.add_(torch.randn(p.shape, generator=generator))
+    return old, new
+
+
+def routes_of(model, tokens: list[int], past=None):
+    """(expert ids [len, MoE layers, k], near-tie mask [len, MoE layers], the K/V cache) of
+    transformers' `model` running `tokens` after the cache `past` (None: from position 0)."""
+    ids, logits = [], []
+    routers = [m for name, m in model.named_modules() if name.endswith("mlp.gate")]
+
+    def keep(module, args, out):
+        logits.append(out[0])
+        ids.append(out[2])
+
+    hooks = [r.register_forward_hook(keep) for r in routers]
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor([tokens]), cache=past, use_cache=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    k = ids[0].shape[-1]
+    probs = torch.stack(logits, 1).float().softmax(-1)
+    top = probs.topk(k + 1, dim=-1).values
+    return torch.stack(ids, 1), (top[..., :-1] - top[..., 1:]).min(-1).values < TIE, \
+        out.cache
+
+
+def reference(old, new, text: list[int], first_new: int, parked: bool):
+    """Routes of `text`: rows before `first_new` under `old`, the rest under `new`, which
+    attends to `old`'s K/V of those rows when `parked` (else `new` recomputes them: first_new
+    is then 0)."""
+    if first_new == 0:
+        ids, tie, _ = routes_of(new, text)
+        return ids, tie
+    assert parked
+    ids_a, tie_a, cache = routes_of(old, text[:first_new])
+    ids_b, tie_b, _ = routes_of(new, text[first_new:], cache)
+    return torch.cat([ids_a, ids_b]), torch.cat([tie_a, tie_b])
+
+
+def carried_outputs(model, new, mode: str):
+    """The groups carried across the update (each handed out once complete), and a fresh
+    request for a carried prompt afterwards (its prompt's K/V must be the new weights')."""
+    engine = Engine(copy.deepcopy(model), EngineConfig(kv_cache_tokens=1024, max_model_len=96,
+                                                      carried_kv=mode))
+    assert len(engine.rollout(PROMPTS, PARAMS, groups=1)) == 1
+    engine.update_weights(new)
+    carried = engine.rollout(groups=None)
+    fresh = engine.generate([PROMPTS[2]], [PARAMS[2]])
+    engine.check_invariants()
+    return carried, fresh[0]
+
+
+def expected_versions(sample, prompt_len: int, mode: str) -> torch.Tensor:
+    """Independent of the pool: under park each output row was computed by the forward that
+    sampled the next token (weights_versions), the prompt's before the first token; under
+    recompute the update re-prefilled every row under the new weights."""
+    wv = sample.weights_versions
+    if mode == "recompute":
+        return torch.full((prompt_len + len(wv) - 1,), wv[-1], dtype=torch.int32)
+    # Row P - 1 + j is the input of the forward that sampled token j.
+    return torch.tensor([wv[0]] * (prompt_len - 1) + wv, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "park"])
+def test_carried_routes_are_those_of_the_weights_their_versions_name(old_and_new, mode):
+    old, new = old_and_new
+    carried, fresh = carried_outputs(old, new, mode)
+    assert len(carried) == 2
+    rows = old_rows = apart = 0
+    for out in [*carried, fresh]:
+        prompt = out.prompt_token_ids
+        for sample in out.samples:
+            routes, versions = sample.routed_experts, sample.routed_versions
+            text = prompt + sample.token_ids[:-1]
+            assert versions.dtype == torch.int32 and versions.shape == (len(text),)
+            assert routes.shape[0] == len(text)
+            if out is fresh:
+                assert (versions == 1).all() and set(sample.weights_versions) == {1}
+            else:
+                assert sample.weights_versions[0] == 0 and sample.weights_versions[-1] == 1
+                assert torch.equal(versions, expected_versions(sample, len(prompt), mode))
+            first_new = int((versions == 0).sum())
+            old_rows += first_new
+            assert (versions[:first_new] == 0).all() and (versions[first_new:] == 1).all()
+            ref, tie = reference(old, new, text, first_new, parked=mode == "park")
+            differs = (routes.long() != ref).any(-1)
+            assert not (differs & ~tie).any(), f"{int(differs.sum())} rows route apart"
+            # A test that tells the weights apart: on the rows each mode's trainer could
+            # mistake (park: the old weights' rows; recompute: every row, those of tokens
+            # sampled under the old weights included), the other weights route otherwise.
+            if out is not fresh:
+                mistaken = first_new if mode == "park" else len(text)
+                other, _, _ = routes_of(new if mode == "park" else old, text[:mistaken])
+                rows += mistaken
+                apart += int((other != ref[:mistaken]).any(-1).any(-1).sum())
+    assert (old_rows > 0) == (mode == "park")
+    assert apart > rows // 2, (apart, rows)
+
+
+# --- faults at the new points -----------------------------------------------------------------
+# point -> where it is, given the engine: the commit stamping the step's slots with their
+# version, a finished sample reading its routes and their versions, the output taking them.
+FAULT_POINTS = {
+    "stamp": lambda e: (e.kv.pool, "stamp_version"),
+    "read": lambda e: (e.committer, "_read_routed_experts"),
+    "output": lambda e: (outputs, "_routes"),
+}
+
+
+def view(outs):
+    return sorted((tuple(o.prompt_token_ids), s.index, tuple(s.token_ids),
+                   tuple(s.weights_versions), s.routed_experts.tolist(),
+                   s.routed_versions.tolist()) for o in outs for s in o.samples)
+
+
+@pytest.mark.parametrize("kind", [RuntimeError, KeyboardInterrupt], ids=["error", "interrupt"])
+@pytest.mark.parametrize("after", [False, True], ids=["before", "after"])
+@pytest.mark.parametrize("point", list(FAULT_POINTS))
+@pytest.mark.parametrize("mode", ["recompute", "park"])
+def test_fault_at_a_routes_point_leaves_the_engine_exact(old_and_new, mode, point, after, kind,
+                                                         monkeypatch):
+    """A fault at the 2nd call of each new point while the carried groups finish after the
+    update: the call raises, the invariants hold, and the next call hands out what the
+    uninterrupted run does, routes and their versions included."""
+    old, new = old_and_new
+    want, _ = carried_outputs(old, new, mode)
+    engine = Engine(copy.deepcopy(old), EngineConfig(kv_cache_tokens=1024, max_model_len=96,
+                                                    carried_kv=mode))
+    engine.rollout(PROMPTS, PARAMS, groups=1)
+    engine.update_weights(new)
+    fault = Fault(kind, at=2, after=after)
+    fault.install(monkeypatch, *FAULT_POINTS[point](engine))
+    with pytest.raises(kind, match="injected"):
+        engine.rollout(groups=None)
+    assert fault.fired
+    monkeypatch.undo()
+    engine.check_invariants()
+    assert view(engine.rollout(groups=None)) == view(want)
+    engine.check_invariants()
