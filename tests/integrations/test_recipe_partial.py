@@ -341,6 +341,10 @@ def test_trl_async_recipe_trains_on_the_engine(tmp_path, monkeypatch, flags, imp
                         lambda *a, **k: built.append(build(*a, **k)) or built[-1])
     out = main(["--config", write_config(tmp_path), "--trainer", "trl_async", *flags])
     assert built[0].rollout_worker.importance_ratio == importance_ratio
+    # 16 samples a step in forwards of micro_batch_size 8: gradient accumulation over 2 (TRL
+    # had taken all 16 in one forward), the step's count unchanged (below)
+    assert (built[0].args.per_device_train_batch_size,
+            built[0].args.gradient_accumulation_steps) == (TINY["micro_batch_size"], 2)
     assert [row["step"] for row in out["history"]] == [1, 2]
     for row in out["history"]:
         assert 0 <= row["reward/mean"] <= 1 and row["sample/staleness_max"] <= 1
