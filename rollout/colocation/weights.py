@@ -164,8 +164,9 @@ def check_adapter_kinds(model: nn.Module) -> None:
     layers (folded in, or served unmerged) and modules_to_save copies are; anything else
     (trainable_token_indices' TrainableTokensWrapper, IA3, LoHa, ...) would otherwise be
     dropped or named as an unknown weight. Of a LoRA layer, an active adapter that is a
-    variant acting per token (aLoRA, Arrow) or whose scale is not finite (lora_alpha / r, or
-    set_scale: every logit would be NaN) is refused too."""
+    variant acting per token (aLoRA, Arrow), whose scale is not finite (lora_alpha / r, or
+    set_scale: every logit would be NaN), or with a LoRA bias on a layer without a bias
+    (_check_lora_bias) is refused too."""
     for name, module in model.named_modules():
         if not is_tuner_layer(module):
             continue
@@ -187,6 +188,19 @@ def check_adapter_kinds(model: nn.Module) -> None:
             if scale is not None and not math.isfinite(scale):
                 raise ValueError(f"{hf_name(name)}: scaling[{adapter!r}] is {scale} (lora_alpha "
                                  f"/ r, or set_scale); it must be finite")
+            _check_lora_bias(name, module, adapter)
+
+
+def _check_lora_bias(name: str, module: nn.Module, adapter: str) -> None:
+    """ValueError for an adapter with a LoRA bias on a layer whose base layer has no bias
+    (PEFT warns that it cannot be merged): PEFT adds lora_B's bias to that layer's output,
+    and the engine's projection has no bias to fold it into, merged (lora_layers would add it
+    to a base bias that does not exist, dropping it) or unmerged."""
+    if (getattr(module, "lora_bias", {}).get(adapter)
+            and getattr(module.get_base_layer(), "bias", None) is None):
+        raise ValueError(f"{hf_name(name)}: adapter {adapter!r} has a LoRA bias "
+                         f"(lora_bias=True) on a layer with no bias: PEFT adds it to the "
+                         f"layer's output, the engine has no bias there to add it to")
 
 
 def is_modules_to_save(module: nn.Module) -> bool:

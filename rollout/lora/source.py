@@ -88,7 +88,6 @@ def read_source(model: nn.Module) -> tuple[list[SourceLora], list[tuple[str, nn.
     base weights under each layer's name)."""
     model = unwrap(model)
     check_adapter_kinds(model)
-    _check_lora_biases(model)
     layers, active = [], set()
     unused: tuple[str, ...] = ()  # modules_to_save copies the forward skips, as "name."
     for name, module in model.named_modules():
@@ -105,23 +104,6 @@ def read_source(model: nn.Module) -> tuple[list[SourceLora], list[tuple[str, nn.
         raise Unsupported(f"{len(active)} adapters are active at once ({sorted(active)}); one "
                           f"is served unmerged")
     return layers, [(hf_name(name), param) for name, param in weight_params(model)]
-
-
-def _check_lora_biases(model: nn.Module) -> None:
-    """ValueError naming the first layer whose active adapter has a LoRA bias while its base
-    layer has none (PEFT warns that it cannot be merged): PEFT adds lora_B's bias to that
-    layer's output, and the engine's projection has no bias to fold it into. Checked over
-    every layer before anything is Unsupported, so a merge (lora="auto") never drops it."""
-    for name, module in model.named_modules():
-        if not (is_tuner_layer(module) and is_lora_layer(module)):
-            continue
-        for adapter in active_adapters(module):
-            if (getattr(module, "lora_bias", {}).get(adapter)
-                    and getattr(module.get_base_layer(), "bias", None) is None):
-                raise ValueError(f"{hf_name(name)}: adapter {adapter!r} has a LoRA bias "
-                                 f"(lora_bias=True) on a layer with no bias: PEFT adds it to "
-                                 f"the layer's output, the engine has no bias there to add it "
-                                 f"to")
 
 
 def _active_here(name: str, module: nn.Module) -> list[str]:

@@ -351,13 +351,13 @@ def test_replicated_layers_are_read_out_of_place_and_an_in_place_merge_is_refuse
     assert_matches_reference(model, PROMPT, engine.generate(PROMPT, GREEDY))
 
 
-@pytest.mark.parametrize("mode", ["auto", "unmerged"])
+@pytest.mark.parametrize("mode", ["auto", "unmerged", "merged"])
 @pytest.mark.parametrize("family, target", [("qwen2", "o_proj"), ("llama", "q_proj")])
 def test_a_lora_bias_on_a_layer_without_a_bias_is_refused(family, target, mode):
     """PEFT adds lora_B's bias (scaled) to the output of a layer that has none of its own
     (Qwen2's o_proj, Llama's q_proj): the engine's projection has no bias to fold it into,
-    and merging it dropped the delta (every logprob off by ~1). Refused by name, at build and
-    at a sync, the engine serving on."""
+    and merging it dropped the delta (every logprob off by ~1, lora='merged' included).
+    Refused by name in every mode, at build and at a sync, the engine serving on."""
     def make():
         return peft_model(family, lora_bias=True, target_modules=[target])
 
