@@ -175,16 +175,20 @@ class Colocation:
             named.close()
             raise ValueError("update_weights: source holds no weight of the model (an "
                              "exhausted iterator, or only names the model ties to others)")
-        if self.weights_missing or isinstance(source, nn.Module):
+        # Pairs carry no adapter: the weights they give are merged ones (TRL's merged sync),
+        # and taking them drops an adapter served unmerged, so they must be a whole policy.
+        drops_adapter = (plan is None and self.lora is not None
+                         and self.lora.status == "unmerged")
+        if self.weights_missing or isinstance(source, nn.Module) or drops_adapter:
             # A model is the trainer's whole policy: one that lacks weights the engine serves
             # is another architecture (fewer layers, an untied head), not an update of some.
             # Served unmerged, its whole base counts, not the part this sync sends.
             held = written if plan is None else model.check_weights(plan.base_shapes)
             missing = model.expected_weight_names() - held
             if missing:
-                why = ("after sleep(level=2) every weight is needed" if self.weights_missing
-                       else "a model source must hold every weight the engine serves")
-                raise ValueError(f"update_weights: {why}; {len(missing)} missing, e.g. "
+                named.close()
+                raise ValueError(f"update_weights: {_why_whole(self.weights_missing, source)}; "
+                                 f"{len(missing)} missing ({len(held)} given), e.g. "
                                  f"{sorted(missing)[:3]}")
         try:
             # the source is checked: running sequences' K/V (from the old weights) goes now
@@ -254,6 +258,17 @@ class Colocation:
 
     def memory_held(self) -> int:
         return self.stack.memory_held() + sum(s.memory_held() for s in self._sleepers())
+
+
+def _why_whole(weights_missing: bool, source) -> str:
+    """Why an update must hold every weight the engine serves."""
+    if weights_missing:
+        return "after sleep(level=2) or a failed copy every weight is needed"
+    if isinstance(source, nn.Module):
+        return "a model source must hold every weight the engine serves"
+    return ("(name, tensor) pairs carry no adapter, so they replace the adapter served "
+            "unmerged and must hold every weight, merged; to update some base weights and "
+            "keep the adapter, call update_weights(peft_model)")
 
 
 def _drain(parts) -> None:

@@ -172,6 +172,42 @@ def test_a_plain_engine_takes_the_adapter_at_its_first_peft_sync():
 
 
 
+def merged_stream(model) -> list[tuple[str, torch.Tensor]]:
+    """What TRL's async GRPO sends for a PEFT model (its _sync_weight_merged): every base
+    weight under its checkpoint name, the adapter merged into it (copies, the merge undone)."""
+    from trl.experimental.async_grpo.async_grpo_trainer import _iter_vllm_named_params
+    model.merge_adapter()
+    try:
+        return [(name, p.detach().clone()) for name, p in _iter_vllm_named_params(model)]
+    finally:
+        model.unmerge_adapter()
+
+
+def test_pairs_replace_an_unmerged_adapter_only_whole():
+    """(name, tensor) pairs are merged weights: they carry no adapter. A partial update would
+    have served the base without the adapter (gap to PEFT ~5): refused, the engine serving on
+    as it was. A full merged stream (TRL's async path) replaces the adapter, which goes."""
+    pytest.importorskip("trl")
+    model = peft_model("qwen2")
+    # No prefix cache: a cached prompt's logprobs differ by an ulp from a computed one's, and
+    # what is compared across the refusal is the weights.
+    engine = Engine(model, EngineConfig(**CONFIG, enable_prefix_caching=False))
+    before = outputs(engine)
+    norm = dict(model.named_parameters())["base_model.model.model.norm.weight"]
+    why = r"replace the adapter served unmerged and must hold every weight.*\(1 given\)"
+    with pytest.raises(ValueError, match=why):
+        engine.update_weights([("model.norm.weight", norm.detach().clone())])
+    assert engine.lora_status == "unmerged" and not engine.needs_weights
+    assert outputs(engine) == before and engine.weights_version == 0
+    assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, GREEDY))
+    engine.update_weights(merged_stream(model))
+    assert engine.lora_status is None and active_blocks(engine) == {}
+    assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, GREEDY))
+    # No adapter served now: pairs may update some weights only.
+    engine.update_weights([("model.norm.weight", norm.detach().clone())])
+    assert engine.weights_version == 2
+
+
 def test_a_sync_from_another_peft_model_lets_the_first_ones_adapter_go():
     """The placement is reused across syncs of the same adapter layout, not the tensors it was
     first computed from: a trainer that builds a new PeftModel (a resumed run, another
