@@ -76,6 +76,8 @@ class Colocation:
         # The module the weights were last taken from whole (built from, or a complete
         # update_weights from a model): what ColocatedRollout(synced=True) may trust.
         self.weights_from: weakref.ref | None = None
+        # The last complete update_weights' result (bytes, seconds, ...), set before it packs.
+        self.last_update: dict = {}
 
     def took_weights_from(self, source) -> None:
         self.weights_from = weakref.ref(unwrap(source)) if isinstance(source, nn.Module) else None
@@ -248,13 +250,17 @@ class Colocation:
         self.weights_missing = False
         self.weights_version += 1
         self.took_weights_from(source)
+        # What was written, set with the version so that a failure packing the weights below
+        # leaves the engine's counters (rollout/engine/colocated.py) agreeing with both.
+        self.last_update = {"bytes": moved, "seconds": time.perf_counter() - t0,
+                            "exchanged_bytes": resharding.received_bytes,
+                            "collectives": resharding.collectives,
+                            "adapter_only": plan is not None and plan.adapter_only}
         model.pack_weights()  # an interrupt here leaves the rest to pack at first use
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return {"bytes": moved, "seconds": time.perf_counter() - t0,
-                "exchanged_bytes": resharding.received_bytes,
-                "collectives": resharding.collectives,
-                "adapter_only": plan is not None and plan.adapter_only}
+        self.last_update["seconds"] = time.perf_counter() - t0
+        return dict(self.last_update)
 
     def memory_held(self) -> int:
         return self.stack.memory_held() + sum(s.memory_held() for s in self._sleepers())

@@ -101,16 +101,19 @@ class ColocationCalls:
                                                             as_bool("full", full))
             finally:
                 # New weights are in even when what follows the copy failed (packing them):
-                # the update counts, and the staleness bound holds for it.
+                # the update counts, with what it wrote, and the staleness bound holds for it.
                 if self.weights_version != before:
-                    self._stats.weight_syncs += 1
+                    self._count_sync(self.colocation.last_update)
                     self._enforce_staleness()
-            stats = self._stats
-            stats.adapter_syncs += result["adapter_only"]
-            stats.weight_sync_bytes, stats.weight_sync_seconds = result["bytes"], result["seconds"]
             if checked is not None:
                 result.update(run_probe(self, *checked))
             return result
+
+    def _count_sync(self, update: dict) -> None:
+        stats = self._stats
+        stats.weight_syncs += 1
+        stats.adapter_syncs += update["adapter_only"]
+        stats.weight_sync_bytes, stats.weight_sync_seconds = update["bytes"], update["seconds"]
 
     def _lose_weights(self, version: int) -> None:
         """An update that failed on some rank after some rank wrote a weight: every rank needs

@@ -118,3 +118,24 @@ def test_a_failed_admission_counts_no_prompt_hits(kind, monkeypatch):
         return engine.stats.prompt_hit_tokens, engine.stats.cache_hit_tokens
 
     assert run(fault=True) == run(fault=False)
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_a_sync_failing_while_packing_counts_what_it_wrote(error, monkeypatch):
+    """The copy completed (the version moves, the outputs carry it) and packing the weights'
+    derived copies failed after it: the sync counts whole, its adapter and bytes included
+    (the bytes of the adapter's A and B, in the engine's float32 as the source's)."""
+    pytest.importorskip("peft")
+    from lora_models import adapter_bytes, peft_model
+    model = peft_model("qwen2")
+    engine = Engine(model, EngineConfig(kv_cache_tokens=1024, max_model_len=64))
+
+    def pack():
+        raise error("injected")
+
+    monkeypatch.setattr(engine.stack.model, "pack_weights", pack)
+    with pytest.raises(error, match="injected"):
+        engine.update_weights(model)
+    stats = engine.stats
+    assert (engine.weights_version, stats.weight_syncs, stats.adapter_syncs,
+            stats.weight_sync_bytes) == (1, 1, 1, adapter_bytes(model))
