@@ -14,7 +14,7 @@ import time
 from transformers import PrinterCallback, TrainerCallback
 
 from ..run.build import engine_config, frozen_copy
-from ..run.config import RecipeConfig
+from ..run.config import RecipeConfig, forward_split
 from ..run.evaluate import held_out_accuracy
 from ..run.shard import engine_slot
 
@@ -34,11 +34,7 @@ def grpo_args(cfg: RecipeConfig, accelerator):
     on_cpu = accelerator.device.type == "cpu"
     precision = accelerator.mixed_precision
     per_step = cfg.prompts_per_step * cfg.num_generations // cfg.minibatches
-    # TRL's per-device batches split a minibatch evenly: the largest that divides it and
-    # holds at most micro_batch_size sequences
-    most = min(cfg.micro_batch_size or per_step, per_step)
-    micro = max(d for d in range(1, most + 1) if per_step % d == 0)
-    accumulate = per_step // micro
+    micro, accumulate = forward_split(per_step, cfg.micro_batch_size)
     return GRPOConfig(
         output_dir=f"{cfg.output_dir}/trl", run_name=cfg.run_name, seed=cfg.seed,
         # Autocast as `accelerate launch --mixed_precision` asked; the engine has its own dtype.

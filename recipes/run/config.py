@@ -483,11 +483,11 @@ def _has_environment(cfg: RecipeConfig) -> bool:
     return cfg.task == "calculator" and cfg.dataset is None and cfg.tools
 
 
-def forward_split(sequences: int, micro_batch_size: int) -> tuple[int, int]:
+def forward_split(sequences: int, micro_batch_size: int | None) -> tuple[int, int]:
     """(sequences a forward, forwards an optimizer step) for an optimizer step of `sequences`:
     TRL's per-device batches are all of one size, so the largest that divides them and holds
-    at most micro_batch_size, the rest by gradient accumulation."""
-    most = min(micro_batch_size, sequences)
+    at most micro_batch_size (None: all of them), the rest by gradient accumulation."""
+    most = min(micro_batch_size or sequences, sequences)
     micro = max(d for d in range(1, most + 1) if sequences % d == 0)
     return micro, sequences // micro
 
