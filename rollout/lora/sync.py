@@ -144,12 +144,13 @@ class LoraSync:
 
     def copy(self, plan: SyncPlan) -> int:
         """Copy the plan's adapter into the attached projections, verified as a whole
-        (rollout/colocation/checksum.py); the bytes copied."""
+        (rollout/colocation/checksum.py); the bytes written (in the engine's adapter dtype,
+        whatever the source's)."""
         # A full sync follows a sleep(2) or a failed copy: what B holds between blocks is then
         # unknown. After a complete sync, only copies into the blocks ever write it.
         pairs = list(copies(self.model, plan.layout, clear=not plan.adapter_only))
         copy_all_verified(pairs, held(self.model, plan.layout))
-        return sum(src.numel() * src.element_size() for _, _, src in pairs)
+        return sum(dst.numel() * dst.element_size() for _, dst, _ in pairs)
 
     def remember(self, plan: SyncPlan) -> None:
         """After a complete sync: the frozen weights are the engine's now."""

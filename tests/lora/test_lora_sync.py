@@ -402,3 +402,17 @@ def test_colocated_rollout_syncs_after_the_adapter_scale_changes(mode):
         assert_matches_reference(model, PROMPTS, engine.generate(PROMPTS, GREEDY))
     with hook:
         assert not hook.synced
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_an_adapter_sync_counts_the_bytes_written_not_the_sources(dtype):
+    """The engine's adapter is float32 whatever the source's dtype: an adapter-only sync from
+    a float64 (or bf16) PEFT model writes the float32 adapter's bytes, which it reports."""
+    model = peft_model("qwen2")
+    engine = Engine(model, EngineConfig(**CONFIG))
+    written = adapter_bytes(model)  # float32, as the engine's copy
+    cast = copy.deepcopy(model).to(dtype)
+    engine.update_weights(cast)  # a new source: its base crosses too
+    result = engine.update_weights(cast)
+    assert result["adapter_only"] and result["bytes"] == written
+    assert engine.stats.weight_sync_bytes == written
