@@ -3,7 +3,8 @@
 `Engine.rollout` returns as soon as enough groups are complete; the others stay in the engine,
 carried into the next call. They survive `sleep` and `update_weights`: first every running
 sequence is retracted (its K/V goes to the prefix cache, which sleep and a weight update then
-empty; it waits again with its tokens, logprobs and versions), and after wake-up admission
+empty; it waits again with its tokens, logprobs and versions, and a weight update keeps the
+routes of that K/V for a sample that asked for them: keep_routes), and after wake-up admission
 re-prefills prompt + tokens so far, under whatever weights the engine then holds: siblings share
 their prompt through the radix cache as at first admission. Because the sampling noise is a
 function of (seed, position, token), a group carried under unchanged weights draws what an
@@ -29,6 +30,8 @@ from ..fields import as_int
 from ..journal import Journal, RollbackFailed
 from ..kv import parked
 from ..kv.manager import KVManager
+from ..kv.pool import SLOT_VERSION
+from ..models.base import ROUTED_EXPERTS
 from ..requests.request import Request
 from ..requests.sequence import SeqStatus
 from .requests import RequestTable
@@ -106,7 +109,29 @@ class Carry:
                 self.kept_lost = True
                 self.drop_kept_kv()
                 raise
-        self.kv.clear_cache()
+        # One unit: a clear that fails leaves no routes kept, and the retry keeps them once.
+        with self.journal.unit():
+            self.keep_routes()
+            self.kv.clear_cache()
+
+    def keep_routes(self) -> None:
+        """carried_kv="recompute", before the update's clear: each sample carried mid-way that
+        asked for routes keeps those of its K/V the prefix cache still holds (its rows'
+        routed experts and versions, models/layers/moe.py, kv/pool.py), which its tokens so
+        far were sampled under; its re-prefill computes new ones (docs/moe.md)."""
+        pool = self.kv.pool
+        if not pool.keeps_versions:
+            return
+        for seq in self._mid_sample():
+            if not seq.params.return_routed_experts:
+                continue
+            slots = self.kv.cache.peek(seq.reusable_tokens())
+            if slots.numel() == 0:
+                continue
+            routes = (pool.read_extra(ROUTED_EXPERTS, slots).cpu(),
+                      pool.read_extra(SLOT_VERSION, slots)[:, 0].cpu())
+            self.journal.touch(seq)
+            seq.earlier_routes += (routes,)
 
     def begin_update(self) -> None:
         """A weight update starts (whether or not it gets as far as forget_cache)."""

@@ -43,6 +43,11 @@ class Sample:
     # the new weights: a token j with weights_versions[j] older than routed_versions[P + j - 1]
     # was sampled under other routes than its rows hold. docs/moe.md.
     routed_versions: torch.Tensor | None = None
+    # With routed_experts, for a sample carried across update_weights with carried_kv=
+    # "recompute": per update, oldest first, the (routed_experts, routed_versions) of the rows
+    # its K/V held just before it (as far as the prefix cache still held them), the routes its
+    # tokens of that version were sampled under. Empty when none.
+    earlier_routes: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def cumulative_logprob(self) -> float | None:
@@ -89,9 +94,13 @@ def build_output(group, decode, vocab_size: int, weights_version: int = 0) -> Ro
 
 
 def _routes(seq, asked: bool) -> dict:
-    """Sample's routed_experts and routed_versions: None unless asked and finished."""
-    routes, versions = seq.routed_experts if asked and seq.routed_experts else (None, None)
-    return {"routed_experts": routes, "routed_versions": versions}
+    """Sample's routed_experts, routed_versions and earlier_routes: None unless asked and
+    finished."""
+    if not asked or seq.routed_experts is None:
+        return {"routed_experts": None, "routed_versions": None, "earlier_routes": None}
+    routes, versions = seq.routed_experts
+    return {"routed_experts": routes, "routed_versions": versions,
+            "earlier_routes": list(seq.earlier_routes)}
 
 
 def _tops(seq) -> TopLogprobs:

@@ -54,6 +54,10 @@ class Sequence:
     # return_routed_experts: (routes, their rows' weights versions), read from the KV pool when
     # the sample finishes (commit.py)
     routed_experts: tuple[torch.Tensor, torch.Tensor] | None = None
+    # return_routed_experts with carried_kv="recompute": the (routes, versions) its cached K/V
+    # held before each weight update it was carried across (Carry.keep_routes), oldest first;
+    # a tuple, replaced whole, so that the journal's snapshot keeps the old one.
+    earlier_routes: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
     # Multi-turn: keep this sample's KV locked under `hold_key` when it finishes; release the
     # hold `resume_key` (the previous turn's) once this one is admitted on top of it.
     hold_key: object = None
@@ -86,14 +90,14 @@ class Sequence:
         objects and lengths are enough."""
         lists = self._lists()
         return (self.status, self.num_computed, self.cached_len, self.node, self.row,
-                self.finish_reason, self.stop_text_at, self.routed_experts, self.kv_tag,
-                self.kv_bounds, *lists, *map(len, lists))
+                self.finish_reason, self.stop_text_at, self.routed_experts, self.earlier_routes,
+                self.kv_tag, self.kv_bounds, *lists, *map(len, lists))
 
     def restore(self, snapshot: tuple) -> None:
         (self.status, self.num_computed, self.cached_len, self.node, self.row,
-         self.finish_reason, self.stop_text_at, self.routed_experts, self.kv_tag, self.kv_bounds,
-         self.token_ids, self.logprobs, self.sampling_logprobs, self.support, self.top_logprobs,
-         self.versions, *lengths) = snapshot
+         self.finish_reason, self.stop_text_at, self.routed_experts, self.earlier_routes,
+         self.kv_tag, self.kv_bounds, self.token_ids, self.logprobs, self.sampling_logprobs,
+         self.support, self.top_logprobs, self.versions, *lengths) = snapshot
         for values, length in zip(self._lists(), lengths):
             del values[length:]
 
@@ -118,14 +122,15 @@ class Sequence:
         return self.versions[0][1] if self.versions else None
 
     def restart(self) -> None:
-        """Back to the prompt, waiting: every output token, logprob and version is gone (new
-        lists, so a journal snapshot keeps the old ones whole; the draft model tells a
+        """Back to the prompt, waiting: every output token, logprob, version and route is gone
+        (new lists, so a journal snapshot keeps the old ones whole; the draft model tells a
         restarted target by its new token list, rollout/spec/draft_model.py)."""
         self.token_ids = list(self.prompt_ids)
         self.logprobs, self.sampling_logprobs, self.support = [], [], []
         self.top_logprobs, self.versions = [], []
         self.status, self.finish_reason, self.stop_text_at = SeqStatus.WAITING, None, None
         self.routed_experts, self.kv_tag, self.kv_bounds = None, None, ()
+        self.earlier_routes = ()
 
     @property
     def num_prompt(self) -> int:

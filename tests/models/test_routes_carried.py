@@ -5,8 +5,10 @@ own routers choose under those weights, attending to what the engine's forward a
 The reference runs the old weights' model A over the rows of version 0 and the new weights'
 model B over the rest, B's forward continuing from A's K/V cache (carried_kv="park": the sample
 goes on from the old weights' K/V) or from nothing (carried_kv="recompute": everything is
-recomputed under B). The routers of B are perturbed far from A's, so the two references route
-most rows apart and a row of the wrong weights cannot pass.
+recomputed under B; its Sample.earlier_routes then hold the rows as A computed them). The
+routers of B are perturbed far from A's, so the two references route most rows apart and a row
+of the wrong weights cannot pass. Prefix caching is on (the default): siblings share their
+prompt's K/V, and the update keeps the old routes from the cache.
 """
 
 from __future__ import annotations
@@ -106,6 +108,22 @@ def expected_versions(sample, prompt_len: int, mode: str) -> torch.Tensor:
     return torch.tensor([wv[0]] * (prompt_len - 1) + wv, dtype=torch.int32)
 
 
+def assert_earlier_routes(sample, prompt: list[int], models: list) -> None:
+    """carried_kv="recompute": before the i-th update the sample crossed, its K/V held one row
+    per token so far but the newest, all computed under weights version i (`models[i]`; the
+    pool is roomy, nothing was evicted) and routed as transformers' routers route them: the
+    routes its tokens of version i were sampled under."""
+    assert len(sample.earlier_routes) == len(models)
+    text = prompt + sample.token_ids
+    for version, (model, (routes, versions)) in enumerate(zip(models, sample.earlier_routes)):
+        rows = len(prompt) + sum(v <= version for v in sample.weights_versions) - 1
+        assert routes.dtype == torch.int16 and routes.shape[0] == rows
+        assert torch.equal(versions, torch.full((rows,), version, dtype=torch.int32))
+        ref, tie, _ = routes_of(model, text[:rows])
+        differs = (routes.long() != ref).any(-1)
+        assert not (differs & ~tie).any(), f"{int(differs.sum())} earlier rows route apart"
+
+
 @pytest.mark.parametrize("mode", ["recompute", "park"])
 def test_carried_routes_are_those_of_the_weights_their_versions_name(old_and_new, mode):
     old, new = old_and_new
@@ -126,6 +144,10 @@ def test_carried_routes_are_those_of_the_weights_their_versions_name(old_and_new
                 assert torch.equal(versions, expected_versions(sample, len(prompt), mode))
             first_new = int((versions == 0).sum())
             old_rows += first_new
+            if mode == "park" or out is fresh:
+                assert sample.earlier_routes == []
+            else:
+                assert_earlier_routes(sample, prompt, [old])
             assert (versions[:first_new] == 0).all() and (versions[first_new:] == 1).all()
             ref, tie = reference(old, new, text, first_new, parked=mode == "park")
             differs = (routes.long() != ref).any(-1)
@@ -155,7 +177,9 @@ FAULT_POINTS = {
 def view(outs):
     return sorted((tuple(o.prompt_token_ids), s.index, tuple(s.token_ids),
                    tuple(s.weights_versions), s.routed_experts.tolist(),
-                   s.routed_versions.tolist()) for o in outs for s in o.samples)
+                   s.routed_versions.tolist(),
+                   [(routes.tolist(), versions.tolist()) for routes, versions in s.earlier_routes])
+                  for o in outs for s in o.samples)
 
 
 @pytest.mark.parametrize("kind", [RuntimeError, KeyboardInterrupt], ids=["error", "interrupt"])
@@ -182,3 +206,54 @@ def test_fault_at_a_routes_point_leaves_the_engine_exact(old_and_new, mode, poin
     engine.check_invariants()
     assert view(engine.rollout(groups=None)) == view(want)
     engine.check_invariants()
+
+
+# point -> where it is: keeping the carried samples' routes at the update, and the cache clear
+# after it (in one unit with it: a clear that fails must not leave routes kept twice).
+UPDATE_POINTS = {
+    "keep": lambda e: (e.carry, "keep_routes"),
+    "clear": lambda e: (e.kv, "clear_cache"),
+}
+
+
+@pytest.mark.parametrize("kind", [RuntimeError, KeyboardInterrupt], ids=["error", "interrupt"])
+@pytest.mark.parametrize("after", [False, True], ids=["before", "after"])
+@pytest.mark.parametrize("point", list(UPDATE_POINTS))
+def test_fault_while_an_update_keeps_routes_leaves_the_engine_exact(old_and_new, point, after,
+                                                                    kind, monkeypatch):
+    """A fault as update_weights keeps the carried samples' routes, or clears the cache after:
+    the update raises and is refused until a complete one; after that the carried groups come
+    out as the uninterrupted run's, each sample's earlier routes kept once."""
+    old, new = old_and_new
+    want, _ = carried_outputs(old, new, "recompute")
+    engine = Engine(copy.deepcopy(old), EngineConfig(kv_cache_tokens=1024, max_model_len=96))
+    engine.rollout(PROMPTS, PARAMS, groups=1)
+    fault = Fault(kind, at=1, after=after)
+    fault.install(monkeypatch, *UPDATE_POINTS[point](engine))
+    with pytest.raises(kind, match="injected"):
+        engine.update_weights(new)
+    assert fault.fired
+    monkeypatch.undo()
+    engine.check_invariants()
+    assert all(s.earlier_routes == () for s in engine.scheduler.waiting)
+    engine.update_weights(new)
+    assert view(engine.rollout(groups=None)) == view(want)
+    engine.check_invariants()
+
+
+def test_a_sample_carried_across_two_updates_keeps_the_routes_of_each(old_and_new):
+    """Two updates (A to B, B back to A) while the longest group runs: its samples keep the
+    routes of versions 0 and 1, and return version 2's."""
+    old, new = old_and_new
+    engine = Engine(copy.deepcopy(old), EngineConfig(kv_cache_tokens=1024, max_model_len=96))
+    engine.rollout(PROMPTS, PARAMS, groups=1)
+    engine.update_weights(new)
+    engine.rollout(groups=1)
+    engine.update_weights(old)
+    (out,) = engine.rollout(groups=None)
+    for sample in out.samples:
+        assert sorted(set(sample.weights_versions)) == [0, 1, 2]
+        assert_earlier_routes(sample, out.prompt_token_ids, [old, new])
+        assert (sample.routed_versions == 2).all()
+        ref, tie, _ = routes_of(old, out.prompt_token_ids + sample.token_ids[:-1])
+        assert not ((sample.routed_experts.long() != ref).any(-1) & ~tie).any()
