@@ -5,6 +5,7 @@ round is a batch of scored requests stepped like generate()'s."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -102,9 +103,24 @@ def check_probe(engine, probe, reference) -> tuple[list[int], list[float] | None
 def run_probe(engine, tokens: list[int], reference: list[float] | None) -> dict:
     """The probe's logprobs under the weights just copied and, against the trainer's, the
     largest gap (in stats: a sync that copied the wrong weights shows here). Scoring steps the
-    engine: carried requests may advance a step meanwhile, under the new weights."""
-    logprobs = score(engine, [tokens], 1.0, 0, 1, False)[0].logprobs
+    engine: carried requests may advance a step meanwhile, under the new weights. The probe
+    counts in no score stat (scored_tokens, score_tokens_computed: Engine.score's calls')."""
+    with _uncounted(engine):
+        logprobs = score(engine, [tokens], 1.0, 0, 1, False)[0].logprobs
     gap = (math.nan if logprobs is None or reference is None
            else max(abs(a - b) for a, b in zip(logprobs, reference)))
     engine._stats.probe_gap = gap
     return {"probe_logprobs": logprobs, "probe_gap": gap}
+
+
+@contextlib.contextmanager
+def _uncounted(engine):
+    """Score stats as they were before the block, however it ends: the engine's guard runs
+    one call at a time and its carried requests are not scored ones, so what the block added
+    is the probe's alone."""
+    stats, committer = engine._stats, engine.committer
+    scored, computed = stats.scored_tokens, committer.score_tokens_computed
+    try:
+        yield
+    finally:
+        stats.scored_tokens, committer.score_tokens_computed = scored, computed

@@ -81,3 +81,28 @@ def test_a_bad_probe_is_refused_before_any_weight_moves(setup, kwargs, match):
         engine.update_weights(b, **kwargs)
     assert engine.weights_version == 0 and not engine.needs_weights
     assert all(torch.equal(x, y) for x, y in zip(before, engine.model.parameters()))
+
+
+@pytest.mark.parametrize("error", [None, RuntimeError, KeyboardInterrupt])
+def test_the_probe_counts_in_no_score_stat(setup, error, monkeypatch):
+    """stats.scored_tokens and score_tokens_computed are Engine.score's: a sync's probe adds to
+    neither, also when scoring it fails half way; an Engine.score of the same sequence after
+    it counts its own (len - 1 tokens, every position computed)."""
+    engine, _, b = setup
+    if error is not None:
+        step = engine._step_until
+
+        def failing(*args, **kwargs):
+            step(*args, **kwargs)  # the probe is computed (counted in the committer), then
+            raise error("injected")  # scoring fails before it returns
+
+        monkeypatch.setattr(engine, "_step_until", failing)
+        with pytest.raises(error, match="injected"):
+            engine.update_weights(b, probe=PROBE)
+        monkeypatch.setattr(engine, "_step_until", step)
+    else:
+        engine.update_weights(b, probe=PROBE)
+    assert (engine.stats.scored_tokens, engine.stats.score_tokens_computed) == (0, 0)
+    engine.score([PROBE])
+    assert (engine.stats.scored_tokens, engine.stats.score_tokens_computed) == (
+        len(PROBE) - 1, len(PROBE) - 1)
