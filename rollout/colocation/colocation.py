@@ -123,6 +123,10 @@ class Colocation:
         # kernel left surfaces at the synchronize), and wake_up must still know to wake.
         self.sleep_level = level
         self.weights_missing = self.weights_missing or level == 2
+        self._release_freed()
+
+    def _release_freed(self) -> None:
+        """Hand the memory freed by a sleep back (to the device, or the host's heap)."""
         if self.device.type == "cuda":
             release_cuda_cache(self.device)
         elif self.device.type == "cpu":
@@ -136,8 +140,14 @@ class Colocation:
             for sleeper in self._sleepers():
                 sleeper.wake_up()
             self._carried.unpark()
-        except BaseException:
+        except BaseException as e:
             self._settle(awake=False)
+            # Asleep again: what the wake-up took is freed, and handed back as a sleep does;
+            # the wake-up's failure is the one raised, a failure handing back noted on it.
+            try:
+                self._release_freed()
+            except BaseException as release_error:
+                e.add_note(f"handing the memory back after it failed too: {release_error!r}")
             raise
         self.sleep_level = 0
 

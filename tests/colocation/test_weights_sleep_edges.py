@@ -1,6 +1,7 @@
 """Edges of weight sync and sleep: a failed update changes nothing (a model of another
 architecture, junk bucket_bytes), sleep(1) -> sleep(2) deepens without touching the device, a
-sleep failing after the memory went leaves the engine asleep, rollout.generate takes a
+sleep failing after the memory went leaves the engine asleep, a failed wake-up hands back the
+memory it took, rollout.generate takes a
 checkpoint path, `.data` reassignment counts as a weight change, a second one landing on the
 first one's freed address too, and ColocatedRollout syncs again after another wrote the
 engine."""
@@ -270,6 +271,43 @@ def test_a_sleep_failing_while_handing_memory_back_leaves_the_engine_asleep(kind
         engine.sleep(1)
     monkeypatch.undo()
     assert engine.is_sleeping and not engine.needs_weights
+    engine.wake_up()
+    engine.check_invariants()
+    assert tokens(engine.generate(PROMPTS, GREEDY)) == fresh(model)
+
+
+@pytest.mark.parametrize("kind", [RuntimeError, KeyboardInterrupt], ids=["error", "interrupt"])
+@pytest.mark.parametrize("release_fails", [False, True], ids=["released", "release-fails"])
+def test_a_failed_wake_up_hands_back_the_memory_it_took(kind, release_fails, monkeypatch):
+    """A wake-up failing after the pool and weights came back (here: putting carried K/V
+    back) is asleep again, and hands the memory back as sleep does (one release per sleep,
+    counted); a release failing then too leaves the wake-up's own error to be raised."""
+    model = tiny_model("qwen2", seed=0)
+    engine = Engine(model, EngineConfig(**CONFIG))
+    released = []
+    release = colocation.host_heap.release_freed_blocks
+
+    def counted():
+        released.append(engine.memory_held())
+        if release_fails and len(released) > 1:
+            raise RuntimeError("handing the memory back")
+        release()
+
+    monkeypatch.setattr(colocation.host_heap, "release_freed_blocks", counted)
+    engine.sleep(1)
+    asleep = engine.memory_held()
+
+    def unpark():
+        raise kind("waking")
+
+    monkeypatch.setattr(engine.colocation._carried, "unpark", unpark)
+    with pytest.raises(kind, match="waking") as raised:
+        engine.wake_up()
+    assert engine.is_sleeping and released == [asleep, asleep]
+    notes = getattr(raised.value, "__notes__", [])
+    assert notes == (["handing the memory back after it failed too: "
+                      "RuntimeError('handing the memory back')"] if release_fails else [])
+    monkeypatch.undo()
     engine.wake_up()
     engine.check_invariants()
     assert tokens(engine.generate(PROMPTS, GREEDY)) == fresh(model)
