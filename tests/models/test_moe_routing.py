@@ -27,9 +27,10 @@ def model(request):
     return tiny_model("mixtral")
 
 
-def reference_routes(model, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_routes(model, tokens: list[int], past=None):
     """(expert ids [len, MoE layers, k] the reference's routers return, a bool [len, MoE
-    layers] marking near-ties) when it runs `tokens`."""
+    layers] marking near-ties, its K/V cache) when it runs `tokens` after the cache `past`
+    (None: from position 0)."""
     ids, logits = [], []
     routers = [m for name, m in model.named_modules() if name.endswith("mlp.gate")]
 
@@ -40,14 +41,14 @@ def reference_routes(model, tokens: list[int]) -> tuple[torch.Tensor, torch.Tens
     hooks = [r.register_forward_hook(keep) for r in routers]
     try:
         with torch.no_grad():
-            model(torch.tensor([tokens]))
+            out = model(torch.tensor([tokens]), cache=past, use_cache=True)
     finally:
         for h in hooks:
             h.remove()
     k = ids[0].shape[-1]
     probs = torch.stack(logits, 1).float().softmax(-1)
     top = probs.topk(min(k + 1, probs.shape[-1]), dim=-1).values
-    return torch.stack(ids, 1), (top[..., :-1] - top[..., 1:]).min(-1).values < TIE
+    return torch.stack(ids, 1), (top[..., :-1] - top[..., 1:]).min(-1).values < TIE, out.cache
 
 
 def assert_replays(model, prompts, outs):
@@ -55,7 +56,7 @@ def assert_replays(model, prompts, outs):
     for prompt, out in zip(prompts, outs):
         for sample in out.samples:
             routes = sample.routed_experts
-            ref, tie = reference_routes(model, prompt + sample.token_ids[:-1])
+            ref, tie, _ = reference_routes(model, prompt + sample.token_ids[:-1])
             assert routes.dtype == torch.int16
             assert routes.shape == (len(prompt) + len(sample.token_ids) - 1, ref.shape[1], k)
             differs = (routes.long() != ref).any(-1)

@@ -19,7 +19,7 @@ import pytest
 import torch
 from models import tiny_model
 from test_faults import Fault
-from test_moe_routing import TIE
+from test_moe_routing import reference_routes
 
 import rollout.requests.outputs as outputs
 from rollout import Engine, EngineConfig, SamplingParams
@@ -47,40 +47,16 @@ def old_and_new(request):
     return old, new
 
 
-def routes_of(model, tokens: list[int], past=None):
-    """(expert ids [len, MoE layers, k], near-tie mask [len, MoE layers], the K/V cache) of
-    transformers' `model` running `tokens` after the cache `past` (None: from position 0)."""
-    ids, logits = [], []
-    routers = [m for name, m in model.named_modules() if name.endswith("mlp.gate")]
-
-    def keep(module, args, out):
-        logits.append(out[0])
-        ids.append(out[2])
-
-    hooks = [r.register_forward_hook(keep) for r in routers]
-    try:
-        with torch.no_grad():
-            out = model(torch.tensor([tokens]), cache=past, use_cache=True)
-    finally:
-        for h in hooks:
-            h.remove()
-    k = ids[0].shape[-1]
-    probs = torch.stack(logits, 1).float().softmax(-1)
-    top = probs.topk(k + 1, dim=-1).values
-    return torch.stack(ids, 1), (top[..., :-1] - top[..., 1:]).min(-1).values < TIE, \
-        out.cache
-
-
 def reference(old, new, text: list[int], first_new: int, parked: bool):
     """Routes of `text`: rows before `first_new` under `old`, the rest under `new`, which
     attends to `old`'s K/V of those rows when `parked` (else `new` recomputes them: first_new
     is then 0)."""
     if first_new == 0:
-        ids, tie, _ = routes_of(new, text)
+        ids, tie, _ = reference_routes(new, text)
         return ids, tie
     assert parked
-    ids_a, tie_a, cache = routes_of(old, text[:first_new])
-    ids_b, tie_b, _ = routes_of(new, text[first_new:], cache)
+    ids_a, tie_a, cache = reference_routes(old, text[:first_new])
+    ids_b, tie_b, _ = reference_routes(new, text[first_new:], cache)
     return torch.cat([ids_a, ids_b]), torch.cat([tie_a, tie_b])
 
 
@@ -119,7 +95,7 @@ def assert_earlier_routes(sample, prompt: list[int], models: list) -> None:
         rows = len(prompt) + sum(v <= version for v in sample.weights_versions) - 1
         assert routes.dtype == torch.int16 and routes.shape[0] == rows
         assert torch.equal(versions, torch.full((rows,), version, dtype=torch.int32))
-        ref, tie, _ = routes_of(model, text[:rows])
+        ref, tie, _ = reference_routes(model, text[:rows])
         differs = (routes.long() != ref).any(-1)
         assert not (differs & ~tie).any(), f"{int(differs.sum())} earlier rows route apart"
 
@@ -157,7 +133,7 @@ def test_carried_routes_are_those_of_the_weights_their_versions_name(old_and_new
             # sampled under the old weights included), the other weights route otherwise.
             if out is not fresh:
                 mistaken = first_new if mode == "park" else len(text)
-                other, _, _ = routes_of(new if mode == "park" else old, text[:mistaken])
+                other, _, _ = reference_routes(new if mode == "park" else old, text[:mistaken])
                 rows += mistaken
                 apart += int((other != ref[:mistaken]).any(-1).any(-1).sum())
     assert (old_rows > 0) == (mode == "park")
@@ -255,5 +231,5 @@ def test_a_sample_carried_across_two_updates_keeps_the_routes_of_each(old_and_ne
         assert sorted(set(sample.weights_versions)) == [0, 1, 2]
         assert_earlier_routes(sample, out.prompt_token_ids, [old, new])
         assert (sample.routed_versions == 2).all()
-        ref, tie, _ = routes_of(old, out.prompt_token_ids + sample.token_ids[:-1])
+        ref, tie, _ = reference_routes(old, out.prompt_token_ids + sample.token_ids[:-1])
         assert not ((sample.routed_experts.long() != ref).any(-1) & ~tie).any()
