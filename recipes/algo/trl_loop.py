@@ -74,11 +74,15 @@ def correctness_reward(task, tokenizer, eos_ids):
 
 
 class _ToTracker(TrainerCallback):
-    """Forwards each step's logs, and whether the engine was asleep at every optimizer step."""
+    """Forwards each step's logs, and whether the engine was asleep at every optimizer step;
+    every `eval_every` RL steps, the held-out accuracy (`evaluate()`) as eval/accuracy."""
 
-    def __init__(self, tracker, engine, awake_bytes: int, steps_per_rollout: int) -> None:
+    def __init__(self, tracker, engine, awake_bytes: int, steps_per_rollout: int,
+                 evaluate=None, eval_every: int = 0) -> None:
         self.tracker, self.engine, self.awake_bytes = tracker, engine, awake_bytes
         self.steps_per_rollout = steps_per_rollout
+        self.evaluate, self.eval_every = evaluate, eval_every
+        self.accuracy: tuple[int, float] | None = None  # (RL step, accuracy) of the last eval
         self.asleep: list[bool] = []
         self._step_started = 0.0
         self._step_seconds = 0.0
@@ -106,7 +110,14 @@ class _ToTracker(TrainerCallback):
         row["memory/engine_asleep_bytes"] = self.engine.memory_held()
         row["engine/asleep_at_optimizer_step"] = float(bool(self.asleep) and all(self.asleep))
         self.asleep = []
-        self.tracker.log(row, state.global_step // self.steps_per_rollout)  # the RL step
+        step = state.global_step // self.steps_per_rollout  # the RL step
+        # on_log runs on every rank (TRL gathers the logs first), as the scoring's reduction
+        # over the engines needs.
+        if self.evaluate is not None and self.eval_every and step % self.eval_every == 0:
+            self.accuracy = (step, self.evaluate())
+            row["eval/accuracy"] = self.accuracy[1]
+            self.tracker.print(f"step {step:4d}  held-out accuracy {self.accuracy[1]:.1%}")
+        self.tracker.log(row, step)
 
 
 def train_trl(cfg: RecipeConfig, accelerator, policy, tokenizer, task, tracker) -> dict:
@@ -144,21 +155,26 @@ def train_trl(cfg: RecipeConfig, accelerator, policy, tokenizer, task, tracker) 
     engine.wake_up()  # one measured wake: what the engine holds while it generates
     awake_bytes = engine.memory_held()
     engine.sleep(cfg.sleep_level)
-    trainer.add_callback(_ToTracker(tracker, engine, awake_bytes,
-                                    _optimizer_steps_per_rollout(cfg)))
-    if not cfg.progress:
-        trainer.remove_callback(PrinterCallback)  # it prints every log dict to stdout
     accelerator = trainer.accelerator  # the one TRL built replaces ours (shared state reset)
     # Scoring shares the trainer's engine; it syncs on its own when the weights changed.
     scorer = ColocatedRollout(engine, trainer.model, cfg.sleep_level, synced=False)
+
+    def evaluate() -> float:
+        return held_out_accuracy(scorer, task, tokenizer, cfg.max_new_tokens, accelerator)
+
+    to_tracker = _ToTracker(tracker, engine, awake_bytes, _optimizer_steps_per_rollout(cfg),
+                            evaluate if task.eval is not None else None, cfg.eval_every)
+    trainer.add_callback(to_tracker)
+    if not cfg.progress:
+        trainer.remove_callback(PrinterCallback)  # it prints every log dict to stdout
     if task.eval is not None:
-        out["accuracy_before"] = held_out_accuracy(scorer, task, tokenizer,
-                                                   cfg.max_new_tokens, accelerator)
+        out["accuracy_before"] = evaluate()
         tracker.print(f"held-out accuracy before RL: {out['accuracy_before']:.1%}")
     trainer.train()
     if task.eval is not None:
-        out["accuracy_after"] = held_out_accuracy(scorer, task, tokenizer,
-                                                  cfg.max_new_tokens, accelerator)
+        # The last step's scoring when eval_every landed on it (the same weights).
+        last = to_tracker.accuracy
+        out["accuracy_after"] = last[1] if last and last[0] == cfg.steps else evaluate()
         tracker.print(f"held-out accuracy after RL: {out['accuracy_after']:.1%}")
     out["engine_stats"] = engine.stats.as_dict()
     return out

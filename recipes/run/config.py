@@ -45,7 +45,7 @@ class RecipeConfig:
     # Fixed, it keeps the held-out set (and what a warm start saw) across a sweep of seeds.
     data_seed: int | None = None
     eval_size: int = 200  # held-out prompts scored greedily before and after; 0: skip
-    eval_every: int = 0  # also score every this many RL steps (custom trainer); 0: never
+    eval_every: int = 0  # also score every this many RL steps (not trl_async); 0: never
     train_split: str = "train"
     eval_split: str = "test"
     # str.format over a dataset row; None: the row's `prompt` column, else its `question`
@@ -440,10 +440,11 @@ def _check_builtin_task(cfg: RecipeConfig) -> None:
 
 def _check_custom_loop_only(cfg: RecipeConfig) -> None:
     """Keys only the custom loop acts on, refused where they would change nothing."""
-    if cfg.eval_every and cfg.trainer != "custom":
-        raise ValueError(f"eval_every: scoring between steps is the custom trainer's; trainer "
-                         f"{cfg.trainer} scores the held-out set before and after RL only, got "
-                         f"{cfg.eval_every} (set --eval_every 0 or use --trainer custom)")
+    if cfg.eval_every and cfg.trainer == "trl_async":
+        # Its worker thread owns the engine while TRL trains: no scoring between its steps.
+        raise ValueError(f"eval_every: trainer trl_async scores the held-out set before and "
+                         f"after RL only, got {cfg.eval_every} (set --eval_every 0 or use "
+                         f"--trainer custom or trl)")
     # The custom loop records experts for single-turn rollouts of an MoE policy (an Episode
     # keeps no routes; the built-in tiny Llama is dense; a named model is checked once loaded:
     # build.load_model).

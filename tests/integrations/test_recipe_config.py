@@ -22,14 +22,15 @@ def test_cuda_graphs_without_a_cuda_device_is_refused_by_the_config(monkeypatch)
     assert RecipeConfig(cuda_graphs=False).cuda_graphs is False
 
 
-@pytest.mark.parametrize("trainer", ["trl", "trl_async"])
-def test_eval_every_is_refused_where_it_would_be_ignored(trainer):
-    """Only the custom loop scores the held-out set between steps; the TRL trainers score it
-    before and after RL alone, and ran with eval_every > 0 as with 0."""
-    with pytest.raises(ValueError, match="^eval_every: .*custom"):
-        RecipeConfig(eval_every=5, trainer=trainer)
-    assert RecipeConfig(eval_every=0, trainer=trainer).eval_every == 0
-    assert RecipeConfig(eval_every=5).eval_every == 5  # the custom loop's
+def test_eval_every_is_refused_where_it_would_be_ignored():
+    """trl_async scores the held-out set before and after RL alone (its worker owns the
+    engine while TRL trains), and ran with eval_every > 0 as with 0; the custom loop and the
+    trl trainer score between steps (test_recipes.py: test_trl_two_steps)."""
+    with pytest.raises(ValueError, match="^eval_every: .*trl_async"):
+        RecipeConfig(eval_every=5, trainer="trl_async")
+    assert RecipeConfig(eval_every=0, trainer="trl_async").eval_every == 0
+    for trainer in ("custom", "trl"):
+        assert RecipeConfig(eval_every=5, trainer=trainer).eval_every == 5
 
 
 @pytest.mark.parametrize("overrides", [dict(trainer="trl", model="org/moe"),

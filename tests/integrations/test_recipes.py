@@ -216,12 +216,15 @@ def test_custom_ppo_two_steps_with_speculative_rollouts(tmp_path):
 
 
 def test_trl_two_steps(tmp_path):
+    """With eval_every 1 the trl trainer scores the held-out set after each RL step, as the
+    custom loop does; the last step's score is the accuracy after RL."""
     pytest.importorskip("trl")
-    out = main(["--config", write_config(tmp_path), "--trainer", "trl"])
+    out = main(["--config", write_config(tmp_path, eval_every=1), "--trainer", "trl"])
     check_steps(out["history"])
     for row in out["history"]:
         assert row["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-4)
-    assert out["accuracy_after"] is not None
+        assert 0 <= row["eval/accuracy"] <= 1
+    assert out["accuracy_after"] == out["history"][-1]["eval/accuracy"]
 
 
 def test_trl_kl_reference_and_rl_steps_match_the_custom_loop(tmp_path):
