@@ -159,7 +159,8 @@ class CustomTrainer:
             batch = build_batch(outs, rewards, self.tokenizer.pad_token_id, self.acc.device,
                                 self.behaviour)
             if self.params.return_routed_experts:
-                self.routes = routed_expert_batch(outs, batch.input_ids.shape[1], self.acc.device)
+                self.routes = routed_expert_batch(outs, batch.input_ids.shape[1], self.module,
+                                                  self.acc.device)
         t1 = time.perf_counter()
         if self.decoupled:
             self._decouple(batch)

@@ -36,14 +36,16 @@ def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, ROUTERS)]
 
 
-def routed_expert_batch(outputs: list[RolloutOutput], length: int,
+def routed_expert_batch(outputs: list[RolloutOutput], length: int, model: torch.nn.Module,
                         device: torch.device | str = "cpu") -> torch.Tensor | None:
     """The samples' routed experts in the training batch's token space (recipes/algo/batch.py:
     one row per sample, prompt + completion, right-padded to `length`): [N, length, MoE
     layers, k] in the engine's int16 (an int64 copy would hold 4x the memory on the device,
     3 KiB a padded position for Qwen3-30B-A3B). -1 marks positions the rollout never routed
     (the last token, padding, an aborted sample): their routers keep their own choice and are
-    not counted. None when no sample has routes (all aborted)."""
+    not counted. None when no sample has routes (all aborted). Routes that cannot be `model`'s
+    raise ValueError here, read on the host: routing_replay, entered for every micro-batch,
+    would wait for the device to read them there."""
     samples = [s for out in outputs for s in out.samples]
     routes = next((s.routed_experts for s in samples if s.routed_experts is not None), None)
     if routes is None:
@@ -52,6 +54,9 @@ def routed_expert_batch(outputs: list[RolloutOutput], length: int,
     for i, sample in enumerate(samples):
         if sample.routed_experts is not None:
             out[i, :len(sample.routed_experts)] = sample.routed_experts
+    routers = moe_routers(model)
+    _check_router_sizes(out, routers)
+    _check_expert_ids(out, routers[0].num_experts)
     return out.to(device)
 
 
@@ -75,13 +80,10 @@ def routing_replay(model: torch.nn.Module, routes: torch.Tensor, force: bool = T
     rollout did (`force`) and add their flips to `count` (a new FlipCount unless given), which
     the block gets. Keep backward inside the block under gradient checkpointing: the recompute
     must route alike (it counts its decisions again, which leaves the rate as it is). Routes
-    that cannot be this model's raise ValueError on entry (its one host sync)."""
+    laid out for another model raise ValueError on entry, from their shape alone: nothing
+    waits for the device (routed_expert_batch checked their expert ids on the host)."""
     routers = moe_routers(model)
-    if len(routers) != routes.shape[2]:
-        raise ValueError(f"routes have {routes.shape[2]} MoE layers, the model "
-                         f"{len(routers)} routers")
-    if routers:
-        _check_router_sizes(routes, routers[0].top_k, routers[0].num_experts)
+    _check_router_sizes(routes, routers)
     count = FlipCount() if count is None else count
     handles = [r.register_forward_hook(functools.partial(_replay, routes[:, :, i], force, count))
                for i, r in enumerate(routers)]
@@ -92,13 +94,20 @@ def routing_replay(model: torch.nn.Module, routes: torch.Tensor, force: bool = T
             handle.remove()
 
 
-def _check_router_sizes(routes: torch.Tensor, top_k: int, num_experts: int) -> None:
-    """Another top-k would only fail in the forward, as a layout mismatch; an expert id past
-    the experts as gather's RuntimeError (on CUDA a device-side assert, which ends the
-    process's CUDA context)."""
-    if routes.shape[-1] != top_k:
+def _check_router_sizes(routes: torch.Tensor, routers: list[torch.nn.Module]) -> None:
+    """Another count of MoE layers or another top-k would only fail in the forward, as a
+    layout mismatch. Reads the shape only."""
+    if len(routers) != routes.shape[2]:
+        raise ValueError(f"routes have {routes.shape[2]} MoE layers, the model "
+                         f"{len(routers)} routers")
+    if routers and routes.shape[-1] != routers[0].top_k:
         raise ValueError(f"routes: top-{routes.shape[-1]} routing, the model's routers take the "
-                         f"top {top_k}")
+                         f"top {routers[0].top_k}")
+
+
+def _check_expert_ids(routes: torch.Tensor, num_experts: int) -> None:
+    """An expert id past the experts would fail in the forward as gather's RuntimeError (on
+    CUDA a device-side assert, which ends the process's CUDA context). `routes` on the host."""
     largest = int(routes.max()) if routes.numel() else -1
     if largest >= num_experts:
         raise ValueError(f"routes: expert ids up to {largest}, the model has {num_experts} "

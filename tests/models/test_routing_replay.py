@@ -31,7 +31,7 @@ def rollout(request):
         model = tiny_model("mixtral")
     outs = rollout_outputs(model)
     batch = build_batch(outs, [0.0] * 2 * len(PROMPTS), 0, torch.device("cpu"))
-    return model, batch, routed_expert_batch(outs, batch.input_ids.shape[1])
+    return model, batch, routed_expert_batch(outs, batch.input_ids.shape[1], model)
 
 
 def rollout_outputs(model):
@@ -157,20 +157,38 @@ def test_hooks_are_removed_on_exit_and_on_error(rollout):
         routing_replay(model, routes[:, :, :1]).__enter__()
 
 
-def test_routes_of_another_router_size_are_refused_on_entry(rollout):
+def outputs_of(routes: torch.Tensor):
+    """A RolloutOutput stand-in (what routed_expert_batch reads) holding `routes`' rows."""
+    return [SimpleNamespace(samples=[SimpleNamespace(routed_experts=row) for row in routes])]
+
+
+def test_routes_of_another_router_size_are_refused(rollout):
     """Routes that cannot be this model's (other top-k, expert ids past its experts) are
     refused before any forward: an id past the experts failed in the forward with gather's
-    RuntimeError (a device-side assert on CUDA), another top-k as a layout mismatch."""
+    RuntimeError (a device-side assert on CUDA), another top-k as a layout mismatch. The ids
+    are checked by routed_expert_batch, on the host."""
     model, batch, routes = rollout
+    length = routes.shape[1]
     experts = moe_routers(model)[0].num_experts
     with pytest.raises(ValueError, match=f"routes: expert ids up to {experts}, the model has "
                                          f"{experts} experts"):
-        with routing_replay(model, torch.where(routes >= 0, routes + 1, routes)):
-            forward(model, batch)
-    with pytest.raises(ValueError, match="routes: top-1 routing, the model's routers take the "
-                                         "top 2"):
+        routed_expert_batch(outputs_of(torch.where(routes >= 0, routes + 1, routes)), length,
+                            model)
+    top_1 = "routes: top-1 routing, the model's routers take the top 2"
+    with pytest.raises(ValueError, match=top_1):
+        routed_expert_batch(outputs_of(routes[..., :1]), length, model)
+    with pytest.raises(ValueError, match=top_1):
         with routing_replay(model, routes[..., :1]):
             forward(model, batch)
+
+
+def test_entering_the_replay_reads_no_route(rollout):
+    """routing_replay is entered for every training micro-batch: it checks the routes' shape
+    only (it read their largest id, a blocking device-to-host copy each time on CUDA). A meta
+    tensor has a shape and no values to read."""
+    model, batch, routes = rollout
+    with routing_replay(model, routes.to("meta")) as count:
+        assert int(count.total) == 0
 
 
 def test_custom_loop_logs_the_flip_rate_and_replays(tmp_path, monkeypatch):
