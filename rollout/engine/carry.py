@@ -26,12 +26,12 @@ failed unit leaves requests, queues and sequences as they were.
 
 from __future__ import annotations
 
+import torch
+
 from ..fields import as_int
 from ..journal import Journal, RollbackFailed
 from ..kv import parked
 from ..kv.manager import KVManager
-from ..kv.pool import SLOT_VERSION
-from ..models.base import ROUTED_EXPERTS
 from ..requests.request import Request
 from ..requests.sequence import SeqStatus
 from .requests import RequestTable
@@ -119,19 +119,20 @@ class Carry:
         asked for routes keeps those of its K/V the prefix cache still holds (its rows'
         routed experts and versions, models/layers/moe.py, kv/pool.py), which its tokens so
         far were sampled under; its re-prefill computes new ones (docs/moe.md)."""
-        pool = self.kv.pool
-        if not pool.keeps_versions:
+        if not self.kv.pool.keeps_versions:
             return
-        for seq in self._mid_sample():
-            if not seq.params.return_routed_experts:
-                continue
-            slots = self.kv.cache.peek(seq.reusable_tokens())
-            if slots.numel() == 0:
-                continue
-            routes = (pool.read_extra(ROUTED_EXPERTS, slots).cpu(),
-                      pool.read_extra(SLOT_VERSION, slots)[:, 0].cpu())
+        held = [(seq, self.kv.cache.peek(seq.reusable_tokens())) for seq in self._mid_sample()
+                if seq.params.return_routed_experts]
+        held = [(seq, slots) for seq, slots in held if slots.numel()]
+        if not held:
+            return
+        # Every sample's slots in one read: each device-to-host copy waits for the device.
+        sizes = [slots.numel() for _, slots in held]
+        routes, versions = self.kv.pool.read_routes(torch.cat([slots for _, slots in held]))
+        for (seq, _), r, v in zip(held, routes.split(sizes), versions.split(sizes)):
             self.journal.touch(seq)
-            seq.earlier_routes += (routes,)
+            # Copies: a view would keep every sample's routes alive while any one is held.
+            seq.earlier_routes += ((r.clone(), v.clone()),)
 
     def begin_update(self) -> None:
         """A weight update starts (whether or not it gets as far as forget_cache)."""

@@ -19,8 +19,6 @@ from dataclasses import dataclass
 
 from ..journal import Journal
 from ..kv.manager import KVManager
-from ..kv.pool import SLOT_VERSION
-from ..models.base import ROUTED_EXPERTS
 from ..requests.batch import Batch, ScheduledSeq
 from ..requests.sequence import Sequence
 from ..sample.sampler import Emitted
@@ -174,8 +172,5 @@ class Committer:
         accepted drafts, a recompute after preemption or a weight update, K/V kept across an
         update (carried_kv="park")."""
         slots = self.kv.table.read(seq.row, 0, seq.num_computed)
-        pool = self.kv.pool
-        routes = pool.read_extra(ROUTED_EXPERTS, slots).cpu()
-        versions = pool.read_extra(SLOT_VERSION, slots)[:, 0].cpu()
         # (the journal's snapshot of seq, taken in _apply, undoes it)
-        seq.routed_experts = (routes, versions)
+        seq.routed_experts = self.kv.pool.read_routes(slots)

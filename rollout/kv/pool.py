@@ -21,6 +21,7 @@ import os
 
 import torch
 
+from ..models.base import ROUTED_EXPERTS
 from . import huge_pages
 
 # The per-slot Engine.weights_version of the forward that computed the slot, kept whenever the
@@ -177,8 +178,18 @@ class KVPool:
         extra = self.extras[name]
         extra[rows, index] = values.to(extra.dtype)
 
-    def read_extra(self, name: str, slots: torch.Tensor) -> torch.Tensor:
-        return self.extras[name][slots]
+    def read_routes(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """On the host: the routed experts of `slots` ([n, MoE layers, k], an MoE model's
+        ROUTED_EXPERTS extra) and the weights version of the forward that computed each ([n]).
+        One device-to-host copy, each of which waits for the device: both are gathered into
+        one byte row per slot there and split here, each part a tensor of its own."""
+        routes = self.extras[ROUTED_EXPERTS][slots]
+        versions = self.extras[SLOT_VERSION][slots]
+        route_bytes = math.prod(routes.shape[1:]) * routes.element_size()
+        packed = torch.cat([routes.reshape(len(slots), -1).view(torch.uint8),
+                            versions.view(torch.uint8)], 1).cpu()
+        return (packed[:, :route_bytes].contiguous().view(routes.dtype).view(routes.shape),
+                packed[:, route_bytes:].contiguous().view(versions.dtype)[:, 0])
 
     @property
     def keeps_versions(self) -> bool:

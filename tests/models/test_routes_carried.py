@@ -14,6 +14,7 @@ prompt's K/V, and the update keeps the old routes from the cache.
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -233,3 +234,35 @@ def test_a_sample_carried_across_two_updates_keeps_the_routes_of_each(old_and_ne
         assert (sample.routed_versions == 2).all()
         ref, tie, _ = reference_routes(old, out.prompt_token_ids + sample.token_ids[:-1])
         assert not ((sample.routed_experts.long() != ref).any(-1) & ~tie).any()
+
+
+def test_routes_come_to_the_host_in_one_copy_per_read(old_and_new, monkeypatch):
+    """Each device-to-host copy waits for the device: a finished sample's routes and their
+    versions come in one copy, and an update keeps the routes of every carried sample in one
+    (it took two per sample for both). Counted: Tensor.cpu called from the files that read
+    routes (the engine copies other things, weights and sampling's results, elsewhere)."""
+    old, new = old_and_new
+    engine = Engine(copy.deepcopy(old), EngineConfig(kv_cache_tokens=1024, max_model_len=96))
+    engine.rollout(PROMPTS, PARAMS, groups=1)
+    copies = []
+    to_host = torch.Tensor.cpu
+    readers = ("engine/commit.py", "engine/carry.py", "kv/pool.py")
+
+    def counted(tensor, *args, **kwargs):
+        if sys._getframe(1).f_code.co_filename.endswith(readers):
+            copies.append(tensor)
+        return to_host(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "cpu", counted)
+    engine.update_weights(new)
+    carried = [s for s in engine.scheduler.waiting if s.earlier_routes]
+    assert len(carried) >= 2 and len(copies) == 1
+    copies.clear()
+    outs = engine.rollout(groups=None)
+    finished_now = [s for o in outs for s in o.samples if s.weights_versions[-1] == 1]
+    assert finished_now and len(copies) == len(finished_now)
+    monkeypatch.undo()
+    for out in outs:
+        for sample in out.samples:
+            assert_earlier_routes(sample, out.prompt_token_ids, [old])
+
