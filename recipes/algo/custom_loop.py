@@ -160,7 +160,7 @@ class CustomTrainer:
                                 self.behaviour)
             if self.params.return_routed_experts:
                 self.routes = routed_expert_batch(outs, batch.input_ids.shape[1], self.module,
-                                                  self.acc.device)
+                                                  self.engine.weights_version, self.acc.device)
         t1 = time.perf_counter()
         if self.decoupled:
             self._decouple(batch)

@@ -37,15 +37,17 @@ def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def routed_expert_batch(outputs: list[RolloutOutput], length: int, model: torch.nn.Module,
-                        device: torch.device | str = "cpu") -> torch.Tensor | None:
+                        version: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
     """The samples' routed experts in the training batch's token space (recipes/algo/batch.py:
     one row per sample, prompt + completion, right-padded to `length`): [N, length, MoE
     layers, k] in the engine's int16 (an int64 copy would hold 4x the memory on the device,
-    3 KiB a padded position for Qwen3-30B-A3B). -1 marks positions the rollout never routed
-    (the last token, padding, an aborted sample): their routers keep their own choice and are
-    not counted. None when no sample has routes (all aborted). Routes that cannot be `model`'s
-    raise ValueError here, read on the host: routing_replay, entered for every micro-batch,
-    would wait for the device to read them there."""
+    3 KiB a padded position for Qwen3-30B-A3B). -1 marks positions whose routers keep their
+    own choice, not counted in the flip rate: those the rollout never routed (the last token,
+    padding, an aborted sample) and rows another weights version computed than `version`,
+    the engine's version of the trainer's weights at the step's start (_of_version). None when
+    no sample has routes (all aborted). Routes that cannot be `model`'s raise ValueError here,
+    read on the host: routing_replay, entered for every micro-batch, would wait for the
+    device to read them there."""
     samples = [s for out in outputs for s in out.samples]
     routes = next((s.routed_experts for s in samples if s.routed_experts is not None), None)
     if routes is None:
@@ -53,11 +55,24 @@ def routed_expert_batch(outputs: list[RolloutOutput], length: int, model: torch.
     out = torch.full((len(samples), length, *routes.shape[1:]), -1, dtype=routes.dtype)
     for i, sample in enumerate(samples):
         if sample.routed_experts is not None:
-            out[i, :len(sample.routed_experts)] = sample.routed_experts
+            out[i, :len(sample.routed_experts)] = _of_version(sample, version)
     routers = moe_routers(model)
     _check_router_sizes(out, routers)
     _check_expert_ids(out, routers[0].num_experts)
     return out.to(device)
+
+
+def _of_version(sample, version: int) -> torch.Tensor:
+    """The sample's route rows, -1 where `Sample.routed_versions` is not `version`. Replay
+    serves the loss's forwards and the proximal policy the custom loop measures them against
+    (the trainer's weights at the step's start, recomputed): it must route as those weights
+    route. A sample carried across an update under carried_kv="recompute" had every row
+    re-prefilled under them (their routing, up to the engine's kernels); under "park" its rows
+    from before the update are the old weights' routing (docs/moe.md): forced, the trainer
+    would train a network it never samples from, experts its routers do not choose. A sample
+    finished under older weights and handed out later has no row of `version` at all."""
+    stale = sample.routed_versions != version
+    return sample.routed_experts.masked_fill(stale[:, None, None], -1)
 
 
 class FlipCount:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from test_moe_routing import reference_routes
 
 import rollout.requests.outputs as outputs
 from rollout import Engine, EngineConfig, SamplingParams
+from rollout_recipes.algo.routing_replay import routed_expert_batch, routing_replay
 
 PROMPTS = [[1, 2, 3], list(range(10, 40)), [5, 99, 3, 100, 6, 7]]
 # Each call hands out the first group only; the others are carried mid-way (they need more
@@ -266,3 +268,44 @@ def test_routes_come_to_the_host_in_one_copy_per_read(old_and_new, monkeypatch):
         for sample in out.samples:
             assert_earlier_routes(sample, out.prompt_token_ids, [old])
 
+
+@pytest.mark.parametrize("mode", ["recompute", "park"])
+def test_replay_forces_only_the_rows_of_the_trainers_weights(old_and_new, mode):
+    """The custom loop's replay (rollout_recipes.algo.routing_replay) routes as the trainer's
+    weights at the step's start route (B, version 1 here): their proximal policy. Rows of
+    another version (park: those A computed before the update) are -1 in the batch, and the
+    trainer's routers route them as transformers' B does; the other rows are forced to the
+    engine's. Under recompute every row is B's and forced."""
+    old, new = old_and_new
+    carried, _ = carried_outputs(old, new, mode)
+    trainer = copy.deepcopy(new)
+    used = []  # each MoE block's top-k ids handed to its experts
+    hooks = [m.register_forward_pre_hook(lambda m, args: used.append(args[1]))
+             for name, m in trainer.named_modules() if name.endswith("mlp.experts")]
+    stale_rows = apart = 0
+    try:
+        for out in carried:
+            for sample in out.samples:
+                text = out.prompt_token_ids + sample.token_ids
+                routes = routed_expert_batch([SimpleNamespace(samples=[sample])], len(text),
+                                             trainer, 1)
+                used.clear()
+                with torch.no_grad(), routing_replay(trainer, routes):
+                    trainer(torch.tensor([text]), use_cache=False)
+                used_ids = torch.stack(used, 1).view(routes.shape)[0]
+                rows, stale = len(sample.routed_experts), sample.routed_versions != 1
+                first_new = int(stale.sum())  # versions only grow: the stale rows lead
+                assert (routes[0, :first_new] == -1).all()
+                assert torch.equal(used_ids[first_new:rows], sample.routed_experts[~stale].long())
+                stale_rows += first_new
+                if first_new:
+                    ref, tie, _ = reference_routes(new, text[:first_new])
+                    own = used_ids[:first_new].sort(-1).values
+                    assert not ((own != ref.sort(-1).values).any(-1) & ~tie).any()
+                    apart += int((sample.routed_experts[stale].long() != ref).any(-1).any(-1)
+                                 .sum())
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert (stale_rows > 0) == (mode == "park")
+    assert apart >= stale_rows / 2  # A's rows would have told: B routes most of them apart

@@ -31,7 +31,7 @@ def rollout(request):
         model = tiny_model("mixtral")
     outs = rollout_outputs(model)
     batch = build_batch(outs, [0.0] * 2 * len(PROMPTS), 0, torch.device("cpu"))
-    return model, batch, routed_expert_batch(outs, batch.input_ids.shape[1], model)
+    return model, batch, routed_expert_batch(outs, batch.input_ids.shape[1], model, 0)
 
 
 def rollout_outputs(model):
@@ -158,8 +158,11 @@ def test_hooks_are_removed_on_exit_and_on_error(rollout):
 
 
 def outputs_of(routes: torch.Tensor):
-    """A RolloutOutput stand-in (what routed_expert_batch reads) holding `routes`' rows."""
-    return [SimpleNamespace(samples=[SimpleNamespace(routed_experts=row) for row in routes])]
+    """A RolloutOutput stand-in (what routed_expert_batch reads) holding `routes`' rows, all
+    of weights version 0."""
+    versions = torch.zeros(routes.shape[1], dtype=torch.int32)
+    return [SimpleNamespace(samples=[SimpleNamespace(routed_experts=row, routed_versions=versions)
+                                     for row in routes])]
 
 
 def test_routes_of_another_router_size_are_refused(rollout):
@@ -173,10 +176,10 @@ def test_routes_of_another_router_size_are_refused(rollout):
     with pytest.raises(ValueError, match=f"routes: expert ids up to {experts}, the model has "
                                          f"{experts} experts"):
         routed_expert_batch(outputs_of(torch.where(routes >= 0, routes + 1, routes)), length,
-                            model)
+                            model, 0)
     top_1 = "routes: top-1 routing, the model's routers take the top 2"
     with pytest.raises(ValueError, match=top_1):
-        routed_expert_batch(outputs_of(routes[..., :1]), length, model)
+        routed_expert_batch(outputs_of(routes[..., :1]), length, model, 0)
     with pytest.raises(ValueError, match=top_1):
         with routing_replay(model, routes[..., :1]):
             forward(model, batch)
