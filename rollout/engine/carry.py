@@ -32,6 +32,7 @@ from ..fields import as_int
 from ..journal import Journal, RollbackFailed
 from ..kv import parked
 from ..kv.manager import KVManager
+from ..models.base import ROUTED_EXPERTS
 from ..requests.request import Request
 from ..requests.sequence import SeqStatus
 from .requests import RequestTable
@@ -128,7 +129,8 @@ class Carry:
             return
         # Every sample's slots in one read: each device-to-host copy waits for the device.
         sizes = [slots.numel() for _, slots in held]
-        routes, versions = self.kv.pool.read_routes(torch.cat([slots for _, slots in held]))
+        routes, versions = self.kv.pool.read_versioned(
+            ROUTED_EXPERTS, torch.cat([slots for _, slots in held]))
         for (seq, _), r, v in zip(held, routes.split(sizes), versions.split(sizes)):
             self.journal.touch(seq)
             # Copies: a view would keep every sample's routes alive while any one is held.

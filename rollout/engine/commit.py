@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from ..journal import Journal
 from ..kv.manager import KVManager
+from ..models.base import ROUTED_EXPERTS
 from ..requests.batch import Batch, ScheduledSeq
 from ..requests.sequence import Sequence
 from ..sample.sampler import Emitted
@@ -173,4 +174,4 @@ class Committer:
         update (carried_kv="park")."""
         slots = self.kv.table.read(seq.row, 0, seq.num_computed)
         # (the journal's snapshot of seq, taken in _apply, undoes it)
-        seq.routed_experts = self.kv.pool.read_routes(slots)
+        seq.routed_experts = self.kv.pool.read_versioned(ROUTED_EXPERTS, slots)

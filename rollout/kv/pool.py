@@ -21,7 +21,6 @@ import os
 
 import torch
 
-from ..models.base import ROUTED_EXPERTS
 from . import huge_pages
 
 # The per-slot Engine.weights_version of the forward that computed the slot, kept whenever the
@@ -178,12 +177,12 @@ class KVPool:
         extra = self.extras[name]
         extra[rows, index] = values.to(extra.dtype)
 
-    def read_routes(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """On the host: the routed experts of `slots` ([n, MoE layers, k], an MoE model's
-        ROUTED_EXPERTS extra) and the weights version of the forward that computed each ([n]).
-        One device-to-host copy, each of which waits for the device: both are gathered into
-        one byte row per slot there and split here, each part a tensor of its own."""
-        routes = self.extras[ROUTED_EXPERTS][slots]
+    def read_versioned(self, name: str, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """On the host: the extra `name` of `slots` (an MoE model's routed experts: [n, MoE
+        layers, k]) and the weights version of the forward that computed each ([n]). One
+        device-to-host copy, each of which waits for the device: both are gathered into one
+        byte row per slot there and split here, each part a tensor of its own."""
+        routes = self.extras[name][slots]
         versions = self.extras[SLOT_VERSION][slots]
         route_bytes = math.prod(routes.shape[1:]) * routes.element_size()
         packed = torch.cat([routes.reshape(len(slots), -1).view(torch.uint8),
