@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..colocation.weights import whole
 from ..models.base import LORA_MODULE
 from ..models.layers.expert_lora import ExpertBlock
 from ..models.layers.linear import MergedLinear, RowParallelLinear
@@ -169,8 +170,6 @@ def held(model, layout: Layout) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def _part(tensor: torch.Tensor, cut: Slice | Concat | None, view) -> torch.Tensor:
-    tensor = tensor.detach()
-    if hasattr(tensor, "full_tensor"):  # a DTensor (FSDP2): small, gathered whole
-        tensor = tensor.full_tensor()
+    tensor = whole(tensor.detach())  # a DTensor (FSDP2) adapter: small, gathered whole
     tensor = view(tensor)  # PEFT's layout as ours (experts), before this rank's cut
     return tensor if cut is None else cut.take(tensor)
