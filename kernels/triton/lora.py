@@ -61,7 +61,7 @@ def _expand_kernel(s, b, y, rows, ranks, scales, T, stride_st, stride_br, stride
                          mask=(t[:, None] < T) & (r[None, :] < rank), other=0.0)
             bt = tl.load(b + (row0 + n[None, :]).to(tl.int64) * stride_br + col0 + r[:, None],
                          mask=(n[None, :] < count) & (r[:, None] < rank), other=0.0)
-            delta += row_dot(st, bt, tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32), PRECISION)
+            delta = row_dot(st, bt, delta, PRECISION)  # the tiles' sums go on in one chain
         out = y + t[:, None].to(tl.int64) * stride_yt + row0 + n[None, :]
         keep = (t[:, None] < T) & (n[None, :] < count)
         base = tl.load(out, mask=keep, other=0.0).to(tl.float32)
