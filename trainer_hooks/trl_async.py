@@ -35,6 +35,10 @@ samples are taken before the sync that makes them older.
     trainer = engine_async_grpo(engine, model, reward_funcs, args, train_dataset, tokenizer)
     trainer.train()
 
+A checkpoint records where the worker's prompts resume (the first group drawn and not
+trained, in TRL's rollout_state.json, which TRL writes and reads for its own worker only), and
+a run resumed from it draws from there (engine_trainer_class).
+
 What the engine cannot give is refused with a ValueError: tools and environments (TRL's async
 tool loop), `repetition_penalty`, a PEFT model's adapter-only sync (its merged weights are sent).
 """
@@ -43,8 +47,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import inspect
 import itertools
+import json
+import os
 import queue
 import threading
 import time
@@ -111,9 +118,18 @@ class EngineRolloutWorker:
         self.model_version = 0
         # The trainer's model version of each engine weights version (set at each sync).
         self._versions = {engine.weights_version: 0}
-        # Dataset rows in flight, by the request id of their group (which comes back steps
-        # later, and not in the order asked: rows with the same prompt may differ otherwise).
-        self._rows: dict[str, dict] = {}
+        # Where start() draws its first row: a position counts the rows drawn since the run
+        # began, across epochs (row = position mod the dataset's size); a resumed run's is the
+        # checkpoint's (EngineAsyncGRPOTrainer).
+        self.dataset_start = 0
+        self._next_position = 0
+        # Dataset rows in flight with their positions, by the request id of their group (which
+        # comes back steps later, and not in the order asked: rows with the same prompt may
+        # differ otherwise), and the positions of the groups pushed, by group id: where a
+        # checkpoint resumes (resume_position). Read by the trainer's thread under _book.
+        self._rows: dict[str, tuple[int, dict]] = {}
+        self._pushed: dict[int, int] = {}
+        self._book = threading.Lock()
         self._request_ids = (f"trl-async-{i}" for i in itertools.count())
         self._group_ids = itertools.count()
         self._run = threading.Event()  # set: the thread may call the engine
@@ -131,6 +147,9 @@ class EngineRolloutWorker:
             raise RuntimeError("start: the engine's rollout thread is still running")
         # The last thread's failure and silence are not the new one's (check_health).
         self._error, self._last_push = None, time.time()
+        with self._book:
+            self._next_position = self.dataset_start
+            self._pushed.clear()  # an earlier train()'s groups: not this run's to resume
         self._stop.clear()
         self._run.set()
         self._thread = threading.Thread(target=self._loop, name="engine-rollout", daemon=True)
@@ -159,10 +178,21 @@ class EngineRolloutWorker:
                               f"a sample); left behind: it calls the engine no more",
                               RuntimeWarning, stacklevel=2)
         self.engine.abort_all()  # the thread is out of the engine for good
-        self._rows.clear()  # their groups are gone
+        with self._book:
+            self._rows.clear()  # their groups are gone
 
     def update_model_version(self, model_version: int) -> None:
         self.model_version = model_version
+
+    def resume_position(self, trained: set[int]) -> int:
+        """The position of the first group drawn that the trainer has not trained (`trained`:
+        its group ids), in the engine or pushed, else the next to draw: TRL's rule for where a
+        checkpoint's prompts resume (its own worker draws its groups in order; this one's
+        complete out of order, so trained groups past that position are drawn again)."""
+        with self._book:
+            waiting = [p for g, p in self._pushed.items() if g not in trained]
+            waiting += [p for p, _ in self._rows.values()]
+            return min(waiting, default=self._next_position)
 
     def check_health(self, stale_after_s: float) -> None:
         if self._error is not None:
@@ -190,7 +220,6 @@ class EngineRolloutWorker:
 
     # --- the thread -------------------------------------------------------------------------
     def _loop(self) -> None:
-        rows = itertools.cycle(range(len(self.dataset)))
         self._aio = asyncio.new_event_loop()
         try:
             while not self._stop.is_set():
@@ -206,11 +235,13 @@ class EngineRolloutWorker:
                     if new or self.engine.carried:
                         prompts, ids = [], []
                         for _ in range(new):
-                            index = next(rows)
+                            index = self._next_position % len(self.dataset)
                             row = self.dataset[index]
                             prompts.append(self._prompt_ids(row, index))
                             ids.append(next(self._request_ids))
-                            self._rows[ids[-1]] = row
+                            with self._book:
+                                self._rows[ids[-1]] = (self._next_position, row)
+                                self._next_position += 1
                         outs = self.engine.rollout(prompts, self.params, groups=1,
                                                    request_ids=ids)
                 finally:
@@ -268,9 +299,12 @@ class EngineRolloutWorker:
             raise ValueError(f"dataset row {index}: {e}") from e
 
     def _push(self, out) -> None:
-        row = self._rows.pop(out.request_id)
-        if out.error is not None:  # aborted (non-finite logits): no completions to train on
-            return
+        with self._book:
+            position, row = self._rows.pop(out.request_id)
+            if out.error is not None:  # aborted (non-finite logits): no completions to train on
+                return
+            group_id = next(self._group_ids)
+            self._pushed[group_id] = position  # untrained until the trainer says so
         conversational = not isinstance(row["prompt"], str)
         texts = [s.text or "" for s in out.samples]
         completions = [[{"role": "assistant", "content": t}] for t in texts] \
@@ -287,7 +321,6 @@ class EngineRolloutWorker:
                     _gather([columns[i] for i in waiting]))):
                 columns[i] = column
         rewards, advantages, spread = group_advantages(columns)
-        group_id = next(self._group_ids)
         prompt_ids = list(out.prompt_token_ids)
         for s, completion, advantage, reward in zip(out.samples, completions, advantages,
                                                     rewards):
@@ -385,8 +418,6 @@ def engine_async_grpo(engine: Engine, model, reward_funcs, args, train_dataset,
     trainer at most; `token_budget` None is the engine's max_model_len, as TRL's is the
     server's, and under a token budget a micro-batch takes what fits, whatever the batch size.
     `importance_ratio`: EngineRolloutWorker's."""
-    from trl.experimental.async_grpo import AsyncGRPOTrainer
-
     if kwargs.get("tools") or kwargs.get("environment_factory"):
         raise ValueError("tools / environment_factory: the engine's async worker rolls out "
                          "single turns; use trainer_hooks.trl.RolloutGRPOTrainer for tools")
@@ -422,11 +453,67 @@ def engine_async_grpo(engine: Engine, model, reward_funcs, args, train_dataset,
                                  else [reward_funcs], processing_class, args.num_generations,
                                  params, groups_in_flight, args.queue_maxsize,
                                  args.chat_template_kwargs, importance_ratio, pending)
-    trainer = AsyncGRPOTrainer(model=model, reward_funcs=reward_funcs, args=args,
-                               train_dataset=train_dataset, processing_class=processing_class,
-                               rollout_worker=worker,
-                               weight_transfer=EngineWeightTransfer(worker), **kwargs)
+    trainer = engine_trainer_class()(
+        model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
+        processing_class=processing_class, rollout_worker=worker,
+        weight_transfer=EngineWeightTransfer(worker), **kwargs)
     # Only now, nothing left to refuse the call: a refused or failed one changes neither.
     engine.config = config
     args.token_budget = token_budget  # TRL would ask the vLLM server for its max_model_len
     return trainer
+
+
+# TRL's file name and fields: a checkpoint of either worker resumes with either.
+ROLLOUT_STATE = "rollout_state.json"
+
+
+@functools.cache
+def engine_trainer_class() -> type:
+    """AsyncGRPOTrainer that saves and restores where the engine's worker draws its prompts
+    (built on first use: trl.experimental is imported only by who asks for it). TRL writes
+    ROLLOUT_STATE into a checkpoint and reads it back for its own worker only: a run resumed
+    with the engine's drew from row 0 again, training the first prompts twice, and counted its
+    epochs from 0."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    class EngineAsyncGRPOTrainer(AsyncGRPOTrainer):
+        def _save_checkpoint(self, model, trial):
+            worker = self.rollout_worker
+            if self.accelerator.is_main_process and isinstance(worker, EngineRolloutWorker):
+                folder = os.path.join(self._get_output_dir(trial=trial),
+                                      f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+                os.makedirs(folder, exist_ok=True)
+                state = {"prompt_index": worker.resume_position(self._trained_groups),
+                         "model_version": self.model_version}
+                with open(os.path.join(folder, ROLLOUT_STATE), "w") as f:
+                    json.dump(state, f)
+            super()._save_checkpoint(model, trial)
+
+        def _inner_training_loop(self, *args, **kwargs):
+            worker = self.rollout_worker  # the main process's; None on the others
+            if isinstance(worker, EngineRolloutWorker):
+                # Reset first: an earlier train() call's position is not this one's.
+                worker.dataset_start = self._groups_before_resume = 0
+                state = _rollout_state(kwargs.get("resume_from_checkpoint"))
+                if state is not None:
+                    worker.dataset_start = self._groups_before_resume = state["prompt_index"]
+                    self.model_version = state.get("model_version", 0)  # TRL's default
+                    worker.update_model_version(self.model_version)
+            return super()._inner_training_loop(*args, **kwargs)
+
+    return EngineAsyncGRPOTrainer
+
+
+def _rollout_state(checkpoint: str | None) -> dict | None:
+    """A checkpoint's ROLLOUT_STATE; None without a checkpoint, or one saved without it (by an
+    older version: the run then draws from row 0, as TRL's worker does, with a warning)."""
+    if checkpoint is None:
+        return None
+    path = os.path.join(checkpoint, ROLLOUT_STATE)
+    if not os.path.isfile(path):
+        warnings.warn(f"resume_from_checkpoint: no {ROLLOUT_STATE} in {checkpoint}; the "
+                      f"engine's worker draws from row 0", RuntimeWarning, stacklevel=3)
+        return None
+    with open(path) as f:
+        return json.load(f)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import queue
 import threading
 import time
@@ -20,6 +21,7 @@ import pytest
 import torch
 from datasets import Dataset
 from models import char_tokenizer, tiny_model
+from transformers import TrainerCallback
 
 from rollout import Engine, EngineConfig, SamplingParams
 from trainer_hooks import trl_async
@@ -263,7 +265,7 @@ def test_a_group_the_engine_aborted_is_not_pushed(checkpoint):
                                  params=SamplingParams(max_tokens=6))
     row = {"prompt": PROMPTS[0]}
     ids = worker._prompt_ids(row, 0)
-    worker._rows["0"] = row
+    worker._rows["0"] = (0, row)  # (its position in the draws, the row)
     aborted = [Sample(index=i, token_ids=[], logprobs=[], finish_reason="abort", text="")
                for i in range(2)]
     worker._push(RolloutOutput("0", ids, aborted, error="logits: the model produced "
@@ -345,7 +347,7 @@ def test_old_log_probs_are_the_importance_ratios_behaviour_logprobs(checkpoint,
                                  params=SamplingParams(max_tokens=6, top_k=3, seed=0),
                                  importance_ratio=importance_ratio)
     row = {"prompt": PROMPTS[0]}
-    worker._rows["0"] = row
+    worker._rows["0"] = (0, row)  # (its position in the draws, the row)
     out, = engine.rollout([worker._prompt_ids(row, 0)], worker.params, request_ids=["0"])
     worker._push(out)
     pushed = [worker.rollout_buffer.get_nowait() for _ in out.samples]
@@ -511,8 +513,6 @@ def test_a_refused_call_leaves_the_engine_and_args_as_they_were(tmp_path, checkp
     only once the trainer is built: a call refused by the worker's checks, or failing in
     TRL's constructor, leaves both as they were (max_staleness had gone None -> 0 after a
     refused call)."""
-    from trl.experimental import async_grpo
-
     path, tok = checkpoint
     engine = Engine(path, EngineConfig(kv_cache_tokens=1024, max_model_len=64), tokenizer=tok)
     config = engine.config
@@ -526,7 +526,7 @@ def test_a_refused_call_leaves_the_engine_and_args_as_they_were(tmp_path, checkp
     def fail(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(async_grpo, "AsyncGRPOTrainer", fail)
+    monkeypatch.setattr(trl_async.engine_trainer_class(), "__init__", fail)
     with pytest.raises(KeyboardInterrupt):
         engine_async_grpo(engine, path, length_reward, args,
                           Dataset.from_dict({"prompt": PROMPTS}), tok)
@@ -580,3 +580,49 @@ def test_the_worker_keeps_what_the_trainer_can_take_within_max_staleness(tmp_pat
     with pytest.raises(ValueError, match="max_pending"):
         EngineRolloutWorker(engine, Dataset.from_dict({"prompt": PROMPTS}), [length_reward],
                             tok, 4, SamplingParams(), max_pending=3)
+
+
+def test_a_resumed_run_draws_from_the_first_group_it_had_not_trained(tmp_path, checkpoint):
+    """TRL writes rollout_state.json (where the prompts resume) and reads it back only for its
+    own worker: a run with the engine's, resumed from a checkpoint, drew from row 0 again,
+    training the first prompts twice, and its epoch count started from 0. The reference is
+    TRL's rule (the first group not trained, in the order the groups were drawn), applied to
+    what the first run drew and trained."""
+    path, tok = checkpoint
+    prompts = [f"q{i}" for i in range(24)]  # fewer draws than rows: a row is its position
+    out = tmp_path / "out"
+
+    def run(resume=None, max_steps=2):
+        engine = Engine(path, EngineConfig(kv_cache_tokens=1024, max_model_len=64,
+                                           max_num_seqs=32), tokenizer=tok)
+        args = async_args(tmp_path, token_budget=-1, max_steps=max_steps,
+                          save_strategy="steps", save_steps=2)
+        trainer = engine_async_grpo(engine, path, length_reward, args,
+                                    Dataset.from_dict({"prompt": prompts}), tok,
+                                    groups_in_flight=2)
+        worker, drawn, pushed, saved = trainer.rollout_worker, [], {}, {}
+        prompt_ids, put = worker._prompt_ids, worker.rollout_buffer.put
+        worker._prompt_ids = lambda row, index: (drawn.append(index), prompt_ids(row, index))[1]
+        worker.rollout_buffer.put = lambda sample, *a, **k: (
+            pushed.__setitem__(sample.group_id, prompts.index(sample.prompt)),
+            put(sample, *a, **k))[1]
+
+        class AtSave(TrainerCallback):
+            def on_save(self, args, state, control, **kwargs):
+                trained = {pushed[g] for g in trainer._trained_groups}
+                saved["first"] = next(row for row in drawn if row not in trained)
+
+        trainer.add_callback(AtSave())
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer, drawn, saved
+
+    trainer, _, saved = run()
+    with open(out / "checkpoint-2" / "rollout_state.json") as f:
+        state = json.load(f)
+    assert state == {"prompt_index": saved["first"], "model_version": trainer.model_version}
+    assert 0 < saved["first"]
+    resumed, drawn, _ = run(resume=str(out / "checkpoint-2"), max_steps=3)
+    assert drawn[0] == saved["first"]
+    assert resumed._groups_before_resume == saved["first"]  # TRL's epoch count goes on
+    # Its versions go on from the checkpoint's: the cold sync at train begin, then step 3's.
+    assert resumed.model_version == state["model_version"] + 2
