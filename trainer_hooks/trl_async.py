@@ -469,13 +469,16 @@ ROLLOUT_STATE = "rollout_state.json"
 
 @functools.cache
 def engine_trainer_class() -> type:
-    """AsyncGRPOTrainer that saves and restores where the engine's worker draws its prompts
-    (built on first use: trl.experimental is imported only by who asks for it). TRL writes
-    ROLLOUT_STATE into a checkpoint and reads it back for its own worker only: a run resumed
-    with the engine's drew from row 0 again, training the first prompts twice, and counted its
-    epochs from 0."""
+    """AsyncGRPOTrainer that saves and restores where the engine's worker draws its prompts,
+    and starts it at every train() (built on first use: trl.experimental is imported only by
+    who asks for it). TRL writes ROLLOUT_STATE into a checkpoint and reads it back for its own
+    worker only: a run resumed with the engine's drew from row 0 again, training the first
+    prompts twice, and counted its epochs from 0. Its train-begin callback (cold sync, worker
+    start) fires once per trainer, while every train() stops the worker when it ends: a second
+    train() found no thread ("rollout thread is not running")."""
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
     from trl.experimental.async_grpo import AsyncGRPOTrainer
+    from trl.experimental.async_grpo.async_grpo_trainer import _TrainBeginCallback
 
     class EngineAsyncGRPOTrainer(AsyncGRPOTrainer):
         def _save_checkpoint(self, model, trial):
@@ -491,6 +494,11 @@ def engine_trainer_class() -> type:
             super()._save_checkpoint(model, trial)
 
         def _inner_training_loop(self, *args, **kwargs):
+            # Every process: the cold sync it runs is a collective. (Its once-only guard keeps
+            # TRL's NCCL group from being made twice; the engine's transfer makes none.)
+            for callback in self.callback_handler.callbacks:
+                if isinstance(callback, _TrainBeginCallback):
+                    callback._fired = False
             worker = self.rollout_worker  # the main process's; None on the others
             if isinstance(worker, EngineRolloutWorker):
                 # Reset first: an earlier train() call's position is not this one's.

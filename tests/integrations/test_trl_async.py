@@ -626,3 +626,23 @@ def test_a_resumed_run_draws_from_the_first_group_it_had_not_trained(tmp_path, c
     assert resumed._groups_before_resume == saved["first"]  # TRL's epoch count goes on
     # Its versions go on from the checkpoint's: the cold sync at train begin, then step 3's.
     assert resumed.model_version == state["model_version"] + 2
+
+
+def test_a_second_train_call_starts_the_worker_again(tmp_path, checkpoint):
+    """Each train() stops the worker when it ends (TRL's _inner_training_loop), but TRL's
+    train-begin callback (cold sync, worker start) fires once per trainer: a second train()
+    on the same trainer (going on after a first, resuming in the process) found no thread
+    and failed after TRL's 5 s poll ("rollout thread is not running"). Each call is a run
+    of its own: a cold sync, then one sync a step, as the first."""
+    path, tok = checkpoint
+    engine = Engine(path, EngineConfig(kv_cache_tokens=1024, max_model_len=64, max_num_seqs=32),
+                    tokenizer=tok)
+    trainer = engine_async_grpo(engine, path, length_reward, async_args(tmp_path, max_steps=1),
+                                Dataset.from_dict({"prompt": PROMPTS}), tok)
+    trainer.train()
+    assert engine.weights_version == 2  # the cold sync, then step 1's
+    trainer.args.max_steps = 2
+    trainer.train()
+    assert len([h for h in trainer.state.log_history if "loss" in h]) == 2  # this run's
+    assert engine.weights_version == 5  # again: a cold sync, then steps 1 and 2
+    assert not trainer.rollout_worker._thread.is_alive() and not engine.running_requests
