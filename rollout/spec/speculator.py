@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..ops.op import Op, always, on_cuda
 from ..requests.batch import Batch, ScheduledSeq
@@ -49,6 +49,10 @@ def make_speculator(config: SpeculativeConfig | None, stack, engine_config, toke
     """The engine's speculator for `config` (None: off), drafting for the model of `stack`."""
     if config is None:
         return None
+    # The engine's own copy, checked again (replace runs __post_init__): fields can be set
+    # after construction, unchecked until here, and a caller's later edits must not reach a
+    # running engine (as SamplingParams are taken at intake).
+    config = replace(config)
     drafter = None
     if config.method == "draft":
         from ..sample.noise import DRAFT_STREAM, TOKEN_STREAM
