@@ -150,14 +150,14 @@ class Speculator:
         # none is asked for longer than all of it (a draft model's forwards)
         room = (self.max_batched_tokens - batch.num_tokens if self.max_batched_tokens
                 else math.inf)
-        wanted = [(it, min(self._budget(it.seq), room)) for it in decodes if self._ready(it.seq)]
+        bar = self._bar(len(decodes)) if self.config.adaptive else None
+        wanted = [(it, self._asked(it.seq, room, bar)) for it in decodes if self._ready(it.seq)]
         wanted = [(it, k) for it, k in wanted if k > 0]
         if not wanted:
             return 0
         proposals = self.drafter.propose_batch([(it.seq, k) for it, k in wanted], self.siblings)
         origins = self.drafter.last_sources or [self.config.method] * len(wanted)
         extended = 0
-        bar = self._bar(len(decodes)) if self.config.adaptive else None
         with self.kv.journal.unit():
             for (it, _), (draft, probs), origin in zip(wanted, proposals, origins):
                 keep = len(draft)
@@ -171,6 +171,17 @@ class Speculator:
                     extended += 1
                     self.sources[it.seq.seq_id] = origin
         return extended
+
+    def _asked(self, seq: Sequence, room: float, bar: float | None) -> int:
+        """How many draft tokens to ask the drafter for: within the budget and the step's
+        room, and under adaptive drafting (`bar`) no more than pay where the source is known
+        before the proposal (every method's but "suffix", whose proposals say where each came
+        from: those are cut once proposed). A draft model computes every token it proposes,
+        a forward each: asked for k and cut after, it computed the rest for nothing."""
+        k = min(self._budget(seq), room)
+        if bar is None or self.config.method == "suffix":
+            return k
+        return min(k, self._paying(seq, self.config.method, bar))
 
     def _add_draft(self, item: ScheduledSeq, draft: list[int], probs) -> bool:
         """Slots for the proposals to verify; False (item unchanged) when the pool has no
