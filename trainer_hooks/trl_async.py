@@ -59,6 +59,7 @@ import warnings
 from collections.abc import Mapping
 
 import numpy as np
+from trl.trainer.utils import get_callable_name
 
 from rollout import Engine, SamplingParams
 from rollout.engine.chat import render_conversations
@@ -102,6 +103,7 @@ class EngineRolloutWorker:
                              f"functions, got {show(reward_funcs)}")
         self.engine, self.dataset, self.tokenizer = engine, dataset, tokenizer
         self.reward_funcs = list(reward_funcs)
+        self.reward_names = [get_callable_name(f) for f in self.reward_funcs]  # as TRL logs them
         self.params = dataclasses.replace(params, logprobs=params.logprobs or True,  # k: kept
                                           n=as_int("num_generations", num_generations, 1, MAX_N))
         self.groups_in_flight = as_int("groups_in_flight", groups_in_flight, 1)
@@ -321,15 +323,18 @@ class EngineRolloutWorker:
                     _gather([columns[i] for i in waiting]))):
                 columns[i] = column
         rewards, advantages, spread = group_advantages(columns)
+        per_function = reward_table(columns).T  # [completion, function]
         prompt_ids = list(out.prompt_token_ids)
-        for s, completion, advantage, reward in zip(out.samples, completions, advantages,
-                                                    rewards):
+        for s, completion, advantage, reward, own in zip(out.samples, completions, advantages,
+                                                         rewards, per_function):
             oldest = min(s.weights_versions, default=self.engine.weights_version)
+            # TRL's worker's metrics: the sum, the spread and each function's reward by name
+            metrics = {"reward": float(reward), "reward_std": spread,
+                       **{f"rewards/{name}": float(r) for name, r in zip(self.reward_names, own)}}
             self._put(_sample(
                 row["prompt"], completion, prompt_ids, s.token_ids,
                 behaviour_logprobs(s, self.importance_ratio), float(advantage),
-                self._versions.get(oldest, 0), group_id,
-                {"reward": float(reward), "reward_std": spread}))
+                self._versions.get(oldest, 0), group_id, metrics))
         self._last_push = time.time()
 
     def _put(self, sample) -> None:
@@ -346,12 +351,17 @@ async def _gather(awaitables: list) -> list:
     return await asyncio.gather(*awaitables)
 
 
+def reward_table(columns: list[list]) -> np.ndarray:
+    """[function, completion] rewards of one group, None (unscorable) as NaN."""
+    return np.array([[np.nan if r is None else r for r in c] for c in columns], dtype=float)
+
+
 def group_advantages(columns: list[list]) -> tuple[np.ndarray, np.ndarray, float]:
     """(rewards, advantages, the rewards' spread) of one group from each reward function's
     column, as TRL's own worker scores them: the functions' rewards summed; a completion every
     function returned None for is unscorable (reward NaN, advantage 0: a 0 would pull the
     policy away from it as if wrong), and the others are normalised among themselves."""
-    table = np.array([[np.nan if r is None else r for r in c] for c in columns], dtype=float)
+    table = reward_table(columns)
     rewards = np.nansum(table, axis=0)
     rewards[np.isnan(table).all(axis=0)] = np.nan
     scored = ~np.isnan(rewards)

@@ -646,3 +646,37 @@ def test_a_second_train_call_starts_the_worker_again(tmp_path, checkpoint):
     assert len([h for h in trainer.state.log_history if "loss" in h]) == 2  # this run's
     assert engine.weights_version == 5  # again: a cold sync, then steps 1 and 2
     assert not trainer.rollout_worker._thread.is_alive() and not engine.running_requests
+
+
+def test_each_reward_function_is_logged_under_trls_name(checkpoint):
+    """TRL's worker puts each reward function's reward on a sample's metrics as
+    rewards/<name> (trl's get_callable_name: a partial's function, a callable object's class),
+    None as NaN, beside the sum; the engine's had the sum alone, so a run with several
+    functions logged none of them."""
+    import functools
+
+    path, tok = checkpoint
+    engine = Engine(path, EngineConfig(kv_cache_tokens=1024, max_model_len=64), tokenizer=tok)
+
+    def scaled(prompts, completions, completion_ids, scale, **kwargs):
+        return [scale * len(c) for c in completions]
+
+    class Unscorable:
+        def __call__(self, prompts, completions, completion_ids, **kwargs):
+            return [None] * len(completions)
+
+    worker = EngineRolloutWorker(engine, Dataset.from_dict({"prompt": PROMPTS}),
+                                 [length_reward, functools.partial(scaled, scale=2.0),
+                                  Unscorable()], tok, num_generations=2,
+                                 params=SamplingParams(max_tokens=6, seed=0))
+    row = {"prompt": PROMPTS[0]}
+    worker._rows["0"] = (0, row)
+    out, = engine.rollout([worker._prompt_ids(row, 0)], worker.params, request_ids=["0"])
+    worker._push(out)
+    for s in out.samples:
+        metrics = worker.rollout_buffer.get_nowait().metrics
+        length = float(len(s.text))
+        assert metrics["rewards/length_reward"] == length
+        assert metrics["rewards/scaled"] == 2 * length
+        assert np.isnan(metrics["rewards/Unscorable"])
+        assert metrics["reward"] == 3 * length
