@@ -18,19 +18,20 @@ from ..kv.radix_cache import common_prefix_len
 from ..models.loader import build_model, load_into, resolve_model
 from ..requests.batch import Batch, ScheduledSeq
 from ..requests.sequence import SeqStatus, Sequence
-from ..sample.noise import TOKEN_STREAM
+from ..sample.noise import DRAFT_STREAM, TOKEN_STREAM
 from ..sample.sampler import SamplingBatch, target_logprobs
 from .drafter import Drafter
 
 
 class DraftModelDrafter(Drafter):
     def __init__(self, draft_model, target: ModelStack, config: EngineConfig, tokenizer,
-                 stream: int = TOKEN_STREAM) -> None:
+                 acceptance: str = "coupled") -> None:
         """`target`: the engine's model stack, whose vocabulary the draft must share, whose
         dtype and device it runs in, and whose journal its bookkeeping joins (a failed step
-        rolls both back together). `stream`: the noise the draft samples with; the target's own
-        (TOKEN_STREAM) for coupled acceptance, an independent one (DRAFT_STREAM) for rejection
-        sampling."""
+        rolls both back together). `acceptance` (SpeculativeConfig's) sets the noise the draft
+        samples with, the target's own (TOKEN_STREAM) for "coupled", an independent one
+        (DRAFT_STREAM) for "rejection", and whether its proposals carry their q: only the
+        rejection rule reads it (verify.py)."""
         hf_config, weights, _, _, _ = resolve_model(draft_model, config, tokenizer,
                                                     "speculative.draft_model")
         vocab = target.model.vocab_size
@@ -45,7 +46,9 @@ class DraftModelDrafter(Drafter):
         self.stack = ModelStack(model, config, target.pool.num_slots, device, target.kv.journal)
         self.kv, self.runner, self.journal = self.stack.kv, self.stack.runner, target.kv.journal
         self.sampler = self.stack.sampler
-        self.device, self.stream = device, stream
+        self.device = device
+        self.stream = TOKEN_STREAM if acceptance == "coupled" else DRAFT_STREAM
+        self.keeps_q = acceptance == "rejection"
         # A draft forward computes at most a step's token budget: a new shadow's catch-up (its
         # prompt, less what the draft's tree holds) would otherwise be one unbounded prefill.
         self.max_batched_tokens = config.max_num_batched_tokens
@@ -133,7 +136,7 @@ class DraftModelDrafter(Drafter):
 
     # --- proposing --------------------------------------------------------------------------
     def propose_batch(self, wanted: list[tuple[Sequence, int]], siblings):
-        """[(draft tokens, q [k, V])] per (target sequence, k)."""
+        """[(draft tokens, q [k, V] under "rejection", else None)] per (target sequence, k)."""
         results: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
         active: list[tuple[Sequence, Sequence, int]] = []
         with self.journal.unit():
@@ -186,8 +189,7 @@ class DraftModelDrafter(Drafter):
             return []
         logits, _ = self.runner.run(self.runner.prepare(Batch(items)))
         rows = SamplingBatch.for_sequences([(s, 0) for _, s, _ in kept], self.device)
-        tokens, q = self._sample(logits, rows) if kept else ([], [])
-        drawn = iter(zip(tokens.tolist() if kept else [], q))
+        drawn = iter(zip(*self._sample(logits, rows)) if kept else ())
         with self.journal.unit():
             for it in items:
                 shadow = it.seq
@@ -205,12 +207,16 @@ class DraftModelDrafter(Drafter):
                 shadow.token_ids.append(token)
                 drafted, probs = results[shadow.seq_id]
                 drafted.append(token)
-                probs.append(q_row)
+                if q_row is not None:
+                    probs.append(q_row)
             self.kv.settle()
         return kept
 
-    def _sample(self, logits: torch.Tensor, rows: SamplingBatch):
-        """Draft tokens and their q (the filtered draft distribution they were drawn from)."""
+    def _sample(self, logits: torch.Tensor, rows: SamplingBatch) -> tuple[list[int], list]:
+        """Draft tokens, each with the q it was drawn from (the filtered draft distribution)
+        where the acceptance reads it ("rejection"), else None: coupled acceptance never does,
+        and the q rows were k x V floats a drafting sample (1.2 GB a step at 256 samples,
+        k = 8 and a 152k vocabulary)."""
         _, candidates = target_logprobs(logits, rows)
-        return (self.sampler.pick(logits, candidates, rows, self.stream),
-                candidates.softmax(dim=-1))
+        tokens = self.sampler.pick(logits, candidates, rows, self.stream).tolist()
+        return tokens, candidates.softmax(dim=-1) if self.keeps_q else [None] * len(tokens)

@@ -55,11 +55,10 @@ def make_speculator(config: SpeculativeConfig | None, stack, engine_config, toke
     config = replace(config)
     drafter = None
     if config.method == "draft":
-        from ..sample.noise import DRAFT_STREAM, TOKEN_STREAM
         from .draft_model import DraftModelDrafter
 
-        stream = TOKEN_STREAM if config.acceptance == "coupled" else DRAFT_STREAM
-        drafter = DraftModelDrafter(config.draft_model, stack, engine_config, tokenizer, stream)
+        drafter = DraftModelDrafter(config.draft_model, stack, engine_config, tokenizer,
+                                    config.acceptance)
     elif config.method == "suffix":
         from .suffix import SuffixDrafter
 
