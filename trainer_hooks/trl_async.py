@@ -59,6 +59,7 @@ import warnings
 from collections.abc import Mapping
 
 import numpy as np
+from trl.chat_template_utils import add_response_schema, parse_response
 from trl.trainer.utils import get_callable_name
 
 from rollout import Engine, SamplingParams
@@ -113,6 +114,7 @@ class EngineRolloutWorker:
         self.importance_ratio = as_choice("importance_ratio", importance_ratio,
                                           IMPORTANCE_RATIOS)
         self.chat_template_kwargs = {} if chat_template_kwargs is None else chat_template_kwargs
+        self._parses = has_response_parser(tokenizer)
         self._check_rows()
         self.rollout_buffer: queue.Queue = queue.Queue(
             maxsize=as_int("queue_maxsize", queue_maxsize, 0))
@@ -307,10 +309,11 @@ class EngineRolloutWorker:
                 return
             group_id = next(self._group_ids)
             self._pushed[group_id] = position  # untrained until the trainer says so
-        conversational = not isinstance(row["prompt"], str)
-        texts = [s.text or "" for s in out.samples]
-        completions = [[{"role": "assistant", "content": t}] for t in texts] \
-            if conversational else texts
+        prompt_ids = list(out.prompt_token_ids)
+        if isinstance(row["prompt"], str):
+            completions = [s.text or "" for s in out.samples]
+        else:
+            completions = [[self._message(s, prompt_ids)] for s in out.samples]
         n = len(out.samples)
         extra = {k: [v] * n for k, v in row.items() if k not in ("prompt", "completion",
                                                                   "completion_ids")}
@@ -324,7 +327,6 @@ class EngineRolloutWorker:
                 columns[i] = column
         rewards, advantages, spread = group_advantages(columns)
         per_function = reward_table(columns).T  # [completion, function]
-        prompt_ids = list(out.prompt_token_ids)
         for s, completion, advantage, reward, own in zip(out.samples, completions, advantages,
                                                          rewards, per_function):
             oldest = min(s.weights_versions, default=self.engine.weights_version)
@@ -336,6 +338,14 @@ class EngineRolloutWorker:
                 behaviour_logprobs(s, self.importance_ratio), float(advantage),
                 self._versions.get(oldest, 0), group_id, metrics))
         self._last_push = time.time()
+
+    def _message(self, sample, prompt_ids: list[int]) -> dict:
+        """A conversational completion as TRL's worker gives it to the reward functions:
+        parsed with the tokenizer's response template (a reasoning block apart from the
+        content, tool calls); the decoded text where there is none."""
+        if self._parses:
+            return parse_response(self.tokenizer, list(sample.token_ids), prefix=prompt_ids)
+        return {"role": "assistant", "content": sample.text or ""}
 
     def _put(self, sample) -> None:
         """Into the bounded queue (TRL's queue_maxsize: backpressure), giving up at stop()."""
@@ -349,6 +359,21 @@ class EngineRolloutWorker:
 
 async def _gather(awaitables: list) -> list:
     return await asyncio.gather(*awaitables)
+
+
+def has_response_parser(tokenizer) -> bool:
+    """Whether the tokenizer parses responses: a response template (or legacy schema) of its
+    own, or one TRL sets for a chat template it knows (add_response_schema, as TRL's worker
+    does, on the tokenizer itself). TRL's worker refuses any other template; here those
+    completions stay decoded text."""
+    if (getattr(tokenizer, "response_template", None) is not None
+            or getattr(tokenizer, "response_schema", None) is not None):
+        return True
+    try:
+        add_response_schema(tokenizer)
+    except ValueError:  # "Unrecognized chat template"
+        return False
+    return True
 
 
 def reward_table(columns: list[list]) -> np.ndarray:

@@ -680,3 +680,56 @@ def test_each_reward_function_is_logged_under_trls_name(checkpoint):
         assert metrics["rewards/scaled"] == 2 * length
         assert np.isnan(metrics["rewards/Unscorable"])
         assert metrics["reward"] == 3 * length
+
+
+def test_conversational_completions_are_parsed_as_trls_worker_parses_them():
+    """TRL's worker hands reward functions each completion parsed with the tokenizer's
+    response template (add_response_schema, for the chat templates TRL knows): a Qwen3
+    answer's reasoning apart from its content. The engine's gave the decoded text as content,
+    <think> block included, so a reward reading the content scored other text than under
+    TRL's worker. The reference: TRL's own parse_response. A template TRL does not know keeps
+    the decoded text (TRL's worker refuses it)."""
+    import string
+
+    from rollout import RolloutOutput, Sample
+    from trl.chat_template_utils import add_response_schema, parse_response, qwen3_chat_template
+
+    def tokenizer(template):
+        tok = char_tokenizer(string.ascii_letters + string.digits + " \n+=")
+        tok.add_tokens(["<think>", "</think>", "<|im_start|>", "<|im_end|>"])
+        tok.chat_template = template
+        return tok
+
+    seen = []
+
+    def reward(prompts, completions, completion_ids, **kwargs):
+        seen.extend(completions)
+        return [1.0] * len(completions)
+
+    answers = ["<think>\nsum\n</think>\n\nTwo<|im_end|>", "Three<|im_end|>"]
+    for template in (qwen3_chat_template, "{% for m in messages %}{{ m.content }}{% endfor %}"):
+        tok = tokenizer(template)
+        engine = Engine(tiny_model("qwen2", vocab_size=len(tok)),
+                        EngineConfig(kv_cache_tokens=1024, max_model_len=64), tokenizer=tok)
+        row = {"prompt": [{"role": "user", "content": "1+1"}]}
+        worker = EngineRolloutWorker(engine, Dataset.from_list([row]), [reward], tok,
+                                     num_generations=2, params=SamplingParams(max_tokens=6))
+        ids = worker._prompt_ids(row, 0)
+        samples = [Sample(index=i, token_ids=tok.encode(a, add_special_tokens=False),
+                          logprobs=[-1.0] * len(tok.encode(a, add_special_tokens=False)),
+                          finish_reason="stop", text=tok.decode(tok.encode(
+                              a, add_special_tokens=False), skip_special_tokens=True))
+                   for i, a in enumerate(answers)]
+        worker._rows["0"] = (0, row)
+        seen.clear()
+        worker._push(RolloutOutput("0", ids, samples))
+        pushed = [worker.rollout_buffer.get_nowait().completion for _ in samples]
+        assert seen == pushed
+        if template == qwen3_chat_template:
+            reference = add_response_schema(tokenizer(template))
+            want = [[parse_response(reference, s.token_ids, prefix=ids)] for s in samples]
+            assert want[0] == [{"role": "assistant", "reasoning_content": "sum",
+                                "content": "Two"}]
+        else:
+            want = [[{"role": "assistant", "content": s.text}] for s in samples]
+        assert pushed == want
