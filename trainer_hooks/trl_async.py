@@ -68,7 +68,7 @@ from rollout.fields import as_choice, as_int, show
 from rollout.requests.intake import prompt_ids
 from rollout.sample.params import MAX_N
 
-from .trl_rollout import IMPORTANCE_RATIOS as SYNC_RATIOS, behaviour_logprobs
+from .trl_rollout import IMPORTANCE_RATIOS as SYNC_RATIOS, behaviour_logprobs, completion_limit
 
 STOP_WAIT = 60.0  # seconds stop() waits for the thread before it says where it is
 TAKE_WAIT = 0.01  # seconds between looks at the queue while the trainer has all it can use
@@ -467,7 +467,7 @@ def engine_async_grpo(engine: Engine, model, reward_funcs, args, train_dataset,
     config = dataclasses.replace(engine.config, max_staleness=args.max_staleness)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k or 0, min_p=args.min_p or 0.0,
-                            max_tokens=args.max_completion_length)
+                            max_tokens=completion_limit(args, engine))
     # A step's samples over every process (TRL's samples_per_step): the worker, on the main
     # process only, feeds them all through accelerate's dispatcher.
     per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * \

@@ -325,14 +325,19 @@ def end_ids(trainer: GRPOTrainer) -> list[int]:
     return [t for t in trainer.eos_token_ids if t is not None]
 
 
+def completion_limit(args, engine: Engine) -> int:
+    """A completion's token limit: TRL's max_completion_length, or (None) what the engine's
+    context leaves, as TRL's vLLM path generates to its max_model_len."""
+    return args.max_completion_length or engine.config.max_model_len
+
+
 def sampling_params(trainer: GRPOTrainer, engine: Engine) -> SamplingParams:
     """GRPOConfig's generation settings as engine SamplingParams (n is set per prompt group)."""
     args = trainer.args
     check_generation_args(args)
-    max_tokens = args.max_completion_length or engine.config.max_model_len
     return SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k or 0,
-        min_p=args.min_p or 0.0, max_tokens=max_tokens,
+        min_p=args.min_p or 0.0, max_tokens=completion_limit(args, engine),
         # TRL's end ids exactly (ignore_eos: not the engine's too, which may hold another the
         # model's config names): a sample TRL would go on with, or count as ended, must be one
         # the engine goes on with or ends

@@ -733,3 +733,15 @@ def test_conversational_completions_are_parsed_as_trls_worker_parses_them():
         else:
             want = [[{"role": "assistant", "content": s.text}] for s in samples]
         assert pushed == want
+
+
+def test_no_max_completion_length_generates_to_the_engines_context(tmp_path, checkpoint):
+    """max_completion_length=None: completions run to what the engine's context leaves, as the
+    synchronous hook (and TRL's vLLM path) generate; the worker had been built with
+    max_tokens=None and refused with the engine's field name, not TRL's."""
+    path, tok = checkpoint
+    engine = Engine(path, EngineConfig(kv_cache_tokens=1024, max_model_len=64), tokenizer=tok)
+    trainer = engine_async_grpo(engine, path, length_reward,
+                                async_args(tmp_path, max_completion_length=None),
+                                Dataset.from_dict({"prompt": PROMPTS}), tok)
+    assert trainer.rollout_worker.params.max_tokens == engine.config.max_model_len
