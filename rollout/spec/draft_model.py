@@ -24,6 +24,8 @@ from .drafter import Drafter
 
 
 class DraftModelDrafter(Drafter):
+    costly = True
+
     def __init__(self, draft_model, target: ModelStack, config: EngineConfig, tokenizer,
                  acceptance: str = "coupled") -> None:
         """`target`: the engine's model stack, whose vocabulary the draft must share, whose

@@ -16,6 +16,9 @@ class Drafter(ABC):
     last_sources: list = []
     # The samples of earlier calls it drafts from (spec/history.py), if it keeps any.
     history = None
+    # Each token it proposes costs a forward of its own (a draft model's): it is asked only for
+    # the tokens that will be verified (Speculator._asked); the others' proposals are cut after.
+    costly = False
 
     @abstractmethod
     def propose_batch(self, wanted, siblings) -> list:

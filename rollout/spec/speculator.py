@@ -150,8 +150,7 @@ class Speculator:
         room = (self.max_batched_tokens - batch.num_tokens if self.max_batched_tokens
                 else math.inf)
         bar = self._bar(len(decodes)) if self.config.adaptive else None
-        wanted = [(it, self._asked(it.seq, room, bar)) for it in decodes if self._ready(it.seq)]
-        wanted = [(it, k) for it, k in wanted if k > 0]
+        wanted = self._asked(decodes, room, bar)
         if not wanted:
             return 0
         proposals = self.drafter.propose_batch([(it.seq, k) for it, k in wanted], self.siblings)
@@ -171,16 +170,27 @@ class Speculator:
                     self.sources[it.seq.seq_id] = origin
         return extended
 
-    def _asked(self, seq: Sequence, room: float, bar: float | None) -> int:
-        """How many draft tokens to ask the drafter for: within the budget and the step's
-        room, and under adaptive drafting (`bar`) no more than pay where the source is known
-        before the proposal (every method's but "suffix", whose proposals say where each came
-        from: those are cut once proposed). A draft model computes every token it proposes,
-        a forward each: asked for k and cut after, it computed the rest for nothing."""
-        k = min(self._budget(seq), room)
-        if bar is None or self.config.method == "suffix":
-            return k
-        return min(k, self._paying(seq, self.config.method, bar))
+    def _asked(self, decodes: list[ScheduledSeq], room: float,
+               bar: float | None) -> list[tuple[ScheduledSeq, int]]:
+        """(item, draft tokens to ask for) of the decodes ready to draft, within the budget
+        and the step's room. A costly drafter (a draft model: a forward for every token it
+        proposes) is asked only for what will be verified: what pays under adaptive drafting
+        (`bar`), within the room those before it leave; asked for more, it computed tokens
+        cut after for nothing. The others' proposals are cut once proposed: a suffix
+        proposal's source, which the bar depends on, is known only then, and a short one
+        leaves its room to the next."""
+        wanted = []
+        for it in decodes:
+            if not self._ready(it.seq):
+                continue
+            k = min(self._budget(it.seq), room)
+            if self.drafter.costly:
+                if bar is not None:
+                    k = min(k, self._paying(it.seq, self.config.method, bar))
+                room -= max(k, 0)
+            if k > 0:
+                wanted.append((it, k))
+        return wanted
 
     def _add_draft(self, item: ScheduledSeq, draft: list[int], probs) -> bool:
         """Slots for the proposals to verify; False (item unchanged) when the pool has no

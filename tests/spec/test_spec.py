@@ -97,6 +97,27 @@ def test_drafts_count_against_the_step_token_budget(target, method, monkeypatch)
     assert all(max(seen) <= 11 for seen in sizes)
 
 
+def test_a_draft_model_drafts_no_more_than_the_step_verifies(target):
+    """A draft model computes every token it proposes (a forward each): it is asked for no
+    more than the step's token budget leaves for verification (16 decodes in a budget of 20,
+    drafts of up to 4: it drafted 397 tokens for 165 verified). Counted naively: the tokens
+    its proposals held against the draft tokens verified; outputs as without speculation."""
+    params = SamplingParams(n=4, temperature=0, max_tokens=30, ignore_eos=True)
+    spec = engine(target, SpeculativeConfig("draft", num_speculative_tokens=4,
+                                            draft_model=target), max_num_batched_tokens=20)
+    drafter, drafted = spec.speculator.drafter, []
+
+    def counted(wanted, siblings, propose=drafter.propose_batch):
+        proposals = propose(wanted, siblings)
+        drafted.extend(len(tokens) for tokens, _ in proposals)
+        return proposals
+    drafter.propose_batch = counted
+    assert samples(run_checked(spec, PROMPTS, params)) == baseline(
+        target, params, max_num_batched_tokens=20)
+    assert spec.stats.spec_proposed > 0
+    assert sum(drafted) == spec.stats.spec_proposed
+
+
 def test_draft_identical_to_target_accepts_everything(target):
     params = SamplingParams(n=3, temperature=0.9, max_tokens=25, seed=5)
     spec = engine(target, SpeculativeConfig("draft", num_speculative_tokens=4, draft_model=target))
