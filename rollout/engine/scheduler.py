@@ -178,6 +178,7 @@ class Scheduler:
             if not self.kv.make_room(n + decode_reserve, release=seq.resume_key):
                 self.kv.unlock(node)
                 break
+            self._resumed(seq)
             new = self.kv.alloc(n)
             self.kv.attach(seq, slots, node)
             self._run(seq)
@@ -193,6 +194,20 @@ class Scheduler:
             self.waiting = deque(s for s in before if s not in admitted)
             self.journal.record(lambda: setattr(self, "waiting", before))
         return budget
+
+    def _resumed(self, seq: Sequence) -> None:
+        """`seq`'s admission released the hold it resumes: for every sample of its request,
+        which all name it. The ones still waiting forget it, so that neither their admission
+        nor their end releases it again: a request whose id was used before (ids are free
+        again once returned) holds its finished samples' K/V under the very keys it resumes,
+        and a sibling's hold would go. Journaled."""
+        key = seq.resume_key
+        if key is None:
+            return
+        for sample in self.waiting:  # (`seq` among them until the admission ends)
+            if sample.group == seq.group:
+                sample.resume_key = None
+                self.journal.record(lambda s=sample: setattr(s, "resume_key", key))
 
     def _room(self, budget: int) -> bool:
         """Whether a waiting sequence could be admitted: tokens left in the step's budget, a
