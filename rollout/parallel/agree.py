@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import zlib
 
 import torch
 import torch.distributed as dist
 
-from .collectives import check_same
+from .collectives import check_same, digest
 from .group import TensorParallel
 
 # May differ per rank: where it runs, and how much memory each rank offers its pool (the pool
@@ -25,10 +24,6 @@ PER_RANK_FIELDS = frozenset({"device", "kv_cache_tokens", "kv_memory_fraction",
 PER_LOAD_KEYS = frozenset({"_name_or_path", "transformers_version"})
 
 
-def _digest(value) -> int:
-    return zlib.crc32(repr(value).encode())
-
-
 def check_same_config(config, hf_config, tp: TensorParallel, device: torch.device) -> None:
     """Every rank built its engine with the same EngineConfig (but PER_RANK_FIELDS) and model
     config, or ValueError on every rank naming the fields that differ: one all-reduce."""
@@ -37,7 +32,7 @@ def check_same_config(config, hf_config, tp: TensorParallel, device: torch.devic
               if f.name not in PER_RANK_FIELDS}
     fields["model config"] = json.dumps(model, sort_keys=True, default=str)
     names = list(fields)
-    digests = [_digest(fields[n]) for n in names]
+    digests = [digest(fields[n]) for n in names]
     both = torch.tensor(digests + [-d for d in digests], dtype=torch.int64, device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=tp.group)
     n = len(names)
@@ -64,7 +59,7 @@ def check_same_requests(checked, tp: TensorParallel, device: torch.device,
     step, and a different seed or temperature samples differently with the same batch.
     `checked` None: this rank's arguments were refused (a row no call gives)."""
     rows = [[-1]] if checked is None else \
-        [*([*ids, _digest(params)] for _, ids, params in checked), [*ints]]
+        [*([*ids, digest(params)] for _, ids, params in checked), [*ints]]
     here = "refused here" if checked is None else f"{len(checked)} here"
     check_same(rows, tp, device, f"ranks of one engine queued different requests in this call "
                                  f"({here}; each rank must pass the same prompts and params)")

@@ -6,6 +6,8 @@ ranks and so do the sampled tokens."""
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 import torch.distributed as dist
 
@@ -36,6 +38,12 @@ def gather_vocab(local: torch.Tensor, tp: TensorParallel, vocab_size: int) -> to
 _MODULUS = (1 << 61) - 1  # keeps the polynomial hash in int64
 
 
+def digest(value) -> int:
+    """32 bits of `value`'s repr, alike in every process (configs and sampling params: no
+    per-process hash or address in their reprs)."""
+    return zlib.crc32(repr(value).encode())
+
+
 def check_same(rows, tp: TensorParallel, device: torch.device, what: str) -> None:
     """Every rank holds the same `rows` (lists of ints) or RuntimeError on every rank, saying
     `what` differs. One all-reduce of two int64s: the max of a hash and of its negation agree
@@ -61,13 +69,21 @@ def check_same_tokens(tokens: list[list[int]], tp: TensorParallel,
 
 def check_same_batch(batch, tp: TensorParallel, device: torch.device) -> None:
     """Every step of an engine of several ranks, before its forward: the ranks run the same
-    batch (each item's request id, sample, position, and the tokens it feeds). Ranks handed
-    different requests (each its own prompts) would otherwise run a forward mixing them and
-    all return the same wrong text."""
+    batch (each item's request id, sample, position, and the tokens it feeds; while it
+    computes its prompt, the sample's noise seed and params too). Ranks handed different
+    requests (each its own prompts) would otherwise run a forward mixing them and all return
+    the same wrong text; requests queued by add_request (agreed by no call) with a seed,
+    temperature or length of each rank's own would sample apart or stop apart (the others
+    then waiting forever for a step)."""
     rows = []
     for it in batch.items:
         seq = it.seq
-        rows.append([*seq.group.encode(), seq.sample_index, it.start, it.num_new,
-                     *seq.token_ids[it.start:it.start + it.num_new]])
+        row = [*seq.group.encode(), seq.sample_index, it.start, it.num_new,
+               *seq.token_ids[it.start:it.start + it.num_new]]
+        # Checked before the sample's first token is drawn (its last prompt token is always
+        # computed), and only then: hashing params every decode step would cost each step.
+        if it.start < len(seq.prompt_ids):
+            row += [seq.seed, digest(seq.params)]
+        rows.append(row)
     check_same(rows, tp, device, "ranks of one engine run different requests this step (each "
                                  "rank must add the same requests, in the same order)")
