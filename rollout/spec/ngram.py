@@ -53,21 +53,44 @@ class NgramDrafter(Drafter):
 
     def search(self, seq: Sequence, siblings: list[Sequence], k: int,
                hays: dict[int, tuple[list[int], bytes]]) -> tuple[list[int], int, str | None]:
-        """(draft, the n it matched, "self" or "siblings"), or ([], 0, None): longest n first;
-        the sample's own tokens before its siblings'. `hays`: (token list, its bytes) by the
-        list's id, built once in a step's proposals (they change no tokens; the list is held,
-        so its id is not reused); a group's samples search one another, so without it a step
-        converted every list up to ngram_max x samples-of-the-group times (a miss at every n
-        converts every source)."""
+        """(draft, the n it matched, "self" or "siblings"), or ([], 0, None): the longest n
+        that occurs, the sample's own tokens before its siblings'. An occurrence of the last
+        n + 1 tokens holds one of the last n, ending where it ends (so with the same token
+        after it): whether some source holds the last n can only fail from some n on, found by
+        bisection in O(log(ngram_max - ngram_min)) scans of the sources rather than one scan
+        per n (a sample matching nowhere scanned them ngram_max times a step). `hays`: (token
+        list, its bytes) by the list's id, built once in a step's proposals (they change no
+        tokens; the list is held, so its id is not reused): a group's samples search one
+        another."""
         tokens = seq.token_ids
         sources = [("self", tokens)] + [("siblings", s.token_ids) for s in siblings
                                         if s is not seq]
-        for n in range(min(self.ngram_max, len(tokens) - 1), self.ngram_min - 1, -1):
-            pattern = tokens[-n:]
+
+        def first_at(n: int) -> tuple[list[int], int, str | None] | None:
+            """The draft of the first source holding the last n tokens, if any does."""
             for name, source in sources:
                 if id(source) not in hays:
                     hays[id(source)] = source, as_bytes(source)
-                found = find_continuation(source, pattern, k, hays[id(source)][1])
+                found = find_continuation(source, tokens[-n:], k, hays[id(source)][1])
                 if found:
                     return found, n, name
-        return [], 0, None
+            return None
+
+        low, high = self.ngram_min, min(self.ngram_max, len(tokens) - 1)
+        if high < low:
+            return [], 0, None
+        # The longest first: repetitive text matches there, in one scan.
+        best = first_at(high)
+        if best is not None:
+            return best
+        best = first_at(low) if low < high else None
+        if best is None:
+            return [], 0, None
+        while high - low > 1:  # found at low, not at high
+            mid = (low + high) // 2
+            found = first_at(mid)
+            if found is None:
+                high = mid
+            else:
+                best, low = found, mid
+        return best

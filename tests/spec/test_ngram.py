@@ -41,11 +41,12 @@ tokens = st.lists(st.integers(0, 5) | st.sampled_from([-1, 2**31 - 1, 256, 65536
 
 @given(st.lists(st.tuples(tokens, st.lists(tokens, min_size=1, max_size=4)), min_size=1,
                 max_size=4),
-       st.integers(1, 6), st.integers(1, 3), st.integers(0, 3))
+       st.integers(1, 6), st.integers(1, 3), st.integers(0, 12))
 @settings(max_examples=300, deadline=None)
 def test_a_step_s_drafts_are_the_brute_force_search_s(groups, k, ngram_min, extra):
-    """Small vocabularies (matches everywhere) and ids whose int32 bytes repeat inside other
-    ids' (256, 65536: a byte-aligned hit that straddles two tokens must not count)."""
+    """Small vocabularies (matches everywhere), ids whose int32 bytes repeat inside other
+    ids' (256, 65536: a byte-aligned hit that straddles two tokens must not count), and n
+    ranges up to 13 wide (the longest n is bisected)."""
     ngram_max = ngram_min + extra
     seqs, by_group = [], {}
     for g, (prompt, outputs) in enumerate(groups):
@@ -66,3 +67,29 @@ def test_a_step_s_drafts_are_the_brute_force_search_s(groups, k, ngram_min, extr
 @settings(max_examples=300, deadline=None)
 def test_find_continuation_is_the_brute_force_search(source, pattern, k):
     assert find_continuation(source, pattern, k) == naive_continuation(source, pattern, k)
+
+
+def test_scans_grow_with_the_log_of_the_n_range(monkeypatch):
+    """Whether some source holds the sequence's last n tokens (with a token after) can only
+    fail from some n on: a longer n's occurrence holds every shorter one's. So the longest n is
+    found in O(log(ngram_max - ngram_min)) scans of the sources, not one scan per n (a sample
+    matching nowhere scanned its own tokens and each sibling's 1,024 times a step at
+    ngram_max=1024: host time quadratic in its length). Counted: the scans of one source for
+    a sample matching nowhere, one whose longest match is 700 tokens, one matching at every n;
+    the drafts those sequences continue with (the brute force's on short ones:
+    test_a_step_s_drafts_are_the_brute_force_search_s)."""
+    import rollout.spec.ngram as ngram
+
+    scans = []
+    monkeypatch.setattr(ngram, "find_continuation", lambda source, pattern, k, hay=None: (
+        scans.append(len(pattern)), find_continuation(source, pattern, k, hay))[1])
+    lo, hi = 1, 1024
+    cases = [(list(range(2000)), []),  # no token repeats
+             # the last 700 tokens occur once before, followed by 0; the last 701 do not
+             ([7] + list(range(700)) * 2, [0, 1, 2, 3]),
+             ([3] * 2000, [3] * 4)]
+    for tokens, want in cases:
+        seq = Sequence(0, "g", 0, tokens, SamplingParams(), 0, frozenset())
+        scans.clear()
+        assert NgramDrafter(lo, hi).propose_batch([(seq, 4)], lambda s: [s]) == [(want, None)]
+        assert len(scans) <= 2 + (hi - lo).bit_length(), len(scans)
