@@ -24,6 +24,8 @@ class TensorParallel:
 
 
 SINGLE = TensorParallel()
+# What dist.new_group hands the ranks outside the group it makes (an int, not a ProcessGroup).
+_NOT_A_MEMBER = getattr(getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", object())
 
 
 def tensor_parallel(size: int, group=None) -> TensorParallel:
@@ -31,6 +33,9 @@ def tensor_parallel(size: int, group=None) -> TensorParallel:
     consecutive ranks of the world (`dist.new_subgroups`: ranks 0..k-1 form one engine, k..2k-1
     the next), which is a collective over the whole world, so every rank builds its engine at
     the same point. ValueError naming `tensor_parallel_size` when that cannot be done."""
+    if group is _NOT_A_MEMBER:
+        raise ValueError("process_group: this rank is not a member of the group given (build "
+                         "the engine on the group's own ranks only)")
     if group is not None and not isinstance(group, getattr(dist, "ProcessGroup", ())):
         raise ValueError(f"process_group must be a torch.distributed ProcessGroup or None, got "
                          f"{type(group).__name__}")

@@ -229,3 +229,14 @@ def test_reshard_pieces_assemble_every_rank_part(placement, mesh_size):
                     for src, dst in pieces:
                         _region(part, dst).copy_(_region(shard(full, fake, holder), src))
                 assert torch.equal(part, want), (shape, cut, needer)
+
+
+def test_a_group_this_rank_is_not_in_is_refused_saying_so():
+    """dist.new_group hands the ranks outside the group GroupMember.NON_GROUP_MEMBER (an int,
+    -100): passed on as process_group it was refused as 'got int', not as a group this rank
+    is not in."""
+    from rollout.parallel import tensor_parallel
+
+    for size in (1, 2):
+        with pytest.raises(ValueError, match="process_group: this rank is not a member"):
+            tensor_parallel(size, dist.GroupMember.NON_GROUP_MEMBER)
