@@ -68,10 +68,11 @@ class NgramDrafter(Drafter):
 
         def first_at(n: int) -> tuple[list[int], int, str | None] | None:
             """The draft of the first source holding the last n tokens, if any does."""
+            pattern = tokens[-n:]
             for name, source in sources:
                 if id(source) not in hays:
                     hays[id(source)] = source, as_bytes(source)
-                found = find_continuation(source, tokens[-n:], k, hays[id(source)][1])
+                found = find_continuation(source, pattern, k, hays[id(source)][1])
                 if found:
                     return found, n, name
             return None
