@@ -10,7 +10,10 @@ proposals the target rejected.
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 
 from ..config import EngineConfig
 from ..executor.stack import ModelStack
@@ -21,6 +24,21 @@ from ..requests.sequence import SeqStatus, Sequence
 from ..sample.noise import DRAFT_STREAM, TOKEN_STREAM
 from ..sample.sampler import SamplingBatch, target_logprobs
 from .drafter import Drafter
+
+
+def check_shared_vocab(draft_vocab: int, target_vocab: int, tokenizer) -> None:
+    """A draft shares the target's tokenizer: the same vocab_size, or sizes that differ past
+    every id of the tokenizer (padding rows: Qwen2.5's 0.5B to 3B models have 151,936, its
+    7B and larger 152,064, for one tokenizer of 151,665 ids), when the engine has it to tell."""
+    if draft_vocab == target_vocab:
+        return
+    if tokenizer is not None and len(tokenizer) <= min(draft_vocab, target_vocab):
+        return
+    known = ("" if tokenizer is None else
+             f", and the tokenizer's {len(tokenizer)} ids do not fit in both")
+    raise ValueError(f"speculative.draft_model: vocab_size {draft_vocab} differs from the "
+                     f"target's {target_vocab}{known}; it must share the tokenizer (sizes "
+                     f"may differ only by padding past the ids of the engine's tokenizer)")
 
 
 class DraftModelDrafter(Drafter):
@@ -36,10 +54,8 @@ class DraftModelDrafter(Drafter):
         rejection rule reads it (verify.py)."""
         hf_config, weights, _, _, _ = resolve_model(draft_model, config, tokenizer,
                                                     "speculative.draft_model")
-        vocab = target.model.vocab_size
-        if hf_config.vocab_size != vocab:
-            raise ValueError(f"speculative.draft_model: vocab_size {hf_config.vocab_size} differs "
-                             f"from the target's {vocab}; it must share the tokenizer")
+        self.vocab, self.draft_vocab = target.model.vocab_size, hf_config.vocab_size
+        check_shared_vocab(self.draft_vocab, self.vocab, tokenizer)
         device = target.device
         model = build_model(hf_config, config.max_model_len, target.pool.dtype, device,
                             source=draft_model)
@@ -85,7 +101,7 @@ class DraftModelDrafter(Drafter):
         shadow = Sequence(seq_id=target.seq_id, group=target.group,
                           sample_index=target.sample_index, prompt_ids=target.prompt_ids,
                           params=target.params, seed=target.seed, stop_ids=frozenset(),
-                          token_ids=list(target.token_ids))
+                          token_ids=list(self._readable(target.token_ids)))
         slots, node = self.kv.match(shadow.token_ids[:-1])
         self.kv.lock(node)
         self.kv.attach(shadow, slots, node)
@@ -101,13 +117,34 @@ class DraftModelDrafter(Drafter):
                 continue
             shadow = entry[1]
             valid = min(common_prefix_len(shadow.token_ids[:shadow.num_computed],
-                                          target.token_ids, 0), target.num_tokens - 1)
+                                          self._readable(target.token_ids), 0),
+                        target.num_tokens - 1)
             self.kv.truncate(shadow, valid)
             self.journal.touch(shadow)
             shadow.token_ids = shadow.token_ids[:shadow.num_computed + 1]
 
     def discard_pending(self) -> None:
         self.kv.discard_pending()
+
+    # --- vocabularies padded apart (check_shared_vocab) ----------------------------------------
+    def _readable(self, tokens: list[int]) -> list[int]:
+        """The target's tokens as the draft reads them (the list itself where its vocabulary
+        holds them all): an id past the draft's vocabulary (a padding row of the target's,
+        which it emits only by chance) as the draft's last id, which it can embed; drafts
+        after it are merely rejected."""
+        if self.vocab <= self.draft_vocab:
+            return tokens
+        top = self.draft_vocab - 1
+        return [min(t, top) for t in tokens]
+
+    def _over_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits over the target's vocabulary, the proposals' and q's: the draft's
+        padding rows past it dropped, the target's past the draft's at -inf (never proposed)."""
+        if self.draft_vocab == self.vocab:
+            return logits
+        if self.draft_vocab > self.vocab:
+            return logits[:, :self.vocab].contiguous()
+        return F.pad(logits, (0, self.vocab - self.draft_vocab), value=-math.inf)
 
     # --- colocation -------------------------------------------------------------------------
     def sleep(self) -> None:
@@ -155,7 +192,7 @@ class DraftModelDrafter(Drafter):
                     new_groups.add(target.group)
                 shadow = self._shadow(target)
                 self.rollback([target])
-                shadow.token_ids = list(target.token_ids)
+                shadow.token_ids = list(self._readable(target.token_ids))
                 active.append((target, shadow, k))
                 results[target.seq_id] = ([], [])
         for step in range(max((k for _, _, k in active), default=0)):
@@ -219,6 +256,7 @@ class DraftModelDrafter(Drafter):
         where the acceptance reads it ("rejection"), else None: coupled acceptance never does,
         and the q rows were k x V floats a drafting sample (1.2 GB a step at 256 samples,
         k = 8 and a 152k vocabulary)."""
+        logits = self._over_target_vocab(logits)
         _, candidates = target_logprobs(logits, rows)
         tokens = self.sampler.pick(logits, candidates, rows, self.stream).tolist()
         return tokens, candidates.softmax(dim=-1) if self.keeps_q else [None] * len(tokens)
