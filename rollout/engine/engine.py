@@ -64,8 +64,11 @@ class Engine(ColocationCalls):
         elif not isinstance(config, EngineConfig):
             raise ValueError(f"config must be an EngineConfig or None, got "
                              f"{type(config).__name__}")
-        if overrides:
-            config = dataclasses.replace(config, **known_fields(overrides))
+        # The engine's own checked copy (replace reruns EngineConfig's checks), as with
+        # SamplingParams: a field set after the config was built is checked here (it had
+        # reached torch as "zeros: Dimension size must be non-negative"), and the caller's
+        # later edits do not reach the running engine.
+        config = dataclasses.replace(config, **known_fields(overrides))
         self.tp = tensor_parallel(config.tensor_parallel_size, process_group)
         if tokenizer is not None and not all(
                 callable(getattr(tokenizer, f, None)) for f in ("encode", "decode")):

@@ -197,3 +197,25 @@ def test_a_checkpoint_path_that_is_not_there_is_named(path):
     with pytest.raises(ValueError, match=r"^speculative.draft_model: no checkpoint directory"):
         Engine(tiny_model("llama", vocab_size=len(TOK)), CONFIG, speculative=SpeculativeConfig(
             method="draft", draft_model=path))
+
+
+@pytest.mark.parametrize("field, value", [("max_num_seqs", -5), ("kv_cache_tokens", 0),
+                                          ("max_model_len", "32")])
+def test_a_config_field_set_after_construction_is_checked_when_the_engine_is_built(
+        engine, field, value):
+    """EngineConfig checks its fields when built; one set afterwards reached torch as a bare
+    RuntimeError ("zeros: Dimension size must be non-negative"). The engine checks its own copy
+    as the constructor does (the same message), and a later edit of the caller's object leaves
+    the running engine's config as it was."""
+    config = EngineConfig(kv_cache_tokens=256, max_model_len=32)
+    setattr(config, field, value)
+    with pytest.raises(ValueError) as constructor:
+        EngineConfig(**{**vars(EngineConfig(kv_cache_tokens=256, max_model_len=32)),
+                        field: value})
+    with pytest.raises(ValueError) as built:
+        Engine(engine.model_for_test, config)
+    assert str(built.value) == str(constructor.value) and str(built.value).startswith(field)
+    config = EngineConfig(kv_cache_tokens=256, max_model_len=32)
+    running = Engine(engine.model_for_test, config, tokenizer=TOK)
+    config.max_num_seqs = 1
+    assert running.config is not config and running.config.max_num_seqs != 1
