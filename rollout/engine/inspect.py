@@ -50,8 +50,9 @@ def current_stats(engine):
     if graphs is not None:
         s.graph_captures, s.graph_capture_seconds = graphs.captures, graphs.capture_seconds
     line = engine.speculator.cost.line() if engine.speculator else None
-    if line is not None:
-        s.spec_step_fixed_seconds, s.spec_position_seconds = line
+    # nan again once the recent steps no longer tell the parts apart (adaptive drafting then
+    # goes by the batch-share bar): a line kept from before would show a cost nothing uses.
+    s.spec_step_fixed_seconds, s.spec_position_seconds = line or (float("nan"), float("nan"))
     history = engine.speculator.drafter.history if engine.speculator else None
     if history is not None:
         s.draft_history_tokens, s.draft_history_evicted = history.tokens, history.evicted

@@ -158,3 +158,23 @@ def test_a_draft_model_drafts_no_more_than_pays():
     assert stats.spec_verifications > 0
     assert stats.spec_proposed < 2 * stats.spec_verifications  # what pays here: ~1 a sample
     assert sum(drafted) == stats.spec_proposed
+
+
+def test_the_stats_show_the_line_only_while_it_is_known():
+    """engine.stats' spec_step_fixed_seconds / spec_position_seconds are the line adaptive
+    drafting uses, nan while it is unknown: after a run of equal-size steps the line is
+    forgotten (the drafts go by the batch-share bar), and the stats had kept the old one."""
+    engine = Engine(tiny_model("llama"), EngineConfig(
+        kv_cache_tokens=512, max_model_len=64,
+        speculative=SpeculativeConfig("ngram", num_speculative_tokens=4, adaptive=True)))
+    cost = engine.speculator.cost
+    for p in range(1, 40):
+        cost.observe(p, 0.01 + 0.001 * p)
+    stats = engine.stats
+    assert (stats.spec_step_fixed_seconds, stats.spec_position_seconds) == pytest.approx(
+        numpy_line(range(1, 40), [0.01 + 0.001 * p for p in range(1, 40)]))
+    for _ in range(500):
+        cost.observe(64, 0.1)
+    assert cost.line() is None
+    stats = engine.stats
+    assert np.isnan(stats.spec_step_fixed_seconds) and np.isnan(stats.spec_position_seconds)
