@@ -129,7 +129,9 @@ class DraftHistory:
         self._flat[start:start + len(tokens)] = GAP
 
     def clear(self) -> None:
+        evicted = self.evicted  # a count over the engine's life, as its other stats: kept
         self.__init__(self.budget, self.min_match, self.max_match, self.journal)
+        self.evicted = evicted
 
     def check(self) -> None:
         """The indexes hold exactly the grams of the entries held (rebuilt here from the

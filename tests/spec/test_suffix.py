@@ -211,6 +211,10 @@ def test_budget_bounds_the_history_and_counts_evictions(target):
         spec.generate(PROMPTS, SamplingParams(n=2, max_tokens=20, seed=seed, ignore_eos=True))
     st_ = spec.stats
     assert 0 < st_.draft_history_tokens <= 100 and st_.draft_history_evicted > 0
+    # A count over the engine's life, as its other stats (a step's delta of it must not go
+    # negative): clearing the history had set it back to 0.
+    spec.clear_draft_history()
+    assert spec.stats.draft_history_evicted == st_.draft_history_evicted
 
 
 def test_rejection_acceptance_keeps_the_distribution():
