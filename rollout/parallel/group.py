@@ -8,6 +8,7 @@ engine runs exactly as before and needs no torch.distributed at all.
 
 from __future__ import annotations
 
+import datetime
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -55,8 +56,23 @@ def tensor_parallel(size: int, group=None) -> TensorParallel:
         if world % size:
             raise ValueError(f"tensor_parallel_size={size} must divide the torch.distributed "
                              f"world size, {world}")
-        group, _ = dist.new_subgroups(group_size=size)
+        group, _ = dist.new_subgroups(group_size=size, timeout=_world_timeout())
     return TensorParallel(size, dist.get_rank(group), group) if size > 1 else SINGLE
+
+
+def _world_timeout() -> datetime.timedelta | None:
+    """How long the world's collectives wait for a rank (init_process_group's `timeout`, the
+    launcher's or the trainer's choice), for the engine's group to wait as long: new_subgroups
+    gives a group torch's default otherwise (30 minutes on gloo, 10 on NCCL), whatever the
+    trainer set. torch exposes it on the backend's options only (gloo's, NCCL's); None (that
+    default) where a backend's options do not hold it."""
+    world = dist.distributed_c10d._get_default_group()
+    for device in world._device_types:
+        options = getattr(world._get_backend(device), "options", None)
+        timeout = getattr(options, "_timeout", None)
+        if timeout is not None:
+            return timeout
+    return None
 
 
 def shared_seed(tp: TensorParallel, device: torch.device) -> int:

@@ -1,4 +1,6 @@
-"""Requests queued with add_request (the streaming API, no agreement of its own) that differ
+"""Ranks of a tensor-parallel engine that go apart.
+
+Requests queued with add_request (the streaming API, no agreement of its own) that differ
 across the ranks of a tensor-parallel engine: their seed, temperature or max_tokens. The ranks
 run the same tokens through the same batch, so the per-step batch check alone had passed them:
 each rank sampled its own token (silently different outputs; a sample's last token feeds no
@@ -6,13 +8,20 @@ forward, so no later step saw it) or stopped at its own length (the longer ranks
 forever for the others' next step). Now every rank refuses the first step that runs such a
 request, and once the caller aborts it the engine serves as one rank does.
 
-Run as `python test_tp_streamed_requests.py OUT_DIR` it is the launcher: 2 forked gloo ranks
-(tests/support/fork_ranks.py), each writing OUT_DIR/rank<i>.json."""
+A rank that never joins a collective of the engine's group (it failed on its own): the others
+wait as long as the trainer's world does (init_process_group's timeout), not torch's default
+for a new group (30 minutes on gloo, 10 on NCCL).
 
+Run as `python test_tp_ranks_apart.py SCENARIO OUT_DIR` it is the launcher: 2 forked gloo
+ranks (tests/support/fork_ranks.py) running `SCENARIO` (a function of this file), each
+writing OUT_DIR/rank<i>.json."""
+
+import datetime
 import json
 import os
 import subprocess
 import sys
+import time
 
 SUPPORT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support")
 PROMPT = [1, 2, 3, 4]
@@ -22,6 +31,10 @@ CASES = {"seed": lambda r: dict(n=2, max_tokens=1, seed=r),
          "temperature": lambda r: dict(max_tokens=1, temperature=1.0 + r, seed=0),
          "max_tokens": lambda r: dict(max_tokens=2 + r, temperature=0)}
 AGREED = dict(n=2, max_tokens=3, seed=7)
+# Each scenario's world timeout (init_process_group's): long enough for a loaded 2-core
+# machine's ranks to build engines while another waits; for a wait that must time out, short.
+TIMEOUTS = {"streamed": datetime.timedelta(seconds=60),
+            "never_joins": datetime.timedelta(seconds=3)}
 
 
 def _engine(tp: int):
@@ -41,17 +54,30 @@ def _finish(engine, prompt, params) -> list[list[int]]:
     return [s.token_ids for s in outs[0].samples]
 
 
-def _rank(rank: int, world: int, port: int, out_dir: str) -> None:
-    import datetime
+def _launch(scenario: str, out_dir) -> list:
+    """`scenario` run on 2 forked ranks (this file as the launcher); each rank's results."""
+    run = subprocess.run([sys.executable, os.path.abspath(__file__), scenario, str(out_dir)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
+
+def _rank(rank: int, world: int, port: int, scenario: str, out_dir: str) -> None:
     import torch.distributed as dist
 
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=TIMEOUTS[scenario])
+    results = globals()[scenario](rank, out_dir)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def streamed(rank: int, out_dir: str) -> dict:
     from rollout import SamplingParams
 
-    # A rank left waiting for a step the others never run fails after this, not never.
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
-    engine = _engine(world)
+    engine = _engine(WORLD)
     results = {}
     for name, params in CASES.items():
         try:
@@ -61,23 +87,46 @@ def _rank(rank: int, world: int, port: int, out_dir: str) -> None:
         engine.abort_all()
         engine.check_invariants()
     results["after"] = _finish(engine, PROMPT, SamplingParams(**AGREED))
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    return results
+
+
+def never_joins(rank: int, out_dir: str) -> dict:
+    """Rank 0 all-reduces on the engine's group, rank 1 never does (it stays alive, in no
+    collective, until rank 0 is through or 10 timeouts have passed): rank 0 must time out."""
+    import torch
+    import torch.distributed as dist
+
+    from rollout.parallel import tensor_parallel
+
+    tp = tensor_parallel(WORLD)
+    done = os.path.join(out_dir, "rank0.done")
+    if rank == 1:
+        deadline = time.monotonic() + 10 * TIMEOUTS["never_joins"].total_seconds()
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return {}
+    try:
+        dist.all_reduce(torch.zeros(1), group=tp.group)
+        result = "joined"
+    except RuntimeError as e:
+        result = "timed out" if "Timed out" in str(e) else repr(e)
+    open(done, "w").close()
+    return {"result": result}
 
 
 def test_streamed_requests_that_differ_across_ranks_are_refused(tmp_path):
     sys.path.insert(0, SUPPORT)
     from rollout import SamplingParams
 
-    run = subprocess.run([sys.executable, os.path.abspath(__file__), str(tmp_path)],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-4000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    ranks = _launch("streamed", tmp_path)
     one_rank = _finish(_engine(1), PROMPT, SamplingParams(**AGREED))
     for r, got in enumerate(ranks):
         assert got == {**{name: "refused" for name in CASES}, "after": one_rank}, (r, got)
+
+
+def test_the_engines_group_waits_for_a_rank_as_long_as_the_world_does(tmp_path):
+    """(It had waited torch's 30 minutes; rank 0 then saw rank 1 leave, not a timeout.)"""
+    assert _launch("never_joins", tmp_path)[0] == {"result": "timed out"}
 
 
 if __name__ == "__main__":
@@ -88,4 +137,4 @@ if __name__ == "__main__":
 
     torch.set_num_threads(1)
     tiny_model("llama")  # transformers' Llama modules imported once, before the fork
-    sys.exit(fork_ranks(_rank, WORLD, (sys.argv[1],), timeout=240))
+    sys.exit(fork_ranks(_rank, WORLD, tuple(sys.argv[1:3]), timeout=240))
