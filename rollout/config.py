@@ -168,6 +168,10 @@ class EngineConfig:
 
             if not isinstance(self.speculative, SpeculativeConfig):
                 raise ValueError("speculative must be a rollout.spec.SpeculativeConfig or None")
+            # Its own checked copy (replace reruns the checks), as the engine takes of this
+            # config: a field set after construction is checked, a caller's later edits do
+            # not reach a running engine.
+            self.speculative = dataclasses.replace(self.speculative)
 
 
 def known_fields(overrides: dict) -> dict:

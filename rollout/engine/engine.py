@@ -37,6 +37,7 @@ from ..requests.request import Request
 from ..requests.sequence import Sequence
 from ..sample.params import SamplingParams
 from ..score.state import ScoreOutput
+from ..spec.draft_model import build_draft_model
 from ..spec.speculator import make_speculator
 from .carry import Carry
 from .chat import chat
@@ -90,8 +91,11 @@ class Engine(ColocationCalls):
         load_into(self.model, weights if adapter is None else adapter.tensors())
         self.vocab_size = hf_config.vocab_size
         self.journal = Journal()
+        # Before the pool is sized, which counts the draft's pool and what its weights took.
+        draft = build_draft_model(config.speculative, config, tokenizer, hf_config.vocab_size,
+                                  dtype, device)
         self.stack = ModelStack(self.model, config,
-                                pool_slots(self.model, config, dtype, device, agree),
+                                pool_slots(self.model, config, dtype, device, agree, draft),
                                 device, self.journal)
         # On the projections as the stack's backend set them up (none: a plain or merged model).
         self.lora.attach(adapter, self.stack.backend)
@@ -121,7 +125,7 @@ class Engine(ColocationCalls):
         # The siblings lookup closes over the running dict, not the engine: a reference back
         # to the engine would make a cycle that keeps a dropped engine's pool alive until gc.
         running = self.requests.running
-        self.speculator = make_speculator(config.speculative, self.stack, config, tokenizer,
+        self.speculator = make_speculator(config.speculative, self.stack, config, draft,
                                           lambda seq: running[seq.group].seqs)
         if self.speculator is not None:
             self.requests.forget = self.speculator.forget

@@ -134,11 +134,18 @@ class ModelStack:
 
 
 def pool_slots(model, config: EngineConfig, dtype: torch.dtype, device: torch.device,
-               agree=None) -> int:
+               agree=None, draft=None) -> int:
     """How many KV slots `model`'s pool gets under `config` (rollout/kv/pool.py size_pool;
-    `agree`: the ranks' settling on one size)."""
-    layout = model.kv_layout
-    per_token = kv_bytes_per_token(layout.num_layers, layout.kv_heads, layout.head_dim, dtype,
-                                   model.slot_extras())
+    `agree`: the ranks' settling on one size). A `draft` model's pool has as many slots (it
+    tracks the same sequences): a slot costs both pools' bytes, or the draft's pool lay
+    outside every memory check (an out-of-memory error at build, a fraction overrun)."""
+    per_token = sum(slot_bytes(m, dtype) for m in (model, draft) if m is not None)
     return size_pool(config.kv_cache_tokens, config.kv_memory_fraction, config.max_model_len,
                      config.max_num_seqs, per_token, device, agree)
+
+
+def slot_bytes(model, dtype: torch.dtype) -> int:
+    """What one slot of `model`'s KV pool costs: K and V in every layer, and its extras."""
+    layout = model.kv_layout
+    return kv_bytes_per_token(layout.num_layers, layout.kv_heads, layout.head_dim, dtype,
+                              model.slot_extras())

@@ -41,25 +41,36 @@ def check_shared_vocab(draft_vocab: int, target_vocab: int, tokenizer) -> None:
                      f"may differ only by padding past the ids of the engine's tokenizer)")
 
 
+def build_draft_model(spec, config: EngineConfig, tokenizer, target_vocab: int,
+                      dtype: torch.dtype, device: torch.device):
+    """The draft model of SpeculativeConfig `spec` (None unless method "draft"), its
+    vocabulary checked against the target's, built and loaded in the target's dtype on its
+    device. The engine builds it before it sizes the target's KV pool: the memory the pool is
+    sized from is then what the draft's weights left, and the draft's own pool (as many slots)
+    is counted in each slot's bytes (executor/stack.py pool_slots)."""
+    if spec is None or spec.method != "draft":
+        return None
+    hf_config, weights, _, _, _ = resolve_model(spec.draft_model, config, tokenizer,
+                                                "speculative.draft_model")
+    check_shared_vocab(hf_config.vocab_size, target_vocab, tokenizer)
+    model = build_model(hf_config, config.max_model_len, dtype, device, source=spec.draft_model)
+    load_into(model, weights)
+    return model
+
+
 class DraftModelDrafter(Drafter):
     costly = True
 
-    def __init__(self, draft_model, target: ModelStack, config: EngineConfig, tokenizer,
+    def __init__(self, model, target: ModelStack, config: EngineConfig,
                  acceptance: str = "coupled") -> None:
-        """`target`: the engine's model stack, whose vocabulary the draft must share, whose
-        dtype and device it runs in, and whose journal its bookkeeping joins (a failed step
-        rolls both back together). `acceptance` (SpeculativeConfig's) sets the noise the draft
-        samples with, the target's own (TOKEN_STREAM) for "coupled", an independent one
-        (DRAFT_STREAM) for "rejection", and whether its proposals carry their q: only the
-        rejection rule reads it (verify.py)."""
-        hf_config, weights, _, _, _ = resolve_model(draft_model, config, tokenizer,
-                                                    "speculative.draft_model")
-        self.vocab, self.draft_vocab = target.model.vocab_size, hf_config.vocab_size
-        check_shared_vocab(self.draft_vocab, self.vocab, tokenizer)
+        """`model`: build_draft_model's. `target`: the engine's model stack, whose vocabulary
+        the draft shares, and whose journal its bookkeeping joins (a failed step rolls both
+        back together). `acceptance` (SpeculativeConfig's) sets the noise the draft samples
+        with, the target's own (TOKEN_STREAM) for "coupled", an independent one (DRAFT_STREAM)
+        for "rejection", and whether its proposals carry their q: only the rejection rule reads
+        it (verify.py)."""
+        self.vocab, self.draft_vocab = target.model.vocab_size, model.vocab_size
         device = target.device
-        model = build_model(hf_config, config.max_model_len, target.pool.dtype, device,
-                            source=draft_model)
-        load_into(model, weights)
         # As many slots as the target: the draft tracks the same sequences.
         self.stack = ModelStack(model, config, target.pool.num_slots, device, target.kv.journal)
         self.kv, self.runner, self.journal = self.stack.kv, self.stack.runner, target.kv.journal

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ..ops.op import Op, always, on_cuda
 from ..requests.batch import Batch, ScheduledSeq
@@ -44,21 +44,18 @@ class Verified:
     emitted: int  # tokens kept: those, and the correction or bonus token unless cut off
 
 
-def make_speculator(config: SpeculativeConfig | None, stack, engine_config, tokenizer,
+def make_speculator(config: SpeculativeConfig | None, stack, engine_config, draft_model,
                     siblings: Callable[[Sequence], list[Sequence]]) -> Speculator | None:
-    """The engine's speculator for `config` (None: off), drafting for the model of `stack`."""
+    """The engine's speculator for `config` (None: off; the engine's own checked copy,
+    EngineConfig's), drafting for the model of `stack`; `draft_model`: method "draft"'s model,
+    built by draft_model.build_draft_model."""
     if config is None:
         return None
-    # The engine's own copy, checked again (replace runs __post_init__): fields can be set
-    # after construction, unchecked until here, and a caller's later edits must not reach a
-    # running engine (as SamplingParams are taken at intake).
-    config = replace(config)
     drafter = None
     if config.method == "draft":
         from .draft_model import DraftModelDrafter
 
-        drafter = DraftModelDrafter(config.draft_model, stack, engine_config, tokenizer,
-                                    config.acceptance)
+        drafter = DraftModelDrafter(draft_model, stack, engine_config, config.acceptance)
     elif config.method == "suffix":
         from .suffix import SuffixDrafter
 
