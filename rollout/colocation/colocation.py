@@ -202,14 +202,15 @@ class Colocation:
                 raise ValueError(f"update_weights: {_why_whole(self.weights_missing, source)}; "
                                  f"{len(missing)} missing ({len(held)} given), e.g. "
                                  f"{sorted(missing)[:3]}")
+        dtype = model.dtype
+        moved, resharding = 0, ReshardStats()
+        parts = rank_parts(named, model.rank_parts(shapes), dtype, bucket_bytes, resharding)
         try:
             # the source is checked: running sequences' K/V (from the old weights) goes now
             self._carried.retract()
         except BaseException:
-            named.close()
+            _abandon(parts, named)
             raise
-        dtype = model.dtype
-        moved, resharding = 0, ReshardStats()
         # Whether the engine's weights may have changed yet: the source is read as it is
         # copied (a PEFT model merged while read), so a read can fail before the first write
         # and leave the engine exact.
@@ -220,7 +221,6 @@ class Colocation:
                 written = self.lora.attach(plan, self.stack.backend)
                 if written and self.stack.graphs is not None:
                     self.stack.graphs.release()  # captured with the projections' old adapters
-            parts = rank_parts(named, model.rank_parts(shapes), dtype, bucket_bytes, resharding)
             checked = Checked()
             for bucket in buckets(parts, self.device, dtype, bucket_bytes,
                                   separate_host=self.stack.parking.separate_host):
@@ -234,9 +234,7 @@ class Colocation:
                 moved += self.lora.copy(plan)
                 self.lora.remember(plan)
         except BaseException as e:
-            if resharding.collectives:
-                _drain(parts)
-            named.close()  # at once: reading a PEFT model may hold its merge open
+            _abandon(parts, named)
             self.weights_missing = self.weights_missing or written
             if not isinstance(e, Exception) or isinstance(e, (ValueError, CopyMismatch)):
                 # KeyboardInterrupt stays what it is, a refused source a ValueError naming it;
@@ -287,15 +285,20 @@ def _why_whole(weights_missing: bool, source) -> str:
             "keep the adapter, call update_weights(peft_model)")
 
 
-def _drain(parts) -> None:
-    """A copy failed on this rank while the parts came from DTensor shards: each bucket's
-    exchange is a collective over the source's mesh, which the other ranks go on calling (an
-    engine's ranks, and other data-parallel engines on the same mesh); this rank joins the
-    rest of them, copying nothing, so that all reach the end of the update (where an engine's
-    ranks agree that it failed) instead of waiting on each other forever. A failure while
-    draining leaves the first one to be reported."""
+def _abandon(parts, named) -> None:
+    """An update failed on this rank: the rest of `parts` is read, copying nothing, then the
+    source closed (at once: reading a PEFT model may hold its merge open). Where the parts come
+    from DTensor shards, each bucket's exchange is a collective over the source's mesh, which
+    the other ranks go on calling (an engine's ranks, and other data-parallel engines on the
+    same mesh); this rank joins the rest of them, so that all reach the end of the update
+    (where an engine's ranks agree that it failed) instead of waiting on each other until the
+    world's timeout. Whether any is to come is not known before the source is read (a plain
+    tensor read first, or a failure before the first read, had left the rank out of every
+    exchange), so every source is read to its end; a plain tensor's part is a view. A failure
+    while reading leaves the first one to be reported."""
     try:
         for _ in parts:
             pass
     except BaseException:
         pass
+    named.close()

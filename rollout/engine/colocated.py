@@ -9,9 +9,12 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 from ..executor.stack import plain_tensors
-from ..fields import as_bool
+from ..fields import as_bool, as_int
 from ..parallel.agree import agree_max
 from .score import check_probe, run_probe
+
+SLEEP_LEVELS_DIFFER = ("were asked to sleep at different levels (each rank must pass the same "
+                       "level)")
 
 
 class ColocationCalls:
@@ -61,8 +64,15 @@ class ColocationCalls:
         running are carried: they keep their tokens and are re-prefilled after wake-up
         (rollout/engine/carry.py). A sleep that fails leaves the engine awake (`needs_weights`
         says if weights were lost)."""
-        with self._entered("sleep"), self._on_every_rank("sleep"):
-            self.colocation.sleep(level)
+        with self._entered("sleep"):
+            # Every rank at one level: a rank at level 2 alone would refuse to generate
+            # (needs_weights) while the others went on to wait for it.
+            def check():
+                checked = as_int("level", level, 1, 2)
+                return [], [checked], checked
+            level = self._checked_alike(check, ready=False, differ=SLEEP_LEVELS_DIFFER)[1]
+            with self._on_every_rank("sleep"):
+                self.colocation.sleep(level)
 
     def wake_up(self) -> None:
         """Allocate the KV pool and bring the weights back. A wake-up that fails (e.g. out

@@ -30,7 +30,8 @@ from ..models.base import ROUTED_EXPERTS
 from ..models.loader import (build_model, check_context, eos_token_ids, fit_max_model_len,
                              load_into, resolve_model)
 from ..parallel import shared_seed, tensor_parallel
-from ..parallel.agree import agree_min, check_same_config, check_same_requests
+from ..parallel.agree import REQUESTS_DIFFER, agree_min, check_same_config, check_same_requests
+from ..parallel.collectives import digest
 from ..requests.intake import Prompt, check_request, check_requests, hold_key, prefix_ids
 from ..requests.outputs import RolloutOutput, build_output
 from ..requests.request import Request
@@ -325,7 +326,8 @@ class Engine(ColocationCalls):
             def check():
                 tqdm = as_bool("use_tqdm", use_tqdm)  # (per rank: a progress bar on one)
                 return self._check_all(check_requests(prompts, params)), [], tqdm
-            checked, use_tqdm = self._checked_alike(check)
+            # (each request checks readiness: generate([]) asleep returns [])
+            checked, use_tqdm = self._checked_alike(check, ready=False)
             seeds = self.requests.seed_draws
             requests: list[Request] = []
             ready = self.requests.ready
@@ -355,13 +357,15 @@ class Engine(ColocationCalls):
         a caller can pair an output that comes back calls later with what it asked for."""
         with self._handing_over("rollout") as given:
             def check():
-                self.colocation.check_ready()
                 pairs = check_requests(prompts, params)
                 wanted = self.carry.groups_wanted(groups, len(pairs))
                 rest = as_bool("abort_rest", abort_rest)
                 tqdm = as_bool("use_tqdm", use_tqdm)
                 ids = self._check_new_ids(request_ids, len(pairs))
-                return self._check_all(pairs), [wanted, rest], (wanted, rest, tqdm, ids)
+                # The ids too (a digest): ids of each rank's own were queued, refused by the
+                # first step, and carried on every rank, failing every later rollout().
+                agreed = [wanted, rest, digest(ids)]
+                return self._check_all(pairs), agreed, (wanted, rest, tqdm, ids)
             checked, (groups, abort_rest, use_tqdm, ids) = self._checked_alike(check)
             # Enforced at each update, and again here: an update whose restarts failed (rolled
             # back) still counted, and its stale groups must not be stepped or handed out.
@@ -398,22 +402,28 @@ class Engine(ColocationCalls):
         failed call changes nothing, not even the seeds later calls draw."""
         return [self._check_request(p, sp) for p, sp in pairs]
 
-    def _checked_alike(self, check):
+    def _checked_alike(self, check, ready: bool = True, differ: str = REQUESTS_DIFFER):
         """`check()`: a call's argument checks, giving (the checked requests, the ints its other
         arguments come to, what the call goes on with); the last is returned with the first.
-        On an engine of several ranks every rank must get the same requests and ints (one
-        all-reduce): a rank whose checks raised makes the others raise RuntimeError, then
-        raises its own error, so none goes on to wait for it at its first step."""
+        `ready`: the engine must be awake with its weights whole (checked first, as one of
+        them). On an engine of several ranks every rank must get the same requests and ints
+        (one all-reduce): a rank whose checks raised makes the others raise RuntimeError
+        (saying the ranks `differ`), then raises its own error, so none goes on to wait for it
+        at its first step."""
+        def checks():
+            if ready:
+                self.colocation.check_ready()
+            return check()
         if self.tp.size == 1:
-            checked, _, rest = check()
+            checked, _, rest = checks()
             return checked, rest
         try:
-            checked, ints, rest = check()
+            checked, ints, rest = checks()
         except BaseException:
             with contextlib.suppress(RuntimeError):  # (the others failing alike pass)
-                check_same_requests(None, self.tp, self.device)
+                check_same_requests(None, self.tp, self.device, differ=differ)
             raise
-        check_same_requests(checked, self.tp, self.device, ints)
+        check_same_requests(checked, self.tp, self.device, ints, differ)
         return checked, rest
 
     def _queue(self, checked: list, requests: list[Request], from_rollout: bool = False,
@@ -450,8 +460,7 @@ class Engine(ColocationCalls):
         the tokens before it, and `top_logprobs` alternatives (rollout/engine/score.py).
         Sequences sharing a prefix compute it once; with `start` past a prompt the engine has
         cached, the prompt's K/V is reused."""
-        with self._entered("score"):
-            self.colocation.check_ready()
+        with self._entered("score"):  # (readiness checked with the arguments, on every rank)
             return score(self, sequences, temperature, top_logprobs, start,
                          as_bool("use_tqdm", use_tqdm))
 

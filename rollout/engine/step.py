@@ -1,10 +1,12 @@
 """One engine step as a transaction: schedule (one journal unit), propose drafts, prepare, run
-the forward and sample (changing no bookkeeping, so Ctrl-C may land there at once), commit (one
+the forward and sample (changing no bookkeeping, so Ctrl-C may land there at once; under tensor
+parallelism it waits for the next step's batch check, which every rank stops at), commit (one
 more unit). Whatever is raised where, the step's new slots go back (`discard_pending`) and the
 engine is as it was after its last complete unit."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from itertools import accumulate
 
@@ -57,14 +59,15 @@ class StepRunner:
             if batch is None:
                 return False
             if self.tp is not None:
-                check_same_batch(batch, self.tp, self.device)
+                self._agree_on_batch(batch)
             marks.append(time.perf_counter())
             speculating = self.speculator is not None and self.speculator.propose(batch) > 0
             marks.append(time.perf_counter())
             inputs = self.runner.prepare(batch)
             marks.append(time.perf_counter())
-            # Nothing below changes bookkeeping until the commit: Ctrl-C may land at once.
-            with self.guard.allow_interrupts():
+            # Nothing below changes bookkeeping until the commit: Ctrl-C may land at once,
+            # but for a rank of several, held through the forward's collectives.
+            with self._interruptible():
                 logits, scored = self.runner.run(inputs)
                 marks.append(time.perf_counter())
                 items = [it for it in batch.items if it.sample]
@@ -99,6 +102,42 @@ class StepRunner:
             self.speculator.observe_step(sum(it.num_new for it in batch.items),
                                          marks[5] - marks[3])
         return True
+
+    def _interruptible(self):
+        """One rank of one engine lets Ctrl-C through in the forward (rolled back at once). A
+        rank of several holds it to the next step's batch check (_agree_on_batch), or to the
+        call's end: raised mid-forward, it had left the other ranks in the forward's
+        collectives, which the retry's collectives then met (gloo aborts the process on such a
+        mismatch)."""
+        return self.guard.allow_interrupts() if self.tp is None else contextlib.nullcontext()
+
+    def _agree_on_batch(self, batch) -> None:
+        """The ranks run the same batch (check_same_batch) and stop together at an interrupt
+        held on any of them, before the forward: that rank raises it, the others RuntimeError
+        (so a retry on every rank meets no collective left half done)."""
+        held = self._held_interrupt()
+        try:
+            interrupted = check_same_batch(batch, self.tp, self.device, held is not None)
+        except RuntimeError:
+            if held is not None:
+                raise held from None
+            raise
+        if held is not None:
+            raise held
+        if interrupted:
+            raise RuntimeError("step: another rank of this tensor-parallel engine was "
+                               "interrupted (Ctrl-C); every rank stopped before this step's "
+                               "forward")
+
+    def _held_interrupt(self) -> BaseException | None:
+        """An interrupt held so far, delivered now (the caller's SIGINT handler runs): what it
+        raised, kept to raise once the ranks agree; None if none was held or the handler
+        raised nothing."""
+        try:
+            self.guard.deliver_held()
+        except BaseException as e:
+            return e
+        return None
 
     def _discard_pending(self) -> None:
         try:

@@ -51,18 +51,23 @@ def agree_min(value: int, tp: TensorParallel, device: torch.device) -> int:
     return int(t.item())
 
 
+REQUESTS_DIFFER = ("queued different requests in this call (each rank must pass the same "
+                   "prompts and params)")
+
+
 def check_same_requests(checked, tp: TensorParallel, device: torch.device,
-                        ints: list[int] = ()) -> None:
+                        ints: list[int] = (), differ: str = REQUESTS_DIFFER) -> None:
     """Every rank queues the same requests in this call (their tokens and sampling params, and
-    `ints`: what the call's other arguments come to), or RuntimeError on every rank: a rank
-    handed none would otherwise return at once and the others wait for it at their first
-    step, and a different seed or temperature samples differently with the same batch.
-    `checked` None: this rank's arguments were refused (a row no call gives)."""
+    `ints`: what the call's other arguments come to), or RuntimeError on every rank saying the
+    ranks of one engine `differ`: a rank handed none would otherwise return at once and the
+    others wait for it at their first step, and a different seed or temperature samples
+    differently with the same batch. `checked` None: this rank's arguments were refused (a
+    row no call gives)."""
     rows = [[-1]] if checked is None else \
         [*([*ids, digest(params)] for _, ids, params in checked), [*ints]]
-    here = "refused here" if checked is None else f"{len(checked)} here"
-    check_same(rows, tp, device, f"ranks of one engine queued different requests in this call "
-                                 f"({here}; each rank must pass the same prompts and params)")
+    here = " (refused here)" if checked is None else \
+        f" ({len(checked)} here)" if checked else ""
+    check_same(rows, tp, device, f"ranks of one engine {differ}{here}")
 
 
 def agree_max(values: list[int], tp: TensorParallel, device: torch.device) -> list[int]:

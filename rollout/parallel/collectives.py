@@ -44,19 +44,27 @@ def digest(value) -> int:
     return zlib.crc32(repr(value).encode())
 
 
-def check_same(rows, tp: TensorParallel, device: torch.device, what: str) -> None:
+def check_same(rows, tp: TensorParallel, device: torch.device, what: str,
+               flag: bool = False) -> bool:
     """Every rank holds the same `rows` (lists of ints) or RuntimeError on every rank, saying
-    `what` differs. One all-reduce of two int64s: the max of a hash and of its negation agree
-    only when every rank's hash is the same."""
+    `what` differs; returns whether any rank raised `flag` (the ranks' rows alike). One
+    all-reduce of two int64s: the max of a hash and of its negation agree only when every
+    rank's hash is the same. The flag is the hash's lowest bit, so that every check made here
+    (a step's batch, a call's arguments) stays one collective of one size: a rank at another
+    of them meets a mismatch, not a collective of another size, which gloo answers by
+    aborting the process."""
     digest = 0
     for row in rows:
         for t in (len(row), *row):
             digest = (digest * 1_000_003 + t + 1) % _MODULUS
+    digest = 2 * digest + flag
     both = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=tp.group)
-    if int(both[0]) != -int(both[1]):
+    high, low = int(both[0]), -int(both[1])
+    if high // 2 != low // 2:
         raise RuntimeError(f"tensor parallel: {what} (rank {tp.rank} hash {digest}, max "
-                           f"{int(both[0])}, min {-int(both[1])})")
+                           f"{high}, min {low})")
+    return bool(high % 2)
 
 
 def check_same_tokens(tokens: list[list[int]], tp: TensorParallel,
@@ -67,14 +75,16 @@ def check_same_tokens(tokens: list[list[int]], tp: TensorParallel,
                                    "differ")
 
 
-def check_same_batch(batch, tp: TensorParallel, device: torch.device) -> None:
+def check_same_batch(batch, tp: TensorParallel, device: torch.device,
+                     interrupted: bool = False) -> bool:
     """Every step of an engine of several ranks, before its forward: the ranks run the same
     batch (each item's request id, sample, position, and the tokens it feeds; while it
     computes its prompt, the sample's noise seed and params too). Ranks handed different
     requests (each its own prompts) would otherwise run a forward mixing them and all return
     the same wrong text; requests queued by add_request (agreed by no call) with a seed,
     temperature or length of each rank's own would sample apart or stop apart (the others
-    then waiting forever for a step)."""
+    then waiting forever for a step). Returns whether any rank was `interrupted` (it holds a
+    Ctrl-C: every rank then stops at this step, rollout/engine/step.py)."""
     rows = []
     for it in batch.items:
         seq = it.seq
@@ -85,5 +95,6 @@ def check_same_batch(batch, tp: TensorParallel, device: torch.device) -> None:
         if it.start < len(seq.prompt_ids):
             row += [seq.seed, digest(seq.params)]
         rows.append(row)
-    check_same(rows, tp, device, "ranks of one engine run different requests this step (each "
-                                 "rank must add the same requests, in the same order)")
+    return check_same(rows, tp, device, "ranks of one engine run different requests this "
+                                        "step (each rank must add the same requests, in the "
+                                        "same order)", interrupted)

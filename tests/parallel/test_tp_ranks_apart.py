@@ -12,6 +12,13 @@ A rank that never joins a collective of the engine's group (it failed on its own
 wait as long as the trainer's world does (init_process_group's timeout), not torch's default
 for a new group (30 minutes on gloo, 10 on NCCL).
 
+Calls whose arguments or state differ per rank (`calls_apart`, one launch, one engine): rollout()
+request_ids of each rank's own, sleep() at a level of each rank's own, score() on a rank whose
+weights are incomplete, a DTensor update failing on one rank before its first exchange, Ctrl-C
+on one rank mid-forward. Each had left the ranks apart (groups carried forever, a rank waiting
+until the world's timeout, gloo aborting the process at the retry); now every rank refuses or
+fails together and the engine then serves as one rank does.
+
 Run as `python test_tp_ranks_apart.py SCENARIO OUT_DIR` it is the launcher: 2 forked gloo
 ranks (tests/support/fork_ranks.py) running `SCENARIO` (a function of this file), each
 writing OUT_DIR/rank<i>.json."""
@@ -34,7 +41,8 @@ AGREED = dict(n=2, max_tokens=3, seed=7)
 # Each scenario's world timeout (init_process_group's): long enough for a loaded 2-core
 # machine's ranks to build engines while another waits; for a wait that must time out, short.
 TIMEOUTS = {"streamed": datetime.timedelta(seconds=60),
-            "never_joins": datetime.timedelta(seconds=3)}
+            "never_joins": datetime.timedelta(seconds=3),
+            "calls_apart": datetime.timedelta(seconds=60)}
 
 
 def _engine(tp: int):
@@ -112,6 +120,159 @@ def never_joins(rank: int, out_dir: str) -> dict:
         result = "timed out" if "Timed out" in str(e) else repr(e)
     open(done, "w").close()
     return {"result": result}
+
+
+def _tokens(outs) -> list[list[list[int]]]:
+    return [[s.token_ids for s in o.samples] for o in outs]
+
+
+def _refused(call) -> str:
+    """"refused" where the call raised saying the ranks of the engine differ (on every rank:
+    the difference is in the call's arguments)."""
+    try:
+        call()
+        return "ok"
+    except RuntimeError as e:
+        return "refused" if "ranks of one engine" in str(e) else repr(e)
+
+
+def request_ids_apart(engine, rank: int) -> dict:
+    """rollout(request_ids=) of each rank's own: refused before anything is queued."""
+    from rollout import SamplingParams
+
+    params = SamplingParams(**AGREED)
+    return {"refused": _refused(lambda: engine.rollout([PROMPT], params,
+                                                       request_ids=[f"id{rank}"])),
+            "carried": engine.carried,
+            "after": _tokens(engine.rollout([PROMPT], params, request_ids=["same"]))}
+
+
+def sleep_levels_apart(engine, rank: int) -> dict:
+    """sleep(1 + rank): refused on every rank, every rank left awake."""
+    refused = _refused(lambda: engine.sleep(1 + rank))
+    return {"refused": refused, "state": [engine.sleep_level, engine.needs_weights]}
+
+
+def readiness_apart(engine, rank: int) -> dict:
+    """score() where rank 1's weights are incomplete (ranks left apart, as a failure handled
+    on one rank only would leave them): that rank refuses as one engine does, the others with
+    it, not waiting for it in the call's agreement. Then the same scores as before."""
+    before = engine.score([PROMPT])[0].logprobs
+    engine.colocation.weights_missing = rank == 1
+    try:
+        engine.score([PROMPT])
+        result = "ok"
+    except RuntimeError as e:
+        result = "incomplete" if "weights are incomplete" in str(e) else \
+            "refused" if "ranks of one engine" in str(e) else repr(e)
+    engine.colocation.weights_missing = False
+    return {"result": result, "after": engine.score([PROMPT])[0].logprobs == before}
+
+
+def dtensor_copy_fails(engine, rank: int) -> dict:
+    """An update from DTensor shards (the embedding a plain tensor, read first) whose first copy
+    fails on rank 1, before that rank's first exchange: every rank fails at once (rank 0 had
+    waited in the exchange for the world's timeout), then a complete update serves the new
+    weights."""
+    import torch
+    from models import tiny_model
+    from tp_scenarios import world_sharded
+
+    from rollout import SamplingParams
+
+    def source():
+        model = world_sharded(tiny_model("llama", 1), 0)
+        embedding = model.model.embed_tokens
+        embedding.weight = torch.nn.Parameter(embedding.weight.full_tensor())
+        return model
+
+    stack = engine.stack
+    real = stack.model.load_weights
+
+    def failing(*args, **kwargs):
+        stack.model.load_weights = real
+        raise RuntimeError("copy")
+    if rank == 1:
+        stack.model.load_weights = failing
+    try:
+        engine.update_weights(source(), bucket_bytes=4096)
+        result = "ok"
+    except RuntimeError as e:
+        result = "other rank" if "failed on another rank" in str(e) else "copy" if \
+            "a copy failed" in str(e) else repr(e)
+    needs = engine.needs_weights
+    engine.update_weights(source(), bucket_bytes=4096)
+    return {"result": result, "needs_weights": needs,
+            "after": _tokens(engine.generate([PROMPT], SamplingParams(**AGREED)))}
+
+
+def interrupted_mid_forward(engine, rank: int) -> dict:
+    """A real SIGINT on rank 1 as a forward starts, held through the forward's collectives.
+    In the first of a call's three steps: every rank stops at the next step's check (rank 1
+    KeyboardInterrupt, the others RuntimeError). In the last: the other ranks return, rank 1
+    raises as its call ends. Either way the retry gives what an uninterrupted call gives."""
+    import signal
+
+    from rollout import SamplingParams
+
+    params = SamplingParams(**AGREED)  # max_tokens=3: 3 steps, the first computing the prompt
+    runner = engine.runner
+    real = runner.run
+    results = {}
+    for at in (1, 3):
+        calls = []
+
+        def interrupting(inputs):
+            calls.append(1)
+            if len(calls) == at:
+                runner.run = real
+                signal.raise_signal(signal.SIGINT)
+            return real(inputs)
+        if rank == 1:
+            runner.run = interrupting
+        try:
+            engine.generate([PROMPT], params)
+            result = "ok"
+        except KeyboardInterrupt:
+            result = "KeyboardInterrupt"
+        except RuntimeError as e:
+            result = "other rank" if "was interrupted" in str(e) else repr(e)
+        engine.check_invariants()
+        results[f"step {at}"] = [result, _tokens(engine.generate([PROMPT], params))]
+    return results
+
+
+CALLS_APART = (request_ids_apart, sleep_levels_apart, readiness_apart, interrupted_mid_forward,
+               dtensor_copy_fails)
+
+
+def calls_apart(rank: int, out_dir: str) -> dict:
+    engine = _engine(WORLD)
+    return {part.__name__: part(engine, rank) for part in CALLS_APART}
+
+
+def test_calls_apart_across_ranks_fail_on_every_rank_then_serve(tmp_path):
+    sys.path.insert(0, SUPPORT)
+    from models import tiny_model
+
+    from rollout import Engine, EngineConfig, SamplingParams
+
+    ranks = _launch("calls_apart", tmp_path)
+    params = SamplingParams(**AGREED)
+    one_rank = _tokens(_engine(1).generate([PROMPT], params))
+    updated = _tokens(Engine(tiny_model("llama", 1), EngineConfig(
+        kv_cache_tokens=1024, max_model_len=64)).generate([PROMPT], params))
+    for r, got in enumerate(ranks):
+        assert got == {
+            "request_ids_apart": {"refused": "refused", "carried": [], "after": one_rank},
+            "sleep_levels_apart": {"refused": "refused", "state": [0, False]},
+            "readiness_apart": {"result": "incomplete" if r == 1 else "refused",
+                                "after": True},
+            "interrupted_mid_forward": {
+                "step 1": ["KeyboardInterrupt" if r == 1 else "other rank", one_rank],
+                "step 3": ["KeyboardInterrupt" if r == 1 else "ok", one_rank]},
+            "dtensor_copy_fails": {"result": "copy" if r == 1 else "other rank",
+                                   "needs_weights": True, "after": updated}}, (r, got)
 
 
 def test_streamed_requests_that_differ_across_ranks_are_refused(tmp_path):
