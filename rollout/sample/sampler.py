@@ -5,8 +5,10 @@ and that distribution's support (support.py).
 
 `sample` and `pick` below are the torch reference. A `Sampler` binds the engine backend's
 implementations (rollout/ops): the fused Triton sampler on CUDA (kernels/triton/
-sample.py), the C Gumbel-max on the CPU (kernels/cpu/gumbel.c); both give the
-reference's tokens bit for bit."""
+sample.py), the C Gumbel-max on the CPU (kernels/cpu/gumbel.c). The C kernel gives the
+reference's tokens bit for bit; the fused sampler too, but within rounding of a top-p or min-p
+boundary, so a row whose truncated distribution is reported is drawn by the reference there
+(`Sampler._draw_reported`)."""
 
 from __future__ import annotations
 
@@ -189,7 +191,8 @@ def draw_cpu(logits: torch.Tensor, batch: SamplingBatch):
 
 
 def draw_triton(logits: torch.Tensor, batch: SamplingBatch):
-    """The fused Triton sampler: the same tokens as `draw`; it keeps no candidates."""
+    """The fused Triton sampler: the same tokens as `draw` but within rounding of a top-p or
+    min-p boundary (its kept set comes from float32 sums of its own); it keeps no candidates."""
     from rollout_kernels.triton import sample as kernel_sample
 
     tokens, logprobs = kernel_sample(logits, batch.temperature, batch.top_k, batch.top_p,
@@ -223,6 +226,7 @@ class Sampler:
 
     def __init__(self, backend) -> None:
         self._draw = backend.bind(DRAW)
+        self._fused = backend.choose(DRAW.implementations, torch.float32) == "triton"
         self._gumbel_argmax = backend.bind(GUMBEL_ARGMAX)
         # On the CPU a batch without filters is drawn a block of rows at a time
         # (_BLOCK_ELEMENTS): over the whole batch each pass of log_softmax streams [B, V]
@@ -253,18 +257,37 @@ class Sampler:
     def _draw_rows(self, logits: torch.Tensor, batch: SamplingBatch,
                    want_support: tuple[bool, ...] | None,
                    want_logprobs: tuple[bool, ...] | None) -> list[Emitted]:
-        tokens, logprobs, candidates = self._draw(logits, batch)
         want_support = want_support or (False,) * len(batch.greedy)
-        needed = [cut and (want_logprobs is None or want_logprobs[r] or want_support[r])
-                  for r, cut in enumerate(batch.truncated)]
-        if candidates is None and any(needed):  # the fused kernel keeps none
-            candidates = target_logprobs(logits, batch)[1]
+        reported = [cut and (want_logprobs is None or want_logprobs[r] or want_support[r])
+                    for r, cut in enumerate(batch.truncated)]
+        if self._fused and any(reported):
+            tokens, logprobs, candidates = self._draw_reported(logits, batch, reported)
+        else:
+            tokens, logprobs, candidates = self._draw(logits, batch)
         token_list, lp_list = tokens.tolist(), logprobs.tolist()
         sampling, supports = sampled_at(candidates, list(range(len(token_list))), token_list,
                                         lp_list, batch.greedy, batch.truncated, want_support,
                                         want_logprobs)
         return [Emitted((t,), (lp,), (s,), (sup,))
                 for t, lp, s, sup in zip(token_list, lp_list, sampling, supports)]
+
+    def _draw_reported(self, logits: torch.Tensor, batch: SamplingBatch,
+                       reported: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`draw` for the fused kernel's batch with rows that report their truncated
+        distribution (`reported`). The report (sampling logprob, support) is read from the
+        filters' definition, `filter_by_sort`'s candidates; the kernel keeps none, and decides
+        its own kept set from float32 sums in another order, so within rounding of a top-p or
+        min-p boundary it kept a token the definition drops: the token came back outside its
+        own support with a sampling logprob of -inf. Those rows are drawn from the candidates
+        (`draw`: the same noise, the same tokens elsewhere); the others stay the kernel's, so
+        that no row's token depends on what its neighbours ask for."""
+        tokens, logprobs, candidates = draw(logits, batch, self._gumbel_argmax)
+        if not all(reported):
+            fused_tokens, fused_logprobs, _ = self._draw(logits, batch)
+            mine = torch.tensor(reported, device=tokens.device)
+            tokens = torch.where(mine, tokens, fused_tokens)
+            logprobs = torch.where(mine, logprobs, fused_logprobs)
+        return tokens, logprobs, candidates
 
     def pick(self, logits: torch.Tensor, candidates: torch.Tensor, batch: SamplingBatch,
              stream: int = TOKEN_STREAM) -> torch.Tensor:
