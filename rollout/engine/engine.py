@@ -31,7 +31,7 @@ from ..models.loader import (build_model, check_context, eos_token_ids, fit_max_
                              load_into, resolve_model)
 from ..parallel import shared_seed, tensor_parallel
 from ..parallel.agree import REQUESTS_DIFFER, agree_min, check_same_config, check_same_requests
-from ..parallel.collectives import digest
+from ..parallel.collectives import check_same, digest
 from ..requests.intake import Prompt, check_request, check_requests, hold_key, prefix_ids
 from ..requests.outputs import RolloutOutput, build_output
 from ..requests.request import Request
@@ -373,6 +373,10 @@ class Engine(ColocationCalls):
             # (no list of them kept: a failed call keeps its groups carried, abandons none)
             self._queue(checked, [], from_rollout=True, request_ids=ids)
             self._step_until(self.carry.num_complete, groups, use_tqdm, "group")
+            if self.tp.size > 1:
+                # An interrupt held through the steps raises below, as the groups are handed
+                # out: on one rank alone, it would keep them carried there only.
+                self._stepper.stop_together(self._at_hand_out, "before handing groups out")
             handed = self.carry.complete()[:groups]
             outs = [self._output(r) for r in handed]
             with self.journal.unit():
@@ -381,6 +385,11 @@ class Engine(ColocationCalls):
                 self._guard.deliver_held()
             given += handed
             return outs
+
+    def _at_hand_out(self, held: bool) -> bool:
+        """The ranks' agreement that rollout() hands its groups out (StepRunner.stop_together)."""
+        return check_same([], self.tp, self.device, "ranks of one engine are not all handing "
+                          "rollout()'s groups out", held)
 
     def _check_new_ids(self, request_ids, n: int) -> list[str | None]:
         if request_ids is None:

@@ -112,12 +112,19 @@ class StepRunner:
         return self.guard.allow_interrupts() if self.tp is None else contextlib.nullcontext()
 
     def _agree_on_batch(self, batch) -> None:
-        """The ranks run the same batch (check_same_batch) and stop together at an interrupt
-        held on any of them, before the forward: that rank raises it, the others RuntimeError
-        (so a retry on every rank meets no collective left half done)."""
+        """The ranks run the same batch (check_same_batch), and stop together before the
+        forward at an interrupt held on any of them."""
+        self.stop_together(lambda held: check_same_batch(batch, self.tp, self.device, held),
+                           "before this step's forward")
+
+    def stop_together(self, check, where: str) -> None:
+        """Under tensor parallelism, at a point no rank may leave alone: an interrupt held on
+        any rank stops every rank here, that rank raising it and the others RuntimeError (so a
+        retry on every rank meets no collective left half done). `check(held)`: the ranks'
+        collective, told whether this rank holds one, returning whether any does."""
         held = self._held_interrupt()
         try:
-            interrupted = check_same_batch(batch, self.tp, self.device, held is not None)
+            interrupted = check(held is not None)
         except RuntimeError:
             if held is not None:
                 raise held from None
@@ -125,9 +132,8 @@ class StepRunner:
         if held is not None:
             raise held
         if interrupted:
-            raise RuntimeError("step: another rank of this tensor-parallel engine was "
-                               "interrupted (Ctrl-C); every rank stopped before this step's "
-                               "forward")
+            raise RuntimeError(f"another rank of this tensor-parallel engine was interrupted "
+                               f"(Ctrl-C); every rank stopped {where}")
 
     def _held_interrupt(self) -> BaseException | None:
         """An interrupt held so far, delivered now (the caller's SIGINT handler runs): what it

@@ -209,36 +209,41 @@ def dtensor_copy_fails(engine, rank: int) -> dict:
 def interrupted_mid_forward(engine, rank: int) -> dict:
     """A real SIGINT on rank 1 as a forward starts, held through the forward's collectives.
     In the first of a call's three steps: every rank stops at the next step's check (rank 1
-    KeyboardInterrupt, the others RuntimeError). In the last: the other ranks return, rank 1
-    raises as its call ends. Either way the retry gives what an uninterrupted call gives."""
+    KeyboardInterrupt, the others RuntimeError). In generate()'s last: the other ranks return,
+    rank 1 raises as its call ends. In rollout()'s last: every rank stops before handing the
+    group out, which stays carried on every rank. Each time, per rank: what was raised, the
+    groups carried, and the retry's tokens (to equal an uninterrupted call's)."""
     import signal
 
     from rollout import SamplingParams
 
     params = SamplingParams(**AGREED)  # max_tokens=3: 3 steps, the first computing the prompt
+    calls = {"generate": lambda: engine.generate([PROMPT], params),
+             "rollout": lambda: engine.rollout([PROMPT], params)}
+    retries = {"generate": calls["generate"], "rollout": engine.rollout}
     runner = engine.runner
     real = runner.run
     results = {}
-    for at in (1, 3):
-        calls = []
+    for call, at in (("generate", 1), ("generate", 3), ("rollout", 3)):
+        forwards = []
 
         def interrupting(inputs):
-            calls.append(1)
-            if len(calls) == at:
+            forwards.append(1)
+            if len(forwards) == at:
                 runner.run = real
                 signal.raise_signal(signal.SIGINT)
             return real(inputs)
         if rank == 1:
             runner.run = interrupting
         try:
-            engine.generate([PROMPT], params)
+            calls[call]()
             result = "ok"
         except KeyboardInterrupt:
             result = "KeyboardInterrupt"
         except RuntimeError as e:
             result = "other rank" if "was interrupted" in str(e) else repr(e)
         engine.check_invariants()
-        results[f"step {at}"] = [result, _tokens(engine.generate([PROMPT], params))]
+        results[f"{call} {at}"] = [result, len(engine.carried), _tokens(retries[call]())]
     return results
 
 
@@ -269,8 +274,9 @@ def test_calls_apart_across_ranks_fail_on_every_rank_then_serve(tmp_path):
             "readiness_apart": {"result": "incomplete" if r == 1 else "refused",
                                 "after": True},
             "interrupted_mid_forward": {
-                "step 1": ["KeyboardInterrupt" if r == 1 else "other rank", one_rank],
-                "step 3": ["KeyboardInterrupt" if r == 1 else "ok", one_rank]},
+                "generate 1": ["KeyboardInterrupt" if r == 1 else "other rank", 0, one_rank],
+                "generate 3": ["KeyboardInterrupt" if r == 1 else "ok", 0, one_rank],
+                "rollout 3": ["KeyboardInterrupt" if r == 1 else "other rank", 1, one_rank]},
             "dtensor_copy_fails": {"result": "copy" if r == 1 else "other rank",
                                    "needs_weights": True, "after": updated}}, (r, got)
 
