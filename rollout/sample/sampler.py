@@ -7,8 +7,8 @@ and that distribution's support (support.py).
 implementations (rollout/ops): the fused Triton sampler on CUDA (kernels/triton/
 sample.py), the C Gumbel-max on the CPU (kernels/cpu/gumbel.c). The C kernel gives the
 reference's tokens bit for bit; the fused sampler too, but within rounding of a top-p or min-p
-boundary, so a row whose truncated distribution is reported is drawn by the reference there
-(`Sampler._draw_reported`)."""
+boundary, and its logprobs an ulp apart: what is reported of its rows is read from the
+reference's (`Sampler._draw_fused`)."""
 
 from __future__ import annotations
 
@@ -98,31 +98,39 @@ class SamplingBatch:
                          position=[seq.num_tokens + j for seq, j in rows], device=device)
 
 
-def target_logprobs(logits: torch.Tensor,
-                    batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logp, candidates): logp = log_softmax(logits / T) with T = 1 on greedy rows (what the
-    caller reports), candidates = logp with top-k/p/min-p exclusions at -inf (what is sampled).
-    On the CPU greedy rows are not filtered (their candidates row is logp): `pick` and the
-    acceptance rules use the argmax of the logits there, never the candidates."""
+def policy_logprobs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """log_softmax(logits / T) with T = 1 on greedy rows: what the caller reports."""
     logits = logits.float()
     if batch.unit_temperature:  # x / 1 == x exactly: skip a pass over [B, V]
-        logp = log_softmax(logits)
-    else:
-        temperature = torch.where(batch.temperature == 0, 1.0, batch.temperature)
-        logp = log_softmax(logits / temperature[:, None])
+        return log_softmax(logits)
+    temperature = torch.where(batch.temperature == 0, 1.0, batch.temperature)
+    return log_softmax(logits / temperature[:, None])
+
+
+def filtered(logp: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The candidates: `logp` with top-k/p/min-p exclusions at -inf (what is sampled). On the
+    CPU greedy rows are not filtered (their candidates row is logp): `pick` and the acceptance
+    rules use the argmax of the logits there, never the candidates."""
     if not batch.needs_filter:
-        return logp, logp
+        return logp
     if logp.device.type != "cpu":  # the sort is cheap there; every row, as it always was
-        return logp, filter_by_sort(logp, batch.top_k, batch.top_p, batch.min_p)
+        return filter_by_sort(logp, batch.top_k, batch.top_p, batch.min_p)
     if batch.all_greedy:
-        return logp, logp
+        return logp
     top_k, top_p, min_p = batch.top_k, batch.top_p, batch.min_p
     if batch.any_greedy:
         sampled = batch.temperature != 0
         top_k = torch.where(sampled, top_k, 0)
         top_p = torch.where(sampled, top_p, 1.0)
         min_p = torch.where(sampled, min_p, 0.0)
-    return logp, filter_by_threshold(logp, top_k, top_p, min_p, normalized=True, copy=False)
+    return filter_by_threshold(logp, top_k, top_p, min_p, normalized=True, copy=False)
+
+
+def target_logprobs(logits: torch.Tensor,
+                    batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logp, candidates): `policy_logprobs` and their `filtered` candidates."""
+    logp = policy_logprobs(logits, batch)
+    return logp, filtered(logp, batch)
 
 
 def gumbel_argmax_torch(candidates: torch.Tensor, batch: SamplingBatch,
@@ -260,8 +268,8 @@ class Sampler:
         want_support = want_support or (False,) * len(batch.greedy)
         reported = [cut and (want_logprobs is None or want_logprobs[r] or want_support[r])
                     for r, cut in enumerate(batch.truncated)]
-        if self._fused and any(reported):
-            tokens, logprobs, candidates = self._draw_reported(logits, batch, reported)
+        if self._fused and (want_logprobs is None or any(want_logprobs) or any(reported)):
+            tokens, logprobs, candidates = self._draw_fused(logits, batch, reported)
         else:
             tokens, logprobs, candidates = self._draw(logits, batch)
         token_list, lp_list = tokens.tolist(), logprobs.tolist()
@@ -271,23 +279,31 @@ class Sampler:
         return [Emitted((t,), (lp,), (s,), (sup,))
                 for t, lp, s, sup in zip(token_list, lp_list, sampling, supports)]
 
-    def _draw_reported(self, logits: torch.Tensor, batch: SamplingBatch,
-                       reported: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`draw` for the fused kernel's batch with rows that report their truncated
-        distribution (`reported`). The report (sampling logprob, support) is read from the
-        filters' definition, `filter_by_sort`'s candidates; the kernel keeps none, and decides
-        its own kept set from float32 sums in another order, so within rounding of a top-p or
-        min-p boundary it kept a token the definition drops: the token came back outside its
-        own support with a sampling logprob of -inf. Those rows are drawn from the candidates
-        (`draw`: the same noise, the same tokens elsewhere); the others stay the kernel's, so
-        that no row's token depends on what its neighbours ask for."""
-        tokens, logprobs, candidates = draw(logits, batch, self._gumbel_argmax)
-        if not all(reported):
-            fused_tokens, fused_logprobs, _ = self._draw(logits, batch)
-            mine = torch.tensor(reported, device=tokens.device)
-            tokens = torch.where(mine, tokens, fused_tokens)
-            logprobs = torch.where(mine, logprobs, fused_logprobs)
-        return tokens, logprobs, candidates
+    def _draw_fused(self, logits: torch.Tensor, batch: SamplingBatch, reported: list[bool]
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The fused kernel's draw where something is reported of it: the kernel keeps no
+        candidates, decides its own kept set and sums its own log-sum, each in float32 in
+        another order than the definitions the report is read from. So:
+        - a row that reports its truncated distribution (`reported`: sampling logprob,
+          support, read from `filter_by_sort`'s candidates) is drawn from those candidates
+          (`pick`: the same noise, the kernel's token away from rounding): within rounding of
+          a top-p or min-p boundary the kernel kept a token the definition drops, which came
+          back outside its own support with a sampling logprob of -inf;
+        - logprobs are log_softmax.py's at the token (`policy_logprobs`), as Engine.score and
+          the top-k alternatives compute them: the kernel's were an ulp apart at some tokens,
+          so a batch-invariant engine's score did not give back the rollout's bits.
+        Other rows keep the kernel's token, so that none depends on what its neighbours ask."""
+        logp = policy_logprobs(logits, batch)
+        candidates = filtered(logp, batch) if any(reported) else None
+        if all(reported):
+            tokens = pick(logits, candidates, batch, TOKEN_STREAM, self._gumbel_argmax)
+        else:
+            tokens = self._draw(logits, batch)[0]
+            if candidates is not None:
+                mine = torch.tensor(reported, device=tokens.device)
+                picked = pick(logits, candidates, batch, TOKEN_STREAM, self._gumbel_argmax)
+                tokens = torch.where(mine, picked, tokens)
+        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1), candidates
 
     def pick(self, logits: torch.Tensor, candidates: torch.Tensor, batch: SamplingBatch,
              stream: int = TOKEN_STREAM) -> torch.Tensor:

@@ -87,3 +87,19 @@ def test_rows_that_report_nothing_keep_the_kernels_tokens(fused):
     drawn = fused.draw(logits, batch, want_logprobs=half)
     assert [e.tokens[0] for r, e in enumerate(drawn) if not half[r]] == \
         [t for r, t in enumerate(kernel_tokens) if not half[r]]
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_reported_logprobs_are_those_of_log_softmax(fused, top_p):
+    """The logprob of a row that reports it is log_softmax.py's at the token, the bits
+    Engine.score and the top-k alternatives give for the same logits row: the kernel's own
+    log-sum adds the row in another order (6 of 32 rows an ulp apart here)."""
+    rows, vocab = 32, 8192
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(1)) * 3
+    batch = SamplingBatch.build([1.0] * rows, [0] * rows, [top_p] * rows, [0.0] * rows,
+                                list(range(rows)), [3] * rows, DEVICE)
+    drawn = fused.draw(logits, batch, want_logprobs=(True,) * rows)
+    tokens = torch.tensor([e.tokens[0] for e in drawn])
+    assert tokens.tolist() == draw_triton(logits, batch)[0].tolist()  # the kernel's tokens
+    want = log_softmax(logits).gather(-1, tokens[:, None])[:, 0].tolist()
+    assert [e.logprobs[0] for e in drawn] == want
