@@ -295,7 +295,7 @@ class Sampler:
         Other rows keep the kernel's token, so that none depends on what its neighbours ask."""
         logp = policy_logprobs(logits, batch)
         candidates = filtered(logp, batch) if any(reported) else None
-        if all(reported):
+        if candidates is not None and all(reported):
             tokens = pick(logits, candidates, batch, TOKEN_STREAM, self._gumbel_argmax)
         else:
             tokens = self._draw(logits, batch)[0]
