@@ -72,7 +72,9 @@ if [ "$what" = owed ]; then
   # kernels/triton/row_invariant.py; the wrappers' refusals, from shapes alone when compiled,
   # tests/kernels/test_triton_refusals.py; sliding-window models on the Triton backend, graphs
   # included: tests/attention/test_windowed.py, in no mode's list before; the LoRA expand
-  # kernel's rank tiles over ranks above 256, tests/lora/test_lora_kernel_ranks.py). Then the
+  # kernel's rank tiles over ranks above 256, tests/lora/test_lora_kernel_ranks.py; a reported
+  # row drawn from the supports it reports at top_p boundaries, and the logprobs Engine.score
+  # gives, tests/sample/test_fused_draw_reports.py). Then the
   # timings, alone: what no GPU run has measured yet, partial rollouts against synchronous
   # ones, the engine against transformers on SmolLM2's shapes. Limits add up to 575 s: one
   # device call (timeout_s 590).
@@ -83,7 +85,7 @@ if [ "$what" = owed ]; then
       tests/sample/test_sampling_distribution.py tests/models/test_lm_head_dtype.py \
       tests/sample/test_top_logprobs.py tests/executor/test_step_host_inputs.py \
       tests/kernels/test_row_invariant.py tests/kernels/test_triton_refusals.py \
-      tests/lora/test_lora_kernel_ranks.py \
+      tests/lora/test_lora_kernel_ranks.py tests/sample/test_fused_draw_reports.py \
       tests/engine/test_batch_invariant.py::test_triton_backend_on_cuda \
       tests/engine/test_batch_invariant.py::test_triton_backend_unmerged_lora_on_cuda
   # What a wake-up costs with CUDA graphs (each bucket captured again), and what the weight

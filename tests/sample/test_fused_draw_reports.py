@@ -11,7 +11,7 @@ the definition drops that token, and the kernel keeps it in some of these rows.
 
 The kernel runs in Triton's interpreter on the CPU (conftest.py sets it where there is no GPU):
 where and how often the compiled kernel's sums round apart from the definition's is a GPU's to
-show (bench/gpu_check.sh does not list this file).
+show: on a GPU the same cases run compiled (bench/gpu_check.sh owed).
 """
 
 import math
@@ -27,11 +27,11 @@ from rollout.sample.log_softmax import log_softmax
 from rollout.sample.sampler import Sampler, SamplingBatch, draw, draw_triton, target_logprobs
 from rollout.sample.support import truncated_logprobs
 
+# Compiled on a GPU; on the CPU, the kernel runs in Triton's interpreter.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = [pytest.mark.interpreter,
-              pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+              pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="the kernel on CPU tensors: Triton's interpreter")]
-
-DEVICE = "cpu"
 VOCAB, ROWS = 300, 64
 
 
@@ -95,11 +95,11 @@ def test_reported_logprobs_are_those_of_log_softmax(fused, top_p):
     Engine.score and the top-k alternatives give for the same logits row: the kernel's own
     log-sum adds the row in another order (6 of 32 rows an ulp apart here)."""
     rows, vocab = 32, 8192
-    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(1)) * 3
+    logits = (torch.randn(rows, vocab, generator=torch.Generator().manual_seed(1)) * 3).to(DEVICE)
     batch = SamplingBatch.build([1.0] * rows, [0] * rows, [top_p] * rows, [0.0] * rows,
                                 list(range(rows)), [3] * rows, DEVICE)
     drawn = fused.draw(logits, batch, want_logprobs=(True,) * rows)
-    tokens = torch.tensor([e.tokens[0] for e in drawn])
+    tokens = torch.tensor([e.tokens[0] for e in drawn], device=DEVICE)
     assert tokens.tolist() == draw_triton(logits, batch)[0].tolist()  # the kernel's tokens
     want = log_softmax(logits).gather(-1, tokens[:, None])[:, 0].tolist()
     assert [e.logprobs[0] for e in drawn] == want
