@@ -217,6 +217,9 @@ def interrupted_mid_forward(engine, rank: int) -> dict:
 
     from rollout import SamplingParams
 
+    # Python's own handler, whatever this process inherited: a shell's background job starts
+    # with SIGINT ignored, and Python then installs no handler (the signal did nothing).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     params = SamplingParams(**AGREED)  # max_tokens=3: 3 steps, the first computing the prompt
     calls = {"generate": lambda: engine.generate([PROMPT], params),
              "rollout": lambda: engine.rollout([PROMPT], params)}
