@@ -9,6 +9,11 @@ from array import array
 from ..requests.sequence import Sequence
 from .drafter import Drafter
 
+# Up to this many lengths below the longest, they are tried one by one downwards (the default
+# 1-4: at most as many scans as bisection's worst, and fewer where a long match is found);
+# over a wider range the longest matching length is bisected.
+LINEAR_SPAN = 3
+
 
 def find_continuation(source: list[int], pattern: list[int], k: int,
                       hay: bytes | None = None) -> list[int]:
@@ -84,7 +89,15 @@ class NgramDrafter(Drafter):
         best = first_at(high)
         if best is not None:
             return best
-        best = first_at(low) if low < high else None
+        if high - low <= LINEAR_SPAN:
+            # A few lengths (the default 1-4): one at a time downwards scans no more than
+            # bisecting would, and stops at the first length that matches.
+            for n in range(high - 1, low - 1, -1):
+                found = first_at(n)
+                if found is not None:
+                    return found
+            return [], 0, None
+        best = first_at(low)
         if best is None:
             return [], 0, None
         while high - low > 1:  # found at low, not at high

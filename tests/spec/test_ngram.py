@@ -93,3 +93,20 @@ def test_scans_grow_with_the_log_of_the_n_range(monkeypatch):
         scans.clear()
         assert NgramDrafter(lo, hi).propose_batch([(seq, 4)], lambda s: [s]) == [(want, None)]
         assert len(scans) <= 2 + (hi - lo).bit_length(), len(scans)
+
+
+def test_the_default_lengths_are_tried_longest_first_one_by_one(monkeypatch):
+    """Over the default 1-4, lengths go down one at a time from the longest: a match of 3 is
+    found in two scans ([4, 3]; bisecting tried [4, 1, 2, 3]), none in four at most."""
+    import rollout.spec.ngram as ngram
+
+    scans = []
+    monkeypatch.setattr(ngram, "find_continuation", lambda source, pattern, k, hay=None: (
+        scans.append(len(pattern)), find_continuation(source, pattern, k, hay))[1])
+    cases = [([9, 1, 2, 3, 5, 8, 1, 2, 3], [4, 3], [5, 8]),  # the last 3 occur before; 4 do not
+             ([1, 2, 3, 4, 5, 6, 7], [4, 3, 2, 1], [])]  # nothing repeats
+    for tokens, want_scans, want in cases:
+        seq = Sequence(0, "g", 0, tokens, SamplingParams(), 0, frozenset())
+        scans.clear()
+        drafts = NgramDrafter(1, 4).propose_batch([(seq, 2)], lambda s: [s])
+        assert scans == want_scans and drafts == [(want, None)], (scans, drafts)
