@@ -274,6 +274,11 @@ class Engine(ColocationCalls):
                 self.colocation.check_ready()  # asleep, carried requests wait for wake_up
                 self._step_or_raise()
             # rollout()'s groups wait for a rollout() call.
+            if self.tp.size > 1:
+                # As in rollout(): an interrupt held through the step stops every rank here,
+                # or the interrupted rank alone would keep the outputs the others hand out.
+                self._stepper.stop_together(functools.partial(self._at_hand_out, "step()"),
+                                            "before handing outputs out")
             done = [r for r in self.requests.ready.values() if not r.from_rollout]
             outs = [self._output(r) for r in done]
             # An interrupt held through the step raises while the outputs are still kept
@@ -376,7 +381,8 @@ class Engine(ColocationCalls):
             if self.tp.size > 1:
                 # An interrupt held through the steps raises below, as the groups are handed
                 # out: on one rank alone, it would keep them carried there only.
-                self._stepper.stop_together(self._at_hand_out, "before handing groups out")
+                self._stepper.stop_together(functools.partial(self._at_hand_out, "rollout()"),
+                                            "before handing groups out")
             handed = self.carry.complete()[:groups]
             outs = [self._output(r) for r in handed]
             with self.journal.unit():
@@ -386,10 +392,10 @@ class Engine(ColocationCalls):
             given += handed
             return outs
 
-    def _at_hand_out(self, held: bool) -> bool:
-        """The ranks' agreement that rollout() hands its groups out (StepRunner.stop_together)."""
-        return check_same([], self.tp, self.device, "ranks of one engine are not all handing "
-                          "rollout()'s groups out", held)
+    def _at_hand_out(self, call: str, held: bool) -> bool:
+        """The ranks' agreement that `call` hands its outputs out (StepRunner.stop_together)."""
+        return check_same([], self.tp, self.device, f"ranks of one engine are not all handing "
+                          f"{call}'s outputs out", held)
 
     def _check_new_ids(self, request_ids, n: int) -> list[str | None]:
         if request_ids is None:

@@ -247,6 +247,29 @@ def interrupted_mid_forward(engine, rank: int) -> dict:
             result = "other rank" if "was interrupted" in str(e) else repr(e)
         engine.check_invariants()
         results[f"{call} {at}"] = [result, len(engine.carried), _tokens(retries[call]())]
+    # Streaming: the interrupt in the last step's forward stops every rank before step()
+    # hands the output out, which the next step() hands out on every rank (the interrupted
+    # rank alone had kept it).
+    forwards = []
+
+    def interrupting_last(inputs):
+        forwards.append(1)
+        if len(forwards) == 3:
+            runner.run = real
+            signal.raise_signal(signal.SIGINT)
+        return real(inputs)
+    if rank == 1:
+        runner.run = interrupting_last
+    engine.add_request(PROMPT, params, request_id="streamed")
+    got, result = [], "ok"
+    try:
+        while not got:
+            got = engine.step()
+    except KeyboardInterrupt:
+        result = "KeyboardInterrupt"
+    except RuntimeError as e:
+        result = "other rank" if "was interrupted" in str(e) else repr(e)
+    results["step 3"] = [result, [o.request_id for o in got or engine.step()]]
     return results
 
 
@@ -279,7 +302,8 @@ def test_calls_apart_across_ranks_fail_on_every_rank_then_serve(tmp_path):
             "interrupted_mid_forward": {
                 "generate 1": ["KeyboardInterrupt" if r == 1 else "other rank", 0, one_rank],
                 "generate 3": ["KeyboardInterrupt" if r == 1 else "ok", 0, one_rank],
-                "rollout 3": ["KeyboardInterrupt" if r == 1 else "other rank", 1, one_rank]},
+                "rollout 3": ["KeyboardInterrupt" if r == 1 else "other rank", 1, one_rank],
+                "step 3": ["KeyboardInterrupt" if r == 1 else "other rank", ["streamed"]]},
             "dtensor_copy_fails": {"result": "copy" if r == 1 else "other rank",
                                    "needs_weights": True, "after": updated}}, (r, got)
 
