@@ -53,16 +53,16 @@ def check_same(rows, tp: TensorParallel, device: torch.device, what: str,
     (a step's batch, a call's arguments) stays one collective of one size: a rank at another
     of them meets a mismatch, not a collective of another size, which gloo answers by
     aborting the process."""
-    digest = 0
+    h = 0  # (not digest(): a polynomial over the ints, no repr built)
     for row in rows:
         for t in (len(row), *row):
-            digest = (digest * 1_000_003 + t + 1) % _MODULUS
-    digest = 2 * digest + flag
-    both = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+            h = (h * 1_000_003 + t + 1) % _MODULUS
+    h = 2 * h + flag
+    both = torch.tensor([h, -h], dtype=torch.int64, device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=tp.group)
     high, low = int(both[0]), -int(both[1])
     if high // 2 != low // 2:
-        raise RuntimeError(f"tensor parallel: {what} (rank {tp.rank} hash {digest}, max "
+        raise RuntimeError(f"tensor parallel: {what} (rank {tp.rank} hash {h}, max "
                            f"{high}, min {low})")
     return bool(high % 2)
 
