@@ -40,12 +40,8 @@ CHATS = [  # varied: system prompts, multi-turn, code, arithmetic, copying, shor
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)  # 135M parameters: the matmuls are big enough to use both cores
-    yield
-    torch.set_num_threads(before)
+# One torch thread, as every test (conftest.py): beside the other xdist worker, two threads
+# took this file 121 s against 57 s with one (AMD EPYC Zen 3, a busy second core).
 
 
 @pytest.fixture(scope="module")
