@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..fields import as_int
@@ -286,19 +287,22 @@ def _why_whole(weights_missing: bool, source) -> str:
 
 
 def _abandon(parts, named) -> None:
-    """An update failed on this rank: the rest of `parts` is read, copying nothing, then the
-    source closed (at once: reading a PEFT model may hold its merge open). Where the parts come
-    from DTensor shards, each bucket's exchange is a collective over the source's mesh, which
-    the other ranks go on calling (an engine's ranks, and other data-parallel engines on the
-    same mesh); this rank joins the rest of them, so that all reach the end of the update
-    (where an engine's ranks agree that it failed) instead of waiting on each other until the
-    world's timeout. Whether any is to come is not known before the source is read (a plain
-    tensor read first, or a failure before the first read, had left the rank out of every
-    exchange), so every source is read to its end; a plain tensor's part is a view. A failure
-    while reading leaves the first one to be reported."""
-    try:
-        for _ in parts:
+    """An update failed on this rank: under torch.distributed the rest of `parts` is read,
+    copying nothing, then the source closed (at once: reading a PEFT model may hold its merge
+    open). Where the parts come from DTensor shards, each bucket's exchange is a collective over
+    the source's mesh, which the other ranks go on calling (an engine's ranks, and other
+    data-parallel engines on the same mesh); this rank joins the rest of them, so that all
+    reach the end of the update (where an engine's ranks agree that it failed) instead of
+    waiting on each other until the world's timeout. Whether any is to come is not known before
+    the source is read (a plain tensor read first, or a failure before the first read, had left
+    the rank out of every exchange), so there every source is read to its end; a plain tensor's
+    part is a view. Without torch.distributed there is no DTensor and no one to join: a Ctrl-C
+    must not wait for the rest of a PEFT model's merges. A failure while reading leaves the
+    first one to be reported."""
+    if dist.is_available() and dist.is_initialized():
+        try:
+            for _ in parts:
+                pass
+        except BaseException:
             pass
-    except BaseException:
-        pass
     named.close()

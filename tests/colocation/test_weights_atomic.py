@@ -228,6 +228,40 @@ def test_copy_failing_midway_leaves_the_engine_needing_a_full_update(kind, monke
         assert lps == pytest.approx(want_lps, abs=1e-5)
 
 
+
+def test_a_failed_update_without_torch_distributed_reads_no_further(monkeypatch):
+    """A Ctrl-C (or a copy failing) on an engine without torch.distributed stops the read of
+    the source there: no DTensor exchange is waiting for this process, and the rest of a
+    PEFT model's reading (a merge per layer) would have made the interrupt wait for all of it.
+    Afterwards the engine needs a full update, which gives the new weights' outputs."""
+    import rollout.colocation.colocation as colocation
+
+    engine, new = old_engine_and_new_model()
+    real, read = colocation.named_shapes_and_tensors, []
+
+    def counted(source):
+        shapes, named = real(source)
+
+        def reading():
+            for name, tensor in named:
+                read.append(name)
+                yield name, tensor
+        return shapes, reading()
+    monkeypatch.setattr(colocation, "named_shapes_and_tensors", counted)
+    load = engine.model.load_weights
+
+    def interrupted(bucket, **kwargs):
+        load(bucket, **kwargs)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(engine.model, "load_weights", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.update_weights(new, bucket_bytes=1)  # a bucket a tensor
+    assert len(read) <= 2 < len(new.state_dict()), read  # the one copied, one read ahead
+    assert engine.needs_weights
+    monkeypatch.undo()
+    engine.update_weights(new)
+    assert outputs(engine.generate(PROMPT, GREEDY)) == fresh(new)
+
 # --- DTensor shards: checked without gathering, gathered while copying -----------------------
 def shard(model, mesh, meta: str | None = None):
     """Every parameter as a one-rank DTensor shard; `meta`'s local shard holds no data."""
