@@ -27,14 +27,14 @@ pytestmark = pytest.mark.skipif(not native_attention.built(),
 SYSTEM = [5, 9, 2, 77, 31, 8, 8, 40, 3, 61, 12, 90]  # shared by a third of the prompts
 
 
-def requests(count: int = 24, seed: int = 0, longest: int = 24):
-    """Prompts of 3 to 70 tokens (a third behind SYSTEM, a few repeating themselves for the
-    n-gram drafter) and per prompt its own settings: greedy, temperature, top-k, top-p, min-p,
-    1 to 4 samples, 4 to `longest` tokens; 66 samples in all (count 24)."""
+def requests(count: int = 24, seed: int = 0, longest: int = 24, body_len: int = 57):
+    """Prompts of 3 to 12 + `body_len` tokens (a third behind SYSTEM, a few repeating themselves
+    for the n-gram drafter) and per prompt its own settings: greedy, temperature, top-k, top-p,
+    min-p, 1 to 4 samples, 4 to `longest` tokens; 66 samples in all (count 24)."""
     rng = random.Random(seed)
     prompts, params = [], []
     for i in range(count):
-        body = [rng.randrange(128) for _ in range(rng.randrange(3, 58))]
+        body = [rng.randrange(128) for _ in range(rng.randrange(3, body_len + 1))]
         if i % 4 == 3:
             body = (body[:6] * 6)[:rng.randrange(12, 40)]
         prompts.append(SYSTEM + body if i % 3 == 0 else body)
@@ -179,6 +179,15 @@ def interpreted(test):
         reason="the Triton backend on the CPU runs under TRITON_INTERPRET=1")(run)
 
 
+def interpreted_requests():
+    """Three requests, 7 samples of 4 tokens, prompts of 22, 29 and 29 tokens (seed 3): the
+    interpreter runs a kernel's programs one by one in Python, so its cost grows with the
+    query tiles times the key tiles. Each prompt still spans 16-token chunks and two 16-key
+    tiles (BLOCK_N under the interpreter) past Gemma 2's window of 8; siblings share their
+    prompt."""
+    return requests(count=3, seed=3, longest=4, body_len=32)
+
+
 @interpreted
 def test_triton_backend_under_the_interpreter():
     """The Triton backend's invariant mode, every kernel of it run by the interpreter: the
@@ -187,7 +196,7 @@ def test_triton_backend_under_the_interpreter():
     row_invariant.py). The kernels' own cases: tests/attention/test_invariant_attention.py,
     tests/kernels/test_row_invariant.py."""
     model = tiny_model("gemma2", seed=1)
-    prompts, params = requests(count=3, longest=6)  # the interpreter is slow: short samples
+    prompts, params = interpreted_requests()
     solo = engine(model, backend="triton", enable_prefix_caching=False)
     reference = [record(solo.generate([p], [sp]))[0] for p, sp in zip(prompts, params)]
     batched = engine(model, backend="triton", max_num_batched_tokens=40)
@@ -198,10 +207,10 @@ def test_triton_backend_under_the_interpreter():
     assert record(outs) == reference
     assert batched.stats.cache_hit_tokens > 0
     assert scored(batched, prompts, params, outs) == logprobs_of(outs)
-    # a pool too small for everyone (4 preemptions), prefill in 16-token chunks; n-gram
+    # a pool too small for everyone (3 preemptions), prefill in 16-token chunks; n-gram
     # drafts verified; CUDA graphs' padded batches
-    tight = engine(model, backend="triton", max_num_batched_tokens=16, kv_cache_tokens=96,
-                   max_model_len=80)
+    tight = engine(model, backend="triton", max_num_batched_tokens=16, kv_cache_tokens=48,
+                   max_model_len=40)
     assert record(tight.generate(prompts, params)) == reference
     assert tight.stats.preemptions > 0
     speculating = engine(model, backend="triton",
@@ -224,7 +233,7 @@ def test_triton_backend_fp32_head_of_an_fp16_model():
     """An fp16 model (the interpreter runs no bf16) with its logits in float32
     (EngineConfig.lm_head_dtype): the head multiplies a float32 copy of its weight."""
     model = tiny_model("llama", seed=2, dtype=torch.float16)
-    prompts, params = requests(count=3, longest=6)
+    prompts, params = interpreted_requests()
     config = dict(backend="triton", lm_head_dtype=torch.float32)
     solo = engine(model, enable_prefix_caching=False, **config)
     reference = [record(solo.generate([p], [sp]))[0] for p, sp in zip(prompts, params)]
@@ -246,7 +255,7 @@ def test_triton_backend_unmerged_lora():
     from lora_models import peft_model
 
     model = peft_model("llama")
-    prompts, params = requests(count=3, longest=6)
+    prompts, params = interpreted_requests()
     solo = engine(model, backend="triton", enable_prefix_caching=False)
     reference = [record(solo.generate([p], [sp]))[0] for p, sp in zip(prompts, params)]
     batched = engine(model, backend="triton", max_num_batched_tokens=40)
@@ -260,7 +269,7 @@ def test_triton_backend_moe_under_the_interpreter():
     """The router through the row-invariant linear, the experts through fused_moe's
     invariant tiles, their k outputs added in one order."""
     model = tiny_model("qwen3_moe", seed=1)
-    prompts, params = requests(count=3, longest=6)
+    prompts, params = interpreted_requests()
     solo = engine(model, backend="triton", enable_prefix_caching=False)
     reference = [record(solo.generate([p], [sp]))[0] for p, sp in zip(prompts, params)]
     batched = engine(model, backend="triton", max_num_batched_tokens=40)
