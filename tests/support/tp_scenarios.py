@@ -13,8 +13,8 @@ from models import tiny_model
 from rollout import Engine, EngineConfig, SamplingParams
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 40)), [42] * 9, [5, 99, 3, 100, 6, 7]]
-GREEDY = SamplingParams(temperature=0, max_tokens=12, logprobs=True)
-SEEDED = SamplingParams(n=2, temperature=1.0, top_p=0.9, max_tokens=12, logprobs=True, seed=5)
+GREEDY = SamplingParams(temperature=0, max_tokens=6, logprobs=True)
+SEEDED = SamplingParams(n=2, temperature=1.0, top_p=0.9, max_tokens=6, logprobs=True, seed=5)
 UNSEEDED = SamplingParams(n=2, temperature=1.0, max_tokens=8)
 # Scored: two sharing a prompt (rows copied in a second round), one alone.
 SCORED = [PROMPTS[2] + [1, 2, 3], PROMPTS[2] + [4, 5], PROMPTS[0]]
@@ -202,7 +202,8 @@ def failed_on_one_rank(cfg: dict) -> dict:
 def _preemption(cfg: dict) -> dict:
     rng = random.Random(0)
     prompts = [[rng.randrange(128) for _ in range(rng.randrange(5, 20))] for _ in range(6)]
-    params = SamplingParams(n=2, temperature=1.0, max_tokens=20, logprobs=True, seed=3)
+    # 12 tokens: 9 preemptions at TP=1 in 33 steps (20 tokens: 17 in 64).
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=12, logprobs=True, seed=3)
     engine = Engine(MODELS["llama_gqa2"](0),
                     EngineConfig(**dict(cfg, kv_cache_tokens=90, max_model_len=48)))
     outs = engine.generate(prompts, params)
