@@ -43,14 +43,14 @@ def fused(monkeypatch):
     return Sampler(resolve_backend("triton", torch.device(DEVICE)))
 
 
-def boundary_rows(seed: int, position: int) -> tuple[torch.Tensor, float]:
-    """ROWS copies of one N(0, 4) row and a top_p equal to the definition's float32 mass
+def boundary_rows(seed: int, position: int, rows: int = ROWS) -> tuple[torch.Tensor, float]:
+    """`rows` copies of one N(0, 4) row and a top_p equal to the definition's float32 mass
     before sorted position `position` (so that token is the first dropped)."""
     row = torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed)) * 2
     sorted_logp = log_softmax(row[None])[0].sort(descending=True).values
     probs = sorted_logp.softmax(-1)
     top_p = (probs.cumsum(-1) - probs)[position].item()
-    return row.expand(ROWS, VOCAB).contiguous().to(DEVICE), top_p
+    return row.expand(rows, VOCAB).contiguous().to(DEVICE), top_p
 
 
 @pytest.mark.parametrize("seed,position", [(15, 5), (16, 6), (5, 5)])
@@ -78,12 +78,17 @@ def test_a_reported_row_is_drawn_from_the_distribution_it_reports(fused, seed, p
 
 def test_rows_that_report_nothing_keep_the_kernels_tokens(fused):
     """A row asking for neither logprobs nor support is the kernel's, in any batch: its token
-    does not depend on whether its neighbours report theirs."""
-    logits, top_p = boundary_rows(15, 5)
-    batch = SamplingBatch.build([1.0] * ROWS, [0] * ROWS, [top_p] * ROWS, [0.0] * ROWS,
-                                list(range(ROWS)), [9] * ROWS, DEVICE)
+    does not depend on whether its neighbours report theirs.
+
+    32 rows, the odd ones reporting: in Triton's interpreter (AMD EPYC Zen 3) the kernel
+    draws the token the definition drops in even rows 20, 22 and 26, where a row drawn from
+    the definition's candidates would get another token."""
+    rows = 32
+    logits, top_p = boundary_rows(15, 5, rows)
+    batch = SamplingBatch.build([1.0] * rows, [0] * rows, [top_p] * rows, [0.0] * rows,
+                                list(range(rows)), [9] * rows, DEVICE)
     kernel_tokens = draw_triton(logits, batch)[0].tolist()
-    half = tuple(r % 2 == 0 for r in range(ROWS))
+    half = tuple(r % 2 == 1 for r in range(rows))
     drawn = fused.draw(logits, batch, want_logprobs=half)
     assert [e.tokens[0] for r, e in enumerate(drawn) if not half[r]] == \
         [t for r, t in enumerate(kernel_tokens) if not half[r]]
@@ -93,8 +98,9 @@ def test_rows_that_report_nothing_keep_the_kernels_tokens(fused):
 def test_reported_logprobs_are_those_of_log_softmax(fused, top_p):
     """The logprob of a row that reports it is log_softmax.py's at the token, the bits
     Engine.score and the top-k alternatives give for the same logits row: the kernel's own
-    log-sum adds the row in another order (10 of 64 rows an ulp apart here)."""
-    rows, vocab = 64, 2000
+    log-sum adds the row in another order (rows 14, 27, 30 of these 32 an ulp apart here,
+    and 23 too at top_p 0.9: Triton's interpreter on AMD EPYC Zen 3)."""
+    rows, vocab = 32, 2000
     logits = (torch.randn(rows, vocab, generator=torch.Generator().manual_seed(1)) * 3).to(DEVICE)
     batch = SamplingBatch.build([1.0] * rows, [0] * rows, [top_p] * rows, [0.0] * rows,
                                 list(range(rows)), [3] * rows, DEVICE)
