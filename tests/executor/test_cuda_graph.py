@@ -147,11 +147,13 @@ def test_graphed_decode_with_split_kv():
 
 
 def test_graphed_decode_under_preemption_with_an_odd_max_num_seqs():
-    # A pool of 32 slots preempts (2 preemptions); max_num_seqs 11 is not a bucket of the
-    # small series.
+    # A pool of 36 slots preempts (3 preemptions; the 11 samples need 80); max_num_seqs 11 is
+    # not a bucket of the small series, and the 11 samples fill it before the pool runs out.
     params = [SamplingParams(n=n, temperature=0.8, max_tokens=m, logprobs=True, seed=s,
-                             ignore_eos=True) for n, m, s in ((3, 6, 1), (2, 4, 2), (2, 8, 3))]
-    sizes = dict(kv_cache_tokens=32, max_model_len=32, max_num_seqs=11)
+                             ignore_eos=True) for n, m, s in ((4, 6, 1), (4, 4, 2), (3, 8, 3))]
+    sizes = dict(kv_cache_tokens=36, max_model_len=32, max_num_seqs=11)
     graphed = engine(True, **sizes)
     assert_same(outputs(engine(False, **sizes), params), outputs(graphed, params))
-    assert graphed.stats.preemptions > 0 and graphed.stack.graphs.replays > 0
+    graphs = graphed.stack.graphs
+    assert graphed.stats.preemptions > 0 and graphs.replays > 0
+    assert 11 in graphs.graphs and set(graphs.graphs) <= set(graphs.buckets)
