@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import glob
+import json
 import os
 from collections.abc import Iterator
 
@@ -17,20 +17,39 @@ from .base import CausalLM
 from .layers.rotary import adopt_rounded_frequencies, context_length, context_limit
 
 
-def checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named tensors of a local checkpoint folder (safetensors, else PyTorch .bin)."""
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if files:
-        from safetensors.torch import load_file
+# The weight files transformers' from_pretrained reads, in its order of preference: a sharded
+# checkpoint's index (tensor name -> file) or the single file, safetensors before PyTorch's.
+# Other files beside them are another format's or another model's (Mistral's Hub repositories
+# ship `consolidated.safetensors` with their own tensor names; a PEFT adapter may be saved into
+# the same folder), and transformers never reads them.
+WEIGHT_FILES = (("model.safetensors.index.json", "model.safetensors"),
+                ("pytorch_model.bin.index.json", "pytorch_model.bin"))
 
-        for f in files:
-            yield from load_file(f).items()
-        return
-    files = sorted(glob.glob(os.path.join(path, "pytorch_model*.bin")))
-    if not files:
-        raise ValueError(f"model: no *.safetensors or pytorch_model*.bin under {path!r}")
-    for f in files:
-        yield from torch.load(f, map_location="cpu", weights_only=True).items()
+
+def checkpoint_tensors(path: str, name: str = "model") -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named tensors of a local checkpoint folder, read lazily from the files transformers
+    reads (found now: a folder without them is refused before anything is built). `name`: the
+    field in a refusal's message."""
+    files = weight_files(os.path.expanduser(path), name)
+    if files[0].endswith(".safetensors"):
+        from safetensors.torch import load_file as load
+    else:
+        def load(f):
+            return torch.load(f, map_location="cpu", weights_only=True)
+    return (item for f in files for item in load(f).items())
+
+
+def weight_files(path: str, name: str) -> list[str]:
+    """The weight files of checkpoint folder `path` (WEIGHT_FILES), each once."""
+    for index, single in WEIGHT_FILES:
+        if os.path.isfile(os.path.join(path, index)):
+            with open(os.path.join(path, index)) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+            return [os.path.join(path, shard) for shard in shards]
+        if os.path.isfile(os.path.join(path, single)):
+            return [os.path.join(path, single)]
+    files = " or ".join(file for pair in WEIGHT_FILES for file in reversed(pair))
+    raise ValueError(f"{name}: no {files} under {path!r} (the weight files transformers reads)")
 
 
 def fit_max_model_len(config: EngineConfig, hf_config) -> EngineConfig:
@@ -114,12 +133,17 @@ def resolve_model(model, config: EngineConfig, tokenizer, name: str = "model"):
         dtype = config.dtype or (default if isinstance(default, torch.dtype) else torch.float32)
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(model)
-        return hf_config, checkpoint_tensors(model), device, _model_dtype(dtype), tokenizer
+        return hf_config, checkpoint_tensors(model, name), device, _model_dtype(dtype), tokenizer
     inner = unwrap(model) if isinstance(model, torch.nn.Module) else model
     param = next(inner.parameters(), None) if hasattr(inner, "parameters") else None
     if not hasattr(inner, "config") or param is None:
         raise ValueError(f"{name} must be a transformers PreTrainedModel (possibly DDP/PEFT "
                          f"wrapped) or a local path, got {type(model).__name__}")
+    # A model built on the meta device, or offloaded there in part (accelerate's device_map),
+    # holds no values to copy: refused here, not as a device "meta" or in the copy.
+    if any(p.is_meta for p in inner.parameters()):
+        raise ValueError(f"{name}: some of its parameters are on the meta device, with no "
+                         "values; load its weights (from_pretrained without offloading) first")
     device = _check_device(config.device or param.device)
     hf_config = inner.config  # unwrap peels PEFT too
     check_tied_embeddings(model, bool(getattr(hf_config, "tie_word_embeddings", False)))

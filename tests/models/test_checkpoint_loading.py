@@ -1,0 +1,84 @@
+"""Loading a model the ways a user brings one: a checkpoint folder as transformers reads it, and
+the in-memory models the engine cannot take (on the meta device: no values to copy)."""
+
+import json
+import os
+
+import pytest
+import torch
+from models import char_tokenizer, tiny_config, tiny_model
+from reference import PROMPTS, assert_matches_reference
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from rollout import Engine, EngineConfig, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, logprobs=True)
+
+
+def engine_for(model) -> Engine:
+    return Engine(model, EngineConfig(kv_cache_tokens=512, max_model_len=64, device="cpu"))
+
+
+def saved(model, path, **kwargs):
+    model.save_pretrained(path, **kwargs)
+    char_tokenizer().save_pretrained(path)
+    return path
+
+
+def as_transformers_reads_it(path):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                attn_implementation="eager").eval()
+
+
+def test_only_the_files_transformers_reads_are_loaded(tmp_path):
+    """Mistral's Hub repositories ship their own format (`consolidated.safetensors`, other
+    tensor names) beside the transformers shards; a PEFT adapter may be saved into the same
+    folder. transformers reads the files its index names and nothing else; the engine read
+    every *.safetensors and refused the checkpoint ("no such parameter")."""
+    path = saved(tiny_model("mistral"), tmp_path, max_shard_size="20KB")
+    assert os.path.isfile(tmp_path / "model.safetensors.index.json")
+    save_file({"layers.0.attention.wq.weight": torch.zeros(64, 64)},
+              str(tmp_path / "consolidated.safetensors"))
+    save_file({"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64)},
+              str(tmp_path / "adapter_model.safetensors"))
+    reference = as_transformers_reads_it(path)
+    outs = engine_for(path).generate(PROMPTS[:2], GREEDY)
+    assert_matches_reference(reference, PROMPTS[:2], outs)
+
+
+def test_sharded_pytorch_bin_files_by_their_index(tmp_path):
+    """The older layout (pytorch_model-0000i-of-0000n.bin and their index), of a checkpoint
+    whose safetensors files are another format's."""
+    model = tiny_model("llama")
+    state = model.state_dict()
+    names = sorted(state)
+    files = {n: f"pytorch_model-0000{1 + i % 2}-of-00002.bin" for i, n in enumerate(names)}
+    for f in set(files.values()):
+        torch.save({n: state[n] for n in names if files[n] == f}, tmp_path / f)
+    (tmp_path / "pytorch_model.bin.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": files}))
+    model.config.save_pretrained(tmp_path)
+    char_tokenizer().save_pretrained(tmp_path)
+    save_file({"layers.0.attention.wq.weight": torch.zeros(64, 64)},
+              str(tmp_path / "consolidated.safetensors"))
+    outs = engine_for(tmp_path).generate(PROMPTS[:2], GREEDY)
+    assert_matches_reference(model, PROMPTS[:2], outs)
+
+
+def test_a_folder_without_model_weights_is_refused_naming_what_it_looked_for(tmp_path):
+    saved(tiny_model("llama"), tmp_path)
+    os.rename(tmp_path / "model.safetensors", tmp_path / "consolidated.safetensors")
+    with pytest.raises(ValueError, match=r"^model: no model\.safetensors.*pytorch_model\.bin"):
+        engine_for(tmp_path)
+
+
+@pytest.mark.parametrize("device", [None, "cpu"])
+def test_a_model_on_the_meta_device_is_refused(device):
+    """A model built on the meta device (or offloaded there by accelerate) has no values: the
+    engine said "device must be cpu or cuda, got meta", or, given a device, failed in the
+    copy with torch's NotImplementedError."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    with pytest.raises(ValueError, match=r"^model: .*meta device"):
+        Engine(model, EngineConfig(kv_cache_tokens=512, max_model_len=64, device=device))
