@@ -308,11 +308,24 @@ class _Runner:
                 # Listed until its samples are taken: should this fail, _abandon releases
                 # their holds.
                 del self.requests[out.request_id]
+        else:
+            self._end_lost_turns()
         for future, live in self._answered(self.waiting, block=not stepping):
             if future.done():
                 self._env_turn(live, future)
             else:
                 self._give_up(live, future, "step")
+
+    def _end_lost_turns(self) -> None:
+        """(The engine idle) Turns still listed were aborted outside the run, between its steps
+        (Engine.abort or abort_all from another thread): an abort drops the output, so none
+        will come, and waiting for it would spin for ever. Their episodes end."""
+        for request_id, lives in list(self.requests.items()):
+            del self.requests[request_id]
+            for live in lives:
+                if live is not None:
+                    self._end(live, "abort", f"the turn's request {request_id!r} was aborted "
+                                             f"outside run_episodes")
 
     def _model_turn(self, live: _Live, request_id: str, sample: Sample, error: str | None):
         ep = live.episode

@@ -355,14 +355,14 @@ def test_an_async_reset_inside_a_running_event_loop():
     assert [ep.finish_reason for ep in episodes] == ["done"] * 3
 
 
-def run_or_hang(eng, *args, **kwargs):
-    """What run_episodes raised (None: it returned), run on a thread so that a hang fails the
-    test instead of stalling the suite."""
+def run_or_hang(eng, *args, collect: list | None = None, **kwargs):
+    """What run_episodes raised (None: it returned; its episodes then extend `collect`), run
+    on a thread so that a hang fails the test instead of stalling the suite."""
     raised = []
 
     def run():
         try:
-            run_episodes(eng, *args, **kwargs)
+            (collect if collect is not None else []).extend(run_episodes(eng, *args, **kwargs))
             raised.append(None)
         except BaseException as e:
             raised.append(e)
@@ -851,3 +851,36 @@ def test_an_engine_with_an_unreturned_output_is_refused_naming_it():
     [out] = eng.step()  # nothing was lost: the output is still there to return
     assert out.prompt == PROMPTS[0] and eng.unreturned_outputs == 0
     assert len(run_episodes(eng, PROMPTS, Echo, PARAMS, max_turns=2)) == len(PROMPTS)
+
+
+@pytest.mark.parametrize("turn", ["first", "later"])
+def test_a_turn_aborted_outside_the_run_ends_its_episode(turn, monkeypatch):
+    """Engine.abort of one of the run's turns between its steps (a trainer's watchdog thread,
+    say: abort drops the output, step() never returns it): the run had waited for that output
+    for ever, spinning. The turn's episodes end as "abort" saying so, the others finish as
+    they would have, nothing is held, and the engine gives a fresh engine's episodes after."""
+    eng = engine()
+    victim = "episode-turn-0" if turn == "first" else "episode-turn-3"
+    step = Engine.step
+
+    def abort_then_step(self):
+        if victim in self.running_requests:
+            self.abort(victim)
+        return step(self)
+    monkeypatch.setattr(Engine, "step", abort_then_step)
+    episodes = []
+    raised = run_or_hang(eng, PROMPTS, Echo, PARAMS, collect=episodes)
+    monkeypatch.undo()
+    assert raised is None, raised
+    aborted = [(i, j) for i, row in enumerate(episodes) for j, ep in enumerate(row)
+               if ep.finish_reason == "abort"]
+    # the first turn is one request for all of prompt 0's episodes; turn 3 is one episode's
+    assert aborted == [(0, 0), (0, 1), (0, 2)] if turn == "first" else len(aborted) == 1
+    for i, j in aborted:
+        assert "aborted outside run_episodes" in episodes[i][j].error
+    want = reference_episodes()
+    assert all(summary([[ep]])[0][0] == want[i][j] for i, row in enumerate(episodes)
+               for j, ep in enumerate(row) if (i, j) not in aborted)
+    assert_no_kv_held(eng)
+    assert summary(run_episodes(eng, PROMPTS, Echo, PARAMS)) == want
+    assert_no_kv_held(eng)
