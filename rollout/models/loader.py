@@ -26,17 +26,81 @@ WEIGHT_FILES = (("model.safetensors.index.json", "model.safetensors"),
                 ("pytorch_model.bin.index.json", "pytorch_model.bin"))
 
 
+# The tied pair (tie_word_embeddings) under its checkpoint names, in every family served.
+HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+
+
 def checkpoint_tensors(path: str, name: str = "model") -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named tensors of a local checkpoint folder, read lazily from the files transformers
     reads (found now: a folder without them is refused before anything is built). `name`: the
     field in a refusal's message."""
-    files = weight_files(os.path.expanduser(path), name)
-    if files[0].endswith(".safetensors"):
-        from safetensors.torch import load_file as load
-    else:
-        def load(f):
-            return torch.load(f, map_location="cpu", weights_only=True)
-    return (item for f in files for item in load(f).items())
+    return tensors_of(weight_files(os.path.expanduser(path), name))
+
+
+def tensors_of(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of weight files, one file in memory at a time."""
+    for f in files:
+        yield from _load(f).items()
+
+
+def _load(file: str, mmap: bool = False) -> dict[str, torch.Tensor]:
+    """A weight file's tensors; `mmap`: mapped, read as they are touched (.bin only: a
+    safetensors file is mapped anyway, by safe_open, for the few tensors wanted)."""
+    if file.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(file)
+    return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+
+
+def read_named(files: list[str], names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Those of the tensors `names` that the weight files hold, reading no others."""
+    from safetensors import safe_open
+
+    found = {}
+    for f in files:
+        if f.endswith(".safetensors"):
+            with safe_open(f, "pt") as held:
+                found.update((n, held.get_tensor(n)) for n in names if n in held.keys())
+        else:
+            state = _load(f, mmap=True)
+            found.update((n, state[n]) for n in names if n in state)
+    return found
+
+
+def untie_a_distinct_head(hf_config, files: list[str]) -> None:
+    """Untie a checkpoint's config (as transformers' from_pretrained leaves the pair untied)
+    where it says tie_word_embeddings but the checkpoint holds an lm_head of other values than
+    its embedding: the config is wrong about the checkpoint, whose head is its own. (Two equal
+    tensors are a tied pair as .bin checkpoints and some sharders store it: tied.)"""
+    if not getattr(hf_config, "tie_word_embeddings", False):
+        return
+    pair = read_named(files, (HEAD, EMBEDDING))
+    if len(pair) == 2 and not torch.equal(pair[HEAD], pair[EMBEDDING]):
+        hf_config.tie_word_embeddings = False
+
+
+def check_head_is_tied(inner, name: str) -> None:
+    """ValueError for an in-memory model whose config ties its LM head to its embedding while
+    the head is another tensor of other values (what transformers loads from a checkpoint
+    holding both, config unchanged): the engine would serve the embedding as the head. Only
+    plain tensors of the same shape are compared (a sharded DTensor or flat FSDP parameter is
+    the sharder's, which ties by the config)."""
+    if not (getattr(inner.config, "tie_word_embeddings", False)
+            and hasattr(inner, "get_output_embeddings")):
+        return
+    head, embedding = (getattr(m, "weight", None) for m in (inner.get_output_embeddings(),
+                                                          inner.get_input_embeddings()))
+    if head is embedding or not all(type(getattr(w, "data", None)) is torch.Tensor
+                                    for w in (head, embedding)):
+        return
+    if (head.shape == embedding.shape and head.device == embedding.device
+            and not torch.equal(head, embedding)):
+        raise ValueError(f"{name}: its config has tie_word_embeddings=True, but its lm_head is "
+                         "another tensor than its embedding, of other values (transformers "
+                         "leaves a checkpoint's pair untied when it holds both), and the "
+                         "engine would serve the embedding as the head; set "
+                         "config.tie_word_embeddings = False to serve its own lm_head")
 
 
 def weight_files(path: str, name: str) -> list[str]:
@@ -133,7 +197,9 @@ def resolve_model(model, config: EngineConfig, tokenizer, name: str = "model"):
         dtype = config.dtype or (default if isinstance(default, torch.dtype) else torch.float32)
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(model)
-        return hf_config, checkpoint_tensors(model, name), device, _model_dtype(dtype), tokenizer
+        files = weight_files(model, name)
+        untie_a_distinct_head(hf_config, files)
+        return hf_config, tensors_of(files), device, _model_dtype(dtype), tokenizer
     inner = unwrap(model) if isinstance(model, torch.nn.Module) else model
     param = next(inner.parameters(), None) if hasattr(inner, "parameters") else None
     if not hasattr(inner, "config") or param is None:
@@ -147,6 +213,7 @@ def resolve_model(model, config: EngineConfig, tokenizer, name: str = "model"):
     device = _check_device(config.device or param.device)
     hf_config = inner.config  # unwrap peels PEFT too
     check_tied_embeddings(model, bool(getattr(hf_config, "tie_word_embeddings", False)))
+    check_head_is_tied(inner, name)
     return (hf_config, model_tensors(model), device, _model_dtype(config.dtype or param.dtype),
             tokenizer)
 

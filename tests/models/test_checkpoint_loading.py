@@ -82,3 +82,44 @@ def test_a_model_on_the_meta_device_is_refused(device):
         model = AutoModelForCausalLM.from_config(tiny_config("llama"))
     with pytest.raises(ValueError, match=r"^model: .*meta device"):
         Engine(model, EngineConfig(kv_cache_tokens=512, max_model_len=64, device=device))
+
+
+def mistied(path):
+    """Untied Llama weights saved under a config that says they are tied (the checkpoint
+    holds both tensors, with different values)."""
+    saved(tiny_model("llama"), path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    return path
+
+
+def test_a_checkpoint_holding_its_own_lm_head_is_served_untied_as_transformers_does(tmp_path):
+    """transformers does not tie a pair the checkpoint holds with different values (the
+    config is wrong about the checkpoint): it serves the checkpoint's lm_head. The engine
+    dropped it and served the embedding as the head: logprobs 7.8 nats off, silently."""
+    reference = as_transformers_reads_it(mistied(tmp_path))
+    assert reference.lm_head.weight is not reference.model.embed_tokens.weight
+    engine = engine_for(tmp_path)
+    assert engine.model.lm_head is not None
+    assert_matches_reference(reference, PROMPTS[:2], engine.generate(PROMPTS[:2], GREEDY))
+
+
+def test_a_checkpoint_holding_both_tensors_of_a_tied_pair_stays_tied(tmp_path):
+    """PyTorch .bin checkpoints (and some sharders) store a tied pair as two equal tensors."""
+    model = tiny_model("qwen2")  # tied
+    torch.save({**model.state_dict(), "lm_head.weight": model.lm_head.weight.clone()},
+               tmp_path / "pytorch_model.bin")
+    model.config.save_pretrained(tmp_path)
+    char_tokenizer().save_pretrained(tmp_path)
+    engine = engine_for(tmp_path)
+    assert engine.model.lm_head is None
+    assert_matches_reference(model, PROMPTS[:2], engine.generate(PROMPTS[:2], GREEDY))
+
+
+def test_an_in_memory_model_whose_config_ties_a_head_it_does_not_tie_is_refused(tmp_path):
+    """The model transformers loads from such a checkpoint keeps tie_word_embeddings=True in
+    its config and multiplies by its own lm_head: the engine served the embedding instead."""
+    model = as_transformers_reads_it(mistied(tmp_path))
+    with pytest.raises(ValueError, match=r"^model: its config has tie_word_embeddings=True.*"
+                                         r"lm_head"):
+        engine_for(model)
