@@ -22,8 +22,9 @@ import threading
 import time
 from concurrent.futures import Future
 
-# Seconds the end of a run waits for cancelled coroutines to unwind (a coroutine that catches
-# its cancellation and goes on is left to its loop's daemon thread).
+# Seconds the end of a run waits for cancelled coroutines to unwind, all loops together (a
+# coroutine that catches its cancellation and goes on, or one that blocks its loop, is left to
+# its loop's daemon thread).
 CLOSE_WAIT = 5.0
 
 
@@ -56,10 +57,15 @@ class EnvCalls:
 
     def close(self, wait: bool) -> None:
         """Cancel the coroutines still running (a failed run's), then, with `wait`, let the
-        synchronous calls under way finish; queued ones are cancelled."""
-        for loop in self.loops:
-            if loop is not None:
-                loop.close()
+        synchronous calls under way finish; queued ones are cancelled. The loops unwind
+        together, CLOSE_WAIT at most for all: a loop that a blocking coroutine holds answers
+        nothing, and each in turn would cost the run its own wait."""
+        loops = [loop for loop in self.loops if loop is not None]
+        for loop in loops:
+            loop.stop()
+        deadline = time.monotonic() + CLOSE_WAIT
+        for loop in loops:
+            loop.thread.join(timeout=max(0.0, deadline - time.monotonic()))
         self.pool.shutdown(wait)
 
 
@@ -139,15 +145,31 @@ class _Loop:
         while True:
             try:
                 self.loop.run_forever()
-                return
+                break
             except (KeyboardInterrupt, SystemExit):
                 # A coroutine raised it: asyncio sets it on the task and raises it out of the
                 # loop too. Ended here, the loop would never hand it to the caller's future (a
                 # callback of the next iteration does), nor serve its other environments: run
-                # on, and the caller raises it. (Unless close() stopped the loop meanwhile:
+                # on, and the caller raises it. (Unless stop() stopped the loop meanwhile:
                 # the stop is lost with the iteration.)
                 if self.closing:
-                    return
+                    break
+        # On the loop's own thread: a loop that a blocking coroutine holds past the end of the
+        # run unwinds and closes when it is let go, the run not waiting for it.
+        self._cancel_rest()
+        self.loop.close()
+
+    def _cancel_rest(self) -> None:
+        """(The loop stopped) Cancel what still runs and let it unwind; a coroutine that will
+        not stop keeps this daemon thread."""
+        rest = asyncio.all_tasks(self.loop)
+        for task in rest:
+            task.cancel()
+        if rest:
+            try:
+                self.loop.run_until_complete(asyncio.gather(*rest, return_exceptions=True))
+            except (KeyboardInterrupt, SystemExit):  # raised as it was cancelled: the run,
+                pass                                 # which would take it, has ended
 
     def submit(self, coroutine) -> Future:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
@@ -157,20 +179,7 @@ class _Loop:
         result = method(*args)
         return self.submit(result).result() if inspect.iscoroutine(result) else result
 
-    def close(self) -> None:
-        """Cancel what still runs, then stop and close the loop."""
-        async def cancel_rest():
-            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in rest:
-                task.cancel()
-            await asyncio.gather(*rest, return_exceptions=True)
-
-        try:
-            self.submit(cancel_rest()).result(timeout=CLOSE_WAIT)
-        except TimeoutError:  # a coroutine that will not stop: its daemon thread keeps it
-            pass
+    def stop(self) -> None:
+        """Stop the loop: its thread then cancels what still runs, and closes it."""
         self.closing = True
         self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=CLOSE_WAIT)
-        if not self.thread.is_alive():
-            self.loop.close()

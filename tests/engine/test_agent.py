@@ -19,6 +19,7 @@ from models import always_picks, char_tokenizer, tiny_model
 from test_faults import Fault
 
 import rollout.agent
+import rollout.env_calls
 import rollout.engine.engine
 from rollout import Engine, EngineConfig, SamplingParams
 from rollout.agent import Step, message_tokens, run_episodes
@@ -436,6 +437,32 @@ def test_an_event_loop_goes_on_after_a_coroutine_raised_an_interrupt():
         assert calls.call(0, answer).result(timeout=30) == 7
     finally:
         calls.close(wait=True)
+
+
+def test_loops_held_by_blocking_coroutines_are_waited_for_once_together(monkeypatch):
+    """Async steps that block their loops (a synchronous client inside async code, hung),
+    given up on at env_timeout: the end of the run waits CLOSE_WAIT for their cancellation
+    once, for all the loops together; it had waited twice CLOSE_WAIT per loop, one loop after
+    the other (80 s with the 8 default loops, before a Ctrl-C's run raised too). Each loop
+    closes itself once it is let go."""
+    close_wait = 0.5
+    monkeypatch.setattr(rollout.env_calls, "CLOSE_WAIT", close_wait)
+    calls, release = EnvCalls(4), threading.Event()
+
+    async def blocks():
+        release.wait(30)
+    for future in [calls.call(slot, blocks) for slot in range(4)]:
+        future.cancel()  # as run_episodes gives up on each
+    start = time.monotonic()
+    try:
+        calls.close(wait=True)
+        took = time.monotonic() - start
+    finally:
+        release.set()
+    assert took < 2 * close_wait  # (the old close of one such loop alone took 2 CLOSE_WAIT)
+    for loop in calls.loops:
+        loop.thread.join(30)
+        assert not loop.thread.is_alive() and loop.loop.is_closed()
 
 
 @pytest.mark.parametrize("coroutine", [False, True], ids=["sync", "async"])
