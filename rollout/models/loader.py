@@ -103,6 +103,21 @@ def check_head_is_tied(inner, name: str) -> None:
                          "config.tie_word_embeddings = False to serve its own lm_head")
 
 
+def check_unquantized(hf_config, name: str) -> None:
+    """ValueError for a quantized model (transformers' config.quantization_config: FP8, GPTQ,
+    AWQ checkpoints, bitsandbytes models): the engine's layers multiply plain weights, and a
+    copy of packed or scaled ones (their scales ignored) would serve other values."""
+    quantization = getattr(hf_config, "quantization_config", None)
+    if not quantization:
+        return
+    method = (quantization.get("quant_method") if isinstance(quantization, dict)
+              else getattr(quantization, "quant_method", None))
+    method = getattr(method, "value", method)  # transformers' QuantizationMethod is an Enum
+    raise ValueError(f"{name}: quantization_config (quant_method {method!r}): the engine serves "
+                     "unquantized weights (float32, bfloat16, float16) only; give it the "
+                     "model's unquantized checkpoint, or the model after model.dequantize()")
+
+
 def weight_files(path: str, name: str) -> list[str]:
     """The weight files of checkpoint folder `path` (WEIGHT_FILES), each once."""
     for index, single in WEIGHT_FILES:
@@ -193,6 +208,7 @@ def resolve_model(model, config: EngineConfig, tokenizer, name: str = "model"):
 
         device = _check_device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         hf_config = AutoConfig.from_pretrained(model)
+        check_unquantized(hf_config, name)
         default = getattr(hf_config, "dtype", None) if device.type == "cuda" else None
         dtype = config.dtype or (default if isinstance(default, torch.dtype) else torch.float32)
         if tokenizer is None:
@@ -212,6 +228,7 @@ def resolve_model(model, config: EngineConfig, tokenizer, name: str = "model"):
                          "values; load its weights (from_pretrained without offloading) first")
     device = _check_device(config.device or param.device)
     hf_config = inner.config  # unwrap peels PEFT too
+    check_unquantized(hf_config, name)
     check_tied_embeddings(model, bool(getattr(hf_config, "tie_word_embeddings", False)))
     check_head_is_tied(inner, name)
     return (hf_config, model_tensors(model), device, _model_dtype(config.dtype or param.dtype),

@@ -123,3 +123,30 @@ def test_an_in_memory_model_whose_config_ties_a_head_it_does_not_tie_is_refused(
     with pytest.raises(ValueError, match=r"^model: its config has tie_word_embeddings=True.*"
                                          r"lm_head"):
         engine_for(model)
+
+
+FP8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+
+
+def test_a_quantized_checkpoint_is_refused_naming_its_quantization(tmp_path):
+    """An FP8 checkpoint (Qwen3-8B-FP8's layout: float8 weights and their block scales) was
+    refused as an unknown weight `...weight_scale_inv`; without scale tensors its float8
+    values were served as they are, unscaled. The engine serves unquantized weights only."""
+    model = tiny_model("qwen3")
+    saved(model, tmp_path)
+    save_file({n: t.to(torch.float8_e4m3fn) if n.endswith("proj.weight") else t
+               for n, t in model.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": FP8}))
+    with pytest.raises(ValueError, match=r"^model: quantization_config \(quant_method 'fp8'\)"):
+        engine_for(tmp_path)
+
+
+def test_an_in_memory_quantized_model_is_refused():
+    """transformers sets config.quantization_config on the models it quantizes (bitsandbytes,
+    GPTQ, ...), whose packed weights and scales the engine's copy would read as plain ones."""
+    model = tiny_model("llama")
+    model.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+    with pytest.raises(ValueError, match=r"^model: quantization_config \(quant_method "
+                                         r"'bitsandbytes'\)"):
+        engine_for(model)
