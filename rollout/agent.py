@@ -445,10 +445,13 @@ def message_tokens(tokenizer, message: dict, ended_with: str | None,
     (checked: check_template_kwargs), the generation prompt this function's to set. Refused when the
     template is not prefix-preserving (rendering one more message changes what came before),
     since the episode's tokens could then not be what a trainer's template would give."""
-    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("a chat-message observation needs a tokenizer with a chat template")
     options = {k: v for k, v in (template_kwargs or {}).items()
                if k not in ("add_generation_prompt", "continue_final_message")}
+    # (the template may come in template_kwargs, as render_conversations takes it)
+    if tokenizer is None or (getattr(tokenizer, "chat_template", None) is None
+                             and options.get("chat_template") is None):
+        raise ValueError("a chat-message observation needs a chat template: the tokenizer's, "
+                         "or chat_template_kwargs={'chat_template': ...}")
     base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARK}]
     prefix = tokenizer.apply_chat_template(base, tokenize=False, **options)
     full = tokenizer.apply_chat_template(base + [message], tokenize=False,

@@ -859,6 +859,37 @@ def test_template_options_reach_the_prompts_and_the_observations():
     assert_no_kv_held(eng)
 
 
+def test_a_template_given_in_chat_template_kwargs_renders_the_observations_too():
+    """A tokenizer without a chat template (a base model's), the template passed as
+    chat_template_kwargs={"chat_template": ...} (as Engine.chat takes it): the prompts were
+    rendered with it, but every chat-message observation was refused ("needs a tokenizer with
+    a chat template") and its episode aborted. The episode is the template's rendering."""
+    tok = char_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<u>", "<a>", "<eot>"]})
+    template = ("{% for m in messages %}{% if m.role == 'user' %}<u>{% else %}<a>{% endif %}"
+                "{{ m.content }}<eot>\n{% endfor %}{% if add_generation_prompt %}<a>{% endif %}")
+    assert tok.chat_template is None
+    eot = tok.convert_tokens_to_ids("<eot>")
+    model = always_picks(tiny_model("llama", vocab_size=len(tok)), eot)  # each turn empty
+    eng = Engine(model, EngineConfig(kv_cache_tokens=512, max_model_len=64), tokenizer=tok)
+
+    class User:
+        def step(self, turn_ids, text):
+            return Step(observation={"role": "user", "content": "hi"})
+
+    conv = [{"role": "user", "content": "ab"}]
+    params = SamplingParams(temperature=0, max_tokens=4, stop_token_ids=[eot])
+    ep = run_episodes(eng, [conv], User, params, max_turns=2,
+                      chat_template_kwargs={"chat_template": template})[0][0]
+    assert ep.finish_reason == "max_turns", ep.error
+    want = tok.apply_chat_template(conv + [{"role": "assistant", "content": ""},
+                                           {"role": "user", "content": "hi"}],
+                                   tokenize=False, add_generation_prompt=True,
+                                   chat_template=template)
+    assert tok.decode(ep.prompt_ids + ep.token_ids) == want + "<eot>"  # the second turn's
+    assert_no_kv_held(eng)
+
+
 def test_run_episodes_needs_an_idle_engine():
     eng = engine()
     eng.add_request([1, 2, 3], SamplingParams(max_tokens=2))
