@@ -103,6 +103,16 @@ def check_head_is_tied(inner, name: str) -> None:
                          "config.tie_word_embeddings = False to serve its own lm_head")
 
 
+# The files a tokenizer is saved as (fast, its config, SentencePiece's, BPE's vocabulary).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(path: str) -> bool:
+    """Whether checkpoint folder `path` holds a tokenizer: one saved with the model alone (a
+    trainer's save_pretrained) serves token-id prompts, as an in-memory model without one."""
+    return any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES)
+
+
 def check_unquantized(hf_config, name: str) -> None:
     """ValueError for a quantized model (transformers' config.quantization_config: FP8, GPTQ,
     AWQ checkpoints, bitsandbytes models): the engine's layers multiply plain weights, and a
@@ -211,7 +221,7 @@ def resolve_model(model, config: EngineConfig, tokenizer, name: str = "model"):
         check_unquantized(hf_config, name)
         default = getattr(hf_config, "dtype", None) if device.type == "cuda" else None
         dtype = config.dtype or (default if isinstance(default, torch.dtype) else torch.float32)
-        if tokenizer is None:
+        if tokenizer is None and has_tokenizer(model):
             tokenizer = AutoTokenizer.from_pretrained(model)
         files = weight_files(model, name)
         untie_a_distinct_head(hf_config, files)

@@ -150,3 +150,14 @@ def test_an_in_memory_quantized_model_is_refused():
     with pytest.raises(ValueError, match=r"^model: quantization_config \(quant_method "
                                          r"'bitsandbytes'\)"):
         engine_for(model)
+
+
+def test_a_checkpoint_without_a_tokenizer_serves_token_ids(tmp_path):
+    """A trainer's save_pretrained of the model alone: as an in-memory model without a
+    tokenizer, token-id prompts (the engine failed in transformers' AutoTokenizer, with a
+    message about sentencepiece and tiktoken)."""
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path)
+    engine = engine_for(tmp_path)
+    assert engine.tokenizer is None
+    assert_matches_reference(model, PROMPTS[:2], engine.generate(PROMPTS[:2], GREEDY))
