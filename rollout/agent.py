@@ -38,7 +38,6 @@ from .engine.engine import Engine
 from .engine.progress import progress
 from .env_calls import EnvCalls
 from .fields import as_bool, as_float, as_int
-from .requests.intake import check_request
 from .requests.outputs import Sample
 from .sample.params import SamplingParams
 
@@ -171,8 +170,9 @@ class _Runner:
 
     def run(self, prompts: list, use_tqdm: bool) -> list[list[Episode]]:
         engine = self.engine
-        checked = [check_request(p, self.params, engine.vocab_size, engine.config.max_model_len,
-                                 engine.tokenizer)[1] for p in prompts]  # every prompt first
+        # Every prompt first, as add_request checks it (an engine asleep too): before any
+        # environment is made
+        checked = [engine._check_request(p, self.params)[1] for p in prompts]
         # Unseeded, the run draws its seed from the engine's stream, as a request does, and a
         # failed run gives it back (a retry samples what a fresh engine would).
         draws = engine.requests.seed_draws

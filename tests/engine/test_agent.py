@@ -253,32 +253,34 @@ def reference_episodes():
     return summary(run_episodes(engine(), PROMPTS, Echo, PARAMS))
 
 
-# Points on the way from an environment's answer to the next turn's request (the 4th call of
-# each is the first environment turn's; calls 1-3 are the prompts' first turns), and whether a
-# fault after the call is meaningful.
+# Points on the way from an environment's answer to the next turn's request, whether a fault
+# after the call is meaningful, and which call is the first environment turn's (the 4th: calls
+# 1-3 are the prompts' first turns; check_request's 7th, the run checking every prompt first).
 BETWEEN_TURNS = {
-    "seed": (lambda: (rollout.agent._Runner, "_seed"), True),
-    "budget": (lambda: (rollout.agent._Runner, "_budget"), True),
+    "seed": (lambda: (rollout.agent._Runner, "_seed"), True, 4),
+    "budget": (lambda: (rollout.agent._Runner, "_budget"), True, 4),
     # after it returned: the request queued, as for an interrupt before the run took its id
-    "add_request": (lambda: (Engine, "add_request"), True),
+    "add_request": (lambda: (Engine, "add_request"), True, 4),
     # inside add_request, before and in its unit (which queues nothing then)
-    "check_request": (lambda: (rollout.engine.engine, "check_request"), True),
-    "make": (lambda: (RequestTable, "make"), True),
+    "check_request": (lambda: (rollout.engine.engine, "check_request"), True, 7),
+    "make": (lambda: (RequestTable, "make"), True, 4),
 }
 
 
 @pytest.mark.parametrize("kind", [RuntimeError, KeyboardInterrupt], ids=["error", "interrupt"])
 @pytest.mark.parametrize("point,after", [
     pytest.param(point, after, id=f"{point}-{'after' if after else 'before'}")
-    for point, (_, has_after) in BETWEEN_TURNS.items() for after in (False, True)[:1 + has_after]])
+    for point, (_, has_after, _) in BETWEEN_TURNS.items()
+    for after in (False, True)[:1 + has_after]])
 def test_a_run_that_fails_between_turns_leaves_no_kv_held(point, after, kind, monkeypatch):
     """A fault after an environment answered, before the next turn's request is queued: the
     episode is then neither waiting for its environment nor running, and its hold (the turn
     just sampled) had stayed locked. The run raises with nothing held, and a rerun gives a
     fresh engine's episodes."""
     eng = engine()
-    fault = Fault(kind, at=4, after=after)
-    fault.install(monkeypatch, *BETWEEN_TURNS[point][0]())
+    where, _, at = BETWEEN_TURNS[point]
+    fault = Fault(kind, at=at, after=after)
+    fault.install(monkeypatch, *where())
     with pytest.raises(kind, match="injected"):
         run_episodes(eng, PROMPTS, Echo, PARAMS)
     assert fault.fired
@@ -887,6 +889,33 @@ def test_a_template_given_in_chat_template_kwargs_renders_the_observations_too()
                                    tokenize=False, add_generation_prompt=True,
                                    chat_template=template)
     assert tok.decode(ep.prompt_ids + ep.token_ids) == want + "<eot>"  # the second turn's
+    assert_no_kv_held(eng)
+
+
+@pytest.mark.parametrize("refusal", ["asleep", "routed experts of a dense model"])
+def test_what_add_request_refuses_is_refused_before_any_environment_is_made(refusal):
+    """An engine put to sleep (colocation) or params add_request refuses for this model: the
+    run had made every environment and run every reset (a sandbox started per episode) before
+    its first turn was refused. Nothing is made, and the engine serves afterwards."""
+    made = []
+
+    def factory():
+        made.append(1)
+        return Echo()
+    eng = engine()
+    params = PARAMS
+    if refusal == "asleep":
+        eng.sleep()
+        raises = pytest.raises(RuntimeError, match="asleep")
+    else:
+        params = dataclasses.replace(PARAMS, return_routed_experts=True)
+        raises = pytest.raises(ValueError, match="^return_routed_experts")
+    with raises:
+        run_episodes(eng, PROMPTS, factory, params)
+    assert not made
+    if refusal == "asleep":
+        eng.wake_up()
+    assert summary(run_episodes(eng, PROMPTS, Echo, PARAMS)) == reference_episodes()
     assert_no_kv_held(eng)
 
 
