@@ -87,7 +87,7 @@ def check_head_is_tied(inner, name: str) -> None:
     plain tensors of the same shape are compared (a sharded DTensor or flat FSDP parameter is
     the sharder's, which ties by the config)."""
     if not (getattr(inner.config, "tie_word_embeddings", False)
-            and hasattr(inner, "get_output_embeddings")):
+            and hasattr(inner, "get_output_embeddings") and hasattr(inner, "get_input_embeddings")):
         return
     head, embedding = (getattr(m, "weight", None) for m in (inner.get_output_embeddings(),
                                                           inner.get_input_embeddings()))
