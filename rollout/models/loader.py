@@ -43,18 +43,18 @@ def tensors_of(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
         yield from _load(f).items()
 
 
-def _load(file: str, mmap: bool = False) -> dict[str, torch.Tensor]:
-    """A weight file's tensors; `mmap`: mapped, read as they are touched (.bin only: a
-    safetensors file is mapped anyway, by safe_open, for the few tensors wanted)."""
+def _load(file: str) -> dict[str, torch.Tensor]:
+    """A weight file's tensors."""
     if file.endswith(".safetensors"):
         from safetensors.torch import load_file
 
         return load_file(file)
-    return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+    return torch.load(file, map_location="cpu", weights_only=True)
 
 
 def read_named(files: list[str], names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """Those of the tensors `names` that the weight files hold, reading no others."""
+    """Those of the tensors `names` that the weight files hold (of safetensors files, reading
+    no others; a .bin file is read whole, as its load reads it)."""
     from safetensors import safe_open
 
     found = {}
@@ -63,7 +63,7 @@ def read_named(files: list[str], names: tuple[str, ...]) -> dict[str, torch.Tens
             with safe_open(f, "pt") as held:
                 found.update((n, held.get_tensor(n)) for n in names if n in held.keys())
         else:
-            state = _load(f, mmap=True)
+            state = _load(f)
             found.update((n, state[n]) for n in names if n in state)
     return found
 
