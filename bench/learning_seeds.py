@@ -15,6 +15,9 @@ with partial rollouts). The warm starts come from the test's cache (built when m
 
     python bench/learning_seeds.py [--configs reverse reverse-partial] [--seeds 0-6] [--jobs 2]
         [--set steps=20 prompts_per_step=32]   # settings other than the test's
+
+With `--set eval_every=K` each run also scores the held-out set every K steps, and the gains
+are reported at each of those steps too: one sweep gives the spread of every shorter run.
 """
 
 from __future__ import annotations
@@ -50,8 +53,10 @@ def one(config: str, seed: int, changes: dict) -> dict:
     with tempfile.TemporaryDirectory() as out_dir:
         out = t.run(t.cached_warm_start(warm), out_dir, settings)
     history = out["history"]
+    curve = {str(step): row["eval/accuracy"] - out["accuracy_before"]
+             for step, row in enumerate(history, 1) if "eval/accuracy" in row}
     return dict(config=config, seed=seed, gain=out["accuracy_after"] - out["accuracy_before"],
-                before=out["accuracy_before"],
+                before=out["accuracy_before"], curve=curve,
                 engine_steps=sum(row["rollout/engine_steps"] for row in history) / len(history),
                 rollout_s=sum(row["time/rollout"] for row in history) / len(history))
 
@@ -95,13 +100,19 @@ def main() -> None:
         results = list(pool.map(lambda job: spawn(*job, args.set), work))
     for config in args.configs:
         rows = [r for r in results if r["config"] == config]
-        gains = [100 * r["gain"] for r in rows]
-        sd = statistics.stdev(gains) if len(gains) > 1 else 0.0
-        print(f"{config}: from {rows[0]['before']:.1%}, gains "
-              + ", ".join(f"{g:+.1f}" for g in gains)
-              + f"; mean {statistics.mean(gains):+.1f}, sd {sd:.1f}, lowest {min(gains):+.1f};"
+        print(f"{config}: from {rows[0]['before']:.1%}, gains {spread(r['gain'] for r in rows)};"
               f" engine steps / step {statistics.mean(r['engine_steps'] for r in rows):.1f},"
               f" rollout s / step {statistics.mean(r['rollout_s'] for r in rows):.2f}")
+        for step in rows[0]["curve"]:
+            print(f"  after {step} steps: {spread(r['curve'][step] for r in rows)}")
+
+
+def spread(gains) -> str:
+    """Each seed's gain in points, then their mean, standard deviation and lowest."""
+    gains = [100 * g for g in gains]
+    sd = statistics.stdev(gains) if len(gains) > 1 else 0.0
+    return (", ".join(f"{g:+.1f}" for g in gains)
+            + f"; mean {statistics.mean(gains):+.1f}, sd {sd:.1f}, lowest {min(gains):+.1f}")
 
 
 if __name__ == "__main__":
