@@ -220,6 +220,10 @@ class _Runner:
         self.lives.append(live)
         try:
             live.env = self.env_factory()
+            if not callable(getattr(live.env, "step", None)):  # (rather than after its turn)
+                self._end(live, "abort", f"environment: a {type(live.env).__name__} has no "
+                                         f"step method (step(turn_ids, text) -> Step)")
+                return live
             reset = getattr(live.env, "reset", None)
             if reset is not None:
                 resets[self._call(live, reset, list(episode.prompt_ids))] = live

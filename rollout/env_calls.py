@@ -39,7 +39,7 @@ class EnvCalls:
         a synchronous one waits for a free pool thread): env_timeout counts from there."""
         loop = self._loop(slot)
         if inspect.iscoroutinefunction(method):
-            future = loop.submit(method(*args))
+            future = loop.submit(_awaited(method, *args))
             future.started = time.monotonic()
             return future
         return self.pool.submit(loop.call, method, *args)
@@ -67,6 +67,12 @@ class EnvCalls:
         for loop in loops:
             loop.thread.join(timeout=max(0.0, deadline - time.monotonic()))
         self.pool.shutdown(wait)
+
+
+async def _awaited(method, *args):
+    """A coroutine function's call made on its loop: one that fails as it is called (arguments
+    it does not take) fails its future, as a synchronous method's does, not the caller."""
+    return await method(*args)
 
 
 class _DaemonPool:

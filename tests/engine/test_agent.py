@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import os
 import random
+import re
 import threading
 import time
 
@@ -195,6 +196,35 @@ def assert_no_kv_held(eng):
     assert not eng.inspect().holds and not eng.has_unfinished
     eng.check_invariants()
     assert eng.kv.available == eng.kv.num_slots
+
+
+class AsyncStepOfTwoArguments(Echo):
+    async def step(self, turn_ids):  # (text forgotten)
+        return Step(done=True)
+
+
+class SyncStepOfTwoArguments(Echo):
+    def step(self, turn_ids):
+        return Step(done=True)
+
+
+class NoStep:
+    pass
+
+
+@pytest.mark.parametrize("env,error", [
+    (SyncStepOfTwoArguments, "environment step: TypeError: .*takes 2 positional arguments"),
+    (AsyncStepOfTwoArguments, "environment step: TypeError: .*takes 2 positional arguments"),
+    (NoStep, "environment: a NoStep has no step method")], ids=["sync", "async", "no step"])
+def test_a_step_that_cannot_be_called_aborts_its_episodes(env, error):
+    """An async step that fails as it is called (arguments it does not take) or an environment
+    without one had failed the whole run (the latter after every prompt's first turn), where
+    the synchronous step's failure ends its own episode: each ends its own episode."""
+    eng = engine()
+    episodes = [ep for row in run_episodes(eng, PROMPTS, env, PARAMS) for ep in row]
+    assert all(ep.finish_reason == "abort" and re.match(error, ep.error) for ep in episodes), \
+        [ep.error for ep in episodes]
+    assert_no_kv_held(eng)
 
 
 def test_a_failed_reset_releases_its_first_turn_kv():
