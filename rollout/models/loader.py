@@ -17,13 +17,13 @@ from .base import CausalLM
 from .layers.rotary import adopt_rounded_frequencies, context_length, context_limit
 
 
-# The weight files transformers' from_pretrained reads, in its order of preference: a sharded
-# checkpoint's index (tensor name -> file) or the single file, safetensors before PyTorch's.
-# Other files beside them are another format's or another model's (Mistral's Hub repositories
-# ship `consolidated.safetensors` with their own tensor names; a PEFT adapter may be saved into
-# the same folder), and transformers never reads them.
-WEIGHT_FILES = (("model.safetensors.index.json", "model.safetensors"),
-                ("pytorch_model.bin.index.json", "pytorch_model.bin"))
+# The weight files transformers' from_pretrained reads, the first found: the single file or a
+# sharded checkpoint's index (tensor name -> file), safetensors before PyTorch's. Other files
+# beside them are another format's or another model's (Mistral's Hub repositories ship
+# `consolidated.safetensors` with their own tensor names; a PEFT adapter may be saved into the
+# same folder), and transformers never reads them.
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
 
 
 # The tied pair (tie_word_embeddings) under its checkpoint names, in every family served.
@@ -130,15 +130,17 @@ def check_unquantized(hf_config, name: str) -> None:
 
 def weight_files(path: str, name: str) -> list[str]:
     """The weight files of checkpoint folder `path` (WEIGHT_FILES), each once."""
-    for index, single in WEIGHT_FILES:
-        if os.path.isfile(os.path.join(path, index)):
-            with open(os.path.join(path, index)) as f:
-                shards = sorted(set(json.load(f)["weight_map"].values()))
-            return [os.path.join(path, shard) for shard in shards]
-        if os.path.isfile(os.path.join(path, single)):
-            return [os.path.join(path, single)]
-    files = " or ".join(file for pair in WEIGHT_FILES for file in reversed(pair))
-    raise ValueError(f"{name}: no {files} under {path!r} (the weight files transformers reads)")
+    for file in WEIGHT_FILES:
+        found = os.path.join(path, file)
+        if not os.path.isfile(found):
+            continue
+        if not file.endswith(".index.json"):
+            return [found]
+        with open(found) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, shard) for shard in shards]
+    raise ValueError(f"{name}: no {' or '.join(WEIGHT_FILES)} under {path!r} (the weight files "
+                     "transformers reads)")
 
 
 def fit_max_model_len(config: EngineConfig, hf_config) -> EngineConfig:

@@ -69,7 +69,7 @@ def test_sharded_pytorch_bin_files_by_their_index(tmp_path):
 def test_a_folder_without_model_weights_is_refused_naming_what_it_looked_for(tmp_path):
     saved(tiny_model("llama"), tmp_path)
     os.rename(tmp_path / "model.safetensors", tmp_path / "consolidated.safetensors")
-    with pytest.raises(ValueError, match=r"^model: no model\.safetensors.*pytorch_model\.bin"):
+    with pytest.raises(ValueError, match=r"^model: no model\.safetensors or .*pytorch_model\.bin"):
         engine_for(tmp_path)
 
 
@@ -161,3 +161,16 @@ def test_a_checkpoint_without_a_tokenizer_serves_token_ids(tmp_path):
     engine = engine_for(tmp_path)
     assert engine.tokenizer is None
     assert_matches_reference(model, PROMPTS[:2], engine.generate(PROMPTS[:2], GREEDY))
+
+
+def test_the_single_file_is_read_before_a_stale_index(tmp_path):
+    """transformers reads model.safetensors when it is there, whatever shards an earlier save
+    left beside it (their index included)."""
+    saved(tiny_model("llama", seed=1), tmp_path, max_shard_size="20KB")
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path / "single")
+    os.rename(tmp_path / "single" / "model.safetensors", tmp_path / "model.safetensors")
+    reference = as_transformers_reads_it(tmp_path)
+    assert torch.equal(reference.lm_head.weight, model.lm_head.weight)
+    outs = engine_for(tmp_path).generate(PROMPTS[:2], GREEDY)
+    assert_matches_reference(reference, PROMPTS[:2], outs)
