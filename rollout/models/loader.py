@@ -31,9 +31,9 @@ HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
 
 
 def checkpoint_tensors(path: str, name: str = "model") -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named tensors of a local checkpoint folder, read lazily from the files transformers
-    reads (found now: a folder without them is refused before anything is built). `name`: the
-    field in a refusal's message."""
+    """HF-named tensors of a checkpoint (a local folder or a hub id), read lazily from the
+    files transformers reads (found now: a checkpoint without them is refused before anything
+    is built). `name`: the field in a refusal's message."""
     return tensors_of(weight_files(os.path.expanduser(path), name))
 
 
@@ -107,10 +107,10 @@ def check_head_is_tied(inner, name: str) -> None:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def has_tokenizer(path: str) -> bool:
-    """Whether checkpoint folder `path` holds a tokenizer: one saved with the model alone (a
+def has_tokenizer(model: str) -> bool:
+    """Whether checkpoint `model` holds a tokenizer: one saved with the model alone (a
     trainer's save_pretrained) serves token-id prompts, as an in-memory model without one."""
-    return any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES)
+    return any(locate(model, f) is not None for f in TOKENIZER_FILES)
 
 
 def check_unquantized(hf_config, name: str) -> None:
@@ -128,18 +128,35 @@ def check_unquantized(hf_config, name: str) -> None:
                      "model's unquantized checkpoint, or the model after model.dequantize()")
 
 
-def weight_files(path: str, name: str) -> list[str]:
-    """The weight files of checkpoint folder `path` (WEIGHT_FILES), each once."""
+def locate(model: str, file: str) -> str | None:
+    """The local path of `file` of checkpoint `model`, None where it has none: in its folder,
+    or, for a hub id, in the hub cache (downloaded there first unless offline), as
+    transformers' from_pretrained finds it."""
+    if os.path.isdir(model):
+        path = os.path.join(model, file)
+        return path if os.path.isfile(path) else None
+    from transformers.utils import cached_file
+
+    return cached_file(model, file, _raise_exceptions_for_missing_entries=False)
+
+
+def weight_files(model: str, name: str) -> list[str]:
+    """The weight files of checkpoint `model` (WEIGHT_FILES; a folder or a hub id), each
+    once."""
     for file in WEIGHT_FILES:
-        found = os.path.join(path, file)
-        if not os.path.isfile(found):
+        found = locate(model, file)
+        if found is None:
             continue
         if not file.endswith(".index.json"):
             return [found]
         with open(found) as f:
             shards = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(path, shard) for shard in shards]
-    raise ValueError(f"{name}: no {' or '.join(WEIGHT_FILES)} under {path!r} (the weight files "
+        files = [locate(model, shard) for shard in shards]
+        if None in files:
+            raise ValueError(f"{name}: {file} names the shard "
+                             f"{shards[files.index(None)]!r}, which {model!r} lacks")
+        return files
+    raise ValueError(f"{name}: no {' or '.join(WEIGHT_FILES)} in {model!r} (the weight files "
                      "transformers reads)")
 
 
@@ -204,8 +221,8 @@ def load_into(model, named_tensors) -> None:
 
 
 def resolve_model(model, config: EngineConfig, tokenizer, name: str = "model"):
-    """(hf_config, named weights, device, dtype, tokenizer) for an in-memory model or a path;
-    `name`: the field in a refusal's message."""
+    """(hf_config, named weights, device, dtype, tokenizer) for an in-memory model, a path or a
+    hub id; `name`: the field in a refusal's message."""
     if isinstance(model, os.PathLike):
         model = os.fspath(model)
     if isinstance(model, str):

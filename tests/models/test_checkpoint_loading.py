@@ -174,3 +174,36 @@ def test_the_single_file_is_read_before_a_stale_index(tmp_path):
     assert torch.equal(reference.lm_head.weight, model.lm_head.weight)
     outs = engine_for(tmp_path).generate(PROMPTS[:2], GREEDY)
     assert_matches_reference(reference, PROMPTS[:2], outs)
+
+
+def hub_snapshot(cache, repo: str):
+    """The folder of `repo`'s snapshot in a Hugging Face hub cache laid out as downloads
+    leave it (refs/main naming the snapshot)."""
+    folder = cache / f"models--{repo.replace('/', '--')}"
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text("0" * 40)
+    return folder / "snapshots" / ("0" * 40)
+
+
+def test_a_hub_id_loads_from_the_hub_cache(tmp_path, monkeypatch):
+    """A hub id (which the recipes accept for speculative.draft_model): transformers reads its
+    config, tokenizer and weights from the hub cache (downloading what is not there); the
+    engine read config and tokenizer so, then looked for the weights in a local folder named
+    like the id and refused it."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # no network: the cache only
+    model = tiny_model("llama")
+    saved(model, hub_snapshot(tmp_path, "org/tiny"), max_shard_size="20KB")
+    engine = engine_for("org/tiny")
+    assert engine.tokenizer is not None
+    assert_matches_reference(model, PROMPTS[:2], engine.generate(PROMPTS[:2], GREEDY))
+
+
+def test_a_shard_its_index_names_but_the_folder_lacks_is_named(tmp_path):
+    saved(tiny_model("llama"), tmp_path, max_shard_size="20KB")
+    os.remove(tmp_path / "model-00003-of-00014.safetensors")
+    with pytest.raises(ValueError, match=r"^model: model\.safetensors\.index\.json names the "
+                                         r"shard 'model-00003-of-00014\.safetensors'"):
+        engine_for(tmp_path)
