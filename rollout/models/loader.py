@@ -1,4 +1,5 @@
-"""Build the engine's model from an in-memory transformers model or a local checkpoint path."""
+"""Build the engine's model from an in-memory transformers model or a checkpoint (a local
+folder or a hub id)."""
 
 from __future__ import annotations
 
@@ -75,8 +76,11 @@ def untie_a_distinct_head(hf_config, files: list[str]) -> None:
     tensors are a tied pair as .bin checkpoints and some sharders store it: tied.)"""
     if not getattr(hf_config, "tie_word_embeddings", False):
         return
-    pair = read_named(files, (HEAD, EMBEDDING))
-    if len(pair) == 2 and not torch.equal(pair[HEAD], pair[EMBEDDING]):
+    head = read_named(files, (HEAD,)).get(HEAD)  # mostly absent: the embedding goes unread
+    if head is None:
+        return
+    embedding = read_named(files, (EMBEDDING,)).get(EMBEDDING)
+    if embedding is not None and not torch.equal(head, embedding):
         hf_config.tie_word_embeddings = False
 
 
