@@ -142,6 +142,9 @@ class _Live:
     env: object
     index: tuple[int, int]  # (prompt, sample)
     hold: tuple[str, int] | None = None  # the engine's hold on its KV
+    resetting: bool = False  # its reset is under way: its first step waits for it
+    # (request id, sample, error) of its first turn, sampled before its reset answered
+    parked: tuple | None = None
 
 
 class _Runner:
@@ -163,6 +166,7 @@ class _Runner:
         self.requests: dict[str, list[_Live | None]] = {}  # request id -> its episodes
         self.turn_ids = itertools.count()  # names the turns' requests (_submit)
         self.waiting: dict[Future, _Live] = {}  # environment steps under way
+        self.resets: dict[Future, _Live] = {}  # and resets
         # Every episode: one whose environment has answered is in neither of the above until
         # its next turn is queued, and a failure meanwhile must still release its hold.
         self.lives: list[_Live] = []
@@ -185,13 +189,10 @@ class _Runner:
         try:
             # Every environment made and its reset under way before any is waited on: the
             # resets run together (synchronous ones env_workers at a time), and so do the
-            # env_timeouts of hung ones.
-            resets: dict[Future, _Live] = {}
-            started = [[self._start(Episode(list(ids)), (i, j), resets)
+            # env_timeouts of hung ones, and with the first turns: an episode's first step
+            # waits for its own reset only.
+            started = [[self._start(Episode(list(ids)), (i, j))
                         for j in range(self.params.n)] for i, ids in enumerate(checked)]
-            while resets:
-                for future, live in self._answered(resets, block=True):
-                    self._reset(live, future)
             for i, (ids, lives) in enumerate(zip(checked, started)):
                 result.append([live.episode for live in lives])
                 first = dataclasses.replace(
@@ -199,7 +200,7 @@ class _Runner:
                     max_tokens=min(self.params.max_tokens, self._budget(lives[0].episode)))
                 self._submit(ids, first, [live if live.episode.finish_reason is None
                                           else None for live in lives], None)
-            while self.requests or self.waiting:
+            while self.requests or self.waiting or self.resets:
                 self._advance()
             failed = False
         except BaseException:
@@ -213,9 +214,8 @@ class _Runner:
             self.envs.close(wait=not failed and not self.abandoned)
         return result
 
-    def _start(self, episode: Episode, index: tuple[int, int],
-               resets: dict[Future, _Live]) -> _Live:
-        """The episode with its environment, whose reset (if it has one) is put in `resets`."""
+    def _start(self, episode: Episode, index: tuple[int, int]) -> _Live:
+        """The episode with its environment, whose reset (if it has one) is under way."""
         live = _Live(episode, None, index)
         self.lives.append(live)
         try:
@@ -226,19 +226,25 @@ class _Runner:
                 return live
             reset = getattr(live.env, "reset", None)
             if reset is not None:
-                resets[self._call(live, reset, list(episode.prompt_ids))] = live
+                self.resets[self._call(live, reset, list(episode.prompt_ids))] = live
+                live.resetting = True
         except Exception as e:
             self._end(live, "abort", f"environment reset: {type(e).__name__}: {e}")
         return live
 
     def _reset(self, live: _Live, future: Future) -> None:
-        """The episode after its reset answered or outlived env_timeout."""
+        """The episode after its reset answered or outlived env_timeout: its first turn, if
+        sampled meanwhile, goes to its environment."""
+        live.resetting = False
         if not future.done():
             return self._give_up(live, future, "reset")
         try:
             future.result()
         except Exception as e:
-            self._end(live, "abort", f"environment reset: {type(e).__name__}: {e}")
+            return self._end(live, "abort", f"environment reset: {type(e).__name__}: {e}")
+        if live.parked is not None:
+            parked, live.parked = live.parked, None
+            self._model_turn(live, *parked)
 
     def _slot(self, live: _Live) -> int:
         """The episode's number: which of the run's event loops its coroutines run on."""
@@ -249,11 +255,15 @@ class _Runner:
         starts running, not from a wait for a free worker)."""
         return self.envs.call(self._slot(live), method, *args)
 
-    def _answered(self, calls: dict[Future, _Live], block: bool):
+    def _wait(self) -> None:
+        """(Nothing to compute) Until an environment call answers or outlives env_timeout."""
+        calls = [*self.resets, *self.waiting]
+        if calls:
+            wait(calls, self._until_a_deadline(calls), return_when=FIRST_COMPLETED)
+
+    def _answered(self, calls: dict[Future, _Live]):
         """The calls that answered or outlived env_timeout, each taken out of `calls` as it is
-        handed over; with `block`, once there is one."""
-        if block and calls:
-            wait(list(calls), self._until_a_deadline(calls), return_when=FIRST_COMPLETED)
+        handed over."""
         now = time.monotonic()
         for future in [f for f in calls if f.done() or self._expired(f, now)]:
             yield future, calls.pop(future)
@@ -305,16 +315,20 @@ class _Runner:
                 if lives is None:
                     continue  # someone else's streaming request
                 for live, sample in zip(lives, out.samples):
-                    if live is not None:
+                    if live is not None and live.episode.finish_reason is None:
                         self._model_turn(live, out.request_id, sample, out.error)
-                    else:  # its episode ended at reset: the first turn's KV is nobody's
+                    else:  # its episode ended before its first turn (its environment failed):
+                        # the turn's KV is nobody's
                         self.engine.release_hold((out.request_id, sample.index))
                 # Listed until its samples are taken: should this fail, _abandon releases
                 # their holds.
                 del self.requests[out.request_id]
         else:
             self._end_lost_turns()
-        for future, live in self._answered(self.waiting, block=not stepping):
+            self._wait()
+        for future, live in self._answered(self.resets):
+            self._reset(live, future)
+        for future, live in self._answered(self.waiting):
             if future.done():
                 self._env_turn(live, future)
             else:
@@ -332,8 +346,11 @@ class _Runner:
                                              f"outside run_episodes")
 
     def _model_turn(self, live: _Live, request_id: str, sample: Sample, error: str | None):
-        ep = live.episode
         live.hold = (request_id, sample.index)
+        if live.resetting:  # its environment is not ready: the turn waits, its KV held
+            live.parked = (request_id, sample, error)
+            return
+        ep = live.episode
         ep.turns += 1
         ep.token_ids += sample.token_ids
         ep.mask += [1] * len(sample.token_ids)
@@ -411,18 +428,20 @@ class _Runner:
         return ids
 
     def _end(self, live: _Live, reason: str, error: str | None = None) -> None:
-        live.episode.finish_reason, live.episode.error = reason, error
+        # The first end stands: a reset may fail after its episode's first turn was lost.
+        if live.episode.finish_reason is None:
+            live.episode.finish_reason, live.episode.error = reason, error
+            self.bar.update(1)
         if live.hold is not None:
             self.engine.release_hold(live.hold)
             live.hold = None
-        self.bar.update(1)
 
     def _abandon(self) -> None:
         """The run failed: stop its requests, release its holds, leave its envs to finish."""
         for live in self.lives:
             if live.hold is not None:
                 self.engine.release_hold(live.hold)
-        for future in self.waiting:
+        for future in [*self.resets, *self.waiting]:
             future.cancel()
         for request_id, lives in self.requests.items():
             try:

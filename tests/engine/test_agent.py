@@ -248,6 +248,43 @@ def test_a_failed_reset_releases_its_first_turn_kv():
     assert_no_kv_held(eng)
 
 
+def test_a_slow_reset_does_not_hold_back_the_other_episodes():
+    """One environment's reset (a sandbox booting) finishes only once another episode has
+    had its first step: the first turns had all waited for every reset. Its own episode
+    waits for it (its first turn parked, its KV held); a reset failing after its first turn
+    was sampled ends its episode as a reset failing before does, with no tokens; the others
+    are a fresh engine's."""
+    made, others_stepped, waited = [], threading.Event(), []
+
+    class SlowReset(Echo):
+        def __init__(self):
+            super().__init__()
+            made.append(self)
+
+        def reset(self, prompt_ids):
+            super().reset(prompt_ids)
+            if self in made[:2]:  # the first fails, the second goes on
+                waited.append(others_stepped.wait(timeout=5))
+                if self is made[0]:
+                    raise RuntimeError("sandbox failed")
+
+        def step(self, turn_ids, text):
+            assert self.prompt_ids  # never before its reset
+            if self not in made[:2]:
+                others_stepped.set()
+            return super().step(turn_ids, text)
+
+    eng = engine()
+    episodes = run_episodes(eng, PROMPTS, SlowReset, PARAMS, env_workers=4)
+    assert waited == [True, True]
+    failed = episodes[0][0]
+    assert (failed.finish_reason, failed.token_ids, failed.turns) == ("abort", [], 0)
+    assert "sandbox failed" in failed.error
+    assert summary(episodes)[0][1:] == reference_episodes()[0][1:]
+    assert summary(episodes)[1:] == reference_episodes()[1:]
+    assert_no_kv_held(eng)
+
+
 @pytest.mark.parametrize("where", ["environment", "model turn"])
 def test_a_run_that_fails_midway_leaves_no_kv_held(where, monkeypatch):
     """An environment raising SystemExit, or Ctrl-C while a step's outputs are being taken
