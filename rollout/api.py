@@ -11,7 +11,8 @@ from .colocation.weights import weights_version
 from .config import EngineConfig
 from .engine.chat import is_conversations
 from .engine.engine import Engine
-from .models.loader import checkpoint_tensors, fit_max_model_len
+from .models.checkpoint import checkpoint_tensors
+from .models.loader import fit_max_model_len
 
 # The engines `generate` keeps, so repeated calls reuse one (and its prefix cache). An in-memory
 # model's entry [engine, weights version it holds] goes with the model (a weak key); a checkpoint
@@ -48,12 +49,12 @@ def generate(model, prompts, params=None, tokenizer=None, use_tqdm: bool = False
 
 
 def engine_for(model, tokenizer=None, **config) -> Engine:
-    """The engine cached for `model` (an in-memory model or a local checkpoint path), awake and
-    holding the model's current weights (synced in place when they changed since the last
-    call, e.g. after an optimizer step)."""
+    """The engine cached for `model` (an in-memory model, a checkpoint folder or a hub id),
+    awake and holding the model's current weights (synced in place when they changed since the
+    last call, e.g. after an optimizer step)."""
     cfg = EngineConfig(**config)
     if isinstance(model, (str, os.PathLike)):
-        return _checkpoint_engine(os.path.realpath(model), cfg, tokenizer)
+        return _checkpoint_engine(_checkpoint_key(os.fspath(model)), cfg, tokenizer)
     if not isinstance(model, nn.Module):
         # None, a number, a dict: Engine's own check refuses it with its ValueError naming
         # `model`, which the weak-key lookup below would pre-empt with a TypeError.
@@ -70,6 +71,14 @@ def engine_for(model, tokenizer=None, **config) -> Engine:
         # while they are read, which must not count as a change next time.
         entry[1] = weights_version(model)
     return engine
+
+
+def _checkpoint_key(model: str) -> str:
+    """One name per checkpoint: a folder's real path (`~` expanded, links followed), so its
+    spellings share an engine; anything else as given (a hub id, or a missing folder, which
+    Engine refuses naming what was asked for), not made a folder under the working one."""
+    folder = os.path.expanduser(model)
+    return os.path.realpath(folder) if os.path.isdir(folder) else model
 
 
 def _checkpoint_engine(path: str, cfg: EngineConfig, tokenizer) -> Engine:

@@ -207,3 +207,26 @@ def test_a_shard_its_index_names_but_the_folder_lacks_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"^model: model\.safetensors\.index\.json names the "
                                          r"shard 'model-00003-of-00014\.safetensors'"):
         engine_for(tmp_path)
+
+
+def test_generate_takes_a_home_relative_folder_and_a_hub_id(tmp_path, monkeypatch):
+    """rollout.generate names its cached engine by the folder's real path: it took `~/ckpt`
+    and a hub id for folders under the working directory and refused both ("no checkpoint
+    directory at '<cwd>/~/ckpt'"), which Engine takes. Spellings of one folder share an
+    engine."""
+    from huggingface_hub import constants
+
+    import rollout
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # no network: the cache only
+    monkeypatch.setenv("HOME", str(tmp_path))
+    model = tiny_model("llama")
+    saved(model, tmp_path / "ckpt")
+    saved(model, hub_snapshot(tmp_path / "hub", "org/tiny"))
+    config = dict(kv_cache_tokens=512, max_model_len=64, device="cpu")
+    for name in ("~/ckpt", str(tmp_path / "ckpt"), "org/tiny"):
+        outs = rollout.generate(name, PROMPTS[:2], GREEDY, **config)
+        assert_matches_reference(model, PROMPTS[:2], outs)
+    assert rollout.api.engine_for("~/ckpt", **config) is rollout.api.engine_for(
+        str(tmp_path / "ckpt"), **config)
