@@ -177,6 +177,8 @@ class _Runner:
         # Every prompt first, as add_request checks it (an engine asleep too): before any
         # environment is made
         checked = [engine._check_request(p, self.params)[1] for p in prompts]
+        if not checked:  # (as generate([]): no seed drawn from the engine's stream)
+            return []
         # Unseeded, the run draws its seed from the engine's stream, as a request does, and a
         # failed run gives it back (a retry samples what a fresh engine would).
         draws = engine.requests.seed_draws

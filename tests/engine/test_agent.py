@@ -156,6 +156,17 @@ def test_unseeded_episodes_follow_the_engines_seed():
     assert summary(run_episodes(eng, PROMPTS, Echo, unseeded, max_turns=3)) == runs[0]
 
 
+def test_an_empty_run_draws_no_seed():
+    """run_episodes of no prompts (a data loader's empty last batch) had drawn the run's seed
+    from the engine's stream: the next unseeded run sampled other episodes than a fresh
+    engine's, where generate([]) draws nothing."""
+    unseeded = SamplingParams(n=3, temperature=1.0, max_tokens=8)
+    eng = engine(seed=0)
+    assert run_episodes(eng, [], Echo, unseeded) == []
+    assert summary(run_episodes(eng, PROMPTS, Echo, unseeded, max_turns=3)) == \
+        summary(run_episodes(engine(seed=0), PROMPTS, Echo, unseeded, max_turns=3))
+
+
 def test_small_pool_drops_holds_and_gives_the_same_episodes():
     """Under memory pressure held episodes are released oldest first and recomputed."""
     params = SamplingParams(n=4, temperature=1.0, max_tokens=10, seed=1)
