@@ -120,6 +120,15 @@ def run_episodes(engine: Engine, prompts, env_factory: Callable[[], object],
         env_timeout = min(env_timeout, threading.TIMEOUT_MAX)  # what waits can take
     if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
         raise ValueError("prompts must be a list of strings or of token-id lists")
+    for extra in ("return_support", "return_routed_experts"):
+        if getattr(params, extra):  # asked for, an Episode would silently lack it
+            raise ValueError(f"params.{extra}: an Episode carries tokens, mask and logprobs "
+                             f"only; run_episodes returns no {extra[len('return_'):]}")
+    if engine.config.tensor_parallel_size > 1:
+        # Each rank's environments answer in their own order: the ranks would disagree on
+        # which turns a step admits.
+        raise ValueError(f"tensor_parallel_size: run_episodes runs on one rank's engine, got "
+                         f"{engine.config.tensor_parallel_size}")
     template_kwargs = check_template_kwargs(chat_template_kwargs)
     if is_conversations(prompts):
         prompts = [ids for _, ids in render_conversations(engine.tokenizer, prompts,
@@ -176,7 +185,7 @@ class _Runner:
         engine = self.engine
         # Every prompt first, as add_request checks it (an engine asleep too): before any
         # environment is made
-        checked = [engine._check_request(p, self.params)[1] for p in prompts]
+        checked = [engine.check_request(p, self.params)[1] for p in prompts]
         if not checked:  # (as generate([]): no seed drawn from the engine's stream)
             return []
         # Unseeded, the run draws its seed from the engine's stream, as a request does, and a

@@ -160,7 +160,7 @@ class Engine(ColocationCalls):
         finished sample's KV locked under (request_id, sample index) for the next turn, which
         names it in `resume` (multi-turn: rollout/agent.py, docs/multi-turn.md)."""
         with self._entered("add_request"):
-            text, ids, params = self._check_request(prompt, params)
+            text, ids, params = self.check_request(prompt, params)
             if request_id is not None:
                 request_id = self._check_new_id("request_id", request_id)
             if not isinstance(hold_kv, bool):
@@ -184,7 +184,9 @@ class Engine(ColocationCalls):
                              f"yet returned)")
         return request_id
 
-    def _check_request(self, prompt: Prompt, params: SamplingParams | None):
+    def check_request(self, prompt: Prompt, params: SamplingParams | None):
+        """(text, token ids, params) of a request, or what add_request would refuse it for,
+        refused now (an engine asleep too)."""
         self.colocation.check_ready()
         text, ids, params = check_request(prompt, params, self.vocab_size,
                                           self.config.max_model_len, self.tokenizer)
@@ -415,7 +417,7 @@ class Engine(ColocationCalls):
     def _check_all(self, pairs) -> list:
         """(prompt, params) pairs checked, every one before any takes an id or a seed: a
         failed call changes nothing, not even the seeds later calls draw."""
-        return [self._check_request(p, sp) for p, sp in pairs]
+        return [self.check_request(p, sp) for p, sp in pairs]
 
     def _checked_alike(self, check, ready: bool = True, differ: str = REQUESTS_DIFFER):
         """`check()`: a call's argument checks, giving (the checked requests, the ints its other

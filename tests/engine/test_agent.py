@@ -970,11 +970,13 @@ def test_a_template_given_in_chat_template_kwargs_renders_the_observations_too()
     assert_no_kv_held(eng)
 
 
-@pytest.mark.parametrize("refusal", ["asleep", "routed experts of a dense model"])
+@pytest.mark.parametrize("refusal", ["asleep", "return_routed_experts", "return_support"])
 def test_what_add_request_refuses_is_refused_before_any_environment_is_made(refusal):
-    """An engine put to sleep (colocation) or params add_request refuses for this model: the
-    run had made every environment and run every reset (a sandbox started per episode) before
-    its first turn was refused. Nothing is made, and the engine serves afterwards."""
+    """An engine put to sleep (colocation), or what an Episode would silently lack (MoE routes
+    for routing replay, the support of each token's draw: it carries tokens, mask and
+    logprobs): the run had made every environment and run every reset (a sandbox started per
+    episode) before its first turn was refused, or ran without them. Nothing is made, and the
+    engine serves afterwards."""
     made = []
 
     def factory():
@@ -986,8 +988,8 @@ def test_what_add_request_refuses_is_refused_before_any_environment_is_made(refu
         eng.sleep()
         raises = pytest.raises(RuntimeError, match="asleep")
     else:
-        params = dataclasses.replace(PARAMS, return_routed_experts=True)
-        raises = pytest.raises(ValueError, match="^return_routed_experts")
+        params = dataclasses.replace(PARAMS, **{refusal: True})
+        raises = pytest.raises(ValueError, match=f"^params.{refusal}: an Episode carries")
     with raises:
         run_episodes(eng, PROMPTS, factory, params)
     assert not made
@@ -995,6 +997,17 @@ def test_what_add_request_refuses_is_refused_before_any_environment_is_made(refu
         eng.wake_up()
     assert summary(run_episodes(eng, PROMPTS, Echo, PARAMS)) == reference_episodes()
     assert_no_kv_held(eng)
+
+
+def test_a_tensor_parallel_engine_is_refused(monkeypatch):
+    """Each rank's environments answer in their own order, so the ranks of a tensor-parallel
+    engine would disagree on the turns a step admits: refused, naming the field (the config
+    alone, as a k-rank engine would hold it: building one needs a world)."""
+    eng = engine()
+    monkeypatch.setattr(eng, "config", dataclasses.replace(eng.config, tensor_parallel_size=2))
+    with pytest.raises(ValueError, match="^tensor_parallel_size: run_episodes runs on one "
+                                         "rank's engine, got 2"):
+        run_episodes(eng, PROMPTS, Echo, PARAMS)
 
 
 def test_run_episodes_needs_an_idle_engine():
