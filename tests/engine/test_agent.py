@@ -908,34 +908,45 @@ def test_a_turn_ended_by_an_end_of_turn_id_is_not_ended_twice(stops_on):
     assert tok.decode(ep.prompt_ids + ep.token_ids) + "\n" == want
 
 
+class SaysHi:
+    """Answers every turn with a user message."""
+
+    def step(self, turn_ids, text):
+        return Step(observation={"role": "user", "content": "hi"})
+
+
+def templated_engine(template: str, on_tokenizer: bool, extra=()) -> tuple:
+    """(tokenizer, engine, greedy params stopping at <eot>) over a model whose every turn is
+    empty (it always picks <eot>); `template` set as the tokenizer's chat template or not."""
+    tok = char_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<u>", "<a>", "<eot>", *extra]})
+    if on_tokenizer:
+        tok.chat_template = template
+    eot = tok.convert_tokens_to_ids("<eot>")
+    model = always_picks(tiny_model("llama", vocab_size=len(tok)), eot)
+    eng = Engine(model, EngineConfig(kv_cache_tokens=512, max_model_len=64), tokenizer=tok)
+    return tok, eng, SamplingParams(temperature=0, max_tokens=4, stop_token_ids=[eot])
+
+
+CONV = [{"role": "user", "content": "ab"}]
+
+
 def test_template_options_reach_the_prompts_and_the_observations():
     """chat_template_kwargs (Qwen3's enable_thinking, say) render the prompt and every
     chat-message observation's generation prompt alike: the episode is the template's rendering
     of the conversation with those options. A bad one is refused before anything runs."""
-    tok = char_tokenizer()
-    tok.add_special_tokens({"additional_special_tokens": ["<u>", "<a>", "<eot>", "<quiet>"]})
-    tok.chat_template = ("{% for m in messages %}{% if m.role == 'user' %}<u>{% else %}<a>"
-                         "{% endif %}{{ m.content }}<eot>\n{% endfor %}{% if "
-                         "add_generation_prompt %}<a>{% if not think %}<quiet>{% endif %}"
-                         "{% endif %}")
-    eot = tok.convert_tokens_to_ids("<eot>")
-    model = always_picks(tiny_model("llama", vocab_size=len(tok)), eot)  # each turn empty
-    eng = Engine(model, EngineConfig(kv_cache_tokens=512, max_model_len=64), tokenizer=tok)
-
-    class User:
-        def step(self, turn_ids, text):
-            return Step(observation={"role": "user", "content": "hi"})
-
-    conv = [{"role": "user", "content": "ab"}]
-    params = SamplingParams(temperature=0, max_tokens=4, stop_token_ids=[eot])
-    ep = run_episodes(eng, [conv], User, params, max_turns=2,
+    template = ("{% for m in messages %}{% if m.role == 'user' %}<u>{% else %}<a>"
+                "{% endif %}{{ m.content }}<eot>\n{% endfor %}{% if "
+                "add_generation_prompt %}<a>{% if not think %}<quiet>{% endif %}{% endif %}")
+    tok, eng, params = templated_engine(template, on_tokenizer=True, extra=["<quiet>"])
+    ep = run_episodes(eng, [CONV], SaysHi, params, max_turns=2,
                       chat_template_kwargs={"think": False})[0][0]
-    want = tok.apply_chat_template(conv + [{"role": "assistant", "content": "<quiet>"},
+    want = tok.apply_chat_template(CONV + [{"role": "assistant", "content": "<quiet>"},
                                            {"role": "user", "content": "hi"}],
                                    tokenize=False, add_generation_prompt=True, think=False)
     assert tok.decode(ep.prompt_ids + ep.token_ids) == want + "<eot>"  # the second turn's
     with pytest.raises(ValueError, match="^chat_template_kwargs: 'tokenize'"):
-        run_episodes(eng, [conv], User, params, chat_template_kwargs={"tokenize": True})
+        run_episodes(eng, [CONV], SaysHi, params, chat_template_kwargs={"tokenize": True})
     assert_no_kv_held(eng)
 
 
@@ -944,25 +955,14 @@ def test_a_template_given_in_chat_template_kwargs_renders_the_observations_too()
     chat_template_kwargs={"chat_template": ...} (as Engine.chat takes it): the prompts were
     rendered with it, but every chat-message observation was refused ("needs a tokenizer with
     a chat template") and its episode aborted. The episode is the template's rendering."""
-    tok = char_tokenizer()
-    tok.add_special_tokens({"additional_special_tokens": ["<u>", "<a>", "<eot>"]})
     template = ("{% for m in messages %}{% if m.role == 'user' %}<u>{% else %}<a>{% endif %}"
                 "{{ m.content }}<eot>\n{% endfor %}{% if add_generation_prompt %}<a>{% endif %}")
+    tok, eng, params = templated_engine(template, on_tokenizer=False)
     assert tok.chat_template is None
-    eot = tok.convert_tokens_to_ids("<eot>")
-    model = always_picks(tiny_model("llama", vocab_size=len(tok)), eot)  # each turn empty
-    eng = Engine(model, EngineConfig(kv_cache_tokens=512, max_model_len=64), tokenizer=tok)
-
-    class User:
-        def step(self, turn_ids, text):
-            return Step(observation={"role": "user", "content": "hi"})
-
-    conv = [{"role": "user", "content": "ab"}]
-    params = SamplingParams(temperature=0, max_tokens=4, stop_token_ids=[eot])
-    ep = run_episodes(eng, [conv], User, params, max_turns=2,
+    ep = run_episodes(eng, [CONV], SaysHi, params, max_turns=2,
                       chat_template_kwargs={"chat_template": template})[0][0]
     assert ep.finish_reason == "max_turns", ep.error
-    want = tok.apply_chat_template(conv + [{"role": "assistant", "content": ""},
+    want = tok.apply_chat_template(CONV + [{"role": "assistant", "content": ""},
                                            {"role": "user", "content": "hi"}],
                                    tokenize=False, add_generation_prompt=True,
                                    chat_template=template)
