@@ -22,15 +22,15 @@ if not torch.cuda.is_available():
 # faster per step under load than the default).
 torch.set_num_threads(1)
 
-# The longest files first (durations of a 2-core run, AMD EPYC Zen 3, 2026-12-07: 229 s down
-# to 35 s): `make test` gives each xdist worker whole files (--dist loadfile), so a long file
+# The longest files first (durations of a 2-core run, AMD EPYC Zen 3, 2026-12-08: 211 s down
+# to 34 s): `make test` gives each xdist worker whole files (--dist loadfile), so a long file
 # handed out late leaves the other worker idle at the end; started first, the short files fill
 # in around them (longest-first scheduling). A file missing here or grown since only costs
 # balance, never a test.
 LONGEST_FIRST = ("test_learning.py", "test_batch_invariant.py", "test_lifecycle_machine.py",
-                 "test_real_model.py", "test_cuda_graph.py", "test_faults.py",
-                 "test_cpu_build.py", "test_tensor_parallel.py", "test_cpu_heap.py",
-                 "test_bench_smoke.py")
+                 "test_faults.py", "test_cpu_build.py", "test_real_model.py",
+                 "test_tensor_parallel.py", "test_cuda_graph.py", "test_cpu_heap.py",
+                 "test_bench_smoke.py", "test_routes_carried.py")
 
 
 def pytest_collection_modifyitems(items) -> None:
