@@ -295,6 +295,9 @@ class CustomTrainer:
             for mini in order.tensor_split(self.cfg.minibatches):
                 local = batch.mask[mini].sum()
                 num_tokens = self._tokens_per_rank(local)
+                # A minibatch of no trained tokens (episodes aborted before their first turn)
+                # sums to 0: over 1, not 0, whose NaN the step would write into every weight.
+                num_tokens = torch.where(num_tokens > 0, num_tokens, torch.ones_like(num_tokens))
                 micro = mini.split(self.cfg.micro_batch_size)
                 minibatch_loss = 0.0
                 for k, index in enumerate(micro):

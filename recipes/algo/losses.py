@@ -23,10 +23,16 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1
 
 
+# The log-ratio's bound before exp: past ~88.7 float32's exp is inf, and inf x a zero advantage
+# (every token of a group of equal rewards) is NaN, which the optimizer step writes into every
+# weight. exp(20) ~ 4.9e8 is far past any clip range, so the clipped term still decides.
+LOG_RATIO_LIMIT = 20.0
+
+
 def clipped_policy_loss(logprobs, old_logprobs, advantages, clip_eps, weights=None):
     """-w min(r A, clip(r, 1 ± eps) A) per token (w: behaviour_weights, or 1), and whether the
     clip was active."""
-    ratio = torch.exp(logprobs - old_logprobs)
+    ratio = torch.exp((logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
     unclipped = ratio * advantages
     clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
     loss = -torch.minimum(unclipped, clipped)

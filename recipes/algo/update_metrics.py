@@ -35,7 +35,8 @@ def ratio_metrics(totals: dict, tokens: float) -> dict:
     first (before any optimizer step): the logprob gap (mean, max), the token probability's
     multiplicative error exp(mean |gap|), the ratio's extremes and an estimate of
     KL(behaviour || policy)."""
-    first = totals["mismatch/tokens"]
+    # (no trained tokens: every token sum is 0, and so is its mean)
+    first, tokens = max(totals["mismatch/tokens"], 1), max(tokens, 1)
     gap = totals["mismatch/gap"] / first
     weights = ({"is/weight_mean": totals["is_weight"] / tokens,
                 "is/capped_frac": totals["is_capped"] / tokens} if "is_weight" in totals else {})
