@@ -83,13 +83,15 @@ def hf_name(name: str) -> str:
     return _SAVED_COPY.sub(".", name)
 
 
-def check_tied_embeddings(source, ties: bool) -> None:
+def check_tied_embeddings(source, ties: bool, name: str = "model") -> None:
     """A model source must tie its LM head to its embedding as the engine's model does
     (`ties`): the engine serves its embedding as a tied head and would drop an untied one's
     weight, and an untied engine gets no head from a tied model. A PEFT model whose config ties
     them but adapts one alone cannot be served either: `modules_to_save` of `lm_head` or
     `embed_tokens` trains a copy of one, and LoRA on one adds its delta to that one only while
-    the other multiplies by the plain tied weight. ValueError, before anything is read. (The
+    the other multiplies by the plain tied weight. Nor can a model whose config ties them while
+    its head holds other values than its embedding (what transformers loads from a checkpoint
+    holding both, config unchanged). ValueError naming `name`, before anything is read. (The
     config says, not the tensors: a sharder may hold a tied pair as two tensors of the same
     values.)"""
     if not isinstance(source, nn.Module):
@@ -98,7 +100,7 @@ def check_tied_embeddings(source, ties: bool) -> None:
     config = getattr(model, "config", None)
     source_ties = getattr(config, "tie_word_embeddings", None)
     if isinstance(source_ties, bool) and source_ties != ties:
-        raise ValueError(f"model: its config has tie_word_embeddings={source_ties}, the "
+        raise ValueError(f"{name}: its config has tie_word_embeddings={source_ties}, the "
                          f"engine's model {ties}: it is not the architecture the engine "
                          f"serves (build the engine from this model or its config)")
     heads = _heads(model)
@@ -107,7 +109,7 @@ def check_tied_embeddings(source, ties: bool) -> None:
     weights = [getattr(h, "weight", None) for h in heads]
     if (any(is_modules_to_save(h) for h in heads) and all(w is not None for w in weights)
             and weights[0] is not weights[1]):
-        raise ValueError("model: its config ties the LM head to the input embedding "
+        raise ValueError(f"{name}: its config ties the LM head to the input embedding "
                          "(tie_word_embeddings), but the two are different tensors (PEFT's "
                          "modules_to_save of lm_head or embed_tokens trains a copy of one); "
                          "the engine would serve the embedding as the head. Untie them in the "
@@ -116,11 +118,28 @@ def check_tied_embeddings(source, ties: bool) -> None:
     adapted = [h for h in heads if is_lora_layer(h) and unmerged_adapters(h)]
     if adapted:
         which = " and ".join(type(h.get_base_layer()).__name__ for h in adapted)
-        raise ValueError(f"model: its config ties the LM head to the input embedding "
+        raise ValueError(f"{name}: its config ties the LM head to the input embedding "
                          f"(tie_word_embeddings), but LoRA adapts its {which} (PEFT adds the "
                          f"delta to that one alone; the other multiplies by the plain tied "
                          f"weight); the engine would serve the embedding as the head. Untie "
                          f"them in the config the engine is built from, or adapt neither")
+    _check_equal_pair(*weights, name)
+
+
+def _check_equal_pair(embedding, head, name: str) -> None:
+    """The pair of a tied config held as two plain tensors must hold the same values (as .bin
+    checkpoints and some sharders store a tied pair); a sharded DTensor or a flat FSDP
+    parameter is the sharder's, which ties by the config."""
+    if head is embedding or not all(type(getattr(w, "data", None)) is torch.Tensor
+                                    for w in (head, embedding)):
+        return
+    if (head.shape == embedding.shape and head.device == embedding.device
+            and not torch.equal(head, embedding)):
+        raise ValueError(f"{name}: its config has tie_word_embeddings=True, but its lm_head is "
+                         "another tensor than its embedding, of other values (transformers "
+                         "leaves a checkpoint's pair untied when it holds both), and the "
+                         "engine would serve the embedding as the head; set "
+                         "config.tie_word_embeddings = False to serve its own lm_head")
 
 
 def _heads(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:

@@ -17,29 +17,6 @@ from .checkpoint import has_tokenizer, tensors_of, untie_a_distinct_head, weight
 from .layers.rotary import adopt_rounded_frequencies, context_length, context_limit
 
 
-def check_head_is_tied(inner, name: str) -> None:
-    """ValueError for an in-memory model whose config ties its LM head to its embedding while
-    the head is another tensor of other values (what transformers loads from a checkpoint
-    holding both, config unchanged): the engine would serve the embedding as the head. Only
-    plain tensors of the same shape are compared (a sharded DTensor or flat FSDP parameter is
-    the sharder's, which ties by the config)."""
-    if not (getattr(inner.config, "tie_word_embeddings", False)
-            and hasattr(inner, "get_output_embeddings") and hasattr(inner, "get_input_embeddings")):
-        return
-    head, embedding = (getattr(m, "weight", None) for m in (inner.get_output_embeddings(),
-                                                          inner.get_input_embeddings()))
-    if head is embedding or not all(type(getattr(w, "data", None)) is torch.Tensor
-                                    for w in (head, embedding)):
-        return
-    if (head.shape == embedding.shape and head.device == embedding.device
-            and not torch.equal(head, embedding)):
-        raise ValueError(f"{name}: its config has tie_word_embeddings=True, but its lm_head is "
-                         "another tensor than its embedding, of other values (transformers "
-                         "leaves a checkpoint's pair untied when it holds both), and the "
-                         "engine would serve the embedding as the head; set "
-                         "config.tie_word_embeddings = False to serve its own lm_head")
-
-
 def check_unquantized(hf_config, name: str) -> None:
     """ValueError for a quantized model (transformers' config.quantization_config: FP8, GPTQ,
     AWQ checkpoints, bitsandbytes models): the engine's layers multiply plain weights, and a
@@ -153,8 +130,7 @@ def resolve_model(model, config: EngineConfig, tokenizer, name: str = "model"):
     device = _check_device(config.device or param.device)
     hf_config = inner.config  # unwrap peels PEFT too
     check_unquantized(hf_config, name)
-    check_tied_embeddings(model, bool(getattr(hf_config, "tie_word_embeddings", False)))
-    check_head_is_tied(inner, name)
+    check_tied_embeddings(model, bool(getattr(hf_config, "tie_word_embeddings", False)), name)
     return (hf_config, model_tensors(model), device, _model_dtype(config.dtype or param.dtype),
             tokenizer)
 

@@ -125,6 +125,20 @@ def test_an_in_memory_model_whose_config_ties_a_head_it_does_not_tie_is_refused(
         engine_for(model)
 
 
+def test_a_sync_from_a_model_whose_config_ties_a_head_it_does_not_tie_is_refused(tmp_path):
+    """The same model as the source of update_weights into a tied engine: its head would be
+    dropped and the embedding served in its place. Refused before anything is read: the
+    engine keeps its weights and serves."""
+    model = as_transformers_reads_it(mistied(tmp_path))
+    engine = engine_for(tiny_model("llama", tie_word_embeddings=True))
+    before = engine.generate(PROMPTS[:2], GREEDY)
+    with pytest.raises(ValueError, match=r"^model: its config has tie_word_embeddings=True.*"
+                                         r"lm_head"):
+        engine.update_weights(model)
+    assert [s.token_ids for o in engine.generate(PROMPTS[:2], GREEDY) for s in o.samples] == \
+        [s.token_ids for o in before for s in o.samples]
+
+
 FP8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
 
 
