@@ -296,6 +296,51 @@ def test_a_slow_reset_does_not_hold_back_the_other_episodes():
     assert_no_kv_held(eng)
 
 
+@pytest.mark.parametrize("kind", [RuntimeError, KeyboardInterrupt], ids=["error", "interrupt"])
+@pytest.mark.parametrize("where", ["while parked", "at its replay"])
+def test_a_run_failing_around_a_parked_first_turn_leaves_no_kv_held(where, kind, monkeypatch):
+    """A first turn sampled before its episode's reset answered waits, its KV held: a fault
+    while it waits (as the next sample's turn is taken) or as it goes to its environment once
+    the reset answered fails the run with nothing held, and a rerun gives a fresh engine's
+    episodes."""
+    made, release, parked = [], threading.Event(), []
+
+    class SlowFirstReset(Echo):
+        def __init__(self):
+            super().__init__()
+            made.append(self)
+
+        def reset(self, prompt_ids):
+            super().reset(prompt_ids)
+            if self is made[0]:
+                release.wait(timeout=5)
+
+    turn = rollout.agent._Runner._model_turn
+
+    def faulty(self, live, *args):
+        first = live.env is made[0]
+        if (where == "while parked" and parked and not first) or (
+                where == "at its replay" and first and not live.resetting):
+            raise kind("injected")
+        turn(self, live, *args)
+        if first and live.parked is not None:
+            parked.append(live)
+            if where == "at its replay":
+                release.set()
+    monkeypatch.setattr(rollout.agent._Runner, "_model_turn", faulty)
+    eng = engine()
+    try:
+        with pytest.raises(kind, match="injected"):
+            run_episodes(eng, PROMPTS, SlowFirstReset, PARAMS, env_workers=4)
+    finally:
+        release.set()
+    assert parked
+    monkeypatch.undo()
+    assert_no_kv_held(eng)
+    assert summary(run_episodes(eng, PROMPTS, Echo, PARAMS)) == reference_episodes()
+    assert_no_kv_held(eng)
+
+
 @pytest.mark.parametrize("where", ["environment", "model turn"])
 def test_a_run_that_fails_midway_leaves_no_kv_held(where, monkeypatch):
     """An environment raising SystemExit, or Ctrl-C while a step's outputs are being taken
